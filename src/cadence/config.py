@@ -1,0 +1,306 @@
+"""The training configuration: one typed dataclass, a TOML loader, and validation that reports every problem at once.
+
+Each field's name is its TOML key; its flag is the name with dashes (``micro_batch_size`` -> ``--micro-batch-size``).
+Flags win over the TOML file, which wins over the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, get_type_hints
+
+from cadence.errors import Problem, UsageError
+from cadence.precision import PRECISIONS, precision_problem
+from cadence.schedules import LR_SCHEDULES
+from cadence.windows import LAST_WINDOW_CHOICES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a config field."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything ``cadence train`` needs. Field docstrings are the CLI help."""
+
+    model: str = "gpt-tiny"
+    """Built-in model: gpt-tiny (~1M parameters), gpt-small (~10M) or gpt-base (~85M)."""
+    data: Path | None = None
+    """Training data: omitted = the built-in corpus (Python's standard library source); a .txt file or a directory
+    is packed into --seq-len sequences; a .jsonl file holds {"text"} or {"prompt", "completion"} examples."""
+    seq_len: int | None = None
+    """Tokens per sequence (bytes); default: the model's context length."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward pass (what must fit in memory)."""
+    grad_accum_steps: int | None = None
+    """Micro-batches accumulated per optimizer step; default 1, or derived from --effective-batch-size."""
+    effective_batch_size: int | None = None
+    """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps."""
+    precision: str = "fp32"
+    """Compute precision: fp32, bf16 (autocast, no loss scaling) or fp16 (autocast with a GradScaler)."""
+    max_grad_norm: float = 1.0
+    """Clip the total gradient norm to this, once per optimizer step after unscaling; 0 turns clipping off."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices and embeddings only (not to biases and norms)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    lr_schedule: str = "cosine"
+    """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear LR warmup."""
+    min_lr_ratio: float = 0.1
+    """Floor of the linear and cosine decay, as a fraction of --lr."""
+    max_steps: int = 100
+    """Optimizer steps to train (skipped fp16 steps do not count)."""
+    seed: int = 0
+    """Seed for weights and data order."""
+    last_window: str = "step"
+    """The short last window of an epoch: step (normalised by its own target count) or drop."""
+    val_fraction: float = 0.05
+    """Fraction of the data held out for validation (the last examples); 0 = no validation split."""
+    eval_every: int = 0
+    """Evaluate the validation loss every N optimizer steps and at the end; 0 = never."""
+    eval_batches: int = 20
+    """Validation micro-batches per evaluation (always the same ones, so evaluations compare)."""
+    device: str = "auto"
+    """auto (CUDA when available, else CPU), cpu or cuda."""
+    out: Path | None = None
+    """Run directory to create; default runs/<date>-<time>. An existing non-empty directory is refused."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N optimizer steps into OUT/checkpoints/step-N; 0 = none."""
+    log_every: int = 10
+    """Print a progress line every N optimizer steps when the output is not a terminal."""
+
+    # ------------------------------------------------------------------------------------------------ derived
+    def resolved_grad_accum_steps(self, world_size: int = 1) -> int:
+        """The accumulation actually used (call after ``validate``)."""
+        if self.grad_accum_steps is not None:
+            return self.grad_accum_steps
+        if self.effective_batch_size is not None:
+            return self.effective_batch_size // (self.micro_batch_size * world_size)
+        return 1
+
+    def resolved_effective_batch_size(self, world_size: int = 1) -> int:
+        return self.micro_batch_size * self.resolved_grad_accum_steps(world_size) * world_size
+
+    def to_json_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return {key: (str(value) if isinstance(value, Path) else value) for key, value in out.items()}
+
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def field_help(name: str) -> str:
+    """The docstring under a field, used as its --help text (one source of truth for both)."""
+    return _FIELD_DOCS.get(name, "")
+
+
+def _read_field_docs() -> dict[str, str]:
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs
+
+
+_FIELD_DOCS = _read_field_docs()
+
+
+# ---------------------------------------------------------------------------------------------------- TOML
+def load_toml(path: Path) -> dict[str, Any]:
+    """Read a TOML config, checking keys and value types against TrainConfig; every problem is reported."""
+    where = f"--config {path}"
+    if not path.exists():
+        raise UsageError.single("--config", f"{path} does not exist")
+    if path.is_dir():
+        raise UsageError.single("--config", f"{path} is a directory, expected a .toml file")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise UsageError.single("--config", f"{path} is not valid TOML: {err}") from None
+    hints = get_type_hints(TrainConfig)
+    values: dict[str, Any] = {}
+    problems: list[Problem] = []
+    for key, value in raw.items():
+        if key not in hints:
+            problems.append(Problem(where=where, message=f"unknown key {key!r}; keys are the flag names with '_'"))
+            continue
+        converted = _convert(value, hints[key])
+        if converted is _INVALID:
+            problems.append(Problem(where=f"{where}: {key}", message=f"{value!r} is not a valid {_type_name(hints[key])}"))
+        else:
+            values[key] = converted
+    if problems:
+        raise UsageError(problems)
+    return values
+
+
+_INVALID = object()
+
+
+def _type_name(hint: Any) -> str:
+    args = set(getattr(hint, "__args__", ())) or {hint}
+    for kind, name in ((Path, "path string"), (int, "integer"), (float, "number"), (str, "string")):
+        if kind in args:
+            return name
+    return str(hint)
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    """A TOML value as the field's type, or _INVALID. Integers are accepted for float fields, not the reverse."""
+    args = set(getattr(hint, "__args__", ())) or {hint}
+    if isinstance(value, bool):
+        return _INVALID
+    if Path in args:
+        return Path(value) if isinstance(value, str) else _INVALID
+    if int in args:
+        return value if isinstance(value, int) else _INVALID
+    if float in args:
+        return float(value) if isinstance(value, (int, float)) else _INVALID
+    if str in args:
+        return value if isinstance(value, str) else _INVALID
+    return _INVALID
+
+
+def build_config(*, toml_path: Path | None, flags: dict[str, Any]) -> TrainConfig:
+    """Defaults <- TOML file <- flags (flags whose value is None were not given)."""
+    values: dict[str, Any] = load_toml(toml_path) if toml_path is not None else {}
+    values.update({key: value for key, value in flags.items() if value is not None})
+    return TrainConfig(**values)
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool | None = None) -> None:
+    """Check every field and combination; raise one UsageError listing ALL problems, each naming its flag."""
+    from cadence.models import MODEL_NAMES, model_context_length
+
+    problems: list[Problem] = []
+
+    def bad(name: str, message: str) -> None:
+        problems.append(Problem(where=flag(name), message=message))
+
+    def choice(name: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(config, name)
+        if value not in allowed:
+            bad(name, f"{value!r} is not one of {', '.join(allowed)}")
+
+    def at_least(name: str, minimum: int) -> bool:
+        value = getattr(config, name)
+        if value is not None and value < minimum:
+            bad(name, f"must be at least {minimum}, got {value}")
+            return False
+        return True
+
+    def finite_range(name: str, low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> None:
+        value = getattr(config, name)
+        too_low = value <= low if low_open else value < low
+        too_high = value >= high if high_open else value > high
+        if not math.isfinite(value) or too_low or too_high:
+            left, right = "(" if low_open else "[", ")" if high_open else "]"
+            bad(name, f"must be in {left}{low:g}, {high:g}{right}, got {value:g}")
+
+    seq_ok = at_least("seq_len", 2)
+    if config.model not in MODEL_NAMES:
+        bad("model", f"unknown model {config.model!r}; built-in models are {', '.join(MODEL_NAMES)}")
+    elif config.seq_len is not None and seq_ok and config.seq_len > model_context_length(config.model):
+        context = model_context_length(config.model)
+        bad("seq_len", f"{config.seq_len} is above {config.model}'s context length of {context}")
+    micro_ok = at_least("micro_batch_size", 1)
+    accum_ok = at_least("grad_accum_steps", 1)
+    eff_ok = at_least("effective_batch_size", 1)
+    if config.effective_batch_size is not None and micro_ok and accum_ok and eff_ok:
+        per_step = config.micro_batch_size * world_size
+        if config.effective_batch_size % per_step != 0:
+            bad(
+                "effective_batch_size",
+                f"{config.effective_batch_size} is not divisible by --micro-batch-size x processes = {per_step}; "
+                f"use a multiple of {per_step}",
+            )
+        elif config.grad_accum_steps is not None and config.grad_accum_steps * per_step != config.effective_batch_size:
+            bad(
+                "effective_batch_size",
+                f"{config.effective_batch_size} contradicts --grad-accum-steps {config.grad_accum_steps} x "
+                f"--micro-batch-size {config.micro_batch_size} x {world_size} process(es); give one of the two",
+            )
+    choice("precision", PRECISIONS)
+    choice("lr_schedule", LR_SCHEDULES)
+    choice("last_window", LAST_WINDOW_CHOICES)
+    choice("device", DEVICE_CHOICES)
+    if not math.isfinite(config.max_grad_norm) or config.max_grad_norm < 0:
+        bad("max_grad_norm", f"must be >= 0 (0 turns clipping off), got {config.max_grad_norm:g}")
+    if not math.isfinite(config.lr) or config.lr <= 0:
+        bad("lr", f"must be a positive number, got {config.lr:g}")
+    finite_range("weight_decay", 0.0, 1.0)
+    finite_range("adam_beta1", 0.0, 1.0, high_open=True)
+    finite_range("adam_beta2", 0.0, 1.0, high_open=True)
+    finite_range("min_lr_ratio", 0.0, 1.0)
+    finite_range("val_fraction", 0.0, 0.5)
+    if at_least("max_steps", 1) and at_least("warmup_steps", 0) and config.warmup_steps >= config.max_steps > 1:
+        bad("warmup_steps", f"{config.warmup_steps} leaves no steps after warmup; must be below --max-steps "
+                            f"{config.max_steps}")
+    at_least("seed", 0)
+    at_least("eval_batches", 1)
+    at_least("checkpoint_every", 0)
+    at_least("log_every", 1)
+    if at_least("eval_every", 0) and config.eval_every > 0 and config.val_fraction == 0:
+        bad("eval_every", "needs a validation split; set --val-fraction above 0")
+    if config.data is not None and not config.data.exists():
+        bad("data", f"{config.data} does not exist")
+    if config.out is not None:
+        if config.out.exists() and not config.out.is_dir():
+            bad("out", f"{config.out} is a file; give a directory to create")
+        elif config.out.is_dir() and any(config.out.iterdir()):
+            bad("out", f"{config.out} already exists and is not empty; choose a new directory")
+    device_ok = config.device in DEVICE_CHOICES
+    if config.device == "cuda" and not (_cuda_available() if cuda_available is None else cuda_available):
+        bad("device", "cuda was asked for but this machine has no usable CUDA device; use cpu or auto")
+        device_ok = False
+    if device_ok and config.precision in PRECISIONS:
+        # Only a real op tells whether this build and device run the precision (fp16 on some CPUs, bf16 on old GPUs).
+        reason = precision_problem(config.precision, resolve_device(config.device))
+        if reason is not None:
+            bad("precision", reason)
+    if problems:
+        raise UsageError(problems)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_device(name: str) -> "torch.device":
+    """auto -> cuda when available, else cpu."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)

@@ -1,0 +1,123 @@
+"""Plain text sources (a ``.txt`` file or a directory) and packing bytes into fixed-length sequences."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from cadence.data.batching import Example, TokenDataset
+from cadence.errors import UsageError
+
+
+def pack_bytes(data: bytes, seq_len: int) -> TokenDataset:
+    """Cut ``data`` into examples of ``seq_len`` inputs and ``seq_len`` next-byte labels.
+
+    Chunks of ``seq_len + 1`` bytes start every ``seq_len`` bytes, so consecutive chunks share one byte (the last
+    label of one is the first input of the next) and every byte after the first is a target exactly once. The
+    final incomplete chunk is dropped: padding it would make one example unlike all others for a few bytes.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    needed = seq_len + 1
+    if len(data) < needed:
+        raise UsageError.single(
+            "--data",
+            f"the text has {len(data)} bytes, but one sequence of --seq-len {seq_len} needs {needed} "
+            f"(--seq-len + 1); use a smaller --seq-len or more text",
+        )
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return PackedSequences(tokens, seq_len, range(0, (len(data) - 1) // seq_len))
+
+
+class PackedSequences(TokenDataset):
+    """Fixed-length sequences cut from one byte buffer, made into examples only when indexed.
+
+    The built-in corpus is ~30 MB: one Example object (two int64 tensors) per sequence would cost ~1 GB of RAM and
+    seconds to build, while a uint8 buffer and index arithmetic cost the text's size and nothing else.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, chunks: range) -> None:
+        super().__init__(())
+        self._tokens = tokens
+        self._seq_len = seq_len
+        self._chunks = chunks
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+        if isinstance(index, slice):
+            return PackedSequences(self._tokens, self._seq_len, self._chunks[index])
+        start = self._chunks[index] * self._seq_len
+        chunk = self._tokens[start : start + self._seq_len + 1].long()
+        return Example(input_ids=chunk[:-1], labels=chunk[1:])
+
+    def __iter__(self):  # type: ignore[no-untyped-def, override]
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def num_targets(self) -> int:  # type: ignore[override]
+        return len(self) * self._seq_len
+
+    @property
+    def max_length(self) -> int:
+        return self._seq_len if len(self) else 0
+
+
+def _is_hidden(relative: Path) -> bool:
+    """Whether any component of a relative path starts with '.' (``.git``, ``.DS_Store``, editor files)."""
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def _read_utf8(path: Path) -> bytes | None:
+    """The file's bytes if they decode as UTF-8, else None (a binary file)."""
+    content = path.read_bytes()
+    try:
+        content.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return content
+
+
+def _directory_files(root: Path) -> list[Path]:
+    """Regular files under ``root``, recursively, hidden ones excluded, sorted by '/'-separated relative path."""
+    found: list[tuple[str, Path]] = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [name for name in subdirs if not name.startswith(".")]
+        for name in files:
+            path = Path(directory) / name
+            relative = path.relative_to(root)
+            if not _is_hidden(relative) and path.is_file():
+                found.append((relative.as_posix(), path))
+    # A fixed order (not the file system's) makes the packed data identical on every machine.
+    found.sort(key=lambda item: item[0])
+    return [path for _, path in found]
+
+
+def read_text_source(path: Path) -> bytes:
+    """The bytes of a UTF-8 text file, or of every UTF-8 text file under a directory joined with ``b"\\n"``.
+
+    In a directory, files that are not valid UTF-8 (images, archives, bytecode) and empty files are skipped, as are
+    hidden files and directories (names starting with '.', e.g. ``.git``), which are not the user's text.
+    """
+    if not path.exists():
+        raise UsageError.single("--data", f"{path} does not exist; give a .txt file, a directory or a .jsonl file")
+    if path.is_dir():
+        parts = [content for file in _directory_files(path) if (content := _read_utf8(file))]
+        if not parts:
+            raise UsageError.single(
+                "--data", f"directory {path} has no non-empty UTF-8 text files (binary and hidden files are skipped)"
+            )
+        return b"\n".join(parts)
+    content = path.read_bytes()
+    if not content:
+        raise UsageError.single("--data", f"{path} is empty; it needs text to train on")
+    try:
+        content.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError.single(
+            "--data", f"{path} is not UTF-8 text (invalid byte at offset {error.start}); give a UTF-8 .txt file"
+        ) from None
+    return content

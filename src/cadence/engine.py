@@ -1,0 +1,274 @@
+"""The step chain: one optimizer step from one window of micro-batches, readable top to bottom in ``Engine.step``.
+
+Use it from your own loop::
+
+    engine = Engine(model, optimizer, scheduler=scheduler, precision="bf16", max_grad_norm=1.0)
+    for window in iter_windows(loader, grad_accum_steps=4):
+        result = engine.step(window)
+
+Rules it keeps (each has a test that fails when the rule is broken):
+- every micro-batch's summed loss is divided by the window's target count (over all processes), so any split of the
+  window gives the gradient of one big batch, whatever the padding and the targets per example;
+- gradients synchronise only on the window's last micro-batch (the sync context is entered before its forward);
+- fp16 unscales before clipping; clipping happens once per window, on the total norm;
+- the LR scheduler advances only when the optimizer really stepped; skipped steps are counted apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from cadence.memory import StepMemoryMeter
+from cadence.precision import Precision, PrecisionName
+from cadence.windows import IGNORE_INDEX, Batch, Window, WindowCounter, make_window
+
+LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
+"""``loss_fn(model, micro_batch)`` returns the SUM of per-target losses of the micro-batch (a scalar tensor)."""
+
+
+def token_cross_entropy_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Next-token cross-entropy summed over targets (labels != -100) of a causal LM that returns logits [B, T, V]."""
+    logits = model(batch["input_ids"])
+    if not isinstance(logits, torch.Tensor):  # Hugging Face style outputs
+        logits = logits.logits
+    # The loss is computed in fp32 even under autocast: a sum over thousands of targets in bf16 loses digits.
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+class Collective(Protocol):
+    """What the step chain needs from the process group; the single-process default is ``SingleProcess``."""
+
+    world_size: int
+
+    def gradient_sync(self, model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        """Context for one micro-batch's forward and backward; ``enabled=False`` suppresses gradient all-reduce."""
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a small float64 vector over all processes (every process receives the sum)."""
+
+
+class SingleProcess:
+    """One process: nothing to synchronise."""
+
+    world_size = 1
+
+    def gradient_sync(self, model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    """What one window did. Counts are summed over all processes."""
+
+    step: int
+    """Optimizer steps that really happened so far, this one included."""
+    window: int
+    """Windows attempted so far, skipped ones included."""
+    skipped: bool
+    """True when the optimizer did not step (fp16 overflow, non-finite gradients, or no targets)."""
+    skip_reason: str | None
+    loss: float | None
+    """Token-mean loss over the whole window (None when the window had no targets)."""
+    grad_norm: float | None
+    """Total gradient norm before clipping, unscaled; None when not finite or not computed."""
+    lr: float
+    """The learning rate this step used (read before the scheduler advanced)."""
+    loss_scale: float | None
+    """The fp16 loss scale the window's backward used; None for fp32 and bf16."""
+    micro_steps: int
+    samples: int
+    tokens: int
+    targets: int
+    step_time_s: float
+    peak_memory_bytes: int | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    def as_metrics(self) -> dict[str, Any]:
+        """The metrics.jsonl row of DESIGN.md section 4 (plus ``window``, ``targets`` and ``skip_reason``)."""
+        row = asdict(self)
+        row["tokens_per_s"] = self.tokens_per_s
+        return row
+
+
+class Engine:
+    """Runs the step chain for a model and optimizer the user built; see the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        precision: PrecisionName | Precision = "fp32",
+        max_grad_norm: float = 0.0,
+        loss_fn: LossFn = token_cross_entropy_sum,
+        collective: Collective | None = None,
+        counter: WindowCounter | None = None,
+        skip_nonfinite: bool = True,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.device = next(model.parameters()).device
+        self.precision = precision if isinstance(precision, Precision) else Precision(precision, self.device)
+        self.max_grad_norm = float(max_grad_norm)
+        self.loss_fn = loss_fn
+        self.collective: Collective = collective or SingleProcess()
+        self.counter = counter or WindowCounter()
+        self.skip_nonfinite = skip_nonfinite
+        self.memory = StepMemoryMeter(self.device)
+        self.steps = 0
+        """Optimizer steps that really happened."""
+        self.skipped_steps = 0
+        """Windows whose optimizer step was skipped."""
+        self.windows = 0
+        """Windows attempted."""
+
+    # ------------------------------------------------------------------------------------------------ the chain
+    def step(
+        self,
+        window: Window | Sequence[Batch],
+        *,
+        measure_memory: bool = False,
+        on_micro_batch: Callable[[int], None] | None = None,
+    ) -> StepResult:
+        """Run one window through the step chain and return what happened.
+
+        ``measure_memory`` profiles this step's peak on CPU (CUDA is always measured, at no cost);
+        ``on_micro_batch(index)`` is called before each micro-batch (a progress display uses it).
+        """
+        if not isinstance(window, Window):
+            window = make_window(window, counter=self.counter)
+        started = time.perf_counter()
+        self.windows += 1
+        world = self.collective.world_size
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        loss_scale = self.precision.loss_scale
+        self.model.train()
+
+        with self.memory.measure(model=self.model, optimizer=self.optimizer, enabled=measure_memory):
+            # Sync point: every process must know the WHOLE window's target count before its first backward.
+            totals = self.collective.all_reduce_sum(
+                torch.tensor([window.targets, window.tokens, window.samples], dtype=torch.float64)
+            )
+            window_targets, tokens, samples = (int(v) for v in totals.tolist())
+            if window_targets == 0:
+                return self._skip_empty_window(window, started, lr, loss_scale, tokens, samples)
+
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            last = len(window.micro_batches) - 1
+            for index, micro_batch in enumerate(window.micro_batches):
+                if on_micro_batch is not None:
+                    on_micro_batch(index)
+                batch = _to_device(micro_batch, self.device)
+                # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.
+                with self.collective.gradient_sync(self.model, enabled=index == last):
+                    with self.precision.autocast():
+                        micro_loss_sum = self.loss_fn(self.model, batch)
+                    # Dividing by the window's targets (not the micro-batch's) makes the accumulated gradient the
+                    # one-big-batch gradient; x world undoes DDP's average over processes.
+                    self.precision.backward(micro_loss_sum * (world / window_targets))
+                loss_sum += micro_loss_sum.detach().to(torch.float64)
+
+            grad_norm = self.precision.unscale_and_clip(self.optimizer, self.model.parameters(), self.max_grad_norm)
+            if self.skip_nonfinite and not self.precision.has_scaler and not math.isfinite(grad_norm):
+                did_step, reason = False, "non-finite gradients"
+            else:
+                did_step = self.precision.step(self.optimizer)  # fp16: skipped when the scaler found inf/nan
+                reason = None if did_step else "fp16 overflow"
+            self.optimizer.zero_grad(set_to_none=True)
+            if did_step:
+                self.steps += 1
+                if self.scheduler is not None:
+                    self.scheduler.step()  # only after a real step: a skipped step must not move the schedule
+            else:
+                self.skipped_steps += 1
+
+            window_loss = float(self.collective.all_reduce_sum(loss_sum.reshape(1).cpu())[0]) / window_targets
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # honest step time: wait for the optimizer's kernels
+        return StepResult(
+            step=self.steps,
+            window=self.windows,
+            skipped=not did_step,
+            skip_reason=reason,
+            loss=window_loss,
+            grad_norm=grad_norm if math.isfinite(grad_norm) else None,
+            lr=lr,
+            loss_scale=loss_scale,
+            micro_steps=len(window.micro_batches),
+            samples=samples,
+            tokens=tokens,
+            targets=window_targets,
+            step_time_s=time.perf_counter() - started,
+            peak_memory_bytes=self.memory.peak_bytes,
+        )
+
+    def _skip_empty_window(
+        self, window: Window, started: float, lr: float, loss_scale: float | None, tokens: int, samples: int
+    ) -> StepResult:
+        """A window without a single target has no loss to average: skip it, never divide by zero."""
+        warnings.warn(
+            f"window {self.windows} has no loss-bearing targets (every label is -100); skipped", stacklevel=3
+        )
+        self.skipped_steps += 1
+        return StepResult(
+            step=self.steps, window=self.windows, skipped=True, skip_reason="no targets", loss=None,
+            grad_norm=None, lr=lr, loss_scale=loss_scale, micro_steps=len(window.micro_batches), samples=samples,
+            tokens=tokens, targets=0, step_time_s=time.perf_counter() - started, peak_memory_bytes=None,
+        )
+
+    # ------------------------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Sequence[Batch] | Any) -> float | None:
+        """Token-mean loss over ``micro_batches`` (all processes), in eval mode and the training precision."""
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64)
+        try:
+            for micro_batch in micro_batches:
+                batch = _to_device(micro_batch, self.device)
+                with self.precision.autocast():
+                    totals[0] += float(self.loss_fn(self.model, batch))
+                totals[1] += self.counter.targets(micro_batch)
+        finally:
+            self.model.train(was_training)
+        loss_sum, targets = self.collective.all_reduce_sum(totals).tolist()
+        return loss_sum / targets if targets > 0 else None
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and precision state; the optimizer and scheduler state belong to their own objects."""
+        return {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "windows": self.windows,
+            "precision": self.precision.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.windows = int(state["windows"])
+        self.precision.load_state_dict(dict(state["precision"]))
+
+
+def _to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}

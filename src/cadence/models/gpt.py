@@ -1,0 +1,178 @@
+"""A small byte-level GPT decoder: the built-in model that every cadence feature is tested on.
+
+The model is deliberately plain (pre-norm blocks, fused qkv, tied LM head, no dropout) so that runs are deterministic
+and the analytic parameter count in :meth:`GPTConfig.num_parameters` can be checked against the real module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of a :class:`GPT`. Frozen, so one config can be shared by many models safely."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 because tokens are raw bytes."""
+    context_length: int
+    """Longest sequence the model accepts (size of the learned position table)."""
+    n_layer: int
+    """Number of transformer blocks."""
+    n_head: int
+    """Attention heads per block; must divide ``n_embd``."""
+    n_embd: int
+    """Width of the residual stream."""
+
+    def __post_init__(self) -> None:
+        # These are programming errors (configs are built-in, not typed by users), hence ValueError.
+        for name in ("vocab_size", "context_length", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.n_embd // self.n_head
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters of ``GPT(self)``, computed without building it.
+
+        The LM head is tied to the token embedding, so it adds nothing.
+        """
+        e = self.n_embd
+        layer_norm = 2 * e  # weight + bias
+        attention = (e * 3 * e + 3 * e) + (e * e + e)  # fused qkv + output projection
+        mlp = (e * 4 * e + 4 * e) + (4 * e * e + e)  # up + down projection
+        block = 2 * layer_norm + attention + mlp
+        embeddings = self.vocab_size * e + self.context_length * e
+        return embeddings + self.n_layer * block + layer_norm
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused qkv projection."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=True)
+        # Named ``proj`` like the MLP's: GPT._init_weights finds the residual-stream projections by that name.
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: [B, T, C] -> [B, T, C]."""
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        # [B, T, C] -> [B, H, T, D], the layout scaled_dot_product_attention expects.
+        q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network, 4x wide, GELU."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=True)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: [B, T, C] -> [B, T, C]."""
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``.
+
+    Public because activation checkpointing wraps each block of :attr:`GPT.blocks`.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd, bias=True)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd, bias=True)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: [B, T, C] -> [B, T, C]."""
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """Byte-level GPT decoder: ``input_ids`` [B, T] -> logits [B, T, vocab_size]."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.context_length, config.n_embd)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=True)
+        # No bias on the head: a tied head is a read-out of the embedding table (as in GPT-2), and a bias would be
+        # the only untied output parameter.
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer).
+
+        The scaling keeps the residual stream's variance from growing with depth (two residual adds per block).
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                if module is self.lm_head:
+                    continue  # tied: initialised as the embedding below
+                # attn.proj and mlp.proj are the two layers per block that write into the residual stream.
+                std = residual_std if name.endswith(".proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids``: int64 [B, T] with T <= context_length -> logits [B, T, vocab_size]."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
+        t = input_ids.shape[1]
+        if t > self.config.context_length:
+            # Internal error: the config layer validates --seq-len against the model before we get here.
+            raise ValueError(f"sequence length {t} exceeds the model's context length {self.config.context_length}")
+        positions = torch.arange(t, device=input_ids.device)
+        x = self.tok_emb(input_ids) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+MODEL_CONFIGS: dict[str, GPTConfig] = {
+    # about 1.06M parameters
+    "gpt-tiny": GPTConfig(context_length=256, n_layer=5, n_head=4, n_embd=128),
+    # about 10.9M parameters
+    "gpt-small": GPTConfig(context_length=512, n_layer=6, n_head=6, n_embd=384),
+    # about 86.0M parameters
+    "gpt-base": GPTConfig(context_length=1024, n_layer=12, n_head=12, n_embd=768),
+}
+"""Built-in model sizes, by the name given to ``--model``."""

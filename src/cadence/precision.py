@@ -1,0 +1,137 @@
+"""Mixed precision as one small object: autocast, the loss scaler, unscale-before-clip, and its own state.
+
+fp32 has neither autocast nor scaler; bf16 autocasts and needs no scaler (its exponent range is fp32's); fp16 always
+has a GradScaler, because fp16 gradients underflow without one. Parameters and their gradients stay in the
+parameters' dtype (fp32), so accumulation over a window happens in fp32 whatever the compute precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[PrecisionName, ...] = ("fp32", "bf16", "fp16")
+
+_AUTOCAST_DTYPE: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """Owns autocast, the GradScaler (fp16 only) and the unscale -> clip -> step -> update order.
+
+    The engine calls, per micro-batch, ``autocast()`` around the forward and ``backward(loss)``; once per window
+    ``unscale_and_clip(...)`` then ``step(optimizer)``, which returns whether the optimizer really stepped.
+    """
+
+    def __init__(self, name: PrecisionName, device: torch.device | str, *, init_scale: float = 2.0**16) -> None:
+        if name not in PRECISIONS:
+            raise ValueError(f"unknown precision {name!r}; expected one of {PRECISIONS}")
+        self.name: PrecisionName = name
+        self.device = torch.device(device)
+        self._scaler: torch.amp.GradScaler | None = None
+        if name == "fp16":
+            self._scaler = torch.amp.GradScaler(self.device.type, init_scale=init_scale)
+
+    # ----------------------------------------------------------------------------------------------- per micro-batch
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The context for the forward pass and the loss (not for backward, which follows the forward's dtypes)."""
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=_AUTOCAST_DTYPE[self.name])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss``; under fp16 through the scaler so that small gradients do not flush to zero."""
+        if self._scaler is not None:
+            self._scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    # ---------------------------------------------------------------------------------------------------- per window
+    def unscale_and_clip(
+        self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor], max_norm: float
+    ) -> float:
+        """Unscale (fp16), then measure the total gradient norm and clip it to ``max_norm`` (0 = no clipping).
+
+        Returns the total norm BEFORE clipping, in true (unscaled) units; ``inf``/``nan`` when a gradient overflowed.
+        Unscaling must come first: clipping scaled gradients would compare a norm inflated by the loss scale
+        (2**16 by default) against ``max_norm`` and clip almost everything away.
+        """
+        if self._scaler is not None:
+            self._scaler.unscale_(optimizer)
+        with_grads = [p for p in parameters if p.grad is not None]
+        if not with_grads:
+            return 0.0
+        # clip_grad_norm_ (public since torch 1.x) returns the norm before clipping. With clipping off it is given
+        # max_norm=inf, so its coefficient clamps to exactly 1.0 and the gradients are unchanged. Non-finite norms
+        # are expected now and then under fp16 and the scaler skips that step, so they are not an error here.
+        total = torch.nn.utils.clip_grad_norm_(
+            with_grads, max_norm if max_norm > 0 else math.inf, error_if_nonfinite=False
+        )
+        # One host sync per optimizer step: the norm is a reported metric and decides nothing on the device.
+        return float(total.item())
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer unless fp16 found inf/nan gradients; update the loss scale. Returns ``did_step``.
+
+        GradScaler.step silently skips the optimizer on overflow and returns nothing that says so. The scale only
+        ever goes down in ``update()`` when that step found inf/nan (by ``backoff_factor`` < 1), so comparing the
+        scale before and after is an exact, public-API test for "the optimizer did not step".
+        """
+        if self._scaler is None:
+            optimizer.step()
+            return True
+        scale_before = self._scaler.get_scale()
+        self._scaler.step(optimizer)
+        self._scaler.update()
+        return not self._scaler.get_scale() < scale_before
+
+    # ------------------------------------------------------------------------------------------------------ state
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale; None for fp32 and bf16, which have no scaler."""
+        return None if self._scaler is None else float(self._scaler.get_scale())
+
+    @property
+    def has_scaler(self) -> bool:
+        return self._scaler is not None
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"name": self.name}
+        if self._scaler is not None:
+            state["scaler"] = self._scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"precision state is for {state.get('name')!r}, this run uses {self.name!r}")
+        if self._scaler is not None:
+            self._scaler.load_state_dict(state["scaler"])
+
+
+def precision_problem(name: str, device: torch.device) -> str | None:
+    """Why ``name`` cannot run on ``device`` (None if it can), found by actually running a tiny autocast step.
+
+    A probe beats a table of capabilities: CPU builds, older GPUs (no bf16 before Ampere) and other backends differ,
+    and the real op is the ground truth.
+    """
+    if name == "fp32":
+        return None
+    if device.type == "cuda" and name == "bf16" and not torch.cuda.is_bf16_supported():
+        return f"this GPU ({torch.cuda.get_device_name(device)}) has no bf16 support; use fp16 or fp32"
+    try:
+        layer = torch.nn.Linear(8, 8).to(device)
+        probe = Precision(name, device)  # type: ignore[arg-type]
+        with probe.autocast():
+            out = layer(torch.randn(2, 8, device=device))
+        if out.dtype != _AUTOCAST_DTYPE[name]:
+            return f"autocast on {device.type} does not produce {name}"
+        probe.backward(out.float().sum())
+        if not all(p.grad is not None and math.isfinite(float(p.grad.abs().sum())) for p in layer.parameters()):
+            return f"{name} backward on {device.type} produced no finite gradients"
+    except (RuntimeError, TypeError, ValueError) as err:  # the backend's own refusal is the message we pass on
+        return f"{name} is not supported on {device.type}: {str(err).splitlines()[0]}"
+    return None

@@ -1,0 +1,52 @@
+"""Learning-rate schedules counted in optimizer steps (never micro-batches, never skipped steps)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+LRScheduleName = Literal["constant", "linear", "cosine"]
+LR_SCHEDULES: tuple[LRScheduleName, ...] = ("constant", "linear", "cosine")
+
+
+def lr_factor(
+    steps_done: int, *, schedule: LRScheduleName, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.0
+) -> float:
+    """Multiplier of the peak LR for the optimizer step that follows ``steps_done`` completed steps.
+
+    Warmup is linear and starts at 1/warmup (not 0: a step at LR 0 is a wasted window). After warmup the LR decays
+    from 1 to ``min_lr_ratio`` over the remaining steps (linear or half-cosine), or stays at 1 (constant).
+    """
+    if warmup_steps > 0 and steps_done < warmup_steps:
+        return (steps_done + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    decay_steps = max(1, max_steps - warmup_steps)
+    progress = min(1.0, max(0.0, (steps_done - warmup_steps) / decay_steps))
+    if schedule == "linear":
+        shape = 1.0 - progress
+    elif schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown LR schedule {schedule!r}; expected one of {LR_SCHEDULES}")
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    schedule: LRScheduleName,
+    warmup_steps: int,
+    max_steps: int,
+    min_lr_ratio: float = 0.0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR whose ``step()`` the engine calls once per optimizer step that really happened."""
+
+    def factor(steps_done: int) -> float:
+        return lr_factor(
+            steps_done, schedule=schedule, warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio
+        )
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,122 @@
+"""Accumulation windows: the micro-batches of one optimizer step, and how many loss-bearing targets they hold.
+
+The target count of the whole window must be known BEFORE the first backward, because every micro-batch's loss is
+divided by it: that is what makes any split (micro x accum x world) give the gradient of one big batch. Micro-batches
+are small index tensors, so holding one window of them in memory costs nothing next to the activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from cadence.data.batching import IGNORE_INDEX
+
+Batch = Mapping[str, torch.Tensor]
+"""A micro-batch: ``input_ids`` [B, T] and ``labels`` [B, T] (-100 = no loss), or anything a custom loss reads."""
+
+LastWindow = Literal["step", "drop"]
+LAST_WINDOW_CHOICES: tuple[LastWindow, ...] = ("step", "drop")
+
+def count_targets(batch: Batch) -> int:
+    """Loss-bearing targets of a micro-batch: labels != -100. A fully masked micro-batch has zero, not an error."""
+    return int((batch["labels"] != IGNORE_INDEX).sum().item())
+
+
+def count_tokens(batch: Batch) -> int:
+    """Input tokens a micro-batch really carries: positions up to each row's last target (right padding excluded).
+
+    Padded positions are computed but are not work the user asked for, so throughput counts real tokens only.
+    """
+    labels = batch["labels"]
+    if labels.ndim != 2:
+        return int(labels.numel())
+    has_target = labels != IGNORE_INDEX
+    length = labels.shape[1]
+    # Index of the last target in each row, +1; rows with no target count their full length (they were read).
+    last = length - torch.argmax(has_target.flip(1).to(torch.int8), dim=1)
+    last = torch.where(has_target.any(dim=1), last, torch.full_like(last, length))
+    return int(last.sum().item())
+
+
+def count_samples(batch: Batch) -> int:
+    return int(next(iter(batch.values())).shape[0])
+
+
+@dataclass(kw_only=True)
+class Window:
+    """The micro-batches of one optimizer step."""
+
+    micro_batches: list[Batch]
+    """In order; the last one closes the window (and is the only one whose backward synchronises gradients)."""
+    targets: int
+    """Loss-bearing targets in this window on this process (the engine sums it over processes)."""
+    tokens: int
+    """Real input tokens in this window on this process."""
+    samples: int
+    """Sequences in this window on this process."""
+    epoch: int = 0
+    """The epoch the window belongs to (windows never span epochs)."""
+    short: bool = False
+    """True for an epoch's last window when it has fewer micro-batches or samples than a full one."""
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+
+@dataclass(kw_only=True)
+class WindowCounter:
+    """Counts targets, tokens and samples; the default reads ``labels``, a user's loop may pass its own."""
+
+    targets: Callable[[Batch], int] = count_targets
+    tokens: Callable[[Batch], int] = count_tokens
+    samples: Callable[[Batch], int] = count_samples
+
+
+def make_window(micro_batches: Sequence[Batch], *, epoch: int = 0, short: bool = False,
+                counter: WindowCounter | None = None) -> Window:
+    """Wrap a list of micro-batches as a window, counting what it holds."""
+    counter = counter or WindowCounter()
+    batches = list(micro_batches)
+    if not batches:
+        raise ValueError("a window needs at least one micro-batch")
+    return Window(
+        micro_batches=batches,
+        targets=sum(counter.targets(b) for b in batches),
+        tokens=sum(counter.tokens(b) for b in batches),
+        samples=sum(counter.samples(b) for b in batches),
+        epoch=epoch,
+        short=short,
+    )
+
+
+def iter_windows(
+    micro_batches: Iterable[Batch],
+    grad_accum_steps: int,
+    *,
+    micro_batch_size: int | None = None,
+    last_window: LastWindow = "step",
+    epoch: int = 0,
+    counter: WindowCounter | None = None,
+) -> Iterator[Window]:
+    """Group one epoch's micro-batches into windows of ``grad_accum_steps``.
+
+    The epoch's last window may be short: fewer micro-batches, or a smaller last micro-batch (``micro_batch_size``
+    tells what full is). ``last_window="step"`` yields it, and because the engine divides by the window's OWN target
+    count it is normalised correctly (a fixed divisor would under-weight it); ``"drop"`` discards it.
+    """
+    if grad_accum_steps < 1:
+        raise ValueError("grad_accum_steps must be >= 1")
+    pending: list[Batch] = []
+    for batch in micro_batches:
+        pending.append(batch)
+        if len(pending) == grad_accum_steps:
+            short = micro_batch_size is not None and count_samples(pending[-1]) < micro_batch_size
+            if not (short and last_window == "drop"):
+                yield make_window(pending, epoch=epoch, short=short, counter=counter)
+            pending = []
+    if pending and last_window == "step":
+        yield make_window(pending, epoch=epoch, short=True, counter=counter)
