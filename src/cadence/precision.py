@@ -129,7 +129,7 @@ def precision_problem(name: str, device: torch.device) -> str | None:
             out = layer(torch.randn(2, 8, device=device))
         if out.dtype != _AUTOCAST_DTYPE[name]:
             return f"autocast on {device.type} does not produce {name}"
-        probe.backward(out.float().sum())
+        out.float().sum().backward()  # unscaled: the scaler's 2**16 alone would overflow fp16 here
         if not all(p.grad is not None and math.isfinite(float(p.grad.abs().sum())) for p in layer.parameters()):
             return f"{name} backward on {device.type} produced no finite gradients"
     except (RuntimeError, TypeError, ValueError) as err:  # the backend's own refusal is the message we pass on

@@ -1,0 +1,269 @@
+"""`cadence train` with bad input: one `cadence: error: <where>: <message>` line per problem, exit 2, nothing written.
+
+Each row of the table is one bad input; the row's files are made in ``tmp_path`` by a small builder so the argv can
+name them. ``<tmp_path>/run`` is the ``--out`` of every row and must not exist afterwards (except for the rows where
+``--out`` itself is the problem: there the existing file/directory must be left exactly as it was).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cadence.cli import main
+
+ERROR_PREFIX = "cadence: error:"
+FAST = ["--max-steps", "1", "--seq-len", "16"]
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 40).encode()  # 1,800 bytes: plenty of 16-byte sequences
+
+
+def _write(tmp: Path, name: str, content: bytes | str) -> Path:
+    path = tmp / name
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return path
+
+
+# Each builder makes the row's files in tmp_path and returns the arguments after `train --out <tmp>/run`.
+Builder = Callable[[Path], list[str]]
+
+
+def flags(*args: str, fast: bool = True) -> Builder:
+    return lambda tmp: [*args, *(FAST if fast else [])]
+
+
+def data_file(name: str, content: bytes | str) -> Builder:
+    return lambda tmp: ["--data", str(_write(tmp, name, content)), *FAST]
+
+
+def config_file(content: str) -> Builder:
+    return lambda tmp: ["--config", str(_write(tmp, "cfg.toml", content)), *FAST]
+
+
+def empty_dir(tmp: Path) -> list[str]:
+    (tmp / "emptydir" / ".git").mkdir(parents=True)
+    _write(tmp / "emptydir" / ".git", "HEAD", "ref: refs/heads/main\n")  # hidden files are not text to train on
+    return ["--data", str(tmp / "emptydir"), *FAST]
+
+
+# (id, builder, substring that names the flag or file in stderr; "{tmp}" is replaced by tmp_path)
+CASES: list[tuple[str, Builder, str]] = [
+    # ---------------------------------------------------------------- batch geometry
+    ("grad-accum-0", flags("--grad-accum-steps", "0"), "--grad-accum-steps"),
+    ("micro-batch-0", flags("--micro-batch-size", "0"), "--micro-batch-size"),
+    ("micro-batch-negative", flags("--micro-batch-size", "-3"), "--micro-batch-size"),
+    ("effective-not-divisible", flags("--effective-batch-size", "30", "--micro-batch-size", "8"),
+     "--effective-batch-size"),
+    ("effective-contradicts-accum",
+     flags("--effective-batch-size", "32", "--micro-batch-size", "8", "--grad-accum-steps", "2"),
+     "--effective-batch-size"),
+    ("effective-0", flags("--effective-batch-size", "0"), "--effective-batch-size"),
+    # ---------------------------------------------------------------- model and sequence length
+    ("seq-len-above-context", flags("--seq-len", "257", "--max-steps", "1", fast=False), "--seq-len"),
+    ("seq-len-1", flags("--seq-len", "1", "--max-steps", "1", fast=False), "--seq-len"),
+    ("seq-len-0", flags("--seq-len", "0", "--max-steps", "1", fast=False), "--seq-len"),
+    ("unknown-model", flags("--model", "gpt-huge"), "--model"),
+    # ---------------------------------------------------------------- choices
+    ("precision-fp8", flags("--precision", "fp8"), "--precision"),
+    ("precision-16-spelling", flags("--precision", "16"), "--precision"),
+    ("lr-schedule-step", flags("--lr-schedule", "step"), "--lr-schedule"),
+    ("last-window-keep", flags("--last-window", "keep"), "--last-window"),
+    ("device-cuda-without-cuda", flags("--device", "cuda"), "--device"),
+    ("device-unknown", flags("--device", "tpu"), "--device"),
+    # ---------------------------------------------------------------- numbers
+    ("lr-0", flags("--lr", "0"), "--lr"),
+    ("lr-negative", flags("--lr", "-1"), "--lr"),
+    ("lr-nan", flags("--lr", "nan"), "--lr"),
+    ("lr-not-a-number", flags("--lr", "abc"), "--lr"),
+    ("max-steps-not-an-int", flags("--seq-len", "16", "--max-steps", "1.5", fast=False), "--max-steps"),
+    ("max-grad-norm-negative", flags("--max-grad-norm", "-1"), "--max-grad-norm"),
+    ("max-grad-norm-inf", flags("--max-grad-norm", "inf"), "--max-grad-norm"),
+    ("warmup-equals-max-steps", flags("--seq-len", "16", "--max-steps", "5", "--warmup-steps", "5", fast=False),
+     "--warmup-steps"),
+    ("warmup-above-max-steps", flags("--seq-len", "16", "--max-steps", "5", "--warmup-steps", "9", fast=False),
+     "--warmup-steps"),
+    ("max-steps-0", flags("--seq-len", "16", "--max-steps", "0", fast=False), "--max-steps"),
+    ("seed-negative", flags("--seed", "-1"), "--seed"),
+    ("weight-decay-above-1", flags("--weight-decay", "2"), "--weight-decay"),
+    ("adam-beta2-1", flags("--adam-beta2", "1"), "--adam-beta2"),
+    ("eval-every-without-val", flags("--eval-every", "5", "--val-fraction", "0"), "--eval-every"),
+    ("val-fraction-0.9", flags("--val-fraction", "0.9"), "--val-fraction"),
+    ("eval-batches-0", flags("--eval-batches", "0"), "--eval-batches"),
+    ("log-every-0", flags("--log-every", "0"), "--log-every"),
+    ("checkpoint-every-negative", flags("--checkpoint-every", "-2"), "--checkpoint-every"),
+    # ---------------------------------------------------------------- click-level errors
+    ("unknown-flag", flags("--foo"), "--foo"),
+    ("missing-flag-value", lambda tmp: [*FAST, "--lr"], "--lr"),
+    # ---------------------------------------------------------------- --data
+    ("data-missing", lambda tmp: ["--data", str(tmp / "nope.txt"), *FAST], "--data"),
+    ("data-empty-txt", data_file("empty.txt", b""), "--data"),
+    ("data-csv", data_file("table.csv", "a,b\n1,2\n"), "--data"),
+    ("data-txt-too-short", data_file("short.txt", "only ten b"), "--data"),
+    ("data-txt-not-utf8", data_file("binary.txt", b"\xff\xfe" * 200), "--data"),
+    ("data-dir-without-text", empty_dir, "--data"),
+    ("data-txt-one-sequence-no-val-room", data_file("one.txt", TEXT[:17]), "--val-fraction"),
+    ("data-empty-jsonl", data_file("empty.jsonl", b""), "--data"),
+    ("data-blank-jsonl", data_file("blank.jsonl", "\n  \n\n"), "--data"),
+    ("data-jsonl-not-json", data_file("bad.jsonl", '{"text": "hello there"}\n{"text": "fine too"}\n{oops\n'),
+     "bad.jsonl:3"),
+    ("data-jsonl-no-text", data_file("notext.jsonl", '{"text": "hello there"}\n{"label": 1}\n'), "notext.jsonl:2"),
+    ("data-jsonl-completion-not-string",
+     data_file("comp.jsonl", '{"prompt": "2+2=", "completion": "4!"}\n{"prompt": "1+1=", "completion": 2}\n'),
+     "comp.jsonl:2"),
+    ("data-jsonl-not-object", data_file("list.jsonl", '["text", "hello"]\n'), "list.jsonl:1"),
+    ("data-jsonl-text-and-prompt",
+     data_file("both.jsonl", '{"text": "abc", "prompt": "a", "completion": "bc"}\n'), "both.jsonl:1"),
+    # ---------------------------------------------------------------- --config
+    ("config-missing", lambda tmp: ["--config", str(tmp / "nope.toml"), *FAST], "--config"),
+    ("config-invalid-toml", config_file("lr = \n[[[\n"), "--config"),
+    ("config-unknown-key", config_file("learning_rate = 0.1\n"), "--config"),
+    ("config-wrong-type", config_file('lr = "fast"\n'), "lr"),
+    ("config-float-for-int", config_file("micro_batch_size = 2.5\n"), "micro_batch_size"),
+    ("config-bool-for-int", config_file("max_steps = true\n"), "max_steps"),
+    ("config-is-directory", lambda tmp: ["--config", str(tmp), *FAST], "--config"),
+    ("config-valid-but-bad-value", config_file("lr = -0.5\n"), "--lr"),
+]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+def _check_error_output(stderr: str, stdout: str, expected: str) -> list[str]:
+    assert "Traceback" not in stderr and "Traceback" not in stdout, stderr
+    lines = _error_lines(stderr)
+    assert lines, "no error was printed"
+    for line in lines:
+        assert line.startswith(ERROR_PREFIX), f"not an error line: {line!r}"
+    assert expected in stderr, f"{expected!r} not named in:\n{stderr}"
+    return lines
+
+
+@pytest.mark.parametrize(("builder", "expected"), [pytest.param(b, e, id=i) for i, b, e in CASES])
+def test_bad_input_is_one_line_per_problem_exit_2_nothing_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], builder: Builder, expected: str
+) -> None:
+    out = tmp_path / "run"
+    args = builder(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    status = main(["train", "--out", str(out), *args])
+    captured = capsys.readouterr()
+    assert status == 2, captured.err
+    _check_error_output(captured.err, captured.out, expected.replace("{tmp}", str(tmp_path)))
+    assert not out.exists(), "the run directory was created for bad input"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "bad input wrote something next to the inputs"
+
+
+def test_at_least_twenty_rows() -> None:
+    assert len(CASES) >= 20
+
+
+def test_out_is_an_existing_file_is_left_untouched(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    out.write_text("precious\n")
+    status = main(["train", "--out", str(out), *FAST])
+    captured = capsys.readouterr()
+    assert status == 2
+    _check_error_output(captured.err, captured.out, "--out")
+    assert out.is_file() and out.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_out_is_a_non_empty_directory_is_left_untouched(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious\n")
+    status = main(["train", "--out", str(out), *FAST])
+    captured = capsys.readouterr()
+    assert status == 2
+    _check_error_output(captured.err, captured.out, "--out")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "precious\n"
+
+
+def test_every_problem_is_reported_in_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    status = main(["train", "--out", str(out), *FAST, "--micro-batch-size", "0", "--precision", "fp8", "--lr", "-1",
+                   "--lr-schedule", "step", "--val-fraction", "0.9"])
+    captured = capsys.readouterr()
+    assert status == 2
+    lines = _check_error_output(captured.err, captured.out, "--micro-batch-size")
+    for name in ("--micro-batch-size", "--precision", "--lr", "--lr-schedule", "--val-fraction"):
+        assert sum(line.startswith(f"{ERROR_PREFIX} {name}:") for line in lines) == 1, (name, lines)
+    assert len(lines) == 5, lines
+    assert not out.exists()
+
+
+def test_every_bad_jsonl_line_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _write(tmp_path, "mixed.jsonl", '{"text": "good line"}\nnope\n{"text": 3}\n\n{"prompt": "p"}\n')
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--data", str(data), *FAST]) == 2
+    captured = capsys.readouterr()
+    lines = _check_error_output(captured.err, captured.out, "mixed.jsonl:2")
+    prefix = f"{ERROR_PREFIX} {data}:"
+    assert all(line.startswith(prefix) for line in lines), lines
+    assert [line[len(prefix):].split(":", 1)[0] for line in lines] == ["2", "3", "5"], lines
+    assert not out.exists()
+
+
+def test_config_problems_are_all_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _write(tmp_path, "cfg.toml", 'lr = "fast"\nfoo = 1\nmax_steps = 2.0\n')
+    assert main(["train", "--out", str(tmp_path / "run"), "--config", str(config)]) == 2
+    captured = capsys.readouterr()
+    lines = _check_error_output(captured.err, captured.out, "--config")
+    assert len(lines) == 3, lines
+    assert any("'foo'" in line for line in lines)
+    assert any(": lr:" in line for line in lines)
+    assert any(": max_steps:" in line for line in lines)
+    assert not (tmp_path / "run").exists()
+
+
+def test_installed_console_script_maps_usage_error_to_exit_2(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "cadence"
+    assert script.exists(), f"console script not installed next to {sys.executable}"
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [str(script), "train", "--out", str(out), *FAST, "--lr", "abc", ], capture_output=True, text=True,
+        timeout=120, env=env, cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith(ERROR_PREFIX) and "--lr" in lines[0], result.stderr
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------ known src bugs
+# Bad input that still escapes as a traceback (or in the wrong line format). strict: remove the marker once fixed.
+@pytest.mark.xfail(strict=True, raises=OSError, reason="src bug: --out under an existing file is not validated; "
+                   "RunWriter's mkdir raises NotADirectoryError (traceback, exit 1)")
+def test_out_below_an_existing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = _write(tmp_path, "blocker", "x")
+    data = _write(tmp_path, "text.txt", TEXT)
+    status = main(["train", "--out", str(blocker / "run"), "--data", str(data), *FAST])
+    captured = capsys.readouterr()
+    assert status == 2
+    _check_error_output(captured.err, captured.out, "--out")
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="src bug: --seed >= 2**64 passes validation and "
+                   "torch.manual_seed raises 'Overflow when unpacking long long' (traceback, exit 1)")
+def test_seed_too_large_for_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _write(tmp_path, "text.txt", TEXT)
+    status = main(["train", "--out", str(tmp_path / "run"), "--data", str(data), *FAST, "--seed", str(2**64)])
+    captured = capsys.readouterr()
+    assert status == 2
+    _check_error_output(captured.err, captured.out, "--seed")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.xfail(strict=True, reason="src: click's type errors are printed as \"Invalid value for '--lr': ...\", "
+                   "not in the '<where>: <message>' form of every other error line")
+def test_click_type_error_has_the_where_message_form(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["train", "--out", str(tmp_path / "run"), *FAST, "--lr", "abc"]) == 2
+    assert capsys.readouterr().err.startswith(f"{ERROR_PREFIX} --lr: ")

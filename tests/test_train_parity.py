@@ -1,0 +1,100 @@
+"""Acceptance: three `cadence train` runs with splits (8x1), (2x4), (1x8) agree, on packed text and on JSONL.
+
+Per-step losses in metrics.jsonl within 1e-5 relative; final weights in model.safetensors within 1e-4 relative L2.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import sample_text
+from safetensors.torch import load_file
+
+from cadence.cli import main
+from cadence.run_dir import read_metrics
+
+SPLITS = [(8, 1), (2, 4), (1, 8)]
+
+
+def write_jsonl(path: Path) -> Path:
+    rng = random.Random(7)
+    words = ["alpha", "beta", "gamma", "delta", "step", "scale"]
+    lines = []
+    for index in range(48):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) + ":"
+        # completions of 2 bytes and of 25-30 bytes: target counts differ by more than 10x
+        completion = "ok" if index % 3 == 0 else "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(25, 30)))
+        lines.append(json.dumps({"prompt": prompt, "completion": completion}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_split(tmp_path: Path, data: Path, micro: int, accum: int, extra: list[str] = ()) -> Path:
+    out = tmp_path / f"run-{micro}x{accum}"
+    code = main([
+        "train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", str(micro),
+        "--grad-accum-steps", str(accum), "--max-steps", "6", "--lr", "3e-3", "--warmup-steps", "2",
+        "--val-fraction", "0", "--out", str(out), *extra,
+    ])
+    assert code == 0
+    return out
+
+
+def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    diff = torch.cat([(a[k] - b[k]).flatten() for k in sorted(a)])
+    base = torch.cat([b[k].flatten() for k in sorted(b)])
+    return float(diff.norm() / base.norm())
+
+
+@pytest.mark.parametrize("kind", ["packed", "jsonl"])
+def test_three_splits_through_the_cli_agree(tmp_path, kind):
+    if kind == "packed":
+        data = tmp_path / "text.txt"
+        data.write_bytes(sample_text(80 * 32 + 1))
+    else:
+        data = write_jsonl(tmp_path / "examples.jsonl")
+    runs = [run_split(tmp_path, data, micro, accum) for micro, accum in SPLITS]
+    metrics = [read_metrics(run) for run in runs]
+    weights = [load_file(str(run / "model.safetensors")) for run in runs]
+    reference = metrics[0]
+    assert [row["step"] for row in reference] == list(range(1, 7))
+    if kind == "jsonl":
+        targets = [row["targets"] for row in reference]
+        assert len(set(targets)) > 1  # variable-length windows really differ
+    for (micro, accum), rows, state in zip(SPLITS[1:], metrics[1:], weights[1:]):
+        assert [row["micro_steps"] for row in rows] == [accum] * 6
+        for row, ref in zip(rows, reference):
+            assert row["targets"] == ref["targets"] and row["samples"] == ref["samples"] == 8
+            assert abs(row["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], f"{micro}x{accum} step {row['step']}"
+            assert row["lr"] == pytest.approx(ref["lr"], rel=1e-12)
+        assert relative_l2(state, weights[0]) < 1e-4, f"{micro}x{accum}"
+    for run in runs:
+        config = json.loads((run / "config.json").read_text())
+        assert config["effective_batch_size"] == 8 and config["world_size"] == 1
+
+
+def test_effective_batch_size_derives_accumulation(tmp_path):
+    data = tmp_path / "text.txt"
+    data.write_bytes(sample_text(40 * 32 + 1))
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "2",
+                 "--effective-batch-size", "8", "--max-steps", "1", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["grad_accum_steps"] == 4 and config["effective_batch_size"] == 8
+    assert read_metrics(out)[0]["micro_steps"] == 4
+
+
+def test_bf16_and_fp16_runs_through_the_cli(tmp_path):
+    data = tmp_path / "text.txt"
+    data.write_bytes(sample_text(80 * 32 + 1))
+    fp32 = read_metrics(run_split(tmp_path, data, 2, 4))
+    for precision in ("bf16", "fp16"):
+        rows = read_metrics(run_split(tmp_path / precision, data, 2, 4, ["--precision", precision]))
+        assert all(row["loss"] == pytest.approx(ref["loss"], rel=0.05) for row, ref in zip(rows, fp32))
+        scales = [row["loss_scale"] for row in rows]
+        assert (scales[0] is None) == (precision == "bf16")
