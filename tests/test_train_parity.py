@@ -95,6 +95,9 @@ def test_bf16_and_fp16_runs_through_the_cli(tmp_path):
     fp32 = read_metrics(run_split(tmp_path, data, 2, 4))
     for precision in ("bf16", "fp16"):
         rows = read_metrics(run_split(tmp_path / precision, data, 2, 4, ["--precision", precision]))
-        assert all(row["loss"] == pytest.approx(ref["loss"], rel=0.05) for row, ref in zip(rows, fp32))
-        scales = [row["loss_scale"] for row in rows]
-        assert (scales[0] is None) == (precision == "bf16")
+        for row, ref in zip(rows[:4], fp32[:4]):  # before any fp16 overflow skip shifts the data order
+            assert row["loss"] == pytest.approx(ref["loss"], rel=0.01)
+        stepped = [row for row in rows if not row["skipped"]]
+        assert [row["step"] for row in stepped] == list(range(1, 7))  # skipped windows are not counted as steps
+        assert all(row["step"] == prev["step"] for prev, row in zip(rows, rows[1:]) if row["skipped"])
+        assert (rows[0]["loss_scale"] is None) == (precision == "bf16")

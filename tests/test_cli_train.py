@@ -1,0 +1,163 @@
+"""End to end through `cadence.cli.main`: a tiny real run and the run directory of DESIGN.md section 4."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from cadence.cli import main
+
+METRIC_FIELDS = ("step", "micro_steps", "samples", "tokens", "loss", "grad_norm", "lr", "loss_scale", "skipped",
+                 "step_time_s", "tokens_per_s", "peak_memory_bytes")
+PARAGRAPH = (
+    "A window is the set of micro-batches that make one optimizer step. Gradients are accumulated in fp32 over the "
+    "window and divided by the number of target tokens in it, so the step does not depend on how the window was "
+    "cut into micro-batches. The loss scale only exists in fp16.\n"
+)
+RUN_FLAGS = ["--seq-len", "32", "--micro-batch-size", "4", "--grad-accum-steps", "2"]
+
+
+def _text_file(directory: Path) -> Path:
+    path = directory / "tiny.txt"
+    path.write_text(PARAGRAPH * 16, encoding="utf-8")  # ~4.4 KB: ~130 sequences of 32 bytes
+    return path
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _no_hidden_leftovers(root: Path) -> None:
+    hidden = [str(p.relative_to(root)) for p in root.rglob(".*")]
+    assert not hidden, f"temporary files left behind: {hidden}"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    base = tmp_path_factory.mktemp("train")
+    out = base / "run"
+    status, _, err = _run(["train", "--data", str(_text_file(base)), "--out", str(out), *RUN_FLAGS,
+                           "--max-steps", "4", "--eval-every", "2"])
+    return out, status, err
+
+
+def test_exits_0_and_says_where(run: tuple[Path, int, str]) -> None:
+    out, status, err = run
+    assert status == 0, err
+    assert "Traceback" not in err and "error" not in err.lower()
+    assert str(out) in err
+
+
+def test_config_json(run: tuple[Path, int, str]) -> None:
+    out, status, err = run
+    assert status == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["effective_batch_size"] == 8
+    assert config["world_size"] == 1
+    assert config["grad_accum_steps"] == 2
+    assert config["micro_batch_size"] == 4 and config["seq_len"] == 32 and config["max_steps"] == 4
+    assert config["model"] == "gpt-tiny" and config["precision"] == "fp32"
+
+
+def test_metrics_jsonl(run: tuple[Path, int, str]) -> None:
+    out, status, err = run
+    assert status == 0, err
+    rows = _metrics(out)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    for row in rows:
+        missing = [name for name in METRIC_FIELDS if name not in row]
+        assert not missing, f"step {row.get('step')} lacks {missing}"
+        assert row["loss_scale"] is None  # fp32
+        assert row["skipped"] is False
+        assert row["micro_steps"] == 2 and row["samples"] == 8 and row["tokens"] == 8 * 32
+        assert row["loss"] > 0 and row["grad_norm"] > 0 and row["lr"] > 0
+        assert row["step_time_s"] > 0 and row["tokens_per_s"] > 0
+    assert [("val_loss" in row and row["val_loss"] is not None) for row in rows] == [False, True, False, True]
+    assert all(row["val_loss"] > 0 for row in rows if "val_loss" in row)
+    assert any(isinstance(row["peak_memory_bytes"], int) and row["peak_memory_bytes"] > 0 for row in rows)
+
+
+def test_summary_json(run: tuple[Path, int, str]) -> None:
+    out, status, err = run
+    assert status == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    rows = _metrics(out)
+    assert summary["steps"] == 4 and summary["skipped"] == 0
+    assert summary["tokens"] == sum(row["tokens"] for row in rows)
+    assert summary["final_loss"] == rows[-1]["loss"]
+    assert summary["final_val_loss"] == rows[-1]["val_loss"]
+    assert summary["wall_time_s"] > 0
+    assert "tokens_per_s" in summary and "peak_memory_bytes" in summary
+
+
+def test_model_safetensors_loads_strictly(run: tuple[Path, int, str]) -> None:
+    from safetensors.torch import load_file
+
+    from cadence.models import build_model
+
+    out, status, err = run
+    assert status == 0, err
+    weights = load_file(str(out / "model.safetensors"))
+    model = build_model("gpt-tiny")
+    model.load_state_dict(weights, strict=True)
+    assert set(weights) == set(model.state_dict())
+
+
+def test_tensorboard_events(run: tuple[Path, int, str]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, status, err = run
+    assert status == 0, err
+    assert list((out / "tensorboard").glob("events.out.tfevents.*")), "no event file"
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert "train/loss" in events.Tags()["scalars"]
+    losses = events.Scalars("train/loss")
+    assert [event.step for event in losses] == [1, 2, 3, 4]
+    rows = _metrics(out)
+    assert [event.value for event in losses] == pytest.approx([row["loss"] for row in rows], rel=1e-5)
+
+
+def test_no_temporary_files_left(run: tuple[Path, int, str]) -> None:
+    out, status, err = run
+    assert status == 0, err
+    _no_hidden_leftovers(out)
+
+
+def test_toml_config_with_a_flag_that_wins(tmp_path: Path) -> None:
+    config = tmp_path / "train.toml"
+    config.write_text(f'max_steps = 2\ndata = "{_text_file(tmp_path)}"\nseq_len = 32\nmicro_batch_size = 4\n'
+                      f"lr = 1\n", encoding="utf-8")  # an int for a float field is accepted
+    out = tmp_path / "run"
+    status, _, err = _run(["train", "--config", str(config), "--max-steps", "3", "--lr", "0.002", "--out", str(out)])
+    assert status == 0, err
+    assert [row["step"] for row in _metrics(out)] == [1, 2, 3]
+    resolved = json.loads((out / "config.json").read_text())
+    assert resolved["max_steps"] == 3 and resolved["lr"] == 0.002 and resolved["micro_batch_size"] == 4
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+
+def test_checkpoint_every(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    status, _, err = _run(["train", "--data", str(_text_file(tmp_path)), "--out", str(out), *RUN_FLAGS,
+                           "--max-steps", "4", "--checkpoint-every", "2"])
+    assert status == 0, err
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2", "step-4"]  # also: no hidden staging folder
+    for step in (2, 4):
+        folder = checkpoints / f"step-{step}"
+        assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.json", "model.safetensors",
+                                                           "training_state.pt"]
+        assert json.loads((folder / "checkpoint.json").read_text())["step"] == step
+    _no_hidden_leftovers(out)
