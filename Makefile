@@ -20,8 +20,8 @@ install: $(STAMP)
 # A complete run directory in a few minutes on 2 CPU cores: gpt-tiny on the built-in corpus, accumulation, bf16.
 demo: $(STAMP)
 	rm -rf runs/demo
-	$(BIN)/cadence train --model gpt-tiny --seq-len 128 --micro-batch-size 8 --grad-accum-steps 4 \
-		--precision bf16 --max-steps 150 --warmup-steps 10 --lr 2e-3 --eval-every 50 --checkpoint-every 75 \
+	$(BIN)/cadence train --model gpt-tiny --seq-len 256 --micro-batch-size 8 --grad-accum-steps 4 \
+		--precision bf16 --max-steps 300 --warmup-steps 20 --lr 2e-3 --eval-every 50 --checkpoint-every 100 \
 		--out runs/demo
 	@echo "run directory: runs/demo (config.json, metrics.jsonl, summary.json, model.safetensors, tensorboard/)"
 

@@ -238,10 +238,7 @@ def test_installed_console_script_maps_usage_error_to_exit_2(tmp_path: Path) -> 
     assert not out.exists()
 
 
-# ------------------------------------------------------------------------------------------------ known src bugs
-# Bad input that still escapes as a traceback (or in the wrong line format). strict: remove the marker once fixed.
-@pytest.mark.xfail(strict=True, raises=OSError, reason="src bug: --out under an existing file is not validated; "
-                   "RunWriter's mkdir raises NotADirectoryError (traceback, exit 1)")
+# ------------------------------------------------------------------------------------------------ edge cases
 def test_out_below_an_existing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = _write(tmp_path, "blocker", "x")
     data = _write(tmp_path, "text.txt", TEXT)
@@ -251,8 +248,6 @@ def test_out_below_an_existing_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     _check_error_output(captured.err, captured.out, "--out")
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="src bug: --seed >= 2**64 passes validation and "
-                   "torch.manual_seed raises 'Overflow when unpacking long long' (traceback, exit 1)")
 def test_seed_too_large_for_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = _write(tmp_path, "text.txt", TEXT)
     status = main(["train", "--out", str(tmp_path / "run"), "--data", str(data), *FAST, "--seed", str(2**64)])
@@ -262,8 +257,6 @@ def test_seed_too_large_for_torch(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="src: click's type errors are printed as \"Invalid value for '--lr': ...\", "
-                   "not in the '<where>: <message>' form of every other error line")
 def test_click_type_error_has_the_where_message_form(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["train", "--out", str(tmp_path / "run"), *FAST, "--lr", "abc"]) == 2
     assert capsys.readouterr().err.startswith(f"{ERROR_PREFIX} --lr: ")

@@ -75,6 +75,21 @@ def train_command(config_file: Path | None, **options: Any) -> None:
     train(build_config(toml_path=config_file, flags=options))
 
 
+def _click_problem(err: click.ClickException) -> str:
+    """click's errors in the same '<flag>: <message>' form as every other problem."""
+    if isinstance(err, click.BadParameter) and err.param is not None and err.param.opts:
+        name = max(err.param.opts, key=len)
+        if isinstance(err, click.MissingParameter):
+            return f"{name}: a value is required"
+        return f"{name}: {err.message.rstrip('.')}"
+    if isinstance(err, click.NoSuchOption):
+        hint = f"; did you mean {', '.join(sorted(err.possibilities))}?" if err.possibilities else ""
+        return f"{err.option_name}: no such option (see cadence train --help){hint}"
+    if isinstance(err, click.BadOptionUsage):
+        return f"{err.option_name}: {err.message.rstrip('.')}"
+    return err.format_message()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cadence`` console script; returns the exit status."""
     from cadence.errors import UsageError
@@ -88,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print("cadence: aborted", file=sys.stderr)
         return 130
     except click.ClickException as err:  # unknown flag, bad type, missing value
-        print(f"cadence: error: {err.format_message()}", file=sys.stderr)
+        print(f"cadence: error: {_click_problem(err)}", file=sys.stderr)
         return 2
     except UsageError as err:
         for problem in err.problems:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+MAX_SEED = 2**64 - 1
+"""torch.manual_seed takes at most 64 bits."""
 
 
 def flag(name: str) -> str:
@@ -190,10 +193,39 @@ def _convert(value: Any, hint: Any) -> Any:
 
 
 def build_config(*, toml_path: Path | None, flags: dict[str, Any]) -> TrainConfig:
-    """Defaults <- TOML file <- flags (flags whose value is None were not given)."""
-    values: dict[str, Any] = load_toml(toml_path) if toml_path is not None else {}
+    """Defaults <- TOML file <- flags (flags whose value is None were not given).
+
+    Problems in the TOML file and in the flags are reported together: a bad file does not hide a bad flag.
+    """
+    values: dict[str, Any] = {}
+    file_problems: list[Problem] = []
+    if toml_path is not None:
+        try:
+            values = load_toml(toml_path)
+        except UsageError as err:
+            file_problems = err.problems
+            if toml_path.is_file():  # keep the file's good keys so that flag validation still runs
+                values = _good_toml_values(toml_path)
     values.update({key: value for key, value in flags.items() if value is not None})
-    return TrainConfig(**values)
+    config = TrainConfig(**values)
+    if file_problems:
+        try:
+            validate(config)
+        except UsageError as err:
+            raise UsageError(file_problems + err.problems) from None
+        raise UsageError(file_problems)
+    return config
+
+
+def _good_toml_values(path: Path) -> dict[str, Any]:
+    """The keys of a TOML file that parse and have the right type (empty if the file is not TOML at all)."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return {}
+    hints = get_type_hints(TrainConfig)
+    converted = {key: _convert(value, hints[key]) for key, value in raw.items() if key in hints}
+    return {key: value for key, value in converted.items() if value is not _INVALID}
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -265,7 +297,8 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
     if at_least("max_steps", 1) and at_least("warmup_steps", 0) and config.warmup_steps >= config.max_steps > 1:
         bad("warmup_steps", f"{config.warmup_steps} leaves no steps after warmup; must be below --max-steps "
                             f"{config.max_steps}")
-    at_least("seed", 0)
+    if at_least("seed", 0) and config.seed > MAX_SEED:
+        bad("seed", f"must be at most 2**64 - 1 = {MAX_SEED}, got {config.seed}")
     at_least("eval_batches", 1)
     at_least("checkpoint_every", 0)
     at_least("log_every", 1)
@@ -274,10 +307,9 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
     if config.data is not None and not config.data.exists():
         bad("data", f"{config.data} does not exist")
     if config.out is not None:
-        if config.out.exists() and not config.out.is_dir():
-            bad("out", f"{config.out} is a file; give a directory to create")
-        elif config.out.is_dir() and any(config.out.iterdir()):
-            bad("out", f"{config.out} already exists and is not empty; choose a new directory")
+        problem = _out_problem(config.out)
+        if problem:
+            bad("out", problem)
     device_ok = config.device in DEVICE_CHOICES
     if config.device == "cuda" and not (_cuda_available() if cuda_available is None else cuda_available):
         bad("device", "cuda was asked for but this machine has no usable CUDA device; use cpu or auto")
@@ -289,6 +321,24 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
             bad("precision", reason)
     if problems:
         raise UsageError(problems)
+
+
+def _out_problem(out: Path) -> str | None:
+    """Why the run directory cannot be created there, or None. Checked up front so nothing is half-written."""
+    if out.exists():
+        if not out.is_dir():
+            return f"{out} is a file; give a directory to create"
+        if any(out.iterdir()):
+            return f"{out} already exists and is not empty; choose a new directory"
+        return None if os.access(out, os.W_OK) else f"{out} is not writable"
+    ancestor = out.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"cannot create {out}: {ancestor} is a file"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot create {out}: {ancestor} is not writable"
+    return None
 
 
 def _cuda_available() -> bool:
