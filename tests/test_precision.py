@@ -94,3 +94,10 @@ def test_cuda_autocast_and_scaler(name):
     precision.backward(out.float().square().sum())
     norm = precision.unscale_and_clip(optimizer, model.parameters(), 1.0)
     assert norm > 0 and precision.step(optimizer)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_probe_reports_a_device_that_cannot_autocast(name):
+    """The same probe that rejects --precision on an incapable device (here: the meta device, which has no autocast)."""
+    reason = precision_problem(name, torch.device("meta"))
+    assert reason is not None and name in reason
