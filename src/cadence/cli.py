@@ -29,9 +29,28 @@ def app() -> None:
     """Training with a big batch on a small accelerator: micro-batches, accumulation, precision, exactly right."""
 
 
+class _WholeNumberOrAuto(click.ParamType):
+    """--micro-batch-size: a whole number, or the word auto."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number nor auto", param, ctx)
+
+
+MICRO_BATCH_SIZE = _WholeNumberOrAuto()
+
+
 def _click_type(hint: Any) -> click.ParamType:
     """int, float, str, Path and their ``| None`` forms (a missing flag is always None: "not given")."""
     args = set(getattr(hint, "__args__", ())) or {hint}
+    if int in args and str in args:
+        return MICRO_BATCH_SIZE
     if Path in args:
         return click.Path(path_type=Path)
     if int in args:
@@ -45,6 +64,8 @@ def _metavar(hint: Any, name: str) -> str:
     kind = _click_type(hint)
     if isinstance(kind, click.Path):
         return "PATH"
+    if kind is MICRO_BATCH_SIZE:
+        return "N|auto"
     return {"INTEGER": "N", "FLOAT": "X"}.get(kind.name.upper(), name.upper().split("_")[-1])
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_type_hints
 
 from cadence.errors import Problem, UsageError
+from cadence.offload import OFFLOAD_MODES
+from cadence.recompute import CHECKPOINTING_MODES
 from cadence.precision import PRECISIONS, precision_problem
 from cadence.schedules import LR_SCHEDULES
 from cadence.windows import LAST_WINDOW_CHOICES
@@ -48,14 +50,27 @@ class TrainConfig:
     is packed into --seq-len sequences; a .jsonl file holds {"text"} or {"prompt", "completion"} examples."""
     seq_len: int | None = None
     """Tokens per sequence (bytes); default: the model's context length."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward pass (what must fit in memory)."""
+    micro_batch_size: int | str = 8
+    """Sequences per forward/backward pass (what must fit in memory), or auto: start at --effective-batch-size /
+    (--grad-accum-steps x processes), halve it (doubling accumulation, same math) whenever a window runs out of
+    memory, and try growing back after --auto-grow-after good steps."""
     grad_accum_steps: int | None = None
     """Micro-batches accumulated per optimizer step; default 1, or derived from --effective-batch-size."""
     effective_batch_size: int | None = None
     """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps."""
     precision: str = "fp32"
     """Compute precision: fp32, bf16 (autocast, no loss scaling) or fp16 (autocast with a GradScaler)."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward: none, full (each block keeps only its input) or selective (keep matmul and
+    attention outputs, recompute norms, GELU and adds)."""
+    offload: str = "none"
+    """none, activations (saved tensors in host memory) or optimizer (optimizer state and update on the CPU). On a
+    CPU-only machine both run but save nothing: host and device memory are the same."""
+    memory_budget: str | None = None
+    """Peak memory allowed per process, e.g. 512MiB or 2GiB. CUDA: the allocator is capped there (a real OOM past
+    it); CPU: every step is measured by the profiler and a micro-batch past it counts as out of memory."""
+    auto_grow_after: int = 50
+    """With --micro-batch-size auto: good optimizer steps after a halving before trying a larger micro-batch again."""
     max_grad_norm: float = 1.0
     """Clip the total gradient norm to this, once per optimizer step after unscaling; 0 turns clipping off."""
     lr: float = 1e-3
@@ -94,16 +109,29 @@ class TrainConfig:
     """Print a progress line every N optimizer steps when the output is not a terminal."""
 
     # ------------------------------------------------------------------------------------------------ derived
+    @property
+    def auto_micro_batch(self) -> bool:
+        return self.micro_batch_size == "auto"
+
     def resolved_grad_accum_steps(self, world_size: int = 1) -> int:
-        """The accumulation actually used (call after ``validate``)."""
+        """The accumulation actually used at the start (call after ``validate``)."""
         if self.grad_accum_steps is not None:
             return self.grad_accum_steps
-        if self.effective_batch_size is not None:
-            return self.effective_batch_size // (self.micro_batch_size * world_size)
+        if self.effective_batch_size is not None and not self.auto_micro_batch:
+            return self.effective_batch_size // (int(self.micro_batch_size) * world_size)
         return 1
 
+    def resolved_micro_batch_size(self, world_size: int = 1) -> int:
+        """The micro-batch actually used at the start; auto starts at the largest the accumulation allows."""
+        if not self.auto_micro_batch:
+            return int(self.micro_batch_size)
+        return int(self.effective_batch_size or 0) // (self.resolved_grad_accum_steps(world_size) * world_size)
+
     def resolved_effective_batch_size(self, world_size: int = 1) -> int:
-        return self.micro_batch_size * self.resolved_grad_accum_steps(world_size) * world_size
+        return self.resolved_micro_batch_size(world_size) * self.resolved_grad_accum_steps(world_size) * world_size
+
+    def memory_budget_bytes(self) -> int | None:
+        return None if self.memory_budget is None else parse_size(self.memory_budget)
 
     def to_json_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -183,8 +211,12 @@ def _convert(value: Any, hint: Any) -> Any:
         return _INVALID
     if Path in args:
         return Path(value) if isinstance(value, str) else _INVALID
+    if int in args and isinstance(value, int):
+        return value
+    if str in args and isinstance(value, str):
+        return value
     if int in args:
-        return value if isinstance(value, int) else _INVALID
+        return _INVALID
     if float in args:
         return float(value) if isinstance(value, (int, float)) else _INVALID
     if str in args:
@@ -264,24 +296,17 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
     elif config.seq_len is not None and seq_ok and config.seq_len > model_context_length(config.model):
         context = model_context_length(config.model)
         bad("seq_len", f"{config.seq_len} is above {config.model}'s context length of {context}")
-    micro_ok = at_least("micro_batch_size", 1)
-    accum_ok = at_least("grad_accum_steps", 1)
-    eff_ok = at_least("effective_batch_size", 1)
-    if config.effective_batch_size is not None and micro_ok and accum_ok and eff_ok:
-        per_step = config.micro_batch_size * world_size
-        if config.effective_batch_size % per_step != 0:
-            bad(
-                "effective_batch_size",
-                f"{config.effective_batch_size} is not divisible by --micro-batch-size x processes = {per_step}; "
-                f"use a multiple of {per_step}",
-            )
-        elif config.grad_accum_steps is not None and config.grad_accum_steps * per_step != config.effective_batch_size:
-            bad(
-                "effective_batch_size",
-                f"{config.effective_batch_size} contradicts --grad-accum-steps {config.grad_accum_steps} x "
-                f"--micro-batch-size {config.micro_batch_size} x {world_size} process(es); give one of the two",
-            )
+    problems += _batch_shape_problems(config, world_size)
     choice("precision", PRECISIONS)
+    choice("activation_checkpointing", CHECKPOINTING_MODES)
+    choice("offload", OFFLOAD_MODES)
+    at_least("auto_grow_after", 1)
+    if config.memory_budget is not None:
+        try:
+            if parse_size(config.memory_budget) <= 0:
+                bad("memory_budget", "must be above 0")
+        except ValueError as err:
+            bad("memory_budget", str(err))
     choice("lr_schedule", LR_SCHEDULES)
     choice("last_window", LAST_WINDOW_CHOICES)
     choice("device", DEVICE_CHOICES)
@@ -321,6 +346,63 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
             bad("precision", reason)
     if problems:
         raise UsageError(problems)
+
+
+def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]:
+    """--micro-batch-size, --grad-accum-steps and --effective-batch-size: each valid, and consistent together."""
+    problems: list[Problem] = []
+
+    def bad(name: str, message: str) -> None:
+        problems.append(Problem(where=flag(name), message=message))
+
+    micro = config.micro_batch_size
+    if isinstance(micro, str) and micro != "auto":
+        bad("micro_batch_size", f"{micro!r} is neither a whole number nor auto")
+    elif isinstance(micro, int) and micro < 1:
+        bad("micro_batch_size", f"must be at least 1 (or auto), got {micro}")
+    accum, effective = config.grad_accum_steps, config.effective_batch_size
+    if accum is not None and accum < 1:
+        bad("grad_accum_steps", f"must be at least 1, got {accum}")
+    if effective is not None and effective < 1:
+        bad("effective_batch_size", f"must be at least 1, got {effective}")
+    if problems:
+        return problems
+    if micro == "auto":
+        if effective is None:
+            bad("micro_batch_size", "auto needs --effective-batch-size (the batch that auto keeps fixed)")
+        elif effective % ((accum or 1) * world_size) != 0:
+            bad("effective_batch_size", f"{effective} is not divisible by --grad-accum-steps x processes = "
+                                        f"{(accum or 1) * world_size}")
+        return problems
+    if effective is not None:
+        per_step = int(micro) * world_size
+        if effective % per_step != 0:
+            bad("effective_batch_size", f"{effective} is not divisible by --micro-batch-size x processes = "
+                                        f"{per_step}; use a multiple of {per_step}")
+        elif accum is not None and accum * per_step != effective:
+            bad("effective_batch_size", f"{effective} contradicts --grad-accum-steps {accum} x --micro-batch-size "
+                                        f"{micro} x {world_size} process(es); give one of the two")
+    return problems
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+               "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1.5G' (K/M/G are binary, like KiB/MiB/GiB), '3GB' (decimal) or a byte count -> bytes."""
+    cleaned = text.strip().lower().replace(" ", "")
+    number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = cleaned[len(number):]
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} has an unknown unit; use e.g. 512MiB, 2GiB, 1.5G or a number of bytes")
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size; use e.g. 512MiB, 2GiB, 1.5G or a number of bytes") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite size")
+    return int(value * _SIZE_UNITS[unit])
 
 
 def _out_problem(out: Path) -> str | None:

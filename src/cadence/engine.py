@@ -90,6 +90,8 @@ class StepResult:
     loss_scale: float | None
     """The fp16 loss scale the window's backward used; None for fp32 and bf16."""
     micro_steps: int
+    micro_batch_size: int
+    """Sequences in the window's largest micro-batch (changes under --micro-batch-size auto)."""
     samples: int
     tokens: int
     targets: int
@@ -122,6 +124,8 @@ class Engine:
         collective: Collective | None = None,
         counter: WindowCounter | None = None,
         skip_nonfinite: bool = True,
+        offload_activations: bool = False,
+        memory_budget_bytes: int | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -133,7 +137,9 @@ class Engine:
         self.collective: Collective = collective or SingleProcess()
         self.counter = counter or WindowCounter()
         self.skip_nonfinite = skip_nonfinite
-        self.memory = StepMemoryMeter(self.device)
+        self.offload_activations = offload_activations
+        """Keep the tensors saved for backward in host memory (``torch.autograd.graph.save_on_cpu``)."""
+        self.memory = StepMemoryMeter(self.device, budget_bytes=memory_budget_bytes)
         self.steps = 0
         """Optimizer steps that really happened."""
         self.skipped_steps = 0
@@ -157,13 +163,14 @@ class Engine:
         if not isinstance(window, Window):
             window = make_window(window, counter=self.counter)
         started = time.perf_counter()
-        self.windows += 1
         world = self.collective.world_size
         lr = float(self.optimizer.param_groups[0]["lr"])
         loss_scale = self.precision.loss_scale
         self.model.train()
 
-        with self.memory.measure(model=self.model, optimizer=self.optimizer, enabled=measure_memory):
+        with self.memory.measure(
+            model=self.model, optimizer=self.optimizer, enabled=measure_memory, segmented=True
+        ):
             # Sync point: every process must know the WHOLE window's target count before its first backward.
             totals = self.collective.all_reduce_sum(
                 torch.tensor([window.targets, window.tokens, window.samples], dtype=torch.float64)
@@ -174,26 +181,39 @@ class Engine:
 
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             last = len(window.micro_batches) - 1
-            for index, micro_batch in enumerate(window.micro_batches):
-                if on_micro_batch is not None:
-                    on_micro_batch(index)
-                batch = _to_device(micro_batch, self.device)
-                # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.
-                with self.collective.gradient_sync(self.model, enabled=index == last):
-                    with self.precision.autocast():
-                        micro_loss_sum = self.loss_fn(self.model, batch)
-                    # Dividing by the window's targets (not the micro-batch's) makes the accumulated gradient the
-                    # one-big-batch gradient; x world undoes DDP's average over processes.
-                    self.precision.backward(micro_loss_sum * (world / window_targets))
-                loss_sum += micro_loss_sum.detach().to(torch.float64)
+            try:
+                for index, micro_batch in enumerate(window.micro_batches):
+                    if on_micro_batch is not None:
+                        on_micro_batch(index)
+                    batch = _to_device(micro_batch, self.device)
+                    # guarded: a micro-batch above --memory-budget raises out-of-memory, like a real CUDA OOM.
+                    with self.memory.segment(guarded=True):
+                        # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.
+                        with self.collective.gradient_sync(self.model, enabled=index == last):
+                            with self.precision.autocast(), self._saved_tensors_context():
+                                micro_loss_sum = self.loss_fn(self.model, batch)
+                            # Dividing by the window's targets (not the micro-batch's) makes the accumulated
+                            # gradient the one-big-batch gradient; x world undoes DDP's average over processes.
+                            self.precision.backward(micro_loss_sum * (world / window_targets))
+                    loss_sum += micro_loss_sum.detach().to(torch.float64)
+                    del micro_loss_sum, batch  # free the graph's last references before the next micro-batch
+            except BaseException:
+                # Out of memory (or interrupted) mid-window: drop the partial gradients so that a retry of the same
+                # window, at any micro-batch size, starts from exactly the state before it. Nothing was counted.
+                self.optimizer.zero_grad(set_to_none=True)
+                raise
 
-            grad_norm = self.precision.unscale_and_clip(self.optimizer, self.model.parameters(), self.max_grad_norm)
-            if self.skip_nonfinite and not self.precision.has_scaler and not math.isfinite(grad_norm):
-                did_step, reason = False, "non-finite gradients"
-            else:
-                did_step = self.precision.step(self.optimizer)  # fp16: skipped when the scaler found inf/nan
-                reason = None if did_step else "fp16 overflow"
-            self.optimizer.zero_grad(set_to_none=True)
+            self.windows += 1
+            with self.memory.segment():
+                grad_norm = self.precision.unscale_and_clip(
+                    self.optimizer, self.model.parameters(), self.max_grad_norm
+                )
+                if self.skip_nonfinite and not self.precision.has_scaler and not math.isfinite(grad_norm):
+                    did_step, reason = False, "non-finite gradients"
+                else:
+                    did_step = self.precision.step(self.optimizer)  # fp16: skipped when the scaler found inf/nan
+                    reason = None if did_step else "fp16 overflow"
+                self.optimizer.zero_grad(set_to_none=True)
             if did_step:
                 self.steps += 1
                 if self.scheduler is not None:
@@ -214,6 +234,7 @@ class Engine:
             lr=lr,
             loss_scale=loss_scale,
             micro_steps=len(window.micro_batches),
+            micro_batch_size=max(self.counter.samples(b) for b in window.micro_batches),
             samples=samples,
             tokens=tokens,
             targets=window_targets,
@@ -221,17 +242,25 @@ class Engine:
             peak_memory_bytes=self.memory.peak_bytes,
         )
 
+    def _saved_tensors_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Where autograd keeps what the forward saves for backward: device memory, or host memory when offloaded."""
+        if not self.offload_activations:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+
     def _skip_empty_window(
         self, window: Window, started: float, lr: float, loss_scale: float | None, tokens: int, samples: int
     ) -> StepResult:
         """A window without a single target has no loss to average: skip it, never divide by zero."""
+        self.windows += 1
         warnings.warn(
             f"window {self.windows} has no loss-bearing targets (every label is -100); skipped", stacklevel=3
         )
         self.skipped_steps += 1
         return StepResult(
             step=self.steps, window=self.windows, skipped=True, skip_reason="no targets", loss=None,
-            grad_norm=None, lr=lr, loss_scale=loss_scale, micro_steps=len(window.micro_batches), samples=samples,
+            grad_norm=None, lr=lr, loss_scale=loss_scale, micro_steps=len(window.micro_batches),
+            micro_batch_size=max(self.counter.samples(b) for b in window.micro_batches), samples=samples,
             tokens=tokens, targets=0, step_time_s=time.perf_counter() - started, peak_memory_bytes=None,
         )
 

@@ -2,9 +2,9 @@
 
 CUDA: the caching allocator's own high-water mark, reset before the step (cheap, so every step is measured).
 CPU: PyTorch keeps no allocator statistics, so the profiler's allocation events are replayed instead: the bytes live
-when the step starts (parameters, optimizer state, anything the user holds in the model and optimizer) plus the highest
-running sum of allocations minus frees during the step. The profiler costs about as much as the step itself, so on CPU
-only the steps the caller asks for are measured; the others report None rather than a guess.
+when a segment starts (parameters, gradients, optimizer state) plus the highest running sum of allocations minus frees
+during it. The profiler costs about as much as the step itself, so on CPU only the steps the caller asks for are
+measured (every step when a memory budget is enforced); the others report None rather than a guess.
 """
 
 from __future__ import annotations
@@ -62,30 +62,81 @@ def _quiet_native_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
-class StepMemoryMeter:
-    """Measures the peak tensor memory of a block of work; ``peak_bytes`` is None when it was not measured."""
+class MemoryBudgetExceeded(torch.OutOfMemoryError):
+    """A measured peak above ``--memory-budget`` on a device without an allocator cap (the CPU).
 
-    def __init__(self, device: torch.device) -> None:
+    A subclass of torch.OutOfMemoryError, so the code that recovers from a real CUDA out-of-memory error recovers
+    from this one too: that is what makes out-of-memory handling testable without a GPU.
+    """
+
+
+class StepMemoryMeter:
+    """Measures the peak tensor memory of a step; ``peak_bytes`` is None when it was not measured.
+
+    CUDA: ``measure`` resets the allocator's high-water mark and reads it back. CPU: the step is measured in
+    segments (each micro-batch's forward and backward, then the optimizer phase), each a profiler session whose
+    peak is the bytes live at its start plus the highest running sum of its allocations. Segments let the budget be
+    checked after every micro-batch, as close to a real allocation failure as a measurement can get.
+    """
+
+    def __init__(self, device: torch.device, *, budget_bytes: int | None = None) -> None:
         self.device = device
+        self.budget_bytes = budget_bytes
         self.peak_bytes: int | None = None
+        self._active = False
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
 
     @contextlib.contextmanager
-    def measure(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, enabled: bool) -> Iterator[None]:
+    def measure(
+        self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, enabled: bool, segmented: bool = False
+    ) -> Iterator[None]:
+        """The whole step. On CPU, ``enabled`` (or a budget) turns measurement on: as one profiler session, or, when
+        ``segmented``, as the ``segment()`` blocks inside it (the engine's micro-batches and optimizer phase)."""
         self.peak_bytes = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             return
-        if not enabled or self.device.type != "cpu":
+        if self.device.type != "cpu" or not (enabled or (segmented and self.budget_bytes is not None)):
             yield
             return
-        baseline = live_training_bytes(model, optimizer)
+        self._model, self._optimizer = model, optimizer
+        try:
+            if segmented:
+                self._active = True
+                yield
+            else:
+                with self._profiled(guarded=False):
+                    yield
+        finally:
+            self._active = False
+            self._model = self._optimizer = None
+
+    @contextlib.contextmanager
+    def segment(self, *, guarded: bool = False) -> Iterator[None]:
+        """One part of a segmented step. ``guarded``: raise MemoryBudgetExceeded when its peak is above the budget."""
+        if not self._active:
+            yield
+            return
+        with self._profiled(guarded=guarded):
+            yield
+
+    @contextlib.contextmanager
+    def _profiled(self, *, guarded: bool) -> Iterator[None]:
+        assert self._model is not None and self._optimizer is not None  # set by measure()
+        baseline = live_training_bytes(self._model, self._optimizer)
         from torch.profiler import ProfilerActivity, profile
 
         with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             yield
-        self.peak_bytes = baseline + _peak_of_allocation_events(prof)
+        peak = baseline + _peak_of_allocation_events(prof)
+        self.peak_bytes = max(self.peak_bytes or 0, peak)
+        if guarded and self.budget_bytes is not None and peak > self.budget_bytes:
+            raise MemoryBudgetExceeded(
+                f"measured peak {peak:,} bytes is above the memory budget of {self.budget_bytes:,} bytes"
+            )
 
 
 def _peak_of_allocation_events(prof: Any) -> int:

@@ -11,7 +11,7 @@ import resource
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
@@ -19,13 +19,16 @@ from typing import IO, Any
 import torch
 
 from cadence import __version__
+from cadence.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.checkpoint import save_checkpoint
 from cadence.config import TrainConfig, resolve_device, validate
 from cadence.data import DataSplits, iterate_micro_batches, load_data
-from cadence.engine import Engine
+from cadence.engine import Engine, StepResult
 from cadence.errors import UsageError
 from cadence.models import build_model, model_context_length
+from cadence.offload import OffloadedOptimizer
 from cadence.progress import TrainProgress, format_bytes
+from cadence.recompute import apply_activation_checkpointing
 from cadence.run_dir import RunWriter
 from cadence.schedules import build_lr_scheduler
 from cadence.windows import iter_windows
@@ -46,11 +49,13 @@ class Prepared:
     config: TrainConfig
     device: torch.device
     seq_len: int
+    micro_batch_size: int
     grad_accum_steps: int
     effective_batch_size: int
     world_size: int
     data: DataSplits
     out: Path
+    memory_budget_bytes: int | None
 
 
 def prepare(config: TrainConfig, *, world_size: int = 1) -> Prepared:
@@ -58,8 +63,9 @@ def prepare(config: TrainConfig, *, world_size: int = 1) -> Prepared:
     validate(config, world_size=world_size)
     seq_len = config.seq_len or model_context_length(config.model)
     data = load_data(config.data, seq_len, config.val_fraction)
+    micro = config.resolved_micro_batch_size(world_size)
     grad_accum_steps = config.resolved_grad_accum_steps(world_size)
-    effective = config.micro_batch_size * grad_accum_steps * world_size
+    effective = micro * grad_accum_steps * world_size
     if config.last_window == "drop" and len(data.train) < effective:
         raise UsageError.single(
             "--last-window",
@@ -70,13 +76,15 @@ def prepare(config: TrainConfig, *, world_size: int = 1) -> Prepared:
     if config.out is None and out.exists():
         raise UsageError.single("--out", f"default {out} already exists; give --out")
     return Prepared(
-        config=config, device=resolve_device(config.device), seq_len=seq_len, grad_accum_steps=grad_accum_steps,
-        effective_batch_size=effective, world_size=world_size, data=data, out=out,
+        config=config, device=resolve_device(config.device), seq_len=seq_len, micro_batch_size=micro,
+        grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
+        memory_budget_bytes=config.memory_budget_bytes(),
     )
 
 
-def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only; decaying biases and norm gains only hurts."""
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices and embeddings only (decaying biases and norm gains only hurts);
+    with ``--offload optimizer`` its state and update live on the CPU."""
     decay, no_decay = [], []
     seen: set[int] = set()
     for param in model.parameters():  # parameters() yields a tied weight once
@@ -85,32 +93,85 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
         seen.add(id(param))
         (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2))
+    options = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2)}
+    if config.offload == "optimizer":
+        return OffloadedOptimizer(groups, optimizer_class=torch.optim.AdamW, **options)
+    return torch.optim.AdamW(groups, **options)  # type: ignore[arg-type]
+
+
+@dataclass(kw_only=True)
+class Components:
+    """The objects one training run is made of."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    engine: Engine
+
+
+def build_components(prep: Prepared) -> Components:
+    """Model (with recompute), optimizer (possibly offloaded), schedule and engine, as the configuration says."""
+    config = prep.config
+    torch.manual_seed(config.seed)
+    model = build_model(config.model).to(prep.device)
+    apply_activation_checkpointing(model, config.activation_checkpointing)  # type: ignore[arg-type]
+    optimizer = build_optimizer(model, config)
+    scheduler = build_lr_scheduler(
+        optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,  # type: ignore[arg-type]
+        max_steps=config.max_steps, min_lr_ratio=config.min_lr_ratio,
+    )
+    budget = prep.memory_budget_bytes
+    if budget is not None and prep.device.type == "cuda":
+        # A real cap: the caching allocator raises torch.OutOfMemoryError past it, exactly like a smaller GPU.
+        total = torch.cuda.get_device_properties(prep.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), prep.device)
+    engine = Engine(
+        model, optimizer, scheduler=scheduler, precision=config.precision,  # type: ignore[arg-type]
+        max_grad_norm=config.max_grad_norm, offload_activations=config.offload == "activations",
+        memory_budget_bytes=budget if prep.device.type == "cpu" else None,
+    )
+    return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine)
+
+
+@dataclass(kw_only=True)
+class _Totals:
+    tokens: int = 0
+    targets: int = 0
+    samples: int = 0
+    timed_tokens: int = 0
+    timed_s: float = 0.0
+    peak_memory: int | None = None
+    oom_retries: int = 0
+    last: dict[str, Any] = field(default_factory=dict)
+    last_val: float | None = None
+
+    def add(self, result: StepResult, *, timed: bool) -> None:
+        self.tokens += result.tokens
+        self.targets += result.targets
+        self.samples += result.samples
+        if timed:  # steps slowed by the profiler do not count towards throughput
+            self.timed_tokens += result.tokens
+            self.timed_s += result.step_time_s
+        if result.peak_memory_bytes is not None:
+            self.peak_memory = max(self.peak_memory or 0, result.peak_memory_bytes)
 
 
 def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | None = None) -> dict[str, Any]:
     """Train as configured; returns the summary (also written to summary.json)."""
     stream = stream or sys.stderr
     prep = prepare(config)
-    torch.manual_seed(config.seed)
-    model = build_model(config.model).to(prep.device)
-    optimizer = build_optimizer(model, config)
-    scheduler = build_lr_scheduler(
-        optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,  # type: ignore[arg-type]
-        max_steps=config.max_steps, min_lr_ratio=config.min_lr_ratio,
-    )
-    engine = Engine(
-        model, optimizer, scheduler=scheduler, precision=config.precision,  # type: ignore[arg-type]
-        max_grad_norm=config.max_grad_norm,
-    )
-    val_batches = _validation_batches(prep, config)
-    parameters = sum(p.numel() for p in model.parameters())
+    parts = build_components(prep)
+    engine = parts.engine
+    val_batches = _validation_batches(prep)
+    parameters = sum(p.numel() for p in parts.model.parameters())
 
     writer = RunWriter(prep.out)
     writer.write_config(_resolved_config(prep, parameters))
+    micro = "auto, starting at " + str(prep.micro_batch_size) if config.auto_micro_batch else prep.micro_batch_size
     print(
-        f"cadence {__version__}: {config.model} ({parameters:,} parameters) on {prep.device}, {config.precision}\n"
-        f"effective batch = {config.micro_batch_size} micro-batch x {prep.grad_accum_steps} accumulation x "
+        f"cadence {__version__}: {config.model} ({parameters:,} parameters) on {prep.device}, {config.precision}, "
+        f"recompute {config.activation_checkpointing}, offload {config.offload}\n"
+        f"effective batch = {micro} micro-batch x {prep.grad_accum_steps} accumulation x "
         f"{prep.world_size} process(es) = {prep.effective_batch_size} sequences of {prep.seq_len} tokens\n"
         f"data: {prep.data.description}\nrun directory: {prep.out}",
         file=stream, flush=True,
@@ -119,50 +180,60 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
         print(f"note: {prep.data.truncated} examples were longer than --seq-len and were truncated", file=stream)
 
     started = time.perf_counter()
-    totals = {"tokens": 0, "targets": 0, "samples": 0, "timed_tokens": 0, "timed_s": 0.0}
-    peak_memory: int | None = None
-    last: dict[str, Any] = {}
-    last_val: float | None = None
+    totals = _Totals()
     consecutive_skips = 0
     epoch = 0
     progress = TrainProgress(total_steps=config.max_steps, grad_accum_steps=prep.grad_accum_steps,
                              log_every=config.log_every, stream=stream, live=live)
+    controller = MicroBatchController(start=prep.micro_batch_size, grow_after=config.auto_grow_after,
+                                      log=lambda text: progress.message(f"auto micro-batch: {text}"))
+    budget_on_cpu = prep.memory_budget_bytes is not None and prep.device.type == "cpu"
     try:
         with progress, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             while engine.steps < config.max_steps:
                 windows = iter_windows(
-                    iterate_micro_batches(prep.data.train, config.micro_batch_size, config.seed, epoch),
-                    prep.grad_accum_steps, micro_batch_size=config.micro_batch_size,
+                    iterate_micro_batches(prep.data.train, prep.micro_batch_size, config.seed, epoch),
+                    prep.grad_accum_steps, micro_batch_size=prep.micro_batch_size,
                     last_window=config.last_window, epoch=epoch,  # type: ignore[arg-type]
                 )
                 for window_in_epoch, window in enumerate(windows, start=1):
                     # On CPU memory is measured by the profiler, which is as slow as a step: measure the first
-                    # steady-state window (the second: the first also allocates the optimizer state) only.
-                    profiled = prep.device.type == "cpu" and engine.windows + 1 == min(2, config.max_steps)
-                    result = engine.step(
-                        window, measure_memory=profiled,
-                        on_micro_batch=lambda index: progress.micro_step(engine.steps, index + 1),
+                    # steady-state window (the second: the first also allocates the optimizer state) only, unless
+                    # a budget is enforced, which needs every step measured.
+                    profiled = prep.device.type == "cpu" and (
+                        budget_on_cpu or engine.windows + 1 == min(2, config.max_steps)
                     )
-                    row = {**result.as_metrics(), "epoch": epoch}
+                    step_options = {
+                        "measure_memory": profiled,
+                        "on_micro_batch": lambda index: progress.micro_step(engine.steps, index + 1),
+                    }
+                    try:
+                        if config.auto_micro_batch:
+                            result, retries = controller.step(engine, window, **step_options)
+                        else:
+                            result, retries = engine.step(window, **step_options), 0
+                    except MicroBatchTooLarge as err:
+                        raise TrainingFailed(str(err)) from err
+                    except torch.OutOfMemoryError as err:
+                        raise TrainingFailed(
+                            f"out of memory at micro-batch {prep.micro_batch_size} ({str(err).splitlines()[0]}); "
+                            f"use --micro-batch-size auto, a smaller --micro-batch-size, or "
+                            f"--activation-checkpointing full"
+                        ) from err
+                    row = {**result.as_metrics(), "epoch": epoch, "oom_retries": retries}
+                    totals.oom_retries += retries
                     for item in caught:
                         progress.message(f"warning: {item.message}")
                     caught.clear()
-                    if result.peak_memory_bytes is not None:
-                        peak_memory = max(peak_memory or 0, result.peak_memory_bytes)
-                    totals["tokens"] += result.tokens
-                    totals["targets"] += result.targets
-                    totals["samples"] += result.samples
-                    if not profiled:
-                        totals["timed_tokens"] += result.tokens
-                        totals["timed_s"] += result.step_time_s
+                    totals.add(result, timed=not profiled)
                     done = engine.steps >= config.max_steps
                     if not result.skipped and val_batches and (done or engine.steps % config.eval_every == 0):
-                        last_val = row["val_loss"] = engine.evaluate(val_batches)
+                        totals.last_val = row["val_loss"] = engine.evaluate(val_batches)
                     writer.log_step(row)
                     progress.update(row)
                     if not result.skipped:
-                        last = row
+                        totals.last = row
                     consecutive_skips = consecutive_skips + 1 if result.skipped else 0
                     if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
                         raise TrainingFailed(
@@ -171,8 +242,9 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
                         )
                     if config.checkpoint_every and not result.skipped and engine.steps % config.checkpoint_every == 0:
                         save_checkpoint(
-                            prep.out, step=engine.steps, model=model, optimizer=optimizer, scheduler=scheduler,
-                            engine_state=engine.state_dict(), data_position={"epoch": epoch, "window_in_epoch": window_in_epoch},
+                            prep.out, step=engine.steps, model=parts.model, optimizer=parts.optimizer,
+                            scheduler=parts.scheduler, engine_state=engine.state_dict(),
+                            data_position={"epoch": epoch, "window_in_epoch": window_in_epoch},
                             info={"loss": result.loss, "config": config.to_json_dict()},
                         )
                     if done:
@@ -183,41 +255,47 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
         writer.close()
 
     wall = time.perf_counter() - started
-    writer.save_model(model, metadata={"model": config.model, "step": str(engine.steps)})
+    writer.save_model(parts.model, metadata={"model": config.model, "step": str(engine.steps)})
     summary = {
         "steps": engine.steps,
         "skipped": engine.skipped_steps,
         "windows": engine.windows,
         "epochs": epoch + 1,
-        "tokens": totals["tokens"],
-        "targets": totals["targets"],
-        "samples": totals["samples"],
+        "tokens": totals.tokens,
+        "targets": totals.targets,
+        "samples": totals.samples,
         "wall_time_s": wall,
-        "tokens_per_s": totals["timed_tokens"] / totals["timed_s"] if totals["timed_s"] > 0 else None,
-        "peak_memory_bytes": peak_memory,
-        "peak_memory_source": _memory_source(prep.device),
+        # Throughput excludes profiler-slowed steps; when every step was measured (a CPU budget), it is all there is.
+        "tokens_per_s": (totals.timed_tokens / totals.timed_s if totals.timed_s > 0
+                         else totals.tokens / wall if wall > 0 else None),
+        "tokens_per_s_includes_profiler": totals.timed_s == 0,
+        "peak_memory_bytes": totals.peak_memory,
+        "peak_memory_source": _memory_source(prep.device, budget_on_cpu),
         "max_rss_bytes": _max_rss_bytes(),
-        "final_loss": last.get("loss"),
-        "final_val_loss": last_val,
+        "final_loss": totals.last.get("loss"),
+        "final_val_loss": totals.last_val,
         "effective_batch_size": prep.effective_batch_size,
+        "final_micro_batch_size": controller.current if config.auto_micro_batch else prep.micro_batch_size,
+        "oom_retries": totals.oom_retries,
         "parameters": parameters,
     }
     writer.write_summary(summary)
     print(
         f"done: {engine.steps} steps ({engine.skipped_steps} skipped), final loss {_fmt(summary['final_loss'])}, "
-        f"val loss {_fmt(last_val)}, {_fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
-        f"peak memory {format_bytes(peak_memory)}, {wall:.1f} s -> {prep.out}",
+        f"val loss {_fmt(totals.last_val)}, {_fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
+        f"peak memory {format_bytes(totals.peak_memory)}, {wall:.1f} s -> {prep.out}",
         file=stream, flush=True,
     )
     return summary
 
 
-def _validation_batches(prep: Prepared, config: TrainConfig) -> list[dict[str, torch.Tensor]]:
+def _validation_batches(prep: Prepared) -> list[dict[str, torch.Tensor]]:
     """The same first --eval-batches validation micro-batches every time, so evaluations are comparable."""
+    config = prep.config
     if config.eval_every <= 0 or prep.data.val is None:
         return []
     batches = []
-    for batch in iterate_micro_batches(prep.data.val, config.micro_batch_size, config.seed, 0, shuffle=False):
+    for batch in iterate_micro_batches(prep.data.val, prep.micro_batch_size, config.seed, 0, shuffle=False):
         batches.append(batch)
         if len(batches) == config.eval_batches:
             break
@@ -228,9 +306,12 @@ def _resolved_config(prep: Prepared, parameters: int) -> dict[str, Any]:
     return {
         **prep.config.to_json_dict(),
         "seq_len": prep.seq_len,
+        "micro_batch_size": prep.micro_batch_size,
+        "auto_micro_batch": prep.config.auto_micro_batch,
         "grad_accum_steps": prep.grad_accum_steps,
         "effective_batch_size": prep.effective_batch_size,
         "world_size": prep.world_size,
+        "memory_budget_bytes": prep.memory_budget_bytes,
         "out": str(prep.out),
         "resolved_device": str(prep.device),
         "model_parameters": parameters,
@@ -241,9 +322,11 @@ def _resolved_config(prep: Prepared, parameters: int) -> dict[str, Any]:
     }
 
 
-def _memory_source(device: torch.device) -> str:
+def _memory_source(device: torch.device, every_step: bool) -> str:
     if device.type == "cuda":
         return "torch.cuda.max_memory_allocated, every step"
+    if every_step:
+        return "torch.profiler allocation events, every step (memory budget enforced)"
     return "torch.profiler allocation events, first steady-state step (window 2)"
 
 

@@ -120,3 +120,49 @@ def iter_windows(
             pending = []
     if pending and last_window == "step":
         yield make_window(pending, epoch=epoch, short=True, counter=counter)
+
+
+def resplit_window(window: Window, micro_batch_size: int, *, counter: WindowCounter | None = None) -> Window:
+    """The same samples in micro-batches of ``micro_batch_size`` (the last may be smaller): same window, same math.
+
+    Micro-batches are right-padded to a common width before they are re-cut (input 0, label -100), then each new
+    micro-batch is trimmed after its last target column. With a causal model neither changes any target's loss:
+    positions after a target are never attended to by it, and padded positions carry no loss. This is what lets
+    ``--micro-batch-size auto`` retry an out-of-memory window at half the size and get the same gradient.
+    """
+    if micro_batch_size < 1:
+        raise ValueError("micro_batch_size must be >= 1")
+    batches = window.micro_batches
+    width = max(int(b["labels"].shape[1]) for b in batches)
+    padded = [_pad_to_width(batch, width) for batch in batches]
+    merged = {key: torch.cat([batch[key] for batch in padded]) for key in padded[0]}
+    total = int(merged["labels"].shape[0])
+    chunks = []
+    for start in range(0, total, micro_batch_size):
+        chunk = {key: value[start:start + micro_batch_size] for key, value in merged.items()}
+        chunks.append(_trim_after_last_target(chunk))
+    return make_window(chunks, epoch=window.epoch, short=window.short, counter=counter)
+
+
+def _pad_to_width(batch: Batch, width: int) -> dict[str, torch.Tensor]:
+    current = int(batch["labels"].shape[1])
+    if current == width:
+        return dict(batch)
+    out = {}
+    for key, value in batch.items():
+        if value.ndim == 2 and value.shape[1] == current:
+            fill = IGNORE_INDEX if key == "labels" else 0
+            value = torch.nn.functional.pad(value, (0, width - current), value=fill)
+        out[key] = value
+    return out
+
+
+def _trim_after_last_target(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    labels = batch["labels"]
+    columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
+    width = int(columns[-1]) + 1 if len(columns) else 1
+    if width == labels.shape[1]:
+        return batch
+    full = labels.shape[1]
+    return {key: (value[:, :width] if value.ndim == 2 and value.shape[1] == full else value)
+            for key, value in batch.items()}
