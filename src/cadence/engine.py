@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.memory import StepMemoryMeter
+from cadence.offload import activation_offload
 from cadence.precision import Precision, PrecisionName
 from cadence.windows import IGNORE_INDEX, Batch, Window, WindowCounter, make_window
 
@@ -246,7 +247,7 @@ class Engine:
         """Where autograd keeps what the forward saves for backward: device memory, or host memory when offloaded."""
         if not self.offload_activations:
             return contextlib.nullcontext()
-        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+        return activation_offload(self.device)
 
     def _skip_empty_window(
         self, window: Window, started: float, lr: float, loss_scale: float | None, tokens: int, samples: int

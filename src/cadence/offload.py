@@ -33,8 +33,8 @@ def activation_offload(device: torch.device | str) -> contextlib.AbstractContext
 
     It is ``torch.autograd.graph.save_on_cpu``. On CUDA the saved tensors go to pinned host memory with asynchronous
     copies both ways, so the copies overlap compute. On a CPU device the very same hooks run (so this code path is
-    exercised by CPU tests), but a CPU tensor is already in host memory: nothing is copied and nothing is saved.
-    Backward must run while the context's tensors are alive; it need not run inside the context.
+    exercised by CPU tests), but a CPU tensor is already in host memory: nothing is copied and no memory is saved.
+    Only the forward needs to be inside the context; backward may run after it has exited.
     """
     device = torch.device(device)
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
