@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, get_type_hints
 
 import click
 
 from cadence import __version__
-from cadence.config import TrainConfig, build_config, field_help, flag
+from cadence.config import TrainConfig, build_config, flag, given_keys, read_field_docs
+from cadence.plan import PLAN_TRAIN_FIELDS, PlanOptions
 
 
 @click.group(
@@ -69,18 +71,27 @@ def _metavar(hint: Any, name: str) -> str:
     return {"INTEGER": "N", "FLOAT": "X"}.get(kind.name.upper(), name.upper().split("_")[-1])
 
 
-def config_options(command: Any) -> Any:
-    """Decorate ``command`` with --config and one option per TrainConfig field (default None = not given)."""
-    hints = get_type_hints(TrainConfig)
-    for field in reversed(dataclasses.fields(TrainConfig)):
-        default = field.default
-        help_text = field_help(field.name)
-        if default is not None:
-            help_text += f"  [default: {default}]"
-        command = click.option(
-            flag(field.name), field.name, type=_click_type(hints[field.name]), default=None, help=help_text,
-            metavar=_metavar(hints[field.name], field.name),
-        )(command)
+def dataclass_options(cls: type, names: tuple[str, ...] | None = None) -> Callable[[Any], Any]:
+    """Decorate a command with one option per field of ``cls`` (default None = not given), help from docstrings."""
+    hints = get_type_hints(cls)
+    docs = read_field_docs(cls)
+    fields = [f for f in dataclasses.fields(cls) if names is None or f.name in names]
+
+    def decorate(command: Any) -> Any:
+        for field in reversed(fields):
+            help_text = docs.get(field.name, "")
+            if field.default is not None:
+                help_text += f"  [default: {field.default}]"
+            command = click.option(
+                flag(field.name), field.name, type=_click_type(hints[field.name]), default=None, help=help_text,
+                metavar=_metavar(hints[field.name], field.name),
+            )(command)
+        return command
+
+    return decorate
+
+
+def config_file_option(command: Any) -> Any:
     return click.option(
         "--config", "config_file", type=click.Path(path_type=Path), default=None,
         help="TOML file with the same names (with '_' instead of '-'); flags win over it.",
@@ -88,12 +99,45 @@ def config_options(command: Any) -> Any:
 
 
 @app.command("train")
-@config_options
+@config_file_option
+@dataclass_options(TrainConfig)
 def train_command(config_file: Path | None, **options: Any) -> None:
     """Train a model; writes a run directory (config.json, metrics.jsonl, summary.json, model.safetensors)."""
     from cadence.trainer import train
 
-    train(build_config(toml_path=config_file, flags=options))
+    config = build_config(toml_path=config_file, flags=options)
+    if config.plan is not None:
+        from cadence.plan import apply_plan
+
+        config = apply_plan(config, given_keys(toml_path=config_file, flags=options))
+    train(config)
+
+
+@app.command("plan")
+@config_file_option
+@dataclass_options(TrainConfig, PLAN_TRAIN_FIELDS)
+@dataclass_options(PlanOptions)
+def plan_command(config_file: Path | None, **options: Any) -> None:
+    """Choose micro-batch, accumulation, recompute, offload and precision under --memory-budget for
+    --effective-batch-size, by estimate and measured trials; writes plan.json and a report."""
+    from cadence.plan import make_plan
+
+    plan_fields = {f.name for f in dataclasses.fields(PlanOptions)}
+    plan_options = PlanOptions(**{k: v for k, v in options.items() if k in plan_fields and v is not None})
+    flags = {k: v for k, v in options.items() if k not in plan_fields}
+    constrained = given_keys(toml_path=config_file, flags=flags)
+    config = build_config(toml_path=config_file, flags=flags)
+    make_plan(config, plan_options, constrained=constrained)
+
+
+@app.command("report")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+def report_command(run_dir: Path) -> None:
+    """(Re)build report.md and report.html of a run directory or a plan directory."""
+    from cadence.report import build_report
+
+    for path in build_report(run_dir):
+        click.echo(str(path))
 
 
 def _click_problem(err: click.ClickException) -> str:
@@ -114,6 +158,7 @@ def _click_problem(err: click.ClickException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cadence`` console script; returns the exit status."""
     from cadence.errors import UsageError
+    from cadence.plan import PlanFailed
     from cadence.trainer import TrainingFailed
 
     try:
@@ -132,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except TrainingFailed as err:
         print(f"cadence: training failed: {err}", file=sys.stderr)
+        return 1
+    except PlanFailed as err:
+        print(f"cadence: plan failed: {err}", file=sys.stderr)
         return 1
     return 0
 

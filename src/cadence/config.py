@@ -107,6 +107,9 @@ class TrainConfig:
     """Save a checkpoint every N optimizer steps into OUT/checkpoints/step-N; 0 = none."""
     log_every: int = 10
     """Print a progress line every N optimizer steps when the output is not a terminal."""
+    plan: Path | None = None
+    """A plan.json from cadence plan: train with its decision (micro-batch, accumulation, precision, recompute,
+    offload, model and seq-len). A flag that contradicts the plan is an error."""
 
     # ------------------------------------------------------------------------------------------------ derived
     @property
@@ -141,17 +144,18 @@ class TrainConfig:
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
-def field_help(name: str) -> str:
+def field_help(name: str, cls: type | None = None) -> str:
     """The docstring under a field, used as its --help text (one source of truth for both)."""
-    return _FIELD_DOCS.get(name, "")
+    return read_field_docs(cls or TrainConfig).get(name, "")
 
 
-def _read_field_docs() -> dict[str, str]:
+def read_field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal right under it) in a dataclass's source."""
     import ast
     import inspect
     import textwrap
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     docs: dict[str, str] = {}
     body = tree.body[0].body  # type: ignore[attr-defined]
     for node, following in zip(body, body[1:]):
@@ -159,9 +163,6 @@ def _read_field_docs() -> dict[str, str]:
             if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
                 docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs
-
-
-_FIELD_DOCS = _read_field_docs()
 
 
 # ---------------------------------------------------------------------------------------------------- TOML
@@ -222,6 +223,14 @@ def _convert(value: Any, hint: Any) -> Any:
     if str in args:
         return value if isinstance(value, str) else _INVALID
     return _INVALID
+
+
+def given_keys(*, toml_path: Path | None, flags: dict[str, Any]) -> set[str]:
+    """The fields the user set, in the TOML file or as flags (the rest are defaults)."""
+    keys = {key for key, value in flags.items() if value is not None}
+    if toml_path is not None and toml_path.is_file():
+        keys |= set(_good_toml_values(toml_path))
+    return keys
 
 
 def build_config(*, toml_path: Path | None, flags: dict[str, Any]) -> TrainConfig:
@@ -329,6 +338,8 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
     at_least("log_every", 1)
     if at_least("eval_every", 0) and config.eval_every > 0 and config.val_fraction == 0:
         bad("eval_every", "needs a validation split; set --val-fraction above 0")
+    if config.plan is not None and not config.plan.is_file():
+        bad("plan", f"{config.plan} is not a file; give the plan.json that cadence plan wrote")
     if config.data is not None and not config.data.exists():
         bad("data", f"{config.data} does not exist")
     if config.out is not None:

@@ -1,0 +1,442 @@
+"""Where the memory of one training step of the built-in GPT goes, predicted without running it.
+
+The estimate is a replay, not a sum: it walks the step op by op (forward, backward, optimizer step) the way PyTorch
+runs it, allocating each tensor when the op that makes it runs and freeing it when the last user lets it go, and
+reports the highest total and what made it. The peak therefore sits where the real one does: at the end of the forward
+(all saved activations plus the fp32 logits), early in backward (activations not yet released plus the gradients
+flowing back), or in the optimizer step (parameters + gradients + AdamW state + its scratch).
+
+What each op keeps for backward is PyTorch's own choice and is written out below: a pre-norm block saves its input
+and mid residual (fp32: the residual stream stays fp32 under autocast, because a bf16 branch added to an fp32 stream
+promotes), both layer norms' statistics, the compute-dtype inputs of its four matmuls, the fused qkv output and the
+attention output and log-sum-exp (flash attention, on CPU too, never stores the T x T matrix), and both MLP
+activations (4x wide). Under autocast every matmul also keeps the compute-dtype copy of its weight.
+
+It was checked against :func:`cadence.memory_measure.measure_step` on CPU (gpt-tiny / small / base x fp32 / bf16 x
+none / full recompute: within a few percent); on CUDA the same ops save the same tensors, but the allocator's rounding
+and the CUDA context are not modelled.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cadence.models.gpt import GPTConfig
+
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+CheckpointingMode = Literal["none", "full", "selective"]
+OffloadMode = Literal["none", "activations", "optimizer"]
+
+ESTIMATE_CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+"""Device categories of :attr:`MemoryEstimate.by_category`, in report order."""
+
+_FP32 = 4
+_INDEX = 8  # int64 token ids and labels
+_STATS = 2  # a layer norm saves its mean and reciprocal std: two fp32 values per token
+
+# What a block keeps for its backward, by checkpointing mode (names as in _Replay._block_forward).
+_SAVED_NONE = frozenset(
+    {"ln1.stats", "h1", "qkv", "att", "lse", "x1", "ln2.stats", "h2", "f", "g", "w.qkv", "w.proj", "w.fc", "w.mlp"}
+)
+# Selective keeps the outputs of matmuls and attention (cadence.recompute's policy) and recomputes the cheap ops.
+_SAVED_SELECTIVE = frozenset({"qkv", "att", "lse", "po", "f", "mo"})
+_SAVED_FULL: frozenset[str] = frozenset()  # the checkpoint keeps only the block's input (the residual, always kept)
+
+
+@dataclass(kw_only=True)
+class MemoryEstimate:
+    """The predicted memory of one optimizer step (bytes of tensors; the allocator's own overhead excluded)."""
+
+    peak_bytes: int
+    """Device bytes at the predicted peak: the sum of the device categories of ``by_category``."""
+    by_category: dict[str, int]
+    """parameters, gradients, optimizer_state, activations, temporaries at the peak (summing to ``peak_bytes``),
+    plus ``offloaded_to_host`` (host memory, not part of the peak) when offload moves something off the device."""
+    peak_phase: str
+    """Where the peak happens: ``"forward"``, ``"backward"`` or ``"optimizer step"``."""
+    activation_bytes: int
+    """Most activation bytes alive at once over the step (recomputed ones included): "activation memory"."""
+    dominant: str
+    """The largest part of the peak, its share, and what would shrink it."""
+    notes: list[str] = field(default_factory=list)
+
+
+def estimate_step_memory(
+    config: GPTConfig,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: PrecisionName,
+    checkpointing: CheckpointingMode,
+    offload: OffloadMode = "none",
+    device_type: str = "cpu",
+    optimizer: Literal["adamw"] = "adamw",
+    grad_accum_steps: int = 1,
+) -> MemoryEstimate:
+    """Predict the peak memory of one step of ``GPT(config)`` trained the way :class:`cadence.engine.Engine` does.
+
+    ``grad_accum_steps`` > 1 adds the fp32 gradients, held from the second micro-batch on, to the forward's peak;
+    more accumulation beyond 2 changes nothing (that is the point of accumulating).
+    """
+    problems = []
+    if micro_batch_size < 1 or seq_len < 1 or grad_accum_steps < 1:
+        problems.append("micro_batch_size, seq_len and grad_accum_steps must be >= 1")
+    if seq_len > config.context_length:
+        problems.append(f"seq_len {seq_len} exceeds the model's context length {config.context_length}")
+    if precision not in ("fp32", "bf16", "fp16"):
+        problems.append(f"unknown precision {precision!r}")
+    if checkpointing not in ("none", "full", "selective"):
+        problems.append(f"unknown checkpointing {checkpointing!r}")
+    if offload not in ("none", "activations", "optimizer"):
+        problems.append(f"unknown offload {offload!r}")
+    if optimizer != "adamw":
+        problems.append(f"only AdamW is modelled, not {optimizer!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+    notes: list[str] = []
+    on_device = device_type != "cpu"
+    if offload != "none" and not on_device:
+        notes.append(f"offload {offload} saves nothing on cpu: the host is the device, so nothing moves")
+    replay = _Replay(
+        config, tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
+        checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
+        offload_optimizer=on_device and offload == "optimizer", foreach=on_device,
+    )
+    replay.run(micro_batches=min(grad_accum_steps, 2))
+    notes += replay.notes
+    if on_device:
+        notes.append("the CUDA context and the caching allocator's reserve come on top (see nvidia-smi, not this)")
+
+    by_category = {name: int(replay.at_peak.get(name, 0)) for name in ESTIMATE_CATEGORIES}
+    peak = sum(by_category.values())
+    if replay.host_bytes:
+        by_category["offloaded_to_host"] = int(replay.host_bytes)
+    return MemoryEstimate(
+        peak_bytes=peak,
+        by_category=by_category,
+        peak_phase=replay.peak_phase,
+        activation_bytes=int(replay.activation_peak),
+        dominant=_dominant(by_category, peak, replay.peak_phase, precision),
+        notes=notes,
+    )
+
+
+_WHY = {
+    "activations": "they grow with micro-batch x seq_len; recompute (--activation-checkpointing full) or a smaller "
+    "micro-batch with more accumulation cuts them",
+    "optimizer_state": "AdamW keeps two fp32 moments per parameter; only a smaller model or --offload optimizer "
+    "(on a GPU) moves them",
+    "parameters": "fp32 master weights{copies}; fixed by the model size",
+    "gradients": "one fp32 gradient per parameter, held from the first backward to the optimizer step; fixed by the "
+    "model size",
+    "temporaries": "gradients in flight through backward, the fp32 logits' softmax and the optimizer's scratch; a "
+    "smaller micro-batch cuts the first two",
+}
+
+
+def _dominant(by_category: dict[str, int], peak: int, phase: str, precision: str) -> str:
+    name = max(ESTIMATE_CATEGORIES, key=lambda key: by_category[key])
+    why = _WHY[name].format(copies="" if precision == "fp32" else f" plus autocast's {precision} copies")
+    return f"{name}: {by_category[name] / peak:.0%} of the peak (in the {phase}) — {why}"
+
+
+class _Replay:
+    """Walks one step op by op, tracking live device bytes by category and remembering the highest total."""
+
+    def __init__(
+        self, config: GPTConfig, *, tokens: int, seq_len: int, precision: str, checkpointing: str,
+        offload_activations: bool, offload_optimizer: bool, foreach: bool,
+    ) -> None:
+        self.cfg = config
+        self.n, self.t, self.c = tokens, seq_len, config.n_embd
+        self.lowp = precision != "fp32"
+        self.act = 2 if self.lowp else _FP32  # bytes per element of the compute dtype
+        self.mode = checkpointing
+        self.saved = {"none": _SAVED_NONE, "selective": _SAVED_SELECTIVE, "full": _SAVED_FULL}[checkpointing]
+        self.offload_activations = offload_activations
+        self.offload_optimizer = offload_optimizer
+        self.foreach = foreach
+        self.notes: list[str] = []
+        self.live: collections.Counter[str] = collections.Counter()
+        self.tensors: dict[str, tuple[int, str]] = {}
+        self.grads: set[str] = set()  # parameters whose .grad exists
+        self.offloaded: dict[str, int] = {}  # activations waiting in host memory, by name
+        self.host_bytes = 0
+        self.peak = 0
+        self.at_peak: dict[str, int] = {}
+        self.peak_phase = ""
+        self.phase = ""
+        self.activation_peak = 0
+
+    # ---------------------------------------------------------------------------------------------- bookkeeping
+    def alloc(self, name: str, size: int, category: str) -> None:
+        self.tensors[name] = (size, category)
+        self.live[category] += size
+        total = sum(self.live.values())
+        self.activation_peak = max(self.activation_peak, self.live["activations"])
+        if total > self.peak:
+            self.peak, self.at_peak, self.peak_phase = total, dict(self.live), self.phase
+
+    def free(self, *names: str) -> None:
+        for name in names:
+            if name in self.tensors:
+                size, category = self.tensors.pop(name)
+                self.live[category] -= size
+
+    def param_grad(self, name: str, numel: int) -> None:
+        """A parameter's gradient arrives: the first one becomes ``.grad`` (fp32), later ones add into it in place.
+
+        Under autocast the matmul produces it in the compute dtype and autograd casts it to the fp32 parameter's
+        dtype, so both copies exist for a moment.
+        """
+        if self.lowp:
+            self.alloc("pg.low", numel * self.act, "temporaries")
+        if name in self.grads:
+            self.alloc("pg.new", numel * _FP32, "temporaries")
+            self.free("pg.new")
+        else:
+            self.grads.add(name)
+            self.alloc("grad." + name, numel * _FP32, "gradients")
+        self.free("pg.low")
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def run(self, micro_batches: int) -> None:
+        cfg = self.cfg
+        self.phase = "forward"
+        params = cfg.num_parameters()
+        self.alloc("params", params * _FP32, "parameters")
+        state = 2 * params * _FP32  # AdamW: exp_avg and exp_avg_sq, fp32 like the parameters
+        if self.offload_optimizer:
+            self.host_bytes += state + params * _FP32  # the state and an fp32 master copy the host step updates
+            self.notes.append("offload optimizer: AdamW state and an fp32 master copy live on the host; the step "
+                              "runs there and copies the parameters back")
+        else:
+            self.alloc("adam", state, "optimizer_state")
+        self.alloc("batch", 2 * self.n * _INDEX, "activations")
+        for _ in range(micro_batches):
+            self.phase = "forward"
+            self._forward()
+            self.phase = "backward"
+            self._backward()
+        self.free("batch")
+        self.phase = "optimizer step"
+        if not self.offload_optimizer:
+            self.alloc("adam.scratch", self._optimizer_scratch(), "temporaries")
+            self.free("adam.scratch")
+        for name in list(self.grads):
+            self.free("grad." + name)  # zero_grad(set_to_none=True)
+        if self.offload_activations:
+            self.notes.append("offload activations: saved activations wait in host memory; each block's come back "
+                              "to the device for its backward")
+
+    def _optimizer_scratch(self) -> int:
+        """Bytes AdamW allocates besides its state, over the largest moment of its step.
+
+        CUDA (foreach): ``_foreach_sqrt`` of the whole param group's ``exp_avg_sq`` at once, so one copy of the
+        group. CPU (one tensor at a time): ``sqrt`` and the quotient of the current tensor, while the previous
+        tensor's ``denom`` is still bound to the loop variable.
+        """
+        cfg, c = self.cfg, self.c
+        matrices = [cfg.vocab_size * c, cfg.context_length * c] + [3 * c * c, c * c, 4 * c * c, 4 * c * c] * cfg.n_layer
+        if self.foreach:
+            return sum(matrices) * _FP32  # the weight-decay group (matrices and embeddings) is the larger group
+        worst = max(2 * cur + prev for prev, cur in zip([0] + matrices[:-1], matrices, strict=True))
+        return worst * _FP32
+
+    def _forward(self) -> None:
+        n, c, v, a = self.n, self.c, self.cfg.vocab_size, self.act
+        # Embeddings run in fp32 even under autocast; the sum is the fp32 residual stream.
+        self.alloc("tok", n * c * _FP32, "activations")
+        self.alloc("pos", self.t * c * _FP32, "activations")
+        self.alloc("r0", n * c * _FP32, "activations")
+        self.free("tok", "pos")
+        for layer in range(self.cfg.n_layer):
+            self._block_forward(layer)
+        self.alloc("lnf.stats", _STATS * n * _FP32, "activations")
+        self._normalised("hf")
+        if self.lowp:
+            self.alloc("w.head", v * c * a, "parameters")
+        self.alloc("logits", n * v * a, "activations")
+        if self.lowp:
+            self.alloc("logits.f32", n * v * _FP32, "activations")  # the loss is computed in fp32
+        self.alloc("lsm", n * v * _FP32, "activations")  # log_softmax output, saved by cross-entropy
+        self.free("logits", "logits.f32")  # the loss function returns: the logits were never saved
+        if self.lowp:  # leaving autocast clears its cast cache: copies nothing saved are freed
+            for layer in range(self.cfg.n_layer):
+                for w in ("w.qkv", "w.proj", "w.fc", "w.mlp"):
+                    if w not in self.saved:
+                        self.free(f"b{layer}.{w}")
+        if self.offload_activations:  # every saved tensor was copied to the host as the forward made it
+            for name in [k for k, (_, cat) in self.tensors.items() if cat == "activations" and k != "batch"]:
+                self.offloaded[name] = self.tensors[name][0]
+                self.host_bytes += self.offloaded[name]
+                self.free(name)
+
+    def _normalised(self, name: str, prefix: str = "") -> None:
+        """A layer norm's output as the next matmul keeps it: fp32, or (autocast) an fp32 result then its cast."""
+        n, c = self.n, self.c
+        if self.lowp:
+            self.alloc(prefix + name + ".f32", n * c * _FP32, "activations")
+            self.alloc(prefix + name, n * c * self.act, "activations")
+            self.free(prefix + name + ".f32")
+        else:
+            self.alloc(prefix + name, n * c * _FP32, "activations")
+
+    def _block_forward(self, layer: int) -> None:
+        n, c, a, p = self.n, self.c, self.act, f"b{layer}."
+
+        def out(name: str, size: int, category: str = "activations") -> None:
+            self.alloc(p + name, size, category)
+
+        def drop(*names: str) -> None:  # the forward code lets go of these; only what backward keeps survives
+            self.free(*(p + name for name in names if name not in self.saved))
+
+        def weight(name: str, numel: int) -> None:  # autocast's compute-dtype copy, cached until autocast exits
+            if self.lowp:
+                out(name, numel * a, "parameters")
+
+        out("ln1.stats", _STATS * n * _FP32)
+        self._normalised("h1", p)
+        weight("w.qkv", 3 * c * c)
+        out("qkv", 3 * n * c * a)  # q, k, v are views of it
+        out("att", n * c * a)  # flash attention: output ...
+        out("lse", self.cfg.n_head * n * _FP32)  # ... and log-sum-exp, no T x T matrix
+        drop("h1", "qkv", "ln1.stats")
+        weight("w.proj", c * c)
+        out("po", n * c * a)  # attention output projection (its input is ``att``: the transpose is free)
+        drop("att", "lse")
+        out("x1", n * c * _FP32)  # residual add: fp32 stream + compute-dtype branch -> fp32
+        drop("po")
+        out("ln2.stats", _STATS * n * _FP32)
+        self._normalised("h2", p)
+        weight("w.fc", 4 * c * c)
+        out("f", 4 * n * c * a)
+        drop("h2", "ln2.stats")
+        out("g", 4 * n * c * a)  # GELU
+        drop("f")
+        weight("w.mlp", 4 * c * c)
+        out("mo", n * c * a)
+        drop("g")
+        self.alloc(f"r{layer + 1}", n * c * _FP32, "activations")
+        drop("mo", "x1")
+
+    # ------------------------------------------------------------------------------------------------ backward
+    def _backward(self) -> None:
+        n, c, v, a = self.n, self.c, self.cfg.vocab_size, self.act
+        self._bring_back("lsm")
+        self.alloc("dlsm", n * v * _FP32, "temporaries")  # nll_loss backward
+        self.alloc("dlogits.f32", n * v * _FP32, "temporaries")  # log_softmax backward
+        self.free("dlsm", "lsm")
+        if self.lowp:
+            self.alloc("dlogits", n * v * a, "temporaries")  # back to the logits' dtype
+            self.free("dlogits.f32")
+        self._bring_back("hf")
+        self.alloc("dhf", n * c * a, "temporaries")  # lm_head (tied to the token embedding)
+        self.param_grad("tok_emb", v * c)
+        self.free("dlogits", "dlogits.f32", "hf", "w.head")
+        last = f"r{self.cfg.n_layer}"
+        self._bring_back(last, "lnf.stats")
+        self._norm_backward("dhf", "dres")
+        self.param_grad("ln_f", 2 * c)
+        self.free(last, "lnf.stats")
+        for layer in reversed(range(self.cfg.n_layer)):
+            self._block_backward(layer)
+        self.alloc("dpos", self.t * c * _FP32, "temporaries")  # the position term's gradient, summed over batch
+        self.param_grad("tok_emb", v * c)
+        self.param_grad("pos_emb", self.cfg.context_length * c)
+        self.free("dres", "dpos")
+
+    def _bring_back(self, *names: str) -> None:
+        """Offloaded activations return to the device for the ops that need them (released by those ops)."""
+        for name in names:
+            if name in self.offloaded:
+                self.alloc(name, self.offloaded.pop(name), "activations")
+
+    def _norm_backward(self, grad_in: str, grad_out: str) -> None:
+        """Layer-norm backward: under autocast the incoming gradient is first cast back to fp32."""
+        if self.lowp:
+            self.alloc(grad_in + ".f32", self.n * self.c * _FP32, "temporaries")
+            self.free(grad_in)
+        self.alloc(grad_out, self.n * self.c * _FP32, "temporaries")
+        self.free(grad_in, grad_in + ".f32")
+
+    def _block_backward(self, layer: int) -> None:
+        n, c, a, p = self.n, self.c, self.act, f"b{layer}."
+        self._bring_back(f"r{layer}", *(p + name for name in sorted(self.saved)))
+        if self.mode != "none":
+            self._recompute(layer)
+
+        def grad(name: str, size: int) -> None:
+            self.alloc(p + name, size, "temporaries")
+
+        def release(*names: str) -> None:  # a backward node frees what it saved once it has run
+            self.free(*(p + name for name in names))
+
+        # The residual gradient ``dres`` (fp32) stays alive through the block; under autocast each branch gets a
+        # compute-dtype copy of it.
+        if self.lowp:
+            grad("dres.c", n * c * a)
+        grad("dg", 4 * n * c * a)  # mlp.proj
+        self.param_grad(p + "mlp.proj", 4 * c * c + c)
+        release("dres.c", "g", "w.mlp")
+        grad("df", 4 * n * c * a)  # GELU
+        release("dg", "f")
+        grad("dh2", n * c * a)  # mlp.fc
+        self.param_grad(p + "mlp.fc", 4 * c * c + 4 * c)
+        release("df", "w.fc")
+        self._norm_backward(p + "dh2", p + "dx1")  # ln2
+        self.param_grad(p + "ln2", 2 * c)
+        release("h2", "x1", "ln2.stats", "dx1")  # added into dres in place
+        if self.lowp:
+            grad("dres.c", n * c * a)
+        grad("dy", n * c * a)  # attention output projection
+        self.param_grad(p + "attn.proj", c * c + c)
+        release("dres.c", "w.proj")
+        grad("dqkv.parts", 3 * n * c * a)  # attention backward: dq, dk, dv
+        release("dy", "att", "lse")
+        grad("dqkv", 3 * n * c * a)  # the split's backward concatenates them
+        release("dqkv.parts", "qkv")
+        grad("dh1", n * c * a)  # qkv projection
+        self.param_grad(p + "attn.qkv", 3 * c * c + 3 * c)
+        release("dqkv", "w.qkv")
+        self._norm_backward(p + "dh1", p + "dx")  # ln1
+        self.param_grad(p + "ln1", 2 * c)
+        release("h1", "ln1.stats", "dx", "po", "mo")
+        self.free(f"r{layer}")  # the block's input, kept by ln1 or by the checkpoint
+
+    def _recompute(self, layer: int) -> None:
+        """Checkpointing re-runs the block's forward at the start of its backward, keeping what backward needs.
+
+        Full recomputes everything; selective reuses the cached matmul/attention outputs and recomputes the cheap
+        ops. Recomputation stops once the last saved tensor (GELU's output, kept by mlp.proj) exists.
+        """
+        n, c, a, p = self.n, self.c, self.act, f"b{layer}."
+
+        def out(name: str, size: int, category: str = "activations") -> None:
+            if p + name not in self.tensors:
+                self.alloc(p + name, size, category)
+
+        def weight(name: str, numel: int) -> None:
+            if self.lowp:
+                out(name, numel * a, "parameters")
+
+        out("ln1.stats", _STATS * n * _FP32)
+        self._normalised("h1", p)
+        weight("w.qkv", 3 * c * c)
+        out("qkv", 3 * n * c * a)
+        out("att", n * c * a)
+        out("lse", self.cfg.n_head * n * _FP32)
+        weight("w.proj", c * c)
+        out("po", n * c * a)
+        out("x1", n * c * _FP32)
+        self.free(p + "po")  # consumed (full: a temporary; selective: the cache entry is used once)
+        out("ln2.stats", _STATS * n * _FP32)
+        self._normalised("h2", p)
+        weight("w.fc", 4 * c * c)
+        out("f", 4 * n * c * a)
+        out("g", 4 * n * c * a)
+        weight("w.mlp", 4 * c * c)
+        self.free(p + "mo")

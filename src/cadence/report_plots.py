@@ -1,0 +1,400 @@
+"""How the run and plan reports (report.py) are drawn: the figures, and the blocks rendered as markdown and HTML.
+
+Figures use matplotlib's object API, no pyplot: pyplot keeps global state (a current figure, a process-wide backend)
+that would leak into a user's own plotting and is not safe to use from a library. A bare ``Figure`` attached to a
+``FigureCanvasAgg`` needs no backend selection at all and is garbage-collected like any other object.
+
+Blocks are rendered here rather than in report.py so that each file stays one concern: report.py decides what a
+report says, this file how it looks.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+Row = dict[str, Any]
+
+TRAIN, VALIDATION, SKIPPED, MEASURED, CHOSEN = "tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"
+HOST_CATEGORIES = ("offloaded_to_host",)
+"""Estimate categories that live in host memory: shown apart, never stacked into the device peak."""
+CATEGORY_COLORS = {"parameters": "tab:blue", "gradients": "tab:orange", "optimizer_state": "tab:green",
+                   "activations": "tab:red", "temporaries": "tab:gray"}
+
+
+def finite(value: Any) -> bool:
+    """A real number that can be plotted (metrics write non-finite values as null; bools are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def png_bytes(fig: Figure) -> bytes:
+    """The figure as PNG bytes. The software tag is dropped so that the same data gives the same bytes."""
+    FigureCanvasAgg(fig)  # attaches itself as fig.canvas; no global backend is consulted
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
+    return buffer.getvalue()
+
+
+def byte_unit(largest: float) -> tuple[float, str]:
+    """Divisor and unit name for an axis in bytes, chosen so that its largest value reads naturally."""
+    for divisor, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if largest >= divisor:
+            return float(divisor), name
+    return 1.0, "B"
+
+
+def _axes(title: str, xlabel: str, ylabel: str, size: tuple[float, float] = (8.0, 3.4)) -> tuple[Figure, Axes]:
+    fig = Figure(figsize=size, dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and windows are whole; bar plots set their own
+    return fig, ax
+
+
+def _legend(ax: Axes, **options: Any) -> None:
+    """A legend with one entry per label (however many artists carry it), and none at all when nothing is labelled."""
+    unique: dict[str, Any] = {}
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+        unique.setdefault(label, handle)
+    if unique:
+        ax.legend(list(unique.values()), list(unique.keys()), **options)
+
+
+def _stepped(rows: Sequence[Row], key: str) -> tuple[list[float], list[float]]:
+    """(step, value) of the optimizer steps that happened and have a finite ``key``."""
+    pairs = [(row["step"], row[key]) for row in rows if not row.get("skipped") and finite(row.get(key))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def skipped_x(row: Row) -> float:
+    """Where a skipped window is drawn: its ``step`` repeats the last real step, so half-way to the next one."""
+    return float(row["step"]) + 0.5
+
+
+def _mark_skipped(ax: Axes, rows: Sequence[Row], key: str) -> None:
+    """A red vertical line per skipped window, and an x where its value is finite."""
+    skipped = [row for row in rows if row.get("skipped")]
+    for index, row in enumerate(skipped):
+        label = f"skipped step ({len(skipped)})" if index == 0 else None
+        ax.axvline(skipped_x(row), color=SKIPPED, alpha=0.35, lw=1, ls="--", label=label)
+        if finite(row.get(key)):
+            ax.plot([skipped_x(row)], [row[key]], "x", color=SKIPPED, ms=7)
+
+
+def loss_figure(rows: Sequence[Row]) -> Figure:
+    """Training loss per step, validation loss as markers, skipped steps marked."""
+    fig, ax = _axes("Loss", "optimizer step", "loss (token mean, nats)")
+    steps, losses = _stepped(rows, "loss")
+    if len(steps) >= 50:
+        # Per-step loss is noisy enough to hide the trend: draw it faintly under a running mean.
+        ax.plot(steps, losses, color=TRAIN, lw=0.8, alpha=0.35, label="train loss")
+        half = max(2, len(steps) // 60)  # centred, so the mean does not lag behind the raw curve
+        windows = [losses[max(0, i - half):i + half + 1] for i in range(len(losses))]
+        ax.plot(steps, [sum(w) / len(w) for w in windows], color=TRAIN, lw=1.6,
+                label=f"train loss, mean of {2 * half + 1} steps")
+    else:
+        ax.plot(steps, losses, color=TRAIN, lw=1.4, marker="." if len(steps) < 30 else None, label="train loss")
+    val_steps, val_losses = _stepped(rows, "val_loss")
+    if val_steps:
+        ax.plot(val_steps, val_losses, "o", color=VALIDATION, ms=6, label="validation loss")
+    _mark_skipped(ax, rows, "loss")
+    _legend(ax, loc="best")
+    return fig
+
+
+def lr_figure(rows: Sequence[Row]) -> Figure:
+    """The learning rate each optimizer step used."""
+    fig, ax = _axes("Learning rate", "optimizer step", "learning rate")
+    steps, lrs = _stepped(rows, "lr")
+    ax.plot(steps, lrs, color=TRAIN, lw=1.4, marker="." if len(steps) < 30 else None)
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    return fig
+
+
+def throughput_figure(rows: Sequence[Row], *, average: float | None, profiled_steps: set[int]) -> Figure:
+    """Tokens/s per step; steps slowed by the memory profiler are marked, the run's average is a line."""
+    fig, ax = _axes("Throughput", "optimizer step", "tokens / s")
+    steps, speeds = _stepped(rows, "tokens_per_s")
+    ax.plot(steps, speeds, color=TRAIN, lw=1.2, marker="." if len(steps) < 30 else None, label="tokens/s")
+    slow = [(s, v) for s, v in zip(steps, speeds) if s in profiled_steps]
+    if slow:
+        ax.plot([s for s, _ in slow], [v for _, v in slow], "s", color=SKIPPED, mfc="none", ms=8,
+                label="memory-profiled step (slower)")
+    if finite(average):
+        ax.axhline(average, color="black", ls=":", lw=1, label=f"run average {average:,.0f}")
+    ax.set_ylim(bottom=0)
+    _legend(ax, loc="best")
+    return fig
+
+
+def grad_norm_figure(rows: Sequence[Row], *, clip: float | None) -> Figure:
+    """Gradient norm before clipping (log scale); non-finite ones (null) as red x at the top; the clip threshold."""
+    fig, ax = _axes("Gradient norm (before clipping)", "optimizer step", "total grad norm")
+    attempts = [(row["step"] if not row.get("skipped") else skipped_x(row), row.get("grad_norm")) for row in rows]
+    shown = [(x, v) for x, v in attempts if finite(v) and v > 0]  # a log axis cannot show 0
+    ax.plot([x for x, _ in shown], [v for _, v in shown], color=TRAIN, lw=1.2,
+            marker="." if len(shown) < 30 else None, label="grad norm")
+    if finite(clip) and clip > 0:
+        ax.axhline(clip, color="black", ls=":", lw=1, label=f"clipped to {clip:g}")
+    ax.set_yscale("log")
+    missing = [x for x, v in attempts if not finite(v)]
+    if missing:
+        # x in data units, y in axes units: pinned to the top whatever the scale.
+        ax.plot(missing, [0.96] * len(missing), "x", color=SKIPPED, ms=8, transform=ax.get_xaxis_transform(),
+                label=f"non-finite ({len(missing)})")
+    _legend(ax, loc="best")
+    return fig
+
+
+def loss_scale_figure(rows: Sequence[Row]) -> Figure:
+    """fp16's loss scale per window: it halves on every skipped window, so windows (not steps) are the x axis."""
+    fig, ax = _axes("fp16 loss scale", "window (optimizer step attempts, skipped ones included)", "loss scale")
+    points = [(row.get("window", index + 1), row["loss_scale"], row.get("skipped")) for index, row in enumerate(rows)
+              if finite(row.get("loss_scale")) and row["loss_scale"] > 0]
+    ax.step([p[0] for p in points], [p[1] for p in points], where="post", color=TRAIN, lw=1.4, label="loss scale")
+    bad = [(window, scale) for window, scale, skipped in points if skipped]
+    if bad:
+        ax.plot([w for w, _ in bad], [s for _, s in bad], "x", color=SKIPPED, ms=8, label=f"skipped ({len(bad)})")
+    ax.set_yscale("log", base=2)
+    _legend(ax, loc="best")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------- plan figures
+def candidate_label(candidate: Row) -> str:
+    """Short tick label: id, micro x accum, precision, and recompute/offload when they are on."""
+    shape = f"{candidate.get('micro_batch_size', '?')}x{candidate.get('grad_accum_steps', '?')}"
+    parts = [str(candidate.get("id", "?")), shape, str(candidate.get("precision", ""))]
+    if candidate.get("activation_checkpointing") not in (None, "none"):
+        parts.append(f"ckpt {candidate['activation_checkpointing']}")
+    if candidate.get("offload") not in (None, "none"):
+        parts.append(f"off {candidate['offload']}")
+    return "\n".join(parts)
+
+
+def breakdown_figure(bars: Sequence[tuple[str, dict[str, float]]], *, budget: float | None) -> Figure:
+    """Stacked bars of estimated bytes by category (baseline, and the choice beside it), budget as a line."""
+    largest = max([sum(v for k, v in cats.items() if finite(v) and k not in HOST_CATEGORIES) for _, cats in bars]
+                  + [budget or 0, 1])
+    divisor, unit = byte_unit(largest)
+    fig, ax = _axes("Estimated peak memory by category", "", unit, size=(6.5, 4.2))
+    ax.grid(False, axis="x")
+    categories = list(dict.fromkeys(name for _, cats in bars for name in cats if name not in HOST_CATEGORIES))
+    bottoms = [0.0] * len(bars)
+    for category in categories:
+        heights = [cats.get(category, 0) / divisor if finite(cats.get(category)) else 0 for _, cats in bars]
+        ax.bar([name for name, _ in bars], heights, bottom=bottoms, width=0.5, label=category.replace("_", " "),
+               color=CATEGORY_COLORS.get(category))
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    if finite(budget):
+        ax.axhline(budget / divisor, color="black", ls="--", lw=1.2, label=f"budget {budget / divisor:,.1f} {unit}")
+    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    return fig
+
+
+def memory_figure(candidates: Sequence[Row], *, budget: float | None, chosen: str | None) -> Figure:
+    """Estimated vs measured peak per candidate; unmeasured estimates greyed, the chosen one starred."""
+    values = [c.get("estimated_peak_bytes") for c in candidates]
+    values += [(c.get("measured") or {}).get("peak_bytes") for c in candidates]
+    largest = max([v for v in values if finite(v)] + [budget or 0, 1])
+    divisor, unit = byte_unit(largest)
+    fig, ax = _axes("Peak memory per candidate", "", unit, size=(max(8.0, 0.9 * len(candidates) + 2.5), 4.4))
+    ax.grid(False, axis="x")
+    width = 0.38
+    for index, candidate in enumerate(candidates):
+        measured = candidate.get("measured") or {}
+        estimate = candidate.get("estimated_peak_bytes")
+        if finite(estimate):
+            ax.bar(index - width / 2, estimate / divisor, width, color=TRAIN, alpha=0.9 if measured else 0.3,
+                   label="estimated" if index == 0 else None)
+        if finite(measured.get("peak_bytes")):
+            ax.bar(index + width / 2, measured["peak_bytes"] / divisor, width, color=MEASURED,
+                   edgecolor="black" if measured.get("fits") is False else None,
+                   hatch="//" if measured.get("fits") is False else None,
+                   label="measured, over budget" if measured.get("fits") is False else "measured")
+    if finite(budget):
+        ax.axhline(budget / divisor, color="black", ls="--", lw=1.2, label=f"budget {budget / divisor:,.1f} {unit}")
+    _mark_chosen(ax, candidates, chosen, lambda c: max(
+        [v for v in (c.get("estimated_peak_bytes"), (c.get("measured") or {}).get("peak_bytes")) if finite(v)]
+        + [0]) / divisor)
+    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    return fig
+
+
+def throughput_plan_figure(candidates: Sequence[Row], *, chosen: str | None) -> Figure:
+    """Measured tokens/s per measured candidate; the chosen one in its own colour, over-budget ones hatched."""
+    measured = [c for c in candidates if finite((c.get("measured") or {}).get("tokens_per_s"))]
+    fig, ax = _axes("Measured throughput", "", "tokens / s", size=(max(6.0, 0.9 * len(measured) + 2.5), 4.0))
+    ax.grid(False, axis="x")
+    for index, candidate in enumerate(measured):
+        result = candidate["measured"]
+        over = result.get("fits") is False
+        ax.bar(index, result["tokens_per_s"], 0.6, color=CHOSEN if candidate.get("id") == chosen else MEASURED,
+               hatch="//" if over else None, edgecolor="black" if over else None,
+               label="over budget (measured)" if over else None)
+    _mark_chosen(ax, measured, chosen, lambda c: c["measured"]["tokens_per_s"])
+    if not measured:
+        ax.text(0.5, 0.5, "no candidate was measured", ha="center", va="center", transform=ax.transAxes)
+    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    return fig
+
+
+def _mark_chosen(ax: Axes, candidates: Sequence[Row], chosen: str | None, top: Any) -> None:
+    """Tick labels for the candidates, the chosen one bold and starred above its tallest bar."""
+    ax.set_xticks(range(len(candidates)), [candidate_label(c) for c in candidates], fontsize="small")
+    for index, candidate in enumerate(candidates):
+        if candidate.get("id") == chosen:
+            ax.get_xticklabels()[index].set_fontweight("bold")
+            ax.get_xticklabels()[index].set_color(CHOSEN)
+            ax.annotate("chosen", (index, top(candidate)), xytext=(0, 9), textcoords="offset points",
+                        ha="center", va="bottom", color=CHOSEN, fontweight="bold")
+            ax.plot([index], [top(candidate)], "*", color=CHOSEN, ms=12, label="chosen")
+    ax.margins(y=0.12)
+
+
+def quality_figure(chosen: Sequence[float], reference: Sequence[float]) -> Figure:
+    """The chosen configuration's first losses against the reference's, on the same data."""
+    fig, ax = _axes("Loss: chosen vs reference", "optimizer step", "loss", size=(6.5, 3.2))
+    # The curves usually coincide: the chosen one wide underneath, the reference thin and dashed on top of it.
+    for values, label, color, style, width in ((chosen, "chosen", CHOSEN, "-", 3.0),
+                                               (reference, "reference", "black", "--", 1.2)):
+        points = [(i + 1, v) for i, v in enumerate(values) if finite(v)]
+        ax.plot([p[0] for p in points], [p[1] for p in points], ls=style, lw=width, color=color, label=label,
+                marker="o" if label == "chosen" else None, ms=5)
+    _legend(ax, loc="upper right")
+    return fig
+
+
+# ------------------------------------------------------------------------------------ report blocks and rendering
+@dataclass(frozen=True, kw_only=True)
+class Heading:
+    """A section heading (level 2 = a section of the report; the title is the only level 1)."""
+
+    text: str
+    level: int = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Paragraph:
+    """Text with ``**bold**`` and ``code`` spans, the only inline markup both renderers understand."""
+
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bullets:
+    """A list; items take the same inline markup as a paragraph."""
+
+    items: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Table:
+    """A table of preformatted cells."""
+
+    header: list[str]
+    rows: list[list[str]]
+    marked_row: int | None = None
+    """Index of a row to highlight in HTML (the chosen candidate); markdown carries the mark in the cell text."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plot:
+    """A figure: a PNG file beside the report (linked from the markdown) and embedded in the HTML."""
+
+    name: str
+    """File name of the PNG beside the report, e.g. report-loss.png."""
+    title: str
+    """Short name, the markdown image's alt text."""
+    caption: str
+    png: bytes = field(repr=False)
+
+
+Block = Heading | Paragraph | Bullets | Table | Plot
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """A whole report: the title (level-1 heading and HTML title) and its blocks in order."""
+
+    title: str
+    blocks: list[Block]
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _inline_html(text: str) -> str:
+    escaped = html.escape(text)
+    escaped = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", escaped)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", escaped)
+
+
+def to_markdown(report: Report) -> str:
+    """GitHub-flavoured markdown; plots are links to the PNG files written beside it."""
+    lines = [f"# {report.title}", ""]
+    for block in report.blocks:
+        if isinstance(block, Heading):
+            lines += ["#" * block.level + " " + block.text, ""]
+        elif isinstance(block, Paragraph):
+            lines += [block.text, ""]
+        elif isinstance(block, Bullets):
+            lines += [f"- {item}" for item in block.items] + [""]
+        elif isinstance(block, Table):
+            lines.append("| " + " | ".join(_md_cell(h) for h in block.header) + " |")
+            lines.append("|" + "|".join(" --- " for _ in block.header) + "|")
+            lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in block.rows]
+            lines.append("")
+        else:
+            lines += [f"![{block.title}]({block.name})", "", f"*{block.caption}*", ""]
+    return "\n".join(lines)
+
+
+CSS = """
+body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f2f2f2; }
+tr.marked td { background: #efe6f7; font-weight: 600; }
+figure { margin: 1.5em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { color: #555; font-size: 0.9em; }
+code { background: #f5f5f5; padding: 0 0.2em; }
+"""
+
+
+def to_html(report: Report) -> str:
+    """One self-contained HTML page: inline CSS, plots as base64 data URIs, no external resource."""
+    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+           f"<title>{html.escape(report.title)}</title>", f"<style>{CSS}</style>", "</head>", "<body>",
+           f"<h1>{html.escape(report.title)}</h1>"]
+    for block in report.blocks:
+        if isinstance(block, Heading):
+            out.append(f"<h{block.level}>{_inline_html(block.text)}</h{block.level}>")
+        elif isinstance(block, Paragraph):
+            out.append(f"<p>{_inline_html(block.text)}</p>")
+        elif isinstance(block, Bullets):
+            out += ["<ul>", *(f"<li>{_inline_html(item)}</li>" for item in block.items), "</ul>"]
+        elif isinstance(block, Table):
+            out += ["<table>", "<tr>" + "".join(f"<th>{_inline_html(h)}</th>" for h in block.header) + "</tr>"]
+            for index, row in enumerate(block.rows):
+                marked = ' class="marked"' if index == block.marked_row else ""
+                out.append(f"<tr{marked}>" + "".join(f"<td>{_inline_html(c)}</td>" for c in row) + "</tr>")
+            out.append("</table>")
+        else:
+            data = base64.b64encode(block.png).decode("ascii")
+            out.append(f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(block.title)}">'
+                       f"<figcaption>{_inline_html(block.caption)}</figcaption></figure>")
+    out += ["</body>", "</html>", ""]
+    return "\n".join(out)
