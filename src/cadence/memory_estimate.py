@@ -12,9 +12,9 @@ promotes), both layer norms' statistics, the compute-dtype inputs of its four ma
 attention output and log-sum-exp (flash attention, on CPU too, never stores the T x T matrix), and both MLP
 activations (4x wide). Under autocast every matmul also keeps the compute-dtype copy of its weight.
 
-It was checked against :func:`cadence.memory_measure.measure_step` on CPU (gpt-tiny / small / base x fp32 / bf16 x
-none / full recompute: within a few percent); on CUDA the same ops save the same tensors, but the allocator's rounding
-and the CUDA context are not modelled.
+Checked against :func:`cadence.memory_measure.measure_step` on CPU (gpt-tiny / small / base x fp32 / bf16 / fp16 x
+none / selective / full, with and without accumulation): the peak within 1.5%, activation memory within 0.5%. On CUDA
+the same ops save the same tensors, but the allocator's rounding and the CUDA context are not modelled.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ PrecisionName = Literal["fp32", "bf16", "fp16"]
 CheckpointingMode = Literal["none", "full", "selective"]
 OffloadMode = Literal["none", "activations", "optimizer"]
 
-ESTIMATE_CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+ESTIMATE_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
 """Device categories of :attr:`MemoryEstimate.by_category`, in report order."""
 
 _FP32 = 4
@@ -43,6 +43,7 @@ _SAVED_NONE = frozenset(
 # Selective keeps the outputs of matmuls and attention (cadence.recompute's policy) and recomputes the cheap ops.
 _SAVED_SELECTIVE = frozenset({"qkv", "att", "lse", "po", "f", "mo"})
 _SAVED_FULL: frozenset[str] = frozenset()  # the checkpoint keeps only the block's input (the residual, always kept)
+_WEIGHTS = ("w.qkv", "w.proj", "w.fc", "w.mlp")  # autocast's compute-dtype copies of a block's matmul weights
 
 
 @dataclass(kw_only=True)
@@ -52,8 +53,8 @@ class MemoryEstimate:
     peak_bytes: int
     """Device bytes at the predicted peak: the sum of the device categories of ``by_category``."""
     by_category: dict[str, int]
-    """parameters, gradients, optimizer_state, activations, temporaries at the peak (summing to ``peak_bytes``),
-    plus ``offloaded_to_host`` (host memory, not part of the peak) when offload moves something off the device."""
+    """parameters, gradients, optimizer_state, activations, temporaries, inputs at the peak (summing to
+    ``peak_bytes``), plus ``offloaded_to_host`` (host memory, not part of the peak) when offload moves something."""
     peak_phase: str
     """Where the peak happens: ``"forward"``, ``"backward"`` or ``"optimizer step"``."""
     activation_bytes: int
@@ -61,6 +62,12 @@ class MemoryEstimate:
     dominant: str
     """The largest part of the peak, its share, and what would shrink it."""
     notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line: the peak, where it happens, and its largest parts."""
+        parts = sorted(((k, v) for k, v in self.by_category.items() if k in ESTIMATE_CATEGORIES), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{name} {value / 2**20:.1f} MiB" for name, value in parts if value > 0)
+        return f"peak {self.peak_bytes / 2**20:.1f} MiB in the {self.peak_phase} ({shown})"
 
 
 def estimate_step_memory(
@@ -78,21 +85,18 @@ def estimate_step_memory(
     """Predict the peak memory of one step of ``GPT(config)`` trained the way :class:`cadence.engine.Engine` does.
 
     ``grad_accum_steps`` > 1 adds the fp32 gradients, held from the second micro-batch on, to the forward's peak;
-    more accumulation beyond 2 changes nothing (that is the point of accumulating).
+    beyond 2 only the window's token ids grow (on cpu, where the whole window sits in the same memory). The
+    optimizer is the one :func:`cadence.trainer.build_optimizer` makes (AdamW, matrices and biases in two groups).
     """
-    problems = []
-    if micro_batch_size < 1 or seq_len < 1 or grad_accum_steps < 1:
+    choices = {"precision": (precision, ("fp32", "bf16", "fp16")), "optimizer": (optimizer, ("adamw",)),
+               "checkpointing": (checkpointing, ("none", "full", "selective")),
+               "offload": (offload, ("none", "activations", "optimizer"))}
+    problems = [f"unknown {key} {value!r} (one of {', '.join(ok)})" for key, (value, ok) in choices.items()
+                if value not in ok]
+    if min(micro_batch_size, seq_len, grad_accum_steps) < 1:
         problems.append("micro_batch_size, seq_len and grad_accum_steps must be >= 1")
     if seq_len > config.context_length:
         problems.append(f"seq_len {seq_len} exceeds the model's context length {config.context_length}")
-    if precision not in ("fp32", "bf16", "fp16"):
-        problems.append(f"unknown precision {precision!r}")
-    if checkpointing not in ("none", "full", "selective"):
-        problems.append(f"unknown checkpointing {checkpointing!r}")
-    if offload not in ("none", "activations", "optimizer"):
-        problems.append(f"unknown offload {offload!r}")
-    if optimizer != "adamw":
-        problems.append(f"only AdamW is modelled, not {optimizer!r}")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -103,9 +107,9 @@ def estimate_step_memory(
     replay = _Replay(
         config, tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
-        offload_optimizer=on_device and offload == "optimizer", foreach=on_device,
+        offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
     )
-    replay.run(micro_batches=min(grad_accum_steps, 2))
+    replay.run(grad_accum_steps)
     notes += replay.notes
     if on_device:
         notes.append("the CUDA context and the caching allocator's reserve come on top (see nvidia-smi, not this)")
@@ -115,25 +119,18 @@ def estimate_step_memory(
     if replay.host_bytes:
         by_category["offloaded_to_host"] = int(replay.host_bytes)
     return MemoryEstimate(
-        peak_bytes=peak,
-        by_category=by_category,
-        peak_phase=replay.peak_phase,
-        activation_bytes=int(replay.activation_peak),
-        dominant=_dominant(by_category, peak, replay.peak_phase, precision),
-        notes=notes,
+        peak_bytes=peak, by_category=by_category, peak_phase=replay.peak_phase, activation_bytes=replay.activation_peak,
+        dominant=_dominant(by_category, peak, replay.peak_phase, precision), notes=notes,
     )
 
 
-_WHY = {
-    "activations": "they grow with micro-batch x seq_len; recompute (--activation-checkpointing full) or a smaller "
-    "micro-batch with more accumulation cuts them",
-    "optimizer_state": "AdamW keeps two fp32 moments per parameter; only a smaller model or --offload optimizer "
-    "(on a GPU) moves them",
+_WHY = {  # what each category is made of, and what would shrink it
+    "activations": "they grow with micro-batch x seq_len; recompute or a smaller micro-batch (accumulate) cuts them",
+    "optimizer_state": "AdamW keeps two fp32 moments per parameter; --offload optimizer (on a GPU) moves them",
     "parameters": "fp32 master weights{copies}; fixed by the model size",
-    "gradients": "one fp32 gradient per parameter, held from the first backward to the optimizer step; fixed by the "
-    "model size",
-    "temporaries": "gradients in flight through backward, the fp32 logits' softmax and the optimizer's scratch; a "
-    "smaller micro-batch cuts the first two",
+    "gradients": "one fp32 gradient per parameter, from the first backward to the optimizer step; fixed by the model",
+    "temporaries": "gradients flowing back, the logits' fp32 softmax, optimizer scratch; a smaller micro-batch cuts",
+    "inputs": "the window's int64 token ids and labels, held for the whole step; they grow with accumulation",
 }
 
 
@@ -148,28 +145,23 @@ class _Replay:
 
     def __init__(
         self, config: GPTConfig, *, tokens: int, seq_len: int, precision: str, checkpointing: str,
-        offload_activations: bool, offload_optimizer: bool, foreach: bool,
+        offload_activations: bool, offload_optimizer: bool, on_device: bool,
     ) -> None:
-        self.cfg = config
-        self.n, self.t, self.c = tokens, seq_len, config.n_embd
+        self.cfg, self.n, self.t, self.c = config, tokens, seq_len, config.n_embd
         self.lowp = precision != "fp32"
         self.act = 2 if self.lowp else _FP32  # bytes per element of the compute dtype
         self.mode = checkpointing
         self.saved = {"none": _SAVED_NONE, "selective": _SAVED_SELECTIVE, "full": _SAVED_FULL}[checkpointing]
-        self.offload_activations = offload_activations
-        self.offload_optimizer = offload_optimizer
-        self.foreach = foreach
+        self.offload_activations, self.offload_optimizer = offload_activations, offload_optimizer
+        self.on_device = on_device
         self.notes: list[str] = []
         self.live: collections.Counter[str] = collections.Counter()
-        self.tensors: dict[str, tuple[int, str]] = {}
+        self.tensors: dict[str, tuple[int, str]] = {}  # live tensors by name: (bytes, category)
         self.grads: set[str] = set()  # parameters whose .grad exists
-        self.offloaded: dict[str, int] = {}  # activations waiting in host memory, by name
-        self.host_bytes = 0
-        self.peak = 0
+        self.offloaded: dict[str, tuple[int, str]] = {}  # saved tensors waiting in host memory
+        self.host_bytes = self.peak = self.activation_peak = 0
         self.at_peak: dict[str, int] = {}
-        self.peak_phase = ""
-        self.phase = ""
-        self.activation_peak = 0
+        self.peak_phase = self.phase = ""
 
     # ---------------------------------------------------------------------------------------------- bookkeeping
     def alloc(self, name: str, size: int, category: str) -> None:
@@ -187,11 +179,8 @@ class _Replay:
                 self.live[category] -= size
 
     def param_grad(self, name: str, numel: int) -> None:
-        """A parameter's gradient arrives: the first one becomes ``.grad`` (fp32), later ones add into it in place.
-
-        Under autocast the matmul produces it in the compute dtype and autograd casts it to the fp32 parameter's
-        dtype, so both copies exist for a moment.
-        """
+        """A parameter's gradient arrives: the first becomes ``.grad`` (fp32), later ones add into it in place.
+        Under autocast the matmul makes it in the compute dtype and autograd casts it: both exist for a moment."""
         if self.lowp:
             self.alloc("pg.low", numel * self.act, "temporaries")
         if name in self.grads:
@@ -203,25 +192,30 @@ class _Replay:
         self.free("pg.low")
 
     # ------------------------------------------------------------------------------------------------ the step
-    def run(self, micro_batches: int) -> None:
-        cfg = self.cfg
+    def run(self, grad_accum_steps: int) -> None:
         self.phase = "forward"
-        params = cfg.num_parameters()
+        params = self.cfg.num_parameters()
         self.alloc("params", params * _FP32, "parameters")
         state = 2 * params * _FP32  # AdamW: exp_avg and exp_avg_sq, fp32 like the parameters
         if self.offload_optimizer:
-            self.host_bytes += state + params * _FP32  # the state and an fp32 master copy the host step updates
-            self.notes.append("offload optimizer: AdamW state and an fp32 master copy live on the host; the step "
-                              "runs there and copies the parameters back")
+            # cadence.offload.OffloadedOptimizer: the state, an fp32 master copy the host step updates, and the
+            # (pinned) buffers the gradients are copied into.
+            self.host_bytes += state + 2 * params * _FP32
+            self.notes.append("offload optimizer: AdamW state, an fp32 master copy and a gradient buffer live on the "
+                              "host; the step runs there and copies the parameters back")
         else:
             self.alloc("adam", state, "optimizer_state")
-        self.alloc("batch", 2 * self.n * _INDEX, "activations")
-        for _ in range(micro_batches):
+        # The engine holds the whole window (it counts its targets before the first backward). On a GPU it sits in
+        # host memory and each micro-batch is copied over when its turn comes.
+        window = 1 if self.on_device else grad_accum_steps
+        self.alloc("inputs", window * 2 * self.n * _INDEX, "inputs")
+        # From the second micro-batch on the fp32 gradients exist during the forward; later ones repeat the second.
+        for _ in range(min(grad_accum_steps, 2)):
             self.phase = "forward"
             self._forward()
             self.phase = "backward"
             self._backward()
-        self.free("batch")
+        self.free("inputs")
         self.phase = "optimizer step"
         if not self.offload_optimizer:
             self.alloc("adam.scratch", self._optimizer_scratch(), "temporaries")
@@ -229,19 +223,16 @@ class _Replay:
         for name in list(self.grads):
             self.free("grad." + name)  # zero_grad(set_to_none=True)
         if self.offload_activations:
-            self.notes.append("offload activations: saved activations wait in host memory; each block's come back "
-                              "to the device for its backward")
+            self.notes.append("offload activations: saved tensors wait in host memory; each block's come back for "
+                              "its backward")
 
     def _optimizer_scratch(self) -> int:
-        """Bytes AdamW allocates besides its state, over the largest moment of its step.
-
-        CUDA (foreach): ``_foreach_sqrt`` of the whole param group's ``exp_avg_sq`` at once, so one copy of the
-        group. CPU (one tensor at a time): ``sqrt`` and the quotient of the current tensor, while the previous
-        tensor's ``denom`` is still bound to the loop variable.
-        """
+        """AdamW's scratch at the largest moment of its step. CUDA (foreach kernels): ``_foreach_sqrt`` of a whole
+        param group's ``exp_avg_sq``. CPU (one tensor at a time): ``sqrt`` and the quotient of one tensor while the
+        previous tensor's ``denom`` is still bound to the loop variable."""
         cfg, c = self.cfg, self.c
         matrices = [cfg.vocab_size * c, cfg.context_length * c] + [3 * c * c, c * c, 4 * c * c, 4 * c * c] * cfg.n_layer
-        if self.foreach:
+        if self.on_device:
             return sum(matrices) * _FP32  # the weight-decay group (matrices and embeddings) is the larger group
         worst = max(2 * cur + prev for prev, cur in zip([0] + matrices[:-1], matrices, strict=True))
         return worst * _FP32
@@ -257,71 +248,99 @@ class _Replay:
             self._block_forward(layer)
         self.alloc("lnf.stats", _STATS * n * _FP32, "activations")
         self._normalised("hf")
-        if self.lowp:
-            self.alloc("w.head", v * c * a, "parameters")
+        self._weight("w.head", v * c, saved=True)
         self.alloc("logits", n * v * a, "activations")
+        self.free("hf.f32")
         if self.lowp:
             self.alloc("logits.f32", n * v * _FP32, "activations")  # the loss is computed in fp32
         self.alloc("lsm", n * v * _FP32, "activations")  # log_softmax output, saved by cross-entropy
         self.free("logits", "logits.f32")  # the loss function returns: the logits were never saved
-        if self.lowp:  # leaving autocast clears its cast cache: copies nothing saved are freed
-            for layer in range(self.cfg.n_layer):
-                for w in ("w.qkv", "w.proj", "w.fc", "w.mlp"):
-                    if w not in self.saved:
-                        self.free(f"b{layer}.{w}")
-        if self.offload_activations:  # every saved tensor was copied to the host as the forward made it
-            for name in [k for k, (_, cat) in self.tensors.items() if cat == "activations" and k != "batch"]:
-                self.offloaded[name] = self.tensors[name][0]
-                self.host_bytes += self.offloaded[name]
-                self.free(name)
+        # Leaving autocast clears its cast cache: weight copies that nothing saved (checkpointed blocks) or that
+        # were saved to the host are freed.
+        self.free(*(f"b{i}.{w}" for i in range(self.cfg.n_layer) for w in _WEIGHTS if w not in self.saved))
+        self.free(*(name for name, (_, category) in self.offloaded.items() if category == "parameters"))
+        for name in [k for k, (_, category) in self.tensors.items() if category == "activations"]:
+            self._keep(name)  # what is left is saved for backward (ln_f, lm_head, cross-entropy)
 
-    def _normalised(self, name: str, prefix: str = "") -> None:
-        """A layer norm's output as the next matmul keeps it: fp32, or (autocast) an fp32 result then its cast."""
-        n, c = self.n, self.c
+    def _normalised(self, name: str) -> None:
+        """A layer norm's output as the next matmul keeps it: fp32, or (autocast) an fp32 result and its cast.
+        The fp32 result is the argument of the submodule that casts it, so it lives until that call returns."""
         if self.lowp:
-            self.alloc(prefix + name + ".f32", n * c * _FP32, "activations")
-            self.alloc(prefix + name, n * c * self.act, "activations")
-            self.free(prefix + name + ".f32")
-        else:
-            self.alloc(prefix + name, n * c * _FP32, "activations")
+            self.alloc(name + ".f32", self.n * self.c * _FP32, "activations")
+        self.alloc(name, self.n * self.c * self.act, "activations")
 
-    def _block_forward(self, layer: int) -> None:
+    def _block_forward(self, layer: int, *, recompute: bool = False) -> None:
+        """One pre-norm block's forward. ``recompute``: checkpointing re-running it at the start of its backward.
+
+        A recompute keeps everything a plain block saves, reuses tensors still alive (the block input; selective's
+        cached matmul and attention outputs, consumed once) and stops as soon as the last saved tensor (GELU's
+        output, kept by mlp.proj) exists: non-reentrant checkpointing's early stop.
+        """
         n, c, a, p = self.n, self.c, self.act, f"b{layer}."
+        saved = _SAVED_NONE if recompute else self.saved
 
         def out(name: str, size: int, category: str = "activations") -> None:
-            self.alloc(p + name, size, category)
+            if p + name not in self.tensors:
+                self.alloc(p + name, size, category)
 
         def drop(*names: str) -> None:  # the forward code lets go of these; only what backward keeps survives
-            self.free(*(p + name for name in names if name not in self.saved))
+            for name in names:
+                if name not in saved:
+                    self.free(p + name)
+                elif not recompute:
+                    self._keep(p + name)
 
-        def weight(name: str, numel: int) -> None:  # autocast's compute-dtype copy, cached until autocast exits
-            if self.lowp:
-                out(name, numel * a, "parameters")
+        def weight(name: str, numel: int) -> None:
+            if p + name not in self.tensors:
+                self._weight(p + name, numel, saved=name in saved and not recompute)
 
         out("ln1.stats", _STATS * n * _FP32)
-        self._normalised("h1", p)
+        self._normalised(p + "h1")
         weight("w.qkv", 3 * c * c)
         out("qkv", 3 * n * c * a)  # q, k, v are views of it
-        out("att", n * c * a)  # flash attention: output ...
-        out("lse", self.cfg.n_head * n * _FP32)  # ... and log-sum-exp, no T x T matrix
+        out("att", n * c * a)  # flash attention keeps its output ...
+        out("lse", self.cfg.n_head * n * _FP32)  # ... and the log-sum-exp, never the T x T matrix
         drop("h1", "qkv", "ln1.stats")
         weight("w.proj", c * c)
-        out("po", n * c * a)  # attention output projection (its input is ``att``: the transpose is free)
+        out("po", n * c * a)  # output projection; its input is ``att`` itself (the transpose back is free)
+        self.free(p + "h1.f32")  # the attention call returns
         drop("att", "lse")
         out("x1", n * c * _FP32)  # residual add: fp32 stream + compute-dtype branch -> fp32
         drop("po")
         out("ln2.stats", _STATS * n * _FP32)
-        self._normalised("h2", p)
+        self._normalised(p + "h2")
         weight("w.fc", 4 * c * c)
         out("f", 4 * n * c * a)
         drop("h2", "ln2.stats")
         out("g", 4 * n * c * a)  # GELU
         drop("f")
         weight("w.mlp", 4 * c * c)
+        if recompute:
+            self.free(p + "mo", p + "h2.f32")
+            return
         out("mo", n * c * a)
+        self.free(p + "h2.f32")  # the MLP call returns
         drop("g")
         self.alloc(f"r{layer + 1}", n * c * _FP32, "activations")
         drop("mo", "x1")
+        self._keep(f"r{layer}")  # the block's input: kept by ln1 (none) or by the checkpoint (full, selective)
+
+    def _weight(self, name: str, numel: int, *, saved: bool) -> None:
+        """A matmul's weight: under autocast a compute-dtype copy, cached until autocast exits. ``save_on_cpu``
+        (offload activations) copies every saved tensor to the host, weights included (fp32: the parameter)."""
+        if self.lowp:
+            self.alloc(name, numel * self.act, "parameters")
+        if saved and self.offload_activations:
+            self.host_bytes += numel * self.act
+            if self.lowp:
+                self.offloaded[name] = (numel * self.act, "parameters")
+
+    def _keep(self, name: str) -> None:
+        """A tensor saved for backward stays on the device, or (offload activations) waits in host memory."""
+        if self.offload_activations and name in self.tensors and self.tensors[name][1] == "activations":
+            self.offloaded[name] = self.tensors[name]
+            self.host_bytes += self.tensors[name][0]
+            self.free(name)
 
     # ------------------------------------------------------------------------------------------------ backward
     def _backward(self) -> None:
@@ -333,7 +352,7 @@ class _Replay:
         if self.lowp:
             self.alloc("dlogits", n * v * a, "temporaries")  # back to the logits' dtype
             self.free("dlogits.f32")
-        self._bring_back("hf")
+        self._bring_back("hf", "w.head")
         self.alloc("dhf", n * c * a, "temporaries")  # lm_head (tied to the token embedding)
         self.param_grad("tok_emb", v * c)
         self.free("dlogits", "dlogits.f32", "hf", "w.head")
@@ -352,8 +371,8 @@ class _Replay:
     def _bring_back(self, *names: str) -> None:
         """Offloaded activations return to the device for the ops that need them (released by those ops)."""
         for name in names:
-            if name in self.offloaded:
-                self.alloc(name, self.offloaded.pop(name), "activations")
+            if name in self.offloaded and name not in self.tensors:
+                self.alloc(name, *self.offloaded.pop(name))
 
     def _norm_backward(self, grad_in: str, grad_out: str) -> None:
         """Layer-norm backward: under autocast the incoming gradient is first cast back to fp32."""
@@ -367,7 +386,7 @@ class _Replay:
         n, c, a, p = self.n, self.c, self.act, f"b{layer}."
         self._bring_back(f"r{layer}", *(p + name for name in sorted(self.saved)))
         if self.mode != "none":
-            self._recompute(layer)
+            self._block_forward(layer, recompute=True)
 
         def grad(name: str, size: int) -> None:
             self.alloc(p + name, size, "temporaries")
@@ -406,37 +425,3 @@ class _Replay:
         self.param_grad(p + "ln1", 2 * c)
         release("h1", "ln1.stats", "dx", "po", "mo")
         self.free(f"r{layer}")  # the block's input, kept by ln1 or by the checkpoint
-
-    def _recompute(self, layer: int) -> None:
-        """Checkpointing re-runs the block's forward at the start of its backward, keeping what backward needs.
-
-        Full recomputes everything; selective reuses the cached matmul/attention outputs and recomputes the cheap
-        ops. Recomputation stops once the last saved tensor (GELU's output, kept by mlp.proj) exists.
-        """
-        n, c, a, p = self.n, self.c, self.act, f"b{layer}."
-
-        def out(name: str, size: int, category: str = "activations") -> None:
-            if p + name not in self.tensors:
-                self.alloc(p + name, size, category)
-
-        def weight(name: str, numel: int) -> None:
-            if self.lowp:
-                out(name, numel * a, "parameters")
-
-        out("ln1.stats", _STATS * n * _FP32)
-        self._normalised("h1", p)
-        weight("w.qkv", 3 * c * c)
-        out("qkv", 3 * n * c * a)
-        out("att", n * c * a)
-        out("lse", self.cfg.n_head * n * _FP32)
-        weight("w.proj", c * c)
-        out("po", n * c * a)
-        out("x1", n * c * _FP32)
-        self.free(p + "po")  # consumed (full: a temporary; selective: the cache entry is used once)
-        out("ln2.stats", _STATS * n * _FP32)
-        self._normalised("h2", p)
-        weight("w.fc", 4 * c * c)
-        out("f", 4 * n * c * a)
-        out("g", 4 * n * c * a)
-        weight("w.mlp", 4 * c * c)
-        self.free(p + "mo")

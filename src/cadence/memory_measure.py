@@ -137,12 +137,22 @@ def _from_timeline(
     from torch.profiler import _memory_profiler as mp
 
     memory_profile = prof._memory_profile()
-    labeller = _Labeller(memory_profile, {ptr for ptr, (_, cat) in before.items() if cat == "parameter"}, after)
     events = [e for e in memory_profile.timeline if _normalised(e[2][0].device) == device]
+    # What the model and optimizer hold after the step, keyed by the profiler's tensor keys still alive at the end
+    # (a freed tensor's address may have been reused by one they hold now).
+    destroyed = {e[2][0] for e in events if e[1] == mp.Action.DESTROY}
+    held_after = {
+        e[2][0]: after[e[2][0].storage.ptr][1]
+        for e in events
+        if isinstance(e[2][0], mp.TensorKey) and e[2][0] not in destroyed and e[2][0].storage.ptr in after
+    }
+    parameter_ptrs = {ptr for ptr, (_, category) in before.items() if category == "parameter"}
+    labeller = _Labeller(memory_profile, parameter_ptrs, held_after)
 
     # Tensors alive before the step appear as PREEXISTING only if some op touched them; add the rest (an unused
     # buffer, a frozen parameter) once, as a constant, so that nothing is counted twice or missed.
-    seen = {e[2][0].storage.ptr for e in events if e[1] == mp.Action.PREEXISTING and isinstance(e[2][0], mp.TensorKey)}
+    seen = {key.storage.ptr for _, action, (key, _), _ in events
+            if action == mp.Action.PREEXISTING and isinstance(key, mp.TensorKey)}
     unseen: collections.Counter[str] = collections.Counter()
     for ptr, (size, category) in before.items():
         if ptr not in seen:
@@ -192,13 +202,19 @@ class _Labeller:
     - optimizer scratch: allocations inside ``Optimizer.step`` (AdamW's per-tensor ``sqrt`` and quotient).
     """
 
-    def __init__(self, memory_profile: Any, parameter_ptrs: set[int], after: dict[int, tuple[int, str]]) -> None:
+    def __init__(self, memory_profile: Any, parameter_ptrs: set[int], held_after: dict[Any, str]) -> None:
         from torch._C._profiler import _EventType, RecordScope
         from torch.profiler import _memory_profiler as mp
 
         self._mp = mp
         self._categories = memory_profile._categories
-        self._after = after
+        self._held_after = held_after
+        self._direct = {
+            mp.Category.PARAMETER: "parameter",
+            mp.Category.GRADIENT: "gradient",
+            mp.Category.OPTIMIZER_STATE: "optimizer_state",
+            mp.Category.INPUT: "input",
+        }
         self.parameter_copies: set[Any] = set()
         self.recomputed: set[Any] = set()
         self.optimizer_scratch: set[Any] = set()
@@ -239,14 +255,8 @@ class _Labeller:
         if not isinstance(key, mp.TensorKey):
             return "other"  # an allocation with no tensor behind it (a kernel's private buffer)
         category = self._categories.get(key, version)
-        direct = {
-            mp.Category.PARAMETER: "parameter",
-            mp.Category.GRADIENT: "gradient",
-            mp.Category.OPTIMIZER_STATE: "optimizer_state",
-            mp.Category.INPUT: "input",
-        }
-        if category in direct:
-            return direct[category]
+        if category in self._direct:
+            return self._direct[category]
         if key in self.parameter_copies:
             return "parameter"
         if key in self.recomputed:
@@ -258,8 +268,7 @@ class _Labeller:
         if key in self.optimizer_scratch:
             # The first step creates AdamW's state inside step(), before the tracer could tag it: a tensor the
             # optimizer still holds afterwards is state, anything else it made is scratch.
-            owned = self._after.get(key.storage.ptr)
-            return owned[1] if owned is not None else "temporary"
+            return self._held_after.get(key, "temporary")
         return "other"
 
 
