@@ -153,8 +153,10 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
     return candidates
 
 
-SLOW_PRECISION = 0.5
-"""A precision whose matmuls run below half the fastest one's is not a candidate (fp16 on most CPUs: emulated)."""
+SLOW_PRECISION = 0.2
+"""A precision whose matmuls run below a fifth of the fastest one's is not a candidate: that is an emulated precision
+(fp16 on most CPUs runs at ~1% of bf16), not a close call. Closer calls are measured: a model is more than matmuls
+(fp32 matmuls at a third of bf16's AMX speed still train at 0.7x of bf16 on gpt-tiny)."""
 
 
 def matmul_speed(precision: str, device: torch.device, size: int = 384, repeats: int = 8) -> float:
