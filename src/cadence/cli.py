@@ -20,6 +20,7 @@ import click
 from cadence import __version__
 from cadence.config import TrainConfig, build_config, flag, given_keys, read_field_docs
 from cadence.plan import PLAN_TRAIN_FIELDS, PlanOptions
+from cadence.profiling import PROFILE_TRAIN_FIELDS, ProfileOptions
 
 
 @click.group(
@@ -128,6 +129,39 @@ def plan_command(config_file: Path | None, **options: Any) -> None:
     constrained = given_keys(toml_path=config_file, flags=flags)
     config = build_config(toml_path=config_file, flags=flags)
     make_plan(config, plan_options, constrained=constrained)
+
+
+@app.command("profile")
+@config_file_option
+@dataclass_options(TrainConfig, PROFILE_TRAIN_FIELDS)
+@dataclass_options(ProfileOptions)
+@click.option("--compare", nargs=2, type=click.Path(path_type=Path), default=None, metavar="RUN_A RUN_B",
+              help="Compare two profile directories side by side instead of profiling (is B faster or leaner than A "
+                   "beyond the measured run-to-run noise?).")
+def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None, **options: Any) -> None:
+    """Profile a few training steps: time and memory per phase, top operators, tokens/s, MFU and a verdict;
+    writes trace.json (Chrome/Perfetto), profile.json and a report."""
+    profile_fields = {f.name for f in dataclasses.fields(ProfileOptions)}
+    if compare is not None:
+        from cadence.errors import UsageError
+        from cadence.profile_compare import write_comparison
+
+        given = [flag(k) for k, v in options.items() if v is not None and k != "out"]
+        if given or config_file is not None:
+            raise UsageError.single(given[0] if given else "--config", "--compare takes only RUN_A RUN_B (and --out)")
+        for path in write_comparison(compare[0], compare[1], options.get("out")):
+            click.echo(str(path))
+        return
+    from cadence.profiling import run_profile
+
+    profile_options = ProfileOptions(**{k: v for k, v in options.items() if k in profile_fields and v is not None})
+    flags = {k: v for k, v in options.items() if k not in profile_fields}
+    config = build_config(toml_path=config_file, flags=flags)
+    if config.plan is not None:
+        from cadence.plan import apply_plan
+
+        config = apply_plan(config, given_keys(toml_path=config_file, flags=flags))
+    run_profile(config, profile_options)
 
 
 @app.command("report")

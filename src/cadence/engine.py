@@ -141,6 +141,8 @@ class Engine:
         self.offload_activations = offload_activations
         """Keep the tensors saved for backward in host memory (``torch.autograd.graph.save_on_cpu``)."""
         self.memory = StepMemoryMeter(self.device, budget_bytes=memory_budget_bytes)
+        self.phases: PhaseRecorder | None = None
+        """Set by cadence.profiling while a profile runs; None (no annotations, no cost) otherwise."""
         self.steps = 0
         """Optimizer steps that really happened."""
         self.skipped_steps = 0
@@ -161,6 +163,8 @@ class Engine:
         ``measure_memory`` profiles this step's peak on CPU (CUDA is always measured, at no cost);
         ``on_micro_batch(index)`` is called before each micro-batch (a progress display uses it).
         """
+        if self.phases is not None:
+            self.phases.step_started()  # the time since the previous step ended was spent waiting for this window
         if not isinstance(window, Window):
             window = make_window(window, counter=self.counter)
         started = time.perf_counter()
@@ -173,9 +177,10 @@ class Engine:
             model=self.model, optimizer=self.optimizer, enabled=measure_memory, segmented=True
         ):
             # Sync point: every process must know the WHOLE window's target count before its first backward.
-            totals = self.collective.all_reduce_sum(
-                torch.tensor([window.targets, window.tokens, window.samples], dtype=torch.float64)
-            )
+            with self._phase("gradient_sync"):
+                totals = self.collective.all_reduce_sum(
+                    torch.tensor([window.targets, window.tokens, window.samples], dtype=torch.float64)
+                )
             window_targets, tokens, samples = (int(v) for v in totals.tolist())
             if window_targets == 0:
                 return self._skip_empty_window(window, started, lr, loss_scale, tokens, samples)
@@ -191,11 +196,12 @@ class Engine:
                     with self.memory.segment(guarded=True):
                         # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.
                         with self.collective.gradient_sync(self.model, enabled=index == last):
-                            with self.precision.autocast(), self._saved_tensors_context():
+                            with self._phase("forward"), self.precision.autocast(), self._saved_tensors_context():
                                 micro_loss_sum = self.loss_fn(self.model, batch)
                             # Dividing by the window's targets (not the micro-batch's) makes the accumulated
                             # gradient the one-big-batch gradient; x world undoes DDP's average over processes.
-                            self.precision.backward(micro_loss_sum * (world / window_targets))
+                            with self._phase("backward"):
+                                self.precision.backward(micro_loss_sum * (world / window_targets))
                     loss_sum += micro_loss_sum.detach().to(torch.float64)
                     del micro_loss_sum, batch  # free the graph's last references before the next micro-batch
             except BaseException:
@@ -206,23 +212,27 @@ class Engine:
 
             self.windows += 1
             with self.memory.segment():
-                grad_norm = self.precision.unscale_and_clip(
-                    self.optimizer, self.model.parameters(), self.max_grad_norm
-                )
-                if self.skip_nonfinite and not self.precision.has_scaler and not math.isfinite(grad_norm):
-                    did_step, reason = False, "non-finite gradients"
-                else:
-                    did_step = self.precision.step(self.optimizer)  # fp16: skipped when the scaler found inf/nan
-                    reason = None if did_step else "fp16 overflow"
-                self.optimizer.zero_grad(set_to_none=True)
+                with self._phase("unscale_clip"):
+                    grad_norm = self.precision.unscale_and_clip(
+                        self.optimizer, self.model.parameters(), self.max_grad_norm
+                    )
+                with self._phase("optimizer_step"):
+                    if self.skip_nonfinite and not self.precision.has_scaler and not math.isfinite(grad_norm):
+                        did_step, reason = False, "non-finite gradients"
+                    else:
+                        did_step = self.precision.step(self.optimizer)  # fp16: skipped when the scaler found inf
+                        reason = None if did_step else "fp16 overflow"
+                with self._phase("zero_grad_scheduler"):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if did_step and self.scheduler is not None:
+                        self.scheduler.step()  # only after a real step: a skipped step must not move the schedule
             if did_step:
                 self.steps += 1
-                if self.scheduler is not None:
-                    self.scheduler.step()  # only after a real step: a skipped step must not move the schedule
             else:
                 self.skipped_steps += 1
 
-            window_loss = float(self.collective.all_reduce_sum(loss_sum.reshape(1).cpu())[0]) / window_targets
+            with self._phase("gradient_sync"):
+                window_loss = float(self.collective.all_reduce_sum(loss_sum.reshape(1).cpu())[0]) / window_targets
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # honest step time: wait for the optimizer's kernels
         return StepResult(
@@ -242,6 +252,10 @@ class Engine:
             step_time_s=time.perf_counter() - started,
             peak_memory_bytes=self.memory.peak_bytes,
         )
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """A profiling range around one phase of the step; a shared no-op when profiling is off (no cost)."""
+        return _NO_PHASE if self.phases is None else self.phases.phase(name)
 
     def _saved_tensors_context(self) -> contextlib.AbstractContextManager[Any]:
         """Where autograd keeps what the forward saves for backward: device memory, or host memory when offloaded."""
@@ -298,6 +312,17 @@ class Engine:
         self.skipped_steps = int(state["skipped_steps"])
         self.windows = int(state["windows"])
         self.precision.load_state_dict(dict(state["precision"]))
+
+
+_NO_PHASE = contextlib.nullcontext()
+
+
+class PhaseRecorder(Protocol):
+    """What the engine tells a profiler: where each step starts, and the phases inside it."""
+
+    def step_started(self) -> None: ...
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[Any]: ...
 
 
 def _to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:

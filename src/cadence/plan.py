@@ -30,6 +30,7 @@ from cadence.data import DataSplits, iterate_micro_batches, load_data
 from cadence.data.text import PackedSequences
 from cadence.equivalence import Setup, compare_gradients, compare_losses
 from cadence.errors import Problem, UsageError
+from cadence.flops import matmul_speed
 from cadence.memory_estimate import MemoryEstimate, estimate_step_memory
 from cadence.models import MODEL_CONFIGS, build_model, model_context_length
 from cadence.offload import OFFLOAD_MODES
@@ -157,28 +158,6 @@ SLOW_PRECISION = 0.2
 """A precision whose matmuls run below a fifth of the fastest one's is not a candidate: that is an emulated precision
 (fp16 on most CPUs runs at ~1% of bf16), not a close call. Closer calls are measured: a model is more than matmuls
 (fp32 matmuls at a third of bf16's AMX speed still train at 0.7x of bf16 on gpt-tiny)."""
-
-
-def matmul_speed(precision: str, device: torch.device, size: int = 384, repeats: int = 8) -> float:
-    """Multiply-adds per second of a square matmul under ``precision``'s autocast: best of a few timed rounds."""
-    from cadence.precision import Precision
-
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(size, size, generator=generator).to(device)
-    b = torch.randn(size, size, generator=generator).to(device)
-    autocast = Precision(precision, device).autocast  # type: ignore[arg-type]
-    best = float("inf")
-    for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        with autocast():
-            for _ in range(repeats):
-                a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
-    return repeats * size**3 / best
 
 
 def precision_prior(device: torch.device) -> dict[str, float]:

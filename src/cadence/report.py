@@ -19,6 +19,7 @@ from cadence.report_plots import Block, Bullets, Heading, Paragraph, Plot, Repor
 from cadence.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, atomic_write_bytes
 
 PLAN_FILE = "plan.json"
+PROFILE_FILE = "profile.json"
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
 RUN_PLOTS = ("report-loss.png", "report-lr.png", "report-throughput.png", "report-grad-norm.png",
@@ -30,10 +31,10 @@ WHERE = "RUN_DIR"
 
 # ------------------------------------------------------------------------------------------------ entry point
 def build_report(path: Path) -> list[Path]:
-    """Write report.md, report.html and the report-*.png plots into a run or plan directory; return their paths.
+    """Write report.md, report.html and the report-*.png plots into a run, plan or profile directory; return them.
 
-    Raises UsageError (naming RUN_DIR) when ``path`` is missing, is not a directory, holds neither a run
-    (metrics.jsonl) nor a plan (plan.json), or holds files that are not valid JSON.
+    Raises UsageError (naming RUN_DIR) when ``path`` is missing, is not a directory, holds no run (metrics.jsonl),
+    plan (plan.json) or profile (profile.json), or holds files that are not valid JSON.
     """
     root = Path(path)
     if not root.exists():
@@ -42,12 +43,15 @@ def build_report(path: Path) -> list[Path]:
         raise UsageError.single(WHERE, f"{root} is a file; give the run or plan directory that holds it")
     if (root / PLAN_FILE).is_file():
         report = plan_report(root)
+    elif (root / PROFILE_FILE).is_file():  # before metrics.jsonl: a profile directory may hold one as well
+        from cadence.profile_report import profile_report  # here, not on top: profile_report imports this module
+        report = profile_report(root)
     elif (root / METRICS_FILE).is_file():
         report = run_report(root)
     else:
         raise UsageError.single(
-            WHERE, f"{root} holds neither a run ({METRICS_FILE}, written by cadence train) nor a plan ({PLAN_FILE}, "
-                   "written by cadence plan)")
+            WHERE, f"{root} holds neither a run ({METRICS_FILE}, written by cadence train), a plan ({PLAN_FILE}, "
+                   f"written by cadence plan) nor a profile ({PROFILE_FILE}, written by cadence profile)")
     try:
         return write_report(report, root)
     except OSError as err:  # a read-only or full disk is the user's to fix, not a traceback
