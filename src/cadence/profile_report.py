@@ -19,10 +19,9 @@ from matplotlib.figure import Figure
 
 from cadence import report_plots as plots
 from cadence.errors import UsageError
-from cadence.report import fmt_bytes, fmt_num
+from cadence.report import PROFILE_FILE, fmt_bytes, fmt_num
 from cadence.report_plots import Block, Bullets, Heading, Paragraph, Plot, Report, Table
 
-PROFILE_FILE = "profile.json"
 PHASE_PLOT = "report-phases.png"
 PHASES = ("data_wait", "forward", "backward", "gradient_sync", "unscale_clip", "optimizer_step",
           "zero_grad_scheduler", "logging_checkpointing", "other")
@@ -190,7 +189,7 @@ def draw_phase_bars(ax: Axes, bars: Sequence[tuple[str, dict[str, float]]], phas
         ax.barh(rows, widths, left=lefts, height=0.6, color=PHASE_COLORS.get(phase), label=phase,
                 edgecolor="white", linewidth=0.5)
         for row, left, width in zip(rows, lefts, widths):
-            if width >= 0.07 * largest:
+            if width >= 0.05 * largest:
                 text = f"{100 * width:.0f}%" if percent else f"{width * 1000:.0f} ms"
                 ax.text(left + width / 2, row, text, ha="center", va="center", fontsize="small")
         lefts = [left + width for left, width in zip(lefts, widths)]
@@ -221,8 +220,11 @@ def phase_figure(profile: dict[str, Any]) -> Figure:
     # The measured step time on top of each bar: a gap or an overshoot shows time the phases miss or double-count.
     bottom.plot(steps, [1000 * t for t in times], "_", color="black", ms=22, mew=2, label="measured step time")
     bottom.set_xticks(steps)
-    handles, labels = bottom.get_legend_handles_labels()
-    bottom.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    by_label = dict(zip(*reversed(bottom.get_legend_handles_labels())))
+    # The step-time marker, then the phases top-down as they are stacked.
+    order = ["measured step time", *reversed(phases)]
+    bottom.legend([by_label[label] for label in order], order, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  fontsize="small")
     return fig
 
 

@@ -86,6 +86,10 @@ class PhaseTimer:
             self.step_times.append(now - self._boundary)
         self._current, self._boundary, self._waited = {}, now, False
 
+    def restart(self) -> None:
+        """Move the step boundary to now (after work that belongs to no step, such as the profiler's)."""
+        self._boundary = time.perf_counter()
+
 
 @dataclass(kw_only=True)
 class ProfileSettings:
@@ -146,6 +150,7 @@ class StepProfiler:
             self._memory_baseline = live_training_bytes(self.engine.model, self.engine.optimizer)
         self.timer.end_step(keep=self._step_index >= active_from)
         self._profiler.step()
+        self.timer.restart()  # the profiler's own bookkeeping is not part of any step
         self._step_index += 1
         if self.done:
             self._finish()
