@@ -33,3 +33,13 @@ def test_readme_quick_start_is_the_two_make_commands():
     makefile = (ROOT / "Makefile").read_text()
     assert "torch==2.13.0" in makefile and re.search(r"^demo:", makefile, flags=re.M)
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_profiler_snippet_runs_after_the_example(tmp_path, monkeypatch, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    snippet = next(block for block in blocks if "StepProfiler" in block)
+    monkeypatch.chdir(tmp_path)
+    namespace = runpy.run_path(str(ROOT / "examples" / "own_loop.py"), run_name="__main__")
+    exec(compile(snippet, "README profiler snippet", "exec"), namespace)  # noqa: S102 - our own README
+    assert (tmp_path / "profile" / "profile.json").exists() and (tmp_path / "profile" / "trace.json").exists()
+    assert "kind" in capsys.readouterr().out

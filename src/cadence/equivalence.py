@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from cadence.engine import Engine
+from cadence.engine import Engine, LossFn, token_cross_entropy_sum
 from cadence.offload import OffloadedOptimizer
 from cadence.recompute import apply_activation_checkpointing
 from cadence.windows import Window, resplit_window
@@ -63,25 +63,26 @@ class GradientComparison:
 
 
 class _GradientRecorder(torch.optim.Optimizer):
-    """An optimizer whose step records the gradients (as one flat fp32 vector) and changes nothing."""
+    """An optimizer whose step records the gradients (fp32 copies on the CPU, in parameter order), changing nothing."""
 
     def __init__(self, params: Any) -> None:
         super().__init__(params, {"lr": 0.0})
-        self.recorded: torch.Tensor | None = None
+        self.recorded: list[torch.Tensor | None] | None = None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
-        grads = [p.grad.detach().float().flatten().cpu() for g in self.param_groups for p in g["params"]
-                 if p.grad is not None]
-        self.recorded = torch.cat(grads)
+        self.recorded = [None if p.grad is None else p.grad.detach().float().cpu().clone()
+                         for g in self.param_groups for p in g["params"]]
 
 
-def window_gradient(
-    build_model: Callable[[], torch.nn.Module], window: Window, setup: Setup, *, max_overflow_retries: int = 12
-) -> torch.Tensor:
-    """The gradient an optimizer would receive for ``window`` under ``setup`` (flat, fp32, on the CPU)."""
+def parameter_gradients(
+    build_model: Callable[[], torch.nn.Module], window: Window, setup: Setup, *,
+    loss_fn: LossFn = token_cross_entropy_sum, max_overflow_retries: int = 12,
+) -> dict[str, torch.Tensor]:
+    """The gradient an optimizer would receive for ``window`` under ``setup``: parameter name -> fp32 CPU tensor."""
     model = build_model()
     apply_activation_checkpointing(model, setup.activation_checkpointing)  # type: ignore[arg-type]
+    names = [name for name, _ in model.named_parameters()]
     recorder = _GradientRecorder(model.parameters())
     optimizer: torch.optim.Optimizer = recorder
     if setup.offload == "optimizer":
@@ -89,7 +90,7 @@ def window_gradient(
         optimizer = OffloadedOptimizer(model.parameters(), optimizer_class=_GradientRecorder)
         recorder = optimizer.inner  # type: ignore[assignment]
     engine = Engine(model, optimizer, precision=setup.precision, max_grad_norm=0.0,  # type: ignore[arg-type]
-                    offload_activations=setup.offload == "activations")
+                    offload_activations=setup.offload == "activations", loss_fn=loss_fn)
     split = resplit_window(window, setup.micro_batch_size)
     for _ in range(max_overflow_retries + 1):
         result = engine.step(split)
@@ -97,7 +98,11 @@ def window_gradient(
             break  # fp16 may overflow at its first scale; the scaler backs off and the same window runs again
     if recorder.recorded is None:
         raise RuntimeError(f"no finite gradient for {setup.describe()} after {max_overflow_retries} retries")
-    return recorder.recorded
+    return {name: grad for name, grad in zip(names, recorder.recorded) if grad is not None}
+
+
+def flat(gradients: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([gradients[name].flatten() for name in sorted(gradients)]).double()
 
 
 def compare_gradients(
@@ -106,8 +111,8 @@ def compare_gradients(
     """``setup``'s window gradient against the exact reference: fp32 accumulation of the same window, no recompute,
     no offload, in micro-batches of ``reference_micro_batch_size`` (1 by default: it always fits in memory)."""
     reference_setup = Setup(micro_batch_size=reference_micro_batch_size)
-    reference = window_gradient(build_model, window, reference_setup).double()
-    candidate = window_gradient(build_model, window, setup).double()
+    reference = flat(parameter_gradients(build_model, window, reference_setup))
+    candidate = flat(parameter_gradients(build_model, window, setup))
     error = float((candidate - reference).norm() / reference.norm().clamp_min(1e-30))
     cosine = float(torch.nn.functional.cosine_similarity(candidate, reference, dim=0))
     tolerance = GRADIENT_TOLERANCE[setup.precision]

@@ -35,8 +35,8 @@ MEMORY_THRESHOLD = 0.02
 2% leaves room for allocator rounding and the small buffers that a different library version may add."""
 UNFAIR_KEYS = ("model", "seq_len", "effective_batch_size", "device")
 """Settings that change the work a step does (or where it runs): when they differ, A and B are not like for like."""
-NOT_COMPARED = ("out", "resume")
-"""Configuration keys that say where a run was written, not how it ran."""
+NOT_COMPARED = ("out", "resume", "plan")
+"""Configuration keys that say where a run was written or its settings read from, not how it ran."""
 
 SpeedKind = Literal["faster", "slower", "no difference", "unknown"]
 MemoryKind = Literal["leaner", "heavier", "same", "unknown"]

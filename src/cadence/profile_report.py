@@ -166,7 +166,7 @@ def setup_items(profile: dict[str, Any]) -> list[str]:
         f"**precision:** {get('precision', '?')}; recompute {get('activation_checkpointing', 'none')}; "
         f"offload {get('offload', 'none')}",
         f"**Effective batch:** {effective_batch(profile)}"
-        + (f" = {tokens:,} tokens per optimizer step" if isinstance(tokens, int) else ""),
+        + (f" = {fmt_num(tokens, ',.0f')} tokens per optimizer step" if plots.finite(tokens) else ""),
         f"**Sequence length:** {get('seq_len', '?')} tokens",
         f"**Profiled:** {schedule.get('active', len(step_times(profile)))} active optimizer steps after "
         f"{schedule.get('wait', '?')} wait and {schedule.get('warmup', '?')} warm-up; {profile.get('created', '?')}",
@@ -312,7 +312,7 @@ def _operators(operators: Any) -> list[Block]:
     if not rows:
         return [Heading(text="Top operators"), Paragraph(text=f"{PROFILE_FILE} records no operators.")]
     return [Heading(text="Top operators"), Table(
-        header=["operator", "calls", "self time", "total time", "share of self time"], rows=rows),
+        header=["operator", "calls", "self time", "total time", "self time / active wall time"], rows=rows),
         Paragraph(text="Times are summed over all active steps; self time excludes the operators each one calls.")]
 
 
