@@ -21,6 +21,7 @@ from cadence import __version__
 from cadence.config import TrainConfig, build_config, flag, given_keys, read_field_docs
 from cadence.plan import PLAN_TRAIN_FIELDS, PlanOptions
 from cadence.profiling import PROFILE_TRAIN_FIELDS, ProfileOptions
+from cadence.verify import VERIFY_TRAIN_FIELDS, VerifyOptions
 
 
 @click.group(
@@ -164,6 +165,22 @@ def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None,
     run_profile(config, profile_options)
 
 
+@app.command("verify")
+@config_file_option
+@dataclass_options(TrainConfig, VERIFY_TRAIN_FIELDS)
+@dataclass_options(VerifyOptions)
+@click.option("--json", "as_json", is_flag=True, default=False, help="Print the result as JSON.")
+def verify_command(config_file: Path | None, as_json: bool, **options: Any) -> None:
+    """Check that a configuration (micro-batch x accumulation, precision, recompute, offload) gives the gradient of
+    the whole effective batch in fp32; exit status 1 when it does not."""
+    from cadence.verify import run_verify
+
+    verify_fields = {f.name for f in dataclasses.fields(VerifyOptions)}
+    verify_options = VerifyOptions(**{k: v for k, v in options.items() if k in verify_fields and v is not None})
+    flags = {k: v for k, v in options.items() if k not in verify_fields}
+    run_verify(build_config(toml_path=config_file, flags=flags), verify_options, as_json=as_json)
+
+
 @app.command("report")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def report_command(run_dir: Path) -> None:
@@ -193,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cadence`` console script; returns the exit status."""
     from cadence.errors import UsageError
     from cadence.plan import PlanFailed
+    from cadence.verify import VerifyFailed
     from cadence.trainer import TrainingFailed
 
     try:
@@ -214,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except PlanFailed as err:
         print(f"cadence: plan failed: {err}", file=sys.stderr)
+        return 1
+    except VerifyFailed as err:
+        print(f"cadence: verify failed: {err}", file=sys.stderr)
         return 1
     return 0
 
