@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -47,3 +48,13 @@ def prompt_completion_dataset(count: int = 40, seed: int = 3) -> TokenDataset:
 @pytest.fixture
 def variable_dataset() -> TokenDataset:
     return prompt_completion_dataset()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread while profiling: on 2 shared cores, OpenMP threads that spin-wait for a busy core make
+    steps several times slower whenever another process runs. The memory measured does not depend on it."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

@@ -22,14 +22,7 @@ TABLE_SIZES = {"gpt-tiny": (8, 256), "gpt-small": (4, 256), "gpt-base": (1, 256)
 """(micro-batch, seq_len) per model: small enough for 2 CPU cores, large enough that activations matter."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """One intra-op thread while profiling: on 2 shared cores, OpenMP threads that spin-wait for a busy core make
-    these steps several times slower whenever another process runs. The memory measured does not depend on it."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_window(batch: int, seq: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:

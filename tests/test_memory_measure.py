@@ -21,14 +21,7 @@ from cadence.trainer import build_optimizer
 MiB = 2**20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """One intra-op thread while profiling: on 2 shared cores, OpenMP threads that spin-wait for a busy core make
-    these steps several times slower whenever another process runs. The memory measured does not depend on it."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_window(batch: int, seq: int, accum: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:

@@ -9,7 +9,6 @@ per-phase numbers and the stacked phase bars.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -19,7 +18,7 @@ from matplotlib.figure import Figure
 
 from cadence import report_plots as plots
 from cadence.errors import UsageError
-from cadence.report import PROFILE_FILE, fmt_bytes, fmt_num
+from cadence.report import PROFILE_FILE, fmt_bytes, fmt_num, read_json_object
 from cadence.report_plots import Block, Bullets, Heading, Paragraph, Plot, Report, Table
 
 PHASE_PLOT = "report-phases.png"
@@ -46,15 +45,7 @@ def read_profile(root: Path, where: str = WHERE) -> dict[str, Any]:
     path = root / PROFILE_FILE
     if not path.is_file():
         raise UsageError.single(where, f"{root} holds no {PROFILE_FILE} (written by cadence profile)")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError.single(where, f"{path} cannot be read: {err}") from None
-    except json.JSONDecodeError as err:
-        raise UsageError.single(where, f"{path} is not valid JSON ({err.msg}, line {err.lineno})") from None
-    if not isinstance(value, dict):
-        raise UsageError.single(where, f"{path} should hold a JSON object, not {type(value).__name__}")
-    return value
+    return read_json_object(path, where)
 
 
 # ---------------------------------------------------------------------------------------------- profile numbers

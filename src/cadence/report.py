@@ -72,15 +72,16 @@ def write_report(report: Report, root: Path) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------------------------------- reading
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path, where: str = WHERE) -> dict[str, Any]:
+    """A JSON file that must hold an object; any problem is a UsageError naming ``where``."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as err:
-        raise UsageError.single(WHERE, f"{path} cannot be read: {err}") from None
+        raise UsageError.single(where, f"{path} cannot be read: {err}") from None
     except json.JSONDecodeError as err:
-        raise UsageError.single(WHERE, f"{path} is not valid JSON ({err.msg}, line {err.lineno})") from None
+        raise UsageError.single(where, f"{path} is not valid JSON ({err.msg}, line {err.lineno})") from None
     if not isinstance(value, dict):
-        raise UsageError.single(WHERE, f"{path} should hold a JSON object, not {type(value).__name__}")
+        raise UsageError.single(where, f"{path} should hold a JSON object, not {type(value).__name__}")
     return value
 
 
@@ -136,8 +137,8 @@ def _plot(name: str, caption: str, figure: Any) -> Plot:
 def run_report(root: Path) -> Report:
     """The report of a training run: configuration, totals, plots per step and the last metrics rows."""
     rows = _read_metrics(root / METRICS_FILE)
-    config = _read_json(root / CONFIG_FILE) if (root / CONFIG_FILE).is_file() else {}
-    summary = _read_json(root / SUMMARY_FILE) if (root / SUMMARY_FILE).is_file() else None
+    config = read_json_object(root / CONFIG_FILE) if (root / CONFIG_FILE).is_file() else {}
+    summary = read_json_object(root / SUMMARY_FILE) if (root / SUMMARY_FILE).is_file() else None
     blocks: list[Block] = [Heading(text="Configuration"), Bullets(items=_config_items(config))]
     blocks += [Heading(text="Totals")]
     if summary is None:
@@ -261,7 +262,7 @@ def _last_rows(rows: list[dict[str, Any]]) -> Table:
 # -------------------------------------------------------------------------------------------------- plan report
 def plan_report(root: Path) -> Report:
     """The report of a plan: diagnosis, candidates (estimated and measured), the choice, its quality, the notes."""
-    plan = _read_json(root / PLAN_FILE)
+    plan = read_json_object(root / PLAN_FILE)
     candidates = [c for c in plan.get("candidates") or [] if isinstance(c, dict)]
     choice = plan.get("choice") if isinstance(plan.get("choice"), dict) else None
     chosen_id = choice.get("id") if choice else None
