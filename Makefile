@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,11 @@ demo: $(STAMP)
 	@echo "run directory: runs/demo (config.json, metrics.jsonl, summary.json, model.safetensors, tensorboard/)"
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

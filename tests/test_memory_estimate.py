@@ -3,7 +3,6 @@ the right way with micro-batch, checkpointing, precision, offload and accumulati
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch

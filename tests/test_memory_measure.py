@@ -5,7 +5,6 @@ without changing a single gradient bit."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
