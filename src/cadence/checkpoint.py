@@ -1,32 +1,61 @@
-"""Checkpoints: every piece of state a run needs, written atomically into checkpoints/step-N/.
+"""Checkpoints: every piece of state a run needs, written atomically into checkpoints/step-N/, and read back.
 
-A checkpoint is assembled in a hidden temporary folder and renamed into place only when complete (rename is atomic
-within a filesystem), so a crash mid-write leaves either no step-N folder or a whole one.
+A checkpoint is assembled in a hidden temporary folder, every file fsynced, a manifest of SHA-256 checksums written
+last, and the folder renamed into place only then (rename is atomic within a filesystem): a crash mid-write leaves
+either no step-N folder or a whole one. Reading verifies the manifest, so a folder damaged afterwards (a disk error,
+a partial copy) is detected and the previous checkpoint is used instead, with a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
+import re
 import shutil
 import tempfile
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from cadence.run_dir import CHECKPOINTS_DIR, WEIGHTS_FILE, atomic_write_json, save_weights
 
 STATE_FILE = "training_state.pt"
 INFO_FILE = "checkpoint.json"
+MANIFEST_FILE = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def rng_state() -> dict[str, Any]:
     """Every random generator a training step can touch."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def save_checkpoint(
@@ -39,8 +68,10 @@ def save_checkpoint(
     engine_state: dict[str, Any],
     data_position: dict[str, int],
     info: dict[str, Any],
+    keep: int = 0,
 ) -> Path:
-    """Write checkpoints/step-{step}/ (weights, optimizer, scheduler, precision, counters, RNG, data position)."""
+    """Write checkpoints/step-{step}/ (weights, optimizer, scheduler, precision, counters, RNG, data position);
+    with ``keep`` > 0, delete all but the newest ``keep`` checkpoints afterwards."""
     root = run_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
@@ -59,14 +90,69 @@ def save_checkpoint(
             handle.flush()
             os.fsync(handle.fileno())
         atomic_write_json(staging / INFO_FILE, {"step": step, **info})
-        if final.exists():  # same step written again (e.g. final save after a periodic one): replace whole
+        # The manifest is written last: a folder with a valid manifest was complete when it was written.
+        manifest = {name: _sha256(staging / name) for name in (WEIGHTS_FILE, STATE_FILE, INFO_FILE)}
+        atomic_write_json(staging / MANIFEST_FILE, {"step": step, "sha256": manifest})
+        if final.exists():  # the same step written again (a final save after a periodic one): replace it whole
             shutil.rmtree(final)
         os.replace(staging, final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if keep > 0:
+        for old in checkpoint_dirs(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The step-N folders of a run, oldest first (hidden staging folders of interrupted writes are not included)."""
+    root = run_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [path for _, path in sorted(found)]
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """Why ``path`` is not a whole, intact checkpoint (None when it is)."""
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return "no manifest (the write did not finish)"
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        for name, digest in manifest["sha256"].items():
+            if not (path / name).is_file():
+                return f"{name} is missing"
+            if _sha256(path / name) != digest:
+                return f"{name} does not match its checksum"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"unreadable manifest ({err})"
+    return None
+
+
+@dataclass(kw_only=True)
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    weights: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    info: dict[str, Any]
+
+
+def latest_checkpoint(run_dir: Path) -> LoadedCheckpoint | None:
+    """The newest checkpoint that verifies; damaged newer ones are skipped with a warning. None when there is none."""
+    for path in reversed(checkpoint_dirs(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            warnings.warn(f"checkpoint {path} is damaged ({problem}); using the one before it", stacklevel=2)
+            continue
+        info = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        return LoadedCheckpoint(path=path, step=int(info["step"]), weights=load_file(str(path / WEIGHTS_FILE)),
+                                state=state, info=info)
+    return None
 
 
 def _fsync_dir(path: Path) -> None:

@@ -104,7 +104,15 @@ class TrainConfig:
     out: Path | None = None
     """Run directory to create; default runs/<date>-<time>. An existing non-empty directory is refused."""
     checkpoint_every: int = 0
-    """Save a checkpoint every N optimizer steps into OUT/checkpoints/step-N; 0 = none."""
+    """Save a checkpoint every N optimizer steps (and at the end) into OUT/checkpoints/step-N; 0 = none."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N checkpoints; 0 keeps all."""
+    resume: bool = False
+    """Continue the run in --out from its newest intact checkpoint, as if it had never stopped (same losses, data
+    order and LR); with no checkpoint yet, start fresh. Refused when the configuration changes the math."""
+    max_skipped_steps: int = 50
+    """Stop (exit status 1) after this many optimizer steps in a row were skipped (fp16 overflow or non-finite
+    gradients): the run has diverged."""
     log_every: int = 10
     """Print a progress line every N optimizer steps when the output is not a terminal."""
     plan: Path | None = None
@@ -199,7 +207,8 @@ _INVALID = object()
 
 def _type_name(hint: Any) -> str:
     args = set(getattr(hint, "__args__", ())) or {hint}
-    for kind, name in ((Path, "path string"), (int, "integer"), (float, "number"), (str, "string")):
+    for kind, name in ((bool, "true or false"), (Path, "path string"), (int, "integer"), (float, "number"),
+                       (str, "string")):
         if kind in args:
             return name
     return str(hint)
@@ -208,6 +217,8 @@ def _type_name(hint: Any) -> str:
 def _convert(value: Any, hint: Any) -> Any:
     """A TOML value as the field's type, or _INVALID. Integers are accepted for float fields, not the reverse."""
     args = set(getattr(hint, "__args__", ())) or {hint}
+    if bool in args:
+        return value if isinstance(value, bool) else _INVALID
     if isinstance(value, bool):
         return _INVALID
     if Path in args:
@@ -342,10 +353,14 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
         bad("plan", f"{config.plan} is not a file; give the plan.json that cadence plan wrote")
     if config.data is not None and not config.data.exists():
         bad("data", f"{config.data} does not exist")
-    if config.out is not None:
+    if config.out is not None and not (config.resume and config.out.is_dir()):
         problem = _out_problem(config.out)
         if problem:
             bad("out", problem)
+    if config.resume and config.out is None:
+        bad("resume", "needs --out: the run directory to continue")
+    at_least("keep_checkpoints", 0)
+    at_least("max_skipped_steps", 1)
     device_ok = config.device in DEVICE_CHOICES
     if config.device == "cuda" and not (_cuda_available() if cuda_available is None else cuda_available):
         bad("device", "cuda was asked for but this machine has no usable CUDA device; use cpu or auto")

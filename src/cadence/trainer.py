@@ -20,6 +20,8 @@ import torch
 
 from cadence import __version__
 from cadence.autobatch import MicroBatchController, MicroBatchTooLarge
+import itertools
+
 from cadence.checkpoint import save_checkpoint
 from cadence.config import TrainConfig, resolve_device, validate
 from cadence.data import DataSplits, iterate_micro_batches, load_data
@@ -29,13 +31,11 @@ from cadence.models import build_model, model_context_length
 from cadence.offload import OffloadedOptimizer
 from cadence.progress import TrainProgress, format_bytes
 from cadence.recompute import apply_activation_checkpointing
+from cadence.resume import StopOnSignal, restore
 from cadence.run_dir import RunWriter
 from cadence.schedules import build_lr_scheduler
 from cadence.windows import iter_windows
 
-MAX_CONSECUTIVE_SKIPS = 50
-"""Windows in a row whose step was skipped before training stops: fp16 backs its scale off by 2x per skip, so 50 in a
-row means the gradients are non-finite at any scale, i.e. the run has diverged."""
 
 
 class TrainingFailed(RuntimeError):
@@ -155,6 +155,22 @@ class _Totals:
         if result.peak_memory_bytes is not None:
             self.peak_memory = max(self.peak_memory or 0, result.peak_memory_bytes)
 
+    def add_row(self, row: dict[str, Any]) -> None:
+        """A metrics row of the run before a resume (so that the summary covers the whole run)."""
+        self.tokens += int(row["tokens"])
+        self.targets += int(row["targets"])
+        self.samples += int(row["samples"])
+        self.oom_retries += int(row.get("oom_retries") or 0)
+        if row.get("peak_memory_bytes"):
+            self.peak_memory = max(self.peak_memory or 0, int(row["peak_memory_bytes"]))
+        else:
+            self.timed_tokens += int(row["tokens"])
+            self.timed_s += float(row["step_time_s"])
+        if not row.get("skipped"):
+            self.last = row
+        if row.get("val_loss") is not None:
+            self.last_val = row["val_loss"]
+
 
 def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | None = None) -> dict[str, Any]:
     """Train as configured; returns the summary (also written to summary.json)."""
@@ -165,8 +181,10 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
     val_batches = _validation_batches(prep)
     parameters = sum(p.numel() for p in parts.model.parameters())
 
+    resolved = _resolved_config(prep, parameters)
+    start = restore(prep.out, resolved, parts) if config.resume else None  # before the writer opens metrics.jsonl
     writer = RunWriter(prep.out)
-    writer.write_config(_resolved_config(prep, parameters))
+    writer.write_config(resolved)
     micro = "auto, starting at " + str(prep.micro_batch_size) if config.auto_micro_batch else prep.micro_batch_size
     print(
         f"cadence {__version__}: {config.model} ({parameters:,} parameters) on {prep.device}, {config.precision}, "
@@ -179,17 +197,23 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
     if prep.data.truncated:
         print(f"note: {prep.data.truncated} examples were longer than --seq-len and were truncated", file=stream)
 
+    if start is not None:
+        print(f"resuming from {start.checkpoint} (step {start.step})", file=stream, flush=True)
     started = time.perf_counter()
     totals = _Totals()
+    for row in start.kept_rows if start else []:
+        totals.add_row(row)
     consecutive_skips = 0
-    epoch = 0
+    epoch, skip = (start.epoch, start.windows_done_in_epoch) if start else (0, 0)
+    stop = StopOnSignal()
+    saved_at = engine.windows if start else -1
     progress = TrainProgress(total_steps=config.max_steps, grad_accum_steps=prep.grad_accum_steps,
                              log_every=config.log_every, stream=stream, live=live)
     controller = MicroBatchController(start=prep.micro_batch_size, grow_after=config.auto_grow_after,
                                       log=lambda text: progress.message(f"auto micro-batch: {text}"))
     budget_on_cpu = prep.memory_budget_bytes is not None and prep.device.type == "cpu"
     try:
-        with progress, warnings.catch_warnings(record=True) as caught:
+        with stop, progress, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             while engine.steps < config.max_steps:
                 windows = iter_windows(
@@ -197,7 +221,8 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
                     prep.grad_accum_steps, micro_batch_size=prep.micro_batch_size,
                     last_window=config.last_window, epoch=epoch,  # type: ignore[arg-type]
                 )
-                for window_in_epoch, window in enumerate(windows, start=1):
+                # A resumed run skips the windows its checkpoint had done: same permutation, same windows after.
+                for window_in_epoch, window in enumerate(itertools.islice(windows, skip, None), start=skip + 1):
                     # On CPU memory is measured by the profiler, which is as slow as a step: measure the first
                     # steady-state window (the second: the first also allocates the optimizer state) only, unless
                     # a budget is enforced, which needs every step measured.
@@ -235,22 +260,30 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
                     if not result.skipped:
                         totals.last = row
                     consecutive_skips = consecutive_skips + 1 if result.skipped else 0
-                    if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+                    if consecutive_skips >= config.max_skipped_steps:
                         raise TrainingFailed(
                             f"{consecutive_skips} optimizer steps in a row were skipped (last reason: "
-                            f"{result.skip_reason}); the run has diverged. Lower --lr or use bf16/fp32."
+                            f"{result.skip_reason}); the run has diverged. Lower --lr or use bf16/fp32. The last "
+                            f"good checkpoint is kept."
                         )
-                    if config.checkpoint_every and not result.skipped and engine.steps % config.checkpoint_every == 0:
+                    periodic = config.checkpoint_every and engine.steps % config.checkpoint_every == 0
+                    # At a window boundary: periodically, at the end, and when a signal asked to stop.
+                    wanted = (periodic and not result.skipped) or (done and config.checkpoint_every) or stop.requested
+                    if wanted and saved_at != engine.windows:
                         save_checkpoint(
                             prep.out, step=engine.steps, model=parts.model, optimizer=parts.optimizer,
                             scheduler=parts.scheduler, engine_state=engine.state_dict(),
                             data_position={"epoch": epoch, "window_in_epoch": window_in_epoch},
-                            info={"loss": result.loss, "config": config.to_json_dict()},
+                            info={"loss": result.loss, "config": config.to_json_dict(), "resolved_config": resolved},
+                            keep=config.keep_checkpoints,
                         )
-                    if done:
+                        saved_at = engine.windows
+                    if done or stop.requested:
                         break
                 else:
-                    epoch += 1  # the epoch's windows ran out before max_steps: start the next epoch
+                    epoch, skip = epoch + 1, 0  # the epoch's windows ran out before max_steps: the next epoch
+                    continue
+                break
     finally:
         writer.close()
 
@@ -278,6 +311,8 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
         "final_micro_batch_size": controller.current if config.auto_micro_batch else prep.micro_batch_size,
         "oom_retries": totals.oom_retries,
         "parameters": parameters,
+        "stopped_by": stop.requested,
+        "resumed_from_step": start.step if start else None,
     }
     writer.write_summary(summary)
     print(
@@ -286,6 +321,9 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
         f"peak memory {format_bytes(totals.peak_memory)}, {wall:.1f} s -> {prep.out}",
         file=stream, flush=True,
     )
+    if stop.requested:
+        print(f"stopped by {stop.requested} after step {engine.steps} (checkpoint saved); continue with --resume",
+              file=stream, flush=True)
     return summary
 
 

@@ -1,0 +1,166 @@
+"""Exact resume, preemption and divergence: nothing committed to disk is lost, and a resumed run is the same run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import sample_text
+from safetensors.torch import load_file
+
+from cadence.checkpoint import checkpoint_dirs, verify_checkpoint
+from cadence.cli import main
+from cadence.run_dir import read_metrics
+
+CADENCE = str(Path(sys.executable).with_name("cadence"))
+
+
+def data_file(tmp_path: Path) -> Path:
+    path = tmp_path / "text.txt"
+    path.write_bytes(sample_text(400 * 32 + 1))
+    return path
+
+
+def args(data: Path, out: Path, *extra: str, steps: int = 8) -> list[str]:
+    return ["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "4", "--grad-accum-steps", "2",
+            "--max-steps", str(steps), "--val-fraction", "0", "--checkpoint-every", "2", "--out", str(out), *extra]
+
+
+def same_run(a: Path, b: Path) -> None:
+    rows_a, rows_b = read_metrics(a), read_metrics(b)
+    assert [(r["step"], r["window"], r["loss"], r["lr"]) for r in rows_a] == \
+        [(r["step"], r["window"], r["loss"], r["lr"]) for r in rows_b]
+    weights_a, weights_b = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)  # bitwise
+
+
+def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "whole")) == 0
+    assert main(args(data, tmp_path / "cut")) == 0
+    for late in checkpoint_dirs(tmp_path / "cut")[1:]:  # as if killed right after step 2
+        shutil.rmtree(late)
+    assert main(args(data, tmp_path / "cut", "--resume")) == 0
+    same_run(tmp_path / "cut", tmp_path / "whole")
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 8
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "whole")) == 0
+    assert main(args(data, tmp_path / "cut", steps=8)) == 0
+    newest = checkpoint_dirs(tmp_path / "cut")[-1]
+    weights = newest / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 0xFF
+    weights.write_bytes(bytes(blob))
+    assert verify_checkpoint(newest) is not None
+    with pytest.warns(UserWarning, match="damaged"):
+        assert main(args(data, tmp_path / "cut", "--resume")) == 0
+    same_run(tmp_path / "cut", tmp_path / "whole")
+
+
+def test_resume_refuses_a_configuration_that_changes_the_math(tmp_path, capsys):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "run", steps=4)) == 0
+    assert main(args(data, tmp_path / "run", "--resume", "--lr", "0.01", steps=4)) == 2
+    assert "--lr" in capsys.readouterr().err
+
+
+def test_resume_with_another_split_continues_the_same_math(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "whole")) == 0
+    assert main(args(data, tmp_path / "cut", steps=8)) == 0
+    for late in checkpoint_dirs(tmp_path / "cut")[1:]:
+        shutil.rmtree(late)
+    resumed = args(data, tmp_path / "cut", "--resume")
+    resumed[resumed.index("--micro-batch-size") + 1], resumed[resumed.index("--grad-accum-steps") + 1] = "1", "8"
+    assert main(resumed) == 0
+    for got, want in zip(read_metrics(tmp_path / "cut"), read_metrics(tmp_path / "whole")):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "whole", steps=3)) == 0
+    assert main(args(data, tmp_path / "new", "--resume", steps=3)) == 0
+    same_run(tmp_path / "new", tmp_path / "whole")
+
+
+def test_keep_checkpoints(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "run", "--keep-checkpoints", "2", steps=8)) == 0
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-6", "step-8"]
+
+
+def test_divergence_stops_after_max_skipped_steps(tmp_path, capsys):
+    data = data_file(tmp_path)
+    code = main(args(data, tmp_path / "run", "--lr", "1e30", "--max-skipped-steps", "3", steps=20))
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "3 optimizer steps in a row were skipped" in err and "non-finite gradients" in err
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["skipped"] and rows[-3]["skipped"]
+
+
+def spawn(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([CADENCE, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_path):
+    data = data_file(tmp_path)
+    whole = args(data, tmp_path / "whole", steps=40)
+    whole[whole.index("--checkpoint-every") + 1] = "1"
+    assert main(whole) == 0
+    cut = [*whole[:-1], str(tmp_path / "cut")]
+    rng = random.Random(5)
+    kills = 0
+    for attempt in range(30):
+        process = spawn([*cut[1:], "--resume"] if attempt else cut[1:])
+        started = time.monotonic()
+        # start-up takes ~1.5 s; then ~40 steps with a checkpoint (fsync) after each: kill somewhere in there
+        time.sleep(rng.uniform(1.2, 3.0))
+        if process.poll() is None and kills < 6:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            kills += 1
+            continue
+        assert process.wait(timeout=120) == 0, process.stderr.read() if process.stderr else ""
+        if (tmp_path / "cut" / "summary.json").exists() and time.monotonic() > started:
+            break
+    assert kills >= 5
+    same_run(tmp_path / "cut", tmp_path / "whole")
+    for path in checkpoint_dirs(tmp_path / "cut"):
+        assert verify_checkpoint(path) is None, path
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_window_checkpoints_and_exits_0(tmp_path):
+    data = data_file(tmp_path)
+    whole = args(data, tmp_path / "whole", steps=60)
+    assert main(whole) == 0
+    cut = [*whole[:-1], str(tmp_path / "cut")]
+    cut[cut.index("--checkpoint-every") + 1] = "1000"  # only the signal makes a checkpoint
+    process = spawn(cut[1:])
+    while not (tmp_path / "cut" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "cut"):
+        time.sleep(0.05)
+        assert process.poll() is None
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    assert "stopped by SIGTERM" in process.stderr.read()
+    done = read_metrics(tmp_path / "cut")[-1]["step"]
+    assert 1 <= done < 60 and [p.name for p in checkpoint_dirs(tmp_path / "cut")] == [f"step-{done}"]
+    assert main([*cut, "--resume"]) == 0
+    same_run(tmp_path / "cut", tmp_path / "whole")
