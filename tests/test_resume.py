@@ -126,9 +126,9 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
     assert main(whole) == 0
     cut = [*whole[:-1], str(tmp_path / "cut")]
     rng = random.Random(5)
-    kills = 0
+    kills = during_write = 0
     for attempt in range(30):
-        process = spawn([*cut[1:], "--resume"] if attempt else cut[1:])
+        process = spawn([*cut, "--resume"] if attempt else cut)
         started = time.monotonic()
         # start-up takes ~1.5 s; then ~40 steps with a checkpoint (fsync) after each: kill somewhere in there
         time.sleep(rng.uniform(1.2, 3.0))
@@ -136,12 +136,16 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
             process.send_signal(signal.SIGKILL)
             process.wait()
             kills += 1
+            # a hidden staging folder left behind means this kill landed inside a checkpoint write
+            during_write += bool(list((tmp_path / "cut" / "checkpoints").glob(".step-*")))
             continue
         assert process.wait(timeout=120) == 0, process.stderr.read() if process.stderr else ""
         if (tmp_path / "cut" / "summary.json").exists() and time.monotonic() > started:
             break
     assert kills >= 5
+    print(f"{kills} kills, {during_write} of them during a checkpoint write")
     same_run(tmp_path / "cut", tmp_path / "whole")
+    assert not list((tmp_path / "cut" / "checkpoints").glob(".step-*"))
     for path in checkpoint_dirs(tmp_path / "cut"):
         assert verify_checkpoint(path) is None, path
 
@@ -153,7 +157,7 @@ def test_sigterm_finishes_the_window_checkpoints_and_exits_0(tmp_path):
     assert main(whole) == 0
     cut = [*whole[:-1], str(tmp_path / "cut")]
     cut[cut.index("--checkpoint-every") + 1] = "1000"  # only the signal makes a checkpoint
-    process = spawn(cut[1:])
+    process = spawn(cut)
     while not (tmp_path / "cut" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "cut"):
         time.sleep(0.05)
         assert process.poll() is None

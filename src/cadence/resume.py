@@ -9,6 +9,7 @@ after the checkpoint (they are written again, identically).
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import threading
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 
 from cadence.checkpoint import LoadedCheckpoint, latest_checkpoint, restore_rng_state
 from cadence.errors import Problem, UsageError
-from cadence.run_dir import METRICS_FILE, atomic_write_bytes
+from cadence.run_dir import CHECKPOINTS_DIR, METRICS_FILE, atomic_write_bytes
 
 MATH_FIELDS = (
     "model", "data", "seq_len", "effective_batch_size", "seed", "precision", "lr", "weight_decay", "adam_beta1",
@@ -54,6 +55,8 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any) -> Resum
 
     Raises UsageError when the configuration changes the math. Call before the run writer opens metrics.jsonl.
     """
+    for staging in (run_dir / CHECKPOINTS_DIR).glob(".step-*"):  # a write cut short by a kill: never renamed in
+        shutil.rmtree(staging, ignore_errors=True)
     checkpoint: LoadedCheckpoint | None = latest_checkpoint(run_dir)
     if checkpoint is None:
         _truncate_metrics(run_dir, windows=0)  # a run killed before its first checkpoint starts over
