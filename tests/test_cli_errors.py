@@ -101,7 +101,8 @@ CASES: list[tuple[str, Builder, str]] = [
     # ---------------------------------------------------------------- --data
     ("data-missing", lambda tmp: ["--data", str(tmp / "nope.txt"), *FAST], "--data"),
     ("data-empty-txt", data_file("empty.txt", b""), "--data"),
-    ("data-csv", data_file("table.csv", "a,b\n1,2\n"), "--data"),
+    ("data-csv-without-text-field", data_file("table.csv", "a,b\n1,2\n"), "--text-field"),
+    ("data-unknown-suffix", data_file("table.xlsx", "a,b\n1,2\n"), "--data"),
     ("data-txt-too-short", data_file("short.txt", "only ten b"), "--data"),
     ("data-txt-not-utf8", data_file("binary.txt", b"\xff\xfe" * 200), "--data"),
     ("data-dir-without-text", empty_dir, "--data"),

@@ -157,7 +157,7 @@ def test_checkpoint_every(tmp_path: Path) -> None:
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2", "step-4"]  # also: no hidden staging folder
     for step in (2, 4):
         folder = checkpoints / f"step-{step}"
-        assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.json", "model.safetensors",
+        assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.json", "manifest.json", "model.safetensors",
                                                            "training_state.pt"]
         assert json.loads((folder / "checkpoint.json").read_text())["step"] == step
     _no_hidden_leftovers(out)

@@ -82,6 +82,10 @@ def dataclass_options(cls: type, names: tuple[str, ...] | None = None) -> Callab
     def decorate(command: Any) -> Any:
         for field in reversed(fields):
             help_text = docs.get(field.name, "")
+            if "list" in str(hints[field.name]):  # repeatable: --model-config a=1 --model-config b=2
+                command = click.option(flag(field.name), field.name, multiple=True, default=None,
+                                       metavar="KEY=VALUE", help=help_text)(command)
+                continue
             if hints[field.name] is bool:  # a switch: given means true (None = not given, so TOML can set it)
                 command = click.option(flag(field.name), field.name, is_flag=True, default=None,
                                        help=help_text)(command)

@@ -44,10 +44,21 @@ class TrainConfig:
     """Everything ``cadence train`` needs. Field docstrings are the CLI help."""
 
     model: str = "gpt-tiny"
-    """Built-in model: gpt-tiny (~1M parameters), gpt-small (~10M) or gpt-base (~85M)."""
+    """Built-in model (gpt-tiny ~1M parameters, gpt-small ~10M, gpt-base ~85M); hf:TYPE, a Hugging Face causal LM
+    built offline from its config class (hf:llama, hf:gpt2, hf:qwen2, hf:mistral ...; sizes from --model-config); or
+    a local model directory saved by save_pretrained."""
+    model_config: list[str] | None = None
+    """KEY=VALUE overrides of a Hugging Face model's config (repeat the flag), e.g. hidden_size=256."""
     data: Path | None = None
     """Training data: omitted = the built-in corpus (Python's standard library source); a .txt file or a directory
-    is packed into --seq-len sequences; a .jsonl file holds {"text"} or {"prompt", "completion"} examples."""
+    is packed into --seq-len sequences; a .jsonl file holds {"text"} or {"prompt", "completion"} examples;
+    hf:PATH is a dataset saved by datasets' save_to_disk; .parquet, .csv and .json files are read with datasets."""
+    text_field: str = "text"
+    """Column of a datasets source holding the text."""
+    prompt_field: str = "prompt"
+    """Column of a datasets source holding the prompt (no loss on it)."""
+    completion_field: str = "completion"
+    """Column of a datasets source holding the completion (the loss is on it)."""
     seq_len: int | None = None
     """Tokens per sequence (bytes); default: the model's context length."""
     micro_batch_size: int | str = 8
@@ -115,6 +126,9 @@ class TrainConfig:
     gradients): the run has diverged."""
     log_every: int = 10
     """Print a progress line every N optimizer steps when the output is not a terminal."""
+    save_hf: Path | None = None
+    """Also save the final model with save_pretrained into this directory (Hugging Face models), so that it loads in
+    transformers unchanged."""
     plan: Path | None = None
     """A plan.json from cadence plan: train with its decision (micro-batch, accumulation, precision, recompute,
     offload, model and seq-len). A flag that contradicts the plan is an error."""
@@ -217,6 +231,8 @@ def _type_name(hint: Any) -> str:
 def _convert(value: Any, hint: Any) -> Any:
     """A TOML value as the field's type, or _INVALID. Integers are accepted for float fields, not the reverse."""
     args = set(getattr(hint, "__args__", ())) or {hint}
+    if any(getattr(arg, "__origin__", None) is list for arg in args):
+        return value if isinstance(value, list) and all(isinstance(item, str) for item in value) else _INVALID
     if bool in args:
         return value if isinstance(value, bool) else _INVALID
     if isinstance(value, bool):
@@ -236,9 +252,15 @@ def _convert(value: Any, hint: Any) -> Any:
     return _INVALID
 
 
+def _given(flags: dict[str, Any]) -> dict[str, Any]:
+    """The flags the user gave: None (and an empty repeatable flag) means not given; repeats become a list."""
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in flags.items()
+            if value is not None and value != ()}
+
+
 def given_keys(*, toml_path: Path | None, flags: dict[str, Any]) -> set[str]:
     """The fields the user set, in the TOML file or as flags (the rest are defaults)."""
-    keys = {key for key, value in flags.items() if value is not None}
+    keys = set(_given(flags))
     if toml_path is not None and toml_path.is_file():
         keys |= set(_good_toml_values(toml_path))
     return keys
@@ -258,7 +280,7 @@ def build_config(*, toml_path: Path | None, flags: dict[str, Any]) -> TrainConfi
             file_problems = err.problems
             if toml_path.is_file():  # keep the file's good keys so that flag validation still runs
                 values = _good_toml_values(toml_path)
-    values.update({key: value for key, value in flags.items() if value is not None})
+    values.update(_given(flags))
     config = TrainConfig(**values)
     if file_problems:
         try:
@@ -311,9 +333,13 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
             bad(name, f"must be in {left}{low:g}, {high:g}{right}, got {value:g}")
 
     seq_ok = at_least("seq_len", 2)
-    if config.model not in MODEL_NAMES:
-        bad("model", f"unknown model {config.model!r}; built-in models are {', '.join(MODEL_NAMES)}")
-    elif config.seq_len is not None and seq_ok and config.seq_len > model_context_length(config.model):
+    if config.model not in MODEL_NAMES and not _is_hf_model(config.model):
+        bad("model", f"unknown model {config.model!r}; built-in models are {', '.join(MODEL_NAMES)}, or hf:TYPE, "
+                     f"or a local model directory")
+    elif config.model_config and config.model in MODEL_NAMES:
+        bad("model_config", f"overrides a Hugging Face model's config; {config.model} is built in")
+    elif config.model in MODEL_NAMES and config.seq_len is not None and seq_ok and \
+            config.seq_len > model_context_length(config.model):
         context = model_context_length(config.model)
         bad("seq_len", f"{config.seq_len} is above {config.model}'s context length of {context}")
     problems += _batch_shape_problems(config, world_size)
@@ -351,7 +377,12 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
         bad("eval_every", "needs a validation split; set --val-fraction above 0")
     if config.plan is not None and not config.plan.is_file():
         bad("plan", f"{config.plan} is not a file; give the plan.json that cadence plan wrote")
-    if config.data is not None and not config.data.exists():
+    if config.save_hf is not None and config.model in MODEL_NAMES:
+        bad("save_hf", f"saves Hugging Face models; {config.model} is built in (its weights are in model.safetensors)")
+    if config.data is not None and str(config.data).startswith("hf:"):
+        if not Path(str(config.data)[3:]).exists():
+            bad("data", f"{str(config.data)[3:]} does not exist (hf:PATH is a dataset saved by save_to_disk)")
+    elif config.data is not None and not config.data.exists():
         bad("data", f"{config.data} does not exist")
     if config.out is not None and not (config.resume and config.out.is_dir()):
         problem = _out_problem(config.out)
@@ -447,6 +478,10 @@ def _out_problem(out: Path) -> str | None:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"cannot create {out}: {ancestor} is not writable"
     return None
+
+
+def _is_hf_model(spec: str) -> bool:
+    return spec.startswith("hf:") or Path(spec).is_dir()
 
 
 def _cuda_available() -> bool:

@@ -6,28 +6,26 @@ created, so bad input never leaves anything half-written.
 
 from __future__ import annotations
 
+import itertools
 import platform
 import resource
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from datetime import datetime
-from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from cadence import __version__
 from cadence.autobatch import MicroBatchController, MicroBatchTooLarge
-import itertools
-
 from cadence.checkpoint import save_checkpoint
-from cadence.config import TrainConfig, resolve_device, validate
-from cadence.data import DataSplits, iterate_micro_batches, load_data
+from cadence.config import TrainConfig
+from cadence.data import iterate_micro_batches
 from cadence.engine import Engine, StepResult
-from cadence.errors import UsageError
-from cadence.models import build_model, model_context_length
+from cadence.models import build_model
+from cadence.models.hf import save_hf
+from cadence.prepare import Prepared, adopt_token_cache, prepare  # noqa: F401 - Prepared is used by trials
 from cadence.offload import OffloadedOptimizer
 from cadence.progress import TrainProgress, format_bytes
 from cadence.recompute import apply_activation_checkpointing
@@ -40,46 +38,6 @@ from cadence.windows import iter_windows
 
 class TrainingFailed(RuntimeError):
     """Training could not continue (not a usage problem): the CLI exits with status 1 and this message."""
-
-
-@dataclass(kw_only=True)
-class Prepared:
-    """A validated configuration with its data loaded: everything needed before anything is written."""
-
-    config: TrainConfig
-    device: torch.device
-    seq_len: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    effective_batch_size: int
-    world_size: int
-    data: DataSplits
-    out: Path
-    memory_budget_bytes: int | None
-
-
-def prepare(config: TrainConfig, *, world_size: int = 1) -> Prepared:
-    """Validate the configuration and load the data; raises UsageError naming every problem. Writes nothing."""
-    validate(config, world_size=world_size)
-    seq_len = config.seq_len or model_context_length(config.model)
-    data = load_data(config.data, seq_len, config.val_fraction)
-    micro = config.resolved_micro_batch_size(world_size)
-    grad_accum_steps = config.resolved_grad_accum_steps(world_size)
-    effective = micro * grad_accum_steps * world_size
-    if config.last_window == "drop" and len(data.train) < effective:
-        raise UsageError.single(
-            "--last-window",
-            f"drop leaves nothing to train on: the training split has {len(data.train)} sequences, fewer than one "
-            f"window of {effective}; use --last-window step or a smaller --effective-batch-size",
-        )
-    out = config.out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    if config.out is None and out.exists():
-        raise UsageError.single("--out", f"default {out} already exists; give --out")
-    return Prepared(
-        config=config, device=resolve_device(config.device), seq_len=seq_len, micro_batch_size=micro,
-        grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
-        memory_budget_bytes=config.memory_budget_bytes(),
-    )
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -113,7 +71,7 @@ def build_components(prep: Prepared) -> Components:
     """Model (with recompute), optimizer (possibly offloaded), schedule and engine, as the configuration says."""
     config = prep.config
     torch.manual_seed(config.seed)
-    model = build_model(config.model).to(prep.device)
+    model = (prep.hf.model if prep.hf else build_model(config.model)).to(prep.device)
     apply_activation_checkpointing(model, config.activation_checkpointing)  # type: ignore[arg-type]
     optimizer = build_optimizer(model, config)
     scheduler = build_lr_scheduler(
@@ -184,6 +142,7 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
     resolved = _resolved_config(prep, parameters)
     start = restore(prep.out, resolved, parts) if config.resume else None  # before the writer opens metrics.jsonl
     writer = RunWriter(prep.out)
+    adopt_token_cache(prep)
     writer.write_config(resolved)
     micro = "auto, starting at " + str(prep.micro_batch_size) if config.auto_micro_batch else prep.micro_batch_size
     print(
@@ -289,6 +248,8 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
 
     wall = time.perf_counter() - started
     writer.save_model(parts.model, metadata={"model": config.model, "step": str(engine.steps)})
+    if config.save_hf is not None:
+        save_hf(parts.model, config.save_hf, prep.hf.tokenizer if prep.hf else None)
     summary = {
         "steps": engine.steps,
         "skipped": engine.skipped_steps,

@@ -1,0 +1,430 @@
+"""Hugging Face ``datasets`` sources and tokenizers: ``--data hf:DIR`` (``save_to_disk``), .parquet, .csv, .json(l).
+
+Each row is one example (never packed), cut to ``seq_len + 1`` tokens like :mod:`cadence.data.jsonl`: a text row puts
+the loss on every token after the first; a prompt + completion row puts it on the completion only. Rows whose text is
+empty or missing, or whose completion has no target left after truncation, are skipped and counted (real datasets
+have them, and one bad row in 100,000 should not stop a run).
+
+Tokens: :class:`ByteTokenizer` (bytes 0..255, what the built-in data uses) or :class:`HFTokenizer` over a
+transformers tokenizer. Tokenised examples can be cached under ``cache_dir``; the cache key covers the data files'
+identity, the tokenizer, ``seq_len`` and the field names, so a changed input never reuses a stale cache.
+``datasets`` and ``transformers`` are optional dependencies, imported only when used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from cadence.data import DataSplits, _split
+from cadence.data.batching import IGNORE_INDEX, Example, TokenDataset
+from cadence.errors import UsageError
+
+HF_DATA_PREFIX = "hf:"
+"""``--data hf:DIR`` names a dataset written by ``datasets.Dataset.save_to_disk`` (or a ``DatasetDict``)."""
+
+FILE_FORMATS: dict[str, str] = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+"""File suffixes read with ``datasets.load_dataset(<format>, data_files=...)``."""
+
+VALIDATION_SPLITS = ("validation", "valid", "val", "test")
+"""Splits of a saved DatasetDict used as the validation set, first found wins."""
+
+CACHE_VERSION = 1
+"""Bumped whenever the cached layout or the tokenisation rules change, so old caches are never misread."""
+
+_BATCH_ROWS = 1024  # rows tokenised per call: enough for a fast tokenizer's parallelism, little memory
+_ALLOWED = "hf:DIR (a datasets.save_to_disk directory), or a .parquet, .csv, .json or .jsonl file"
+
+
+# ------------------------------------------------------------------------------------------------ tokenizers
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text to ids. Each example gets ``bos_id`` in front and ``eos_id`` at the end, when they are not None."""
+
+    vocab_size: int  # every id is below this
+    bos_id: int | None
+    eos_id: int | None
+
+    @property
+    def identity(self) -> str: ...  # changes whenever the ids of some text could change (the cache key uses it)
+
+    @property
+    def name(self) -> str: ...  # short, for descriptions
+
+    def encode(self, text: str) -> list[int]: ...  # without special tokens
+
+    def encode_batch(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255: the built-in data's tokens, for models without a tokenizer.
+
+    No BOS or EOS: 256 ids leave no room for special tokens, and this keeps examples byte-identical to what
+    :func:`cadence.data.read_jsonl` makes from the same records.
+    """
+
+    vocab_size: int = 256
+    bos_id: int | None = None
+    eos_id: int | None = None
+    identity: str = "bytes"
+    name: str = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+        return [list(text.encode("utf-8")[:max_length]) for text in texts]
+
+
+class HFTokenizer:
+    """A transformers tokenizer, encoding without special tokens; cadence adds BOS/EOS itself, per example.
+
+    EOS is appended to every example (and so is a target) when the tokenizer has one: a model fine-tuned without it
+    never learns where a text or completion ends. BOS is prepended only when the tokenizer itself adds it by default
+    (Llama-style tokenizers), so examples start the way the model saw text in pretraining; gpt2 and qwen2 add none.
+    """
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = len(hf_tokenizer)
+        self.eos_id: int | None = hf_tokenizer.eos_token_id
+        bos = hf_tokenizer.bos_token_id
+        with_special, without = (hf_tokenizer.encode("a", add_special_tokens=flag) for flag in (True, False))
+        self.bos_id: int | None = bos if bos is not None and with_special[:1] == [bos] != without[:1] else None
+        # The serialised fast tokenizer is the whole vocabulary, merges and normalisation: hashing it catches a
+        # retrained tokenizer saved under the same name.
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        digest = hashlib.sha256(backend.to_str().encode()).hexdigest()[:16] if backend is not None else "slow"
+        self.identity = (f"{type(hf_tokenizer).__name__}:{hf_tokenizer.name_or_path}:{self.vocab_size}:{digest}"
+                         f":bos={self.bos_id}:eos={self.eos_id}")
+        self.name = f"{hf_tokenizer.name_or_path or type(hf_tokenizer).__name__} ({self.vocab_size} tokens)"
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf_tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_batch(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+        # Truncating inside the tokenizer keeps a 10 MB document from being tokenised in full to keep 512 tokens.
+        limits = {"truncation": True, "max_length": max_length} if max_length is not None else {}
+        return [list(ids) for ids in self.hf_tokenizer(list(texts), add_special_tokens=False, **limits)["input_ids"]]
+
+
+def as_tokenizer(tokenizer: Any | None) -> Tokenizer:
+    """None -> :class:`ByteTokenizer`; a cadence tokenizer as is; a transformers tokenizer -> :class:`HFTokenizer`."""
+    if tokenizer is None:
+        return ByteTokenizer()
+    return tokenizer if isinstance(tokenizer, Tokenizer) else HFTokenizer(tokenizer)
+
+
+# ------------------------------------------------------------------------------------------------ sources
+def is_hf_data(spec: str | Path) -> bool:
+    """True when ``--data`` is for :func:`load_hf_data`: ``hf:...`` or a .parquet / .csv / .json file.
+
+    ``.jsonl`` is read by :func:`cadence.data.load_data` for byte-level models; with a real tokenizer, pass it here.
+    """
+    text = str(spec)
+    return text.startswith(HF_DATA_PREFIX) or Path(text).suffix.lower() in (".parquet", ".csv", ".json")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Source:
+    path: Path
+    format: str  # "saved" (save_to_disk) or a load_dataset builder name
+
+    def identity(self) -> list[Any]:
+        """Path, size and modification time of every file: cheap, and any rewrite changes it."""
+        files = sorted(p for p in self.path.rglob("*") if p.is_file()) if self.path.is_dir() else [self.path]
+        stats = [(p.relative_to(self.path).as_posix() if self.path.is_dir() else "", p.stat()) for p in files]
+        return [str(self.path.resolve()), self.format, [(name, s.st_size, s.st_mtime_ns) for name, s in stats]]
+
+    def describe(self) -> str:
+        return f"{'saved dataset' if self.format == 'saved' else self.format + ' file'} {self.path}"
+
+
+def _resolve(spec: Path | str) -> _Source:
+    text = str(spec)
+    prefixed = text.startswith(HF_DATA_PREFIX)
+    path = Path(text[len(HF_DATA_PREFIX):] if prefixed else text)
+    if not path.exists():
+        raise UsageError.single("--data", f"{path} does not exist; give {_ALLOWED}")
+    if path.is_dir() and prefixed:
+        return _Source(path=path, format="saved")
+    if path.is_file() and path.suffix.lower() in FILE_FORMATS:
+        return _Source(path=path, format=FILE_FORMATS[path.suffix.lower()])
+    raise UsageError.single("--data", f"{text} is not {_ALLOWED}")
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No progress bars or info logs from datasets while loading, then restore its (process-wide) settings."""
+    import datasets.utils.logging as ds_logging
+
+    verbosity, bars = ds_logging.get_verbosity(), ds_logging.is_progress_bar_enabled()
+    ds_logging.set_verbosity_error()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(verbosity)
+        if bars:
+            ds_logging.enable_progress_bar()
+
+
+def _open(source: _Source, arrow_cache: Path) -> dict[str, Any]:
+    """``{"train": Dataset}``, plus ``"val"`` and its split name ``"val_name"`` for a saved DatasetDict that has one."""
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError.single("--data", "this data needs the datasets package: pip install 'cadence[hf]'") from None
+    try:
+        with _quiet_datasets():
+            if source.format != "saved":
+                # Our own cache_dir: load_dataset would otherwise write Arrow copies under the user's home directory.
+                return {"train": datasets.load_dataset(source.format, data_files=str(source.path.resolve()),
+                                                       split="train", cache_dir=str(arrow_cache))}
+            loaded = datasets.load_from_disk(str(source.path))
+    except Exception as error:  # noqa: BLE001 - malformed files raise pyarrow, json and datasets errors alike
+        # datasets fails on files without rows with messages that do not say so ("StopIteration").
+        empty = source.path.is_file() and source.path.stat().st_size == 0 or "corresponds to no data" in str(error)
+        why = "it has no rows" if empty else " ".join(str(error).split())[:300] or type(error).__name__
+        raise UsageError.single("--data", f"could not read {source.describe()}: {why}") from None
+    if isinstance(loaded, datasets.Dataset):
+        return {"train": loaded}
+    names = list(loaded)
+    train = "train" if "train" in loaded else (names[0] if len(names) == 1 else None)
+    if train is None:
+        raise UsageError.single("--data", f"{source.path} has splits {', '.join(names)} but no 'train' split")
+    splits = {"train": loaded[train]}
+    val = next((name for name in VALIDATION_SPLITS if name in loaded and name != train), None)
+    if val is not None:
+        splits.update(val=loaded[val], val_name=val)
+    return splits
+
+
+# ------------------------------------------------------------------------------------------------ fields
+def _choose_fields(dataset: Any, text: str, prompt: str, completion: str) -> dict[str, str]:
+    """``{flag: column}``: prompt + completion when both columns exist (the more specific request), else text.
+
+    A dataset often carries both (alpaca has "text" next to its parts); asking for prompt/completion fields that
+    exist is taken as wanting the loss on the completion only. Columns must hold strings.
+    """
+    columns = list(dataset.column_names)
+    existing = ", ".join(repr(c) for c in columns) or "none"
+    if prompt in columns and completion in columns:
+        fields = {"--prompt-field": prompt, "--completion-field": completion}
+    elif text in columns:
+        fields = {"--text-field": text}
+    elif prompt in columns or completion in columns:
+        flag, missing = ("--completion-field", completion) if prompt in columns else ("--prompt-field", prompt)
+        raise UsageError.single(flag, f"the data has no field {missing!r}; its fields are {existing}")
+    else:
+        raise UsageError.single("--text-field", (
+            f"the data has no field {text!r} (nor {prompt!r} + {completion!r} for --prompt-field/--completion-field); "
+            f"its fields are {existing}"))
+    for flag, name in fields.items():
+        feature = dataset.features[name]
+        if getattr(feature, "dtype", None) not in ("string", "large_string", "null"):
+            raise UsageError.single(flag, f"field {name!r} holds {feature}, not text")
+    return fields
+
+
+# ------------------------------------------------------------------------------------------------ tokenising
+@dataclass(kw_only=True)
+class _Tokenized:
+    examples: list[Example]
+    rows: int
+    truncated: int
+    skipped: int
+
+
+def _example(tokens: list[int], first_target: int) -> Example | None:
+    """Inputs ``tokens[:-1]``; position i predicts ``tokens[i + 1]``, a target only if ``i + 1 >= first_target``."""
+    labels = [tokens[i + 1] if i + 1 >= first_target else IGNORE_INDEX for i in range(len(tokens) - 1)]
+    if all(label == IGNORE_INDEX for label in labels):  # also true for fewer than 2 tokens
+        return None
+    return Example(input_ids=torch.tensor(tokens[:-1], dtype=torch.long), labels=torch.tensor(labels))
+
+
+def _encode(tokenizer: Tokenizer, texts: list[Any], max_length: int, allow_empty: bool) -> list[list[int] | None]:
+    """Encode the usable texts in one call; None for a missing (null) value, or an empty one unless allowed."""
+    usable = [i for i, t in enumerate(texts) if isinstance(t, str) and (allow_empty or t)]
+    result: list[list[int] | None] = [None] * len(texts)
+    if usable:
+        for i, ids in zip(usable, tokenizer.encode_batch([texts[i] for i in usable], max_length)):
+            result[i] = ids
+    return result
+
+
+def _tokenize(dataset: Any, fields: dict[str, str], tokenizer: Tokenizer, seq_len: int) -> _Tokenized:
+    limit = seq_len + 1  # seq_len inputs and their seq_len next-token targets
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    out = _Tokenized(examples=[], rows=0, truncated=0, skipped=0)
+    # One token past the limit: enough to know whether an example was cut, without tokenising all of it.
+    for batch in dataset.select_columns(list(fields.values())).iter(batch_size=_BATCH_ROWS):
+        if "--text-field" in fields:
+            # Every token after the first is a target (with a BOS, the text's first token is predicted from it).
+            encoded = _encode(tokenizer, batch[fields["--text-field"]], limit + 1, allow_empty=False)
+            pieces = [(bos + ids + eos, 1) if ids is not None else None for ids in encoded]
+        else:  # an empty prompt is allowed (the completion alone), as in cadence.data.jsonl
+            prompts = _encode(tokenizer, batch[fields["--prompt-field"]], limit + 1, allow_empty=True)
+            completions = _encode(tokenizer, batch[fields["--completion-field"]], limit + 1, allow_empty=True)
+            pieces = [(bos + p + c + eos, len(bos) + len(p)) if p is not None and c is not None else None
+                      for p, c in zip(prompts, completions)]
+        for piece in pieces:
+            out.rows += 1
+            example = _example(piece[0][:limit], max(piece[1], 1)) if piece is not None else None
+            if example is None:
+                out.skipped += 1
+                continue
+            out.truncated += len(piece[0]) > limit
+            out.examples.append(example)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ cache
+def _cache_key(key: dict[str, Any]) -> str:
+    return json.dumps(key, sort_keys=True)
+
+
+def _save_cache(path: Path, tokenized: _Tokenized, key: dict[str, Any]) -> None:
+    """Concatenated ids and labels plus offsets: one file, loaded without pickle (``weights_only=True``)."""
+    lengths = torch.tensor([len(e.input_ids) for e in tokenized.examples], dtype=torch.long)
+    payload = {
+        "version": CACHE_VERSION,
+        "key": _cache_key(key),
+        "input_ids": torch.cat([e.input_ids for e in tokenized.examples]),
+        "labels": torch.cat([e.labels for e in tokenized.examples]),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        "counts": torch.tensor([tokenized.rows, tokenized.truncated, tokenized.skipped], dtype=torch.long),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)  # atomic: a concurrent or interrupted run never sees half a cache
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load_cache(path: Path, key: dict[str, Any]) -> _Tokenized | None:
+    """The cached examples, or None when there is no usable cache (missing, other version or key, unreadable)."""
+    if not path.is_file():
+        return None
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if payload.get("version") != CACHE_VERSION or payload.get("key") != _cache_key(key):
+            return None
+        ids, labels, offsets = payload["input_ids"], payload["labels"], payload["offsets"].tolist()
+        rows, truncated, skipped = (int(v) for v in payload["counts"].tolist())
+    except Exception:  # noqa: BLE001 - a damaged cache is rebuilt, never fatal
+        return None
+    examples = [Example(input_ids=ids[a:b], labels=labels[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+    return _Tokenized(examples=examples, rows=rows, truncated=truncated, skipped=skipped)
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+def load_hf_data(
+    spec: Path | str,
+    *,
+    seq_len: int,
+    tokenizer: Any | None,
+    text_field: str = "text",
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
+    val_fraction: float,
+    cache_dir: Path | None,
+) -> DataSplits:
+    """Load ``--data`` through ``datasets`` into tokenised training and validation examples.
+
+    ``tokenizer``: None (bytes), a transformers tokenizer, or a :class:`Tokenizer`. A saved DatasetDict trains on
+    "train" and validates on "validation"/"valid"/"val"/"test" when present (``val_fraction`` > 0 asks for
+    validation; its value then does not matter); otherwise the last ``val_fraction`` of the examples is held out.
+    With ``cache_dir``, tokenised examples are stored there and reused while the data files, tokenizer, ``seq_len``
+    and field names stay the same.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise UsageError.single("--val-fraction", f"must be at least 0 and less than 1, got {val_fraction}")
+    source = _resolve(spec)
+    tok = as_tokenizer(tokenizer)
+    base = {"version": CACHE_VERSION, "source": source.identity(), "tokenizer": tok.identity, "seq_len": seq_len,
+            "fields": [text_field, prompt_field, completion_field]}
+
+    def cached(split: str) -> tuple[Path | None, _Tokenized | None]:
+        if cache_dir is None:
+            return None, None
+        digest = hashlib.sha256(_cache_key({**base, "split": split}).encode()).hexdigest()[:24]
+        path = cache_dir / f"tokenized-{digest}.pt"
+        return path, _load_cache(path, {**base, "split": split})
+
+    results: dict[str, _Tokenized] = {}
+    hits, val_name = 0, None
+    # A file has one split: a cache hit answers before datasets reads (and converts) the file at all.
+    early = cached("train")[1] if source.format != "saved" else None
+    if early is not None:
+        results["train"], hits = early, 1
+    else:
+        with contextlib.ExitStack() as stack:
+            # load_dataset's Arrow copies are kept with the cache, or only until the examples are tokenised.
+            arrow_cache = cache_dir / "datasets" if cache_dir is not None else Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="cadence-data-")))
+            splits = _open(source, arrow_cache)
+            val_name = splits.get("val_name")
+            roles = [("train", "train")] + ([("val", val_name)] if val_name and val_fraction > 0 else [])
+            for role, split in roles:
+                path, found = cached(split)
+                if found is None:
+                    dataset = splits[role]
+                    found = _tokenize(dataset, _choose_fields(dataset, text_field, prompt_field, completion_field),
+                                      tok, seq_len)
+                    if path is not None and found.examples:
+                        _save_cache(path, found, {**base, "split": split})
+                else:
+                    hits += 1
+                results[role] = found
+    return _splits(source, results, tok, seq_len, val_fraction, val_name, hits)
+
+
+def _splits(source: _Source, results: dict[str, _Tokenized], tok: Tokenizer, seq_len: int, val_fraction: float,
+            val_name: str | None, hits: int) -> DataSplits:
+    """Training and validation datasets and the one-line description of where they came from."""
+    train_part = results["train"]
+    if not train_part.examples:
+        why = f" (all {train_part.rows} rows were empty or had no target)" if train_part.rows else ""
+        raise UsageError.single("--data", f"{source.describe()} has no examples{why}")
+    description = f"{source.describe()}, {len(train_part.examples)} examples, {tok.name} tokens"
+    if "val" in results:
+        train, val = TokenDataset(train_part.examples), TokenDataset(results["val"].examples) or None
+        description += f"; {len(train)} train / {len(results['val'].examples)} validation ({val_name} split)"
+    else:
+        train, val = _split(TokenDataset(train_part.examples), val_fraction)
+        if val is not None:
+            description += f"; {len(train)} train / {len(val)} validation (last {val_fraction:g})"
+    truncated = sum(part.truncated for part in results.values())
+    skipped = sum(part.skipped for part in results.values())
+    if truncated:
+        description += f"; {truncated} truncated to {seq_len + 1} tokens"
+    if skipped:
+        description += f"; {skipped} rows skipped (empty, or no target left)"
+    if hits:
+        description += "; tokenised examples from the cache"
+    return DataSplits(train=train, val=val, description=description, truncated=truncated)
+
+
+__all__ = [
+    "ByteTokenizer", "CACHE_VERSION", "FILE_FORMATS", "HFTokenizer", "HF_DATA_PREFIX", "Tokenizer",
+    "VALIDATION_SPLITS", "as_tokenizer", "is_hf_data", "load_hf_data",
+]
