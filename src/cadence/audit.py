@@ -64,31 +64,12 @@ from typing import Any, TextIO
 
 import torch
 
-from cadence.audit_rules import (
-    AUTOCAST,
-    BACKWARD,
-    CE_COUNTS,
-    CLIP,
-    EPOCH,
-    RULES,
-    SCALE,
-    SCHEDULER,
-    STEP,
-    UNSCALE,
-    UPDATE,
-    ZERO_GRAD,
-    Analyzer,
-    AuditReport,
-    Finding,
-    Loc,
-    ObservedCadence,
-    format_report,
-)
+from cadence.audit_rules import (AUTOCAST, BACKWARD, CE_COUNTS, CLIP, EPOCH, RULES, SCALE, SCHEDULER, STEP, UNSCALE,
+                                  UPDATE, ZERO_GRAD, Analyzer, AuditReport, Finding, Loc, ObservedCadence,
+                                  format_report)
 from cadence.errors import UsageError
 
-__all__ = [
-    "Audit", "AuditReport", "Finding", "ObservedCadence", "RULES", "audit_script", "format_report", "run_script",
-]
+__all__ = ["Audit", "AuditReport", "Finding", "ObservedCadence", "RULES", "audit_script", "format_report", "run_script"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -207,26 +188,25 @@ class Audit:
         for owner in (torch.Tensor, torch.autograd):
             patch(owner, "backward", self._backward_wrapper)
         for owner in (torch.optim.Optimizer, torch.nn.Module):
-            patch(owner, "zero_grad", self._zero_grad_wrapper)
+            patch(owner, "zero_grad", self._event_wrapper(ZERO_GRAD))
         for owner in (torch.nn.utils, clip_grad):
             for name in ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "clip_grads_with_norm_"):
                 if name in vars(owner):
-                    patch(owner, name, self._simple_wrapper(CLIP))
+                    patch(owner, name, self._event_wrapper(CLIP))
         scaler = torch.amp.GradScaler  # torch.cuda.amp / torch.cpu.amp.GradScaler subclass it, not overriding these
-        patch(scaler, "scale", self._scaler_wrapper(SCALE))
-        patch(scaler, "unscale_", self._scaler_wrapper(UNSCALE))
-        patch(scaler, "update", self._scaler_wrapper(UPDATE))
+        for name, kind in (("scale", SCALE), ("unscale_", UNSCALE), ("update", UPDATE)):
+            patch(scaler, name, self._event_wrapper(kind))
         patch(scaler, "step", self._scaler_step_wrapper)
         # LRScheduler.step, and every torch scheduler that overrides it (ReduceLROnPlateau, SequentialLR, ...)
         for cls in vars(lr_scheduler).values():
             if isinstance(cls, type) and issubclass(cls, lr_scheduler.LRScheduler) and "step" in vars(cls):
-                patch(cls, "step", self._scheduler_wrapper)
+                patch(cls, "step", self._event_wrapper(SCHEDULER))
         # subclasses (torch.cuda.amp.autocast) call this __enter__ through super(): one patch sees them all
         patch(torch.amp.autocast_mode.autocast, "__enter__", self._autocast_wrapper)
         patch(DistributedDataParallel, "forward", self._ddp_forward_wrapper)
         patch(DistributedDataParallel, "no_sync", self._no_sync_wrapper)
         patch(torch.nn.functional, "cross_entropy", self._cross_entropy_wrapper)
-        patch(torch.utils.data.DataLoader, "__iter__", self._simple_wrapper(EPOCH))
+        patch(torch.utils.data.DataLoader, "__iter__", self._event_wrapper(EPOCH))
 
     def _backward_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any, **kwargs: Any) -> Any:
@@ -236,37 +216,26 @@ class Audit:
 
         return backward
 
-    def _zero_grad_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def zero_grad(obj: Any, *args: Any, **kwargs: Any) -> Any:
-            if self._active and not self._from_torch():
-                self._events.append((ZERO_GRAD, self._loc()))
-                self._probe = None
-            return original(obj, *args, **kwargs)
+    def _event_wrapper(self, kind: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Records ``kind`` BEFORE the call: torch raises on some misuses (unscale_ twice) and the event must exist."""
+        scaler = kind in (SCALE, UNSCALE, UPDATE)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
 
-        return zero_grad
-
-    def _simple_wrapper(self, kind: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                if self._active and not self._from_torch():
-                    self._events.append((kind, self._loc()) if kind != EPOCH else (EPOCH,))
-                return original(*args, **kwargs)
-
-            return wrapper
-
-        return make
-
-    def _scaler_wrapper(self, kind: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            def wrapper(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-                # recorded BEFORE the call: torch raises on some misuses (unscale_ twice) and the finding must exist
-                if self._active and scaler.is_enabled() and not self._from_torch():
+                if self._active and not self._from_torch() and not (scaler and not args[0].is_enabled()):
                     if kind == UNSCALE:
-                        optimizer = args[0] if args else kwargs.get("optimizer")
+                        optimizer = args[1] if len(args) > 1 else kwargs.get("optimizer")
                         self._events.append((UNSCALE, self._loc(), id(optimizer)))
+                    elif kind == SCHEDULER:
+                        self._events.append((SCHEDULER, self._loc(), id(args[0]), isinstance(args[0], plateau)))
+                    elif kind == EPOCH:
+                        self._events.append((EPOCH,))
                     else:
                         self._events.append((kind, self._loc()))
-                return original(scaler, *args, **kwargs)
+                        if kind == ZERO_GRAD:
+                            self._probe = None
+                return original(*args, **kwargs)
 
             return wrapper
 
@@ -286,16 +255,6 @@ class Audit:
                 self._window_targets()
                 self._events.append((STEP, loc, id(optimizer), self._scaler_stepped, True))
                 self._after_step(optimizer)
-
-        return step
-
-    def _scheduler_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
-
-        def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-            if self._active and not self._from_torch():
-                self._events.append((SCHEDULER, self._loc(), id(scheduler), isinstance(scheduler, plateau)))
-            return original(scheduler, *args, **kwargs)
 
         return step
 
