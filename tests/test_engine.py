@@ -287,3 +287,23 @@ def test_reported_counts_and_memory(packed_dataset):
     # parameters + AdamW's two moments + gradients at least; activations on top
     assert second.peak_memory_bytes is not None and second.peak_memory_bytes > 4 * params
     assert second.tokens_per_s > 0 and second.step_time_s > 0
+
+
+def test_nan_in_one_micro_batch_skips_that_step_and_training_continues(packed_dataset):
+    from cadence.engine import token_cross_entropy_sum
+
+    calls = {"micro": 0}
+
+    def loss_fn(model, batch):
+        calls["micro"] += 1
+        loss = token_cross_entropy_sum(model, batch)
+        return loss * float("nan") if calls["micro"] == 6 else loss  # window 3, second micro-batch
+
+    model = tiny_model()
+    engine = Engine(model, make_optimizer(model), loss_fn=loss_fn, max_grad_norm=1.0)
+    results = [engine.step(w) for w, _ in zip(iter_windows(iterate_micro_batches(packed_dataset, 2, 0, 0), 2),
+                                                range(5))]
+    assert [r.skipped for r in results] == [False, False, True, False, False]
+    assert results[2].skip_reason == "non-finite gradients" and engine.skipped_steps == 1 and engine.steps == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert results[3].loss is not None and math.isfinite(results[3].loss)
