@@ -18,28 +18,28 @@ small tuple with the file:line of the first frame outside torch and outside this
 itself (``Tensor.backward`` -> ``autograd.backward``, ``scaler.step`` -> ``unscale_``, a scheduler's initial step) are
 not user events and are not recorded. A *window* is the backward passes between two optimizer steps.
 
-| rule   | level   | what                                                              | fix                                        |
-| ------ | ------- | ----------------------------------------------------------------- | ------------------------------------------ |
-| CAD001 | error   | clip while the GradScaler's gradients are still scaled            | scaler.unscale_(opt) right before clipping |
-| CAD002 | error   | clip on a non-boundary micro-step (or with no backward since step) | clip once, after the window's last backward |
-| CAD003 | error   | unscale_ on a non-boundary micro-step                             | unscale once, after the last backward      |
-| CAD004 | error   | unscale_ twice for one optimizer in one step                      | unscale each optimizer once per step       |
-| CAD005 | warning | scheduler stepped more than once per optimizer step               | scheduler.step() once per optimizer step   |
-| CAD006 | warning | scheduler stepped before the first optimizer step                 | scheduler.step() after optimizer.step()    |
-| CAD007 | warning | scheduler stepped after a step the GradScaler skipped             | step the scheduler only if the scale held  |
-| CAD008 | error   | zero_grad between backwards of one window (or before its step)    | zero_grad once per window, after the step  |
-| CAD009 | error   | optimizer.step with no backward since its previous step           | one step per window, after its backwards   |
-| CAD010 | warning | windows of different lengths (a short last one is fine)           | count micro-steps from the window start    |
-| CAD011 | error   | fp16 autocast without a GradScaler                                | use GradScaler, or bf16                    |
-| CAD012 | info    | GradScaler with bf16 autocast (harmless, unneeded)                | drop the scaler for bf16                   |
-| CAD013 | error   | scaler.step without scaler.update before the next one / the end   | scaler.update() after each scaler.step     |
-| CAD014 | error   | scaler.update without a scaler.step since the previous update     | update once per step, after scaler.step    |
-| CAD015 | warning | DDP all-reduce on a non-final micro-step (outside no_sync)        | no_sync around forward+backward            |
-| CAD016 | warning | DDP no_sync entered after the forward (only around backward)      | enter no_sync before the forward           |
-| CAD017 | error   | DDP sync suppressed on the window's last micro-step               | last micro-step outside no_sync            |
-| CAD018 | warning | mean cross_entropy with target counts >10% apart in a window      | sum, divide by the window's target count   |
-| CAD019 | error   | gradients not cleared after an optimizer step                     | optimizer.zero_grad() after each step      |
-| CAD020 | info    | backwards after the last optimizer step were never stepped        | step (or drop) the short last window       |
+| rule   | level   | what                                                        | fix                               |
+| ------ | ------- | ----------------------------------------------------------- | --------------------------------- |
+| CAD001 | error   | clip while the GradScaler's gradients are still scaled      | scaler.unscale_(opt), then clip   |
+| CAD002 | error   | clip on a non-final micro-step (or with no backward yet)    | clip once, after last backward    |
+| CAD003 | error   | unscale_ on a non-final micro-step                          | unscale once, after last backward |
+| CAD004 | error   | unscale_ twice for one optimizer in one step (torch raises) | unscale each optimizer once       |
+| CAD005 | warning | scheduler stepped more than once per optimizer step         | scheduler.step() once per step    |
+| CAD006 | warning | scheduler stepped before the first optimizer step           | scheduler.step() after the step   |
+| CAD007 | warning | scheduler stepped after a step the GradScaler skipped       | only when the scale did not drop  |
+| CAD008 | error   | zero_grad between backwards of a window, or before its step | zero_grad once, after the step    |
+| CAD009 | error   | optimizer.step with no backward since its previous step     | one step per window               |
+| CAD010 | warning | windows of different lengths (a short last one is fine)     | count from the window start       |
+| CAD011 | error   | fp16 autocast without a GradScaler                          | GradScaler, or bf16               |
+| CAD012 | info    | GradScaler with bf16 autocast (harmless, unneeded)          | drop the scaler for bf16          |
+| CAD013 | error   | scaler.step without update before the next one (or end)     | update after each scaler.step     |
+| CAD014 | error   | scaler.update without a scaler.step since the last update   | update once per step              |
+| CAD015 | warning | DDP all-reduce on a non-final micro-step (outside no_sync)  | no_sync around forward+backward   |
+| CAD016 | warning | DDP no_sync entered after the forward (around backward)     | no_sync before the forward        |
+| CAD017 | error   | DDP sync suppressed on the window's last micro-step         | last micro-step outside no_sync   |
+| CAD018 | warning | mean cross_entropy, micro-batch target counts >10% apart    | sum / window's target count       |
+| CAD019 | error   | gradients not cleared after an optimizer step               | zero_grad after each step         |
+| CAD020 | info    | backwards after the last optimizer step were never stepped  | step (or drop) the last window    |
 
 The line reported is the call that breaks the rule: the clip (CAD001/002), the unscale_ (003/004), the scheduler step
 (005-007), the zero_grad (008), the optimizer or scaler step (009, 010: the step closing the odd window, 013), the
@@ -81,11 +81,13 @@ def _is_torch(filename: str) -> bool:
     return filename.startswith(_TORCH_DIR)
 
 
+def _is_audit_file(filename: str) -> bool:
+    return filename.startswith(_HERE) and os.path.basename(filename).startswith("audit")
+
+
 def _is_internal(filename: str) -> bool:
     """Frames that are not the user's: torch, the audit itself and contextlib's generator plumbing."""
-    if filename.startswith(_TORCH_DIR) or filename == contextlib.__file__:
-        return True
-    return filename.startswith(_HERE) and os.path.basename(filename).startswith("audit")
+    return filename.startswith(_TORCH_DIR) or filename == contextlib.__file__ or _is_audit_file(filename)
 
 
 class Audit:
@@ -372,7 +374,7 @@ class Audit:
         targets = [target for found in window for target, _ in found]
         if all(len(found) == 1 for found in window) and len({(t.shape, t.device) for t in targets}) == 1:
             ignore = torch.tensor([found[0][1] for found in window], device=targets[0].device)
-            stacked = torch.stack(targets).flatten(1)
+            stacked = torch.stack(targets).reshape(len(window), -1)
             counts: Any = (stacked != ignore[:, None]).sum(1)
         else:
             counts = torch.stack([sum((t != i).sum() for t, i in found) for found in window])
@@ -444,12 +446,13 @@ def _exit_status(code: Any) -> int:
 
 
 def _print_user_traceback(exc: BaseException) -> None:
-    """The traceback Python would print, without the audit's and runpy's frames above the user's script."""
-    tb = exc.__traceback__
-    while tb is not None and (_is_internal(tb.tb_frame.f_code.co_filename)
-                              or tb.tb_frame.f_code.co_filename in (runpy.__file__, "<frozen runpy>")):
-        tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb)
+    """The traceback Python would print for the script: without runpy's frames above it and the audit's wrappers."""
+    report = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    ours = (runpy.__file__, "<frozen runpy>")
+    report.stack = traceback.StackSummary.from_list(
+        [frame for frame in report.stack if frame.filename not in ours and not _is_audit_file(frame.filename)]
+    )
+    print("".join(report.format()), end="", file=sys.stderr)
 
 
 def audit_script(argv: list[str]) -> tuple[int, AuditReport]:

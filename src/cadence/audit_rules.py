@@ -1,4 +1,5 @@
-"""The rules of ``cadence audit`` and the analysis of the event stream that ``cadence.audit.Audit`` records.
+"""The rules of ``cadence audit`` (tabled in ``cadence.audit``'s docstring) and the analysis of the event stream that
+``cadence.audit.Audit`` records.
 
 The instrumentation (``cadence.audit``) appends small tuples, one per call of interest, in call order; this module
 turns that stream into windows (the backward passes between two optimizer steps) and findings. The analysis is a
@@ -18,6 +19,7 @@ Event tuples (the first item is the kind; ``loc`` is ``(filename, lineno)`` in t
 from __future__ import annotations
 
 import os
+from array import array
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -175,21 +177,18 @@ def _short_path(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-@dataclass(kw_only=True)
-class _Window:
-    length: int
-    loc: Loc
-    """Where the optimizer step that closed the window was called."""
-    epoch_end: bool = False
-
-
 class Analyzer:
     """Consumes events in order (``feed``, any number of times) and produces the report (``finish``)."""
 
     def __init__(self) -> None:
         self.cadence = ObservedCadence()
         self._hits: dict[tuple[str, Loc], int] = {}
-        self._windows: list[_Window] = []
+        # closed windows, compact (a long run has one per optimizer step): length, where the closing step was
+        # called (an index into _locs), and the windows followed by a new DataLoader epoch
+        self._lengths = array("l")
+        self._step_locs = array("l")
+        self._locs: dict[Loc, int] = {}
+        self._epoch_ends: set[int] = set()
         self._bws: list[tuple] = []  # backward events of the open window
         self._boundaries = 0  # optimizer steps attempted (a consecutive step of another optimizer included)
         self._bw_at_step: dict[int, int] = {}  # optimizer -> backwards seen at its last step
@@ -251,8 +250,8 @@ class Analyzer:
             elif kind == CE_COUNTS:
                 self._ce_windows.append((event[1], event[2]))
             elif kind == EPOCH:
-                if self._windows and not self._bws:
-                    self._windows[-1].epoch_end = True
+                if self._lengths and not self._bws:
+                    self._epoch_ends.add(len(self._lengths) - 1)
         if len(self._ce_windows) >= 64:
             self._resolve_ce()
 
@@ -324,7 +323,8 @@ class Analyzer:
     def _close_window(self, loc: Loc) -> None:
         bws = self._bws
         self._bws = []
-        self._windows.append(_Window(length=len(bws), loc=loc))
+        self._lengths.append(len(bws))
+        self._step_locs.append(self._locs.setdefault(loc, len(self._locs)))
         last = len(bws) - 1
         for index, (_, bw_loc, ddp, _) in enumerate(bws):
             if ddp is None:
@@ -378,8 +378,8 @@ class Analyzer:
         if self._bws and not crashed:
             self._hit("CAD020", self._bws[0][1])
         cadence = self.cadence
-        cadence.windows = len(self._windows)
-        cadence.window_lengths = dict(sorted(Counter(w.length for w in self._windows).items()))
+        cadence.windows = len(self._lengths)
+        cadence.window_lengths = dict(sorted(Counter(self._lengths).items()))
         if self._precisions:
             cadence.precision = "+".join(sorted(self._precisions))
         findings = []
@@ -395,30 +395,26 @@ class Analyzer:
 
     def _check_window_lengths(self) -> None:
         """CAD010: a window whose length differs from the usual one, unless it is a short last one (run/epoch)."""
-        windows = self._windows
-        if len(windows) < 2:
+        lengths = self._lengths
+        if len(lengths) < 2:
             return
-        counts = Counter(w.length for w in windows)
+        counts = Counter(lengths)
         usual = max(counts, key=lambda length: (counts[length], length))
-        last = len(windows) - 1
-        odd = [i for i, w in enumerate(windows) if w.length != usual]
-        if not odd:
-            return
+        last = len(lengths) - 1
+        odd = [i for i, length in enumerate(lengths) if length != usual]
         # Loops over lists or generators show no DataLoader epochs; a short window recurring every p windows
         # (p >= 2) at the same length looks like the end of each epoch: accept it.
-        epochs_seen = any(w.epoch_end for w in windows)
         periodic = False
         short = [i for i in odd if i != last]
-        if not epochs_seen and short and all(windows[i].length < usual for i in short):
+        if not self._epoch_ends and short and all(lengths[i] < usual for i in short):
             period = short[0] + 1
-            length = windows[short[0]].length
-            expected = [i for i in range(period - 1, last, period)]
-            periodic = period >= 2 and short == expected and all(windows[i].length == length for i in short)
+            periodic = (period >= 2 and short == list(range(period - 1, last, period))
+                        and len({lengths[i] for i in short}) == 1)
+        locs = list(self._locs)
         for i in odd:
-            window = windows[i]
-            if window.length < usual and (i == last or window.epoch_end or periodic):
+            if lengths[i] < usual and (i == last or i in self._epoch_ends or periodic):
                 continue
-            self._hit("CAD010", window.loc)
+            self._hit("CAD010", locs[self._step_locs[i]])
 
 
 def format_report(report: AuditReport) -> str:

@@ -189,6 +189,18 @@ def verify_command(config_file: Path | None, as_json: bool, **options: Any) -> N
     run_verify(build_config(toml_path=config_file, flags=flags), verify_options, as_json=as_json)
 
 
+@app.command("audit", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--json", "as_json", is_flag=True, default=False, help="Print the audit report as JSON.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- python train.py [ARGS]")
+def audit_command(as_json: bool, command: tuple[str, ...]) -> None:
+    """Run your own training script with its step chain instrumented, and report the cadence it observed and every
+    rule it broke (rule id, explanation, fix, file:line). Your output and exit status pass through; the exit status
+    is 1 when an error-level rule fired."""
+    from cadence.audit import run_script
+
+    raise click.exceptions.Exit(run_script(list(command), as_json=as_json))
+
+
 @app.command("report")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def report_command(run_dir: Path) -> None:
@@ -222,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     from cadence.trainer import TrainingFailed
 
     try:
-        app.main(args=argv if argv is not None else sys.argv[1:], prog_name="cadence", standalone_mode=False)
+        # Without standalone mode click returns an Exit's code instead of raising it (audit passes the script's on).
+        status = app.main(args=argv if argv is not None else sys.argv[1:], prog_name="cadence",
+                          standalone_mode=False)
+        if isinstance(status, int):
+            return status
     except click.exceptions.Exit as done:
         return int(done.exit_code or 0)
     except click.exceptions.Abort:
