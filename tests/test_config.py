@@ -9,15 +9,8 @@ from pathlib import Path
 import pytest
 
 from cadence.cli import main
-from cadence.config import (
-    FIELD_NAMES,
-    TrainConfig,
-    build_config,
-    field_help,
-    flag,
-    load_toml,
-    validate,
-)
+from cadence.config import FIELD_NAMES, TrainConfig, field_help, flag, validate
+from cadence.config_sources import build_config, load_toml
 from cadence.errors import UsageError
 
 

@@ -18,7 +18,8 @@ from typing import Any, get_type_hints
 import click
 
 from cadence import __version__
-from cadence.config import TrainConfig, build_config, flag, given_keys, read_field_docs
+from cadence.config import TrainConfig, flag, read_field_docs
+from cadence.config_sources import build_config, given_keys
 from cadence.plan import PLAN_TRAIN_FIELDS, PlanOptions
 from cadence.profiling import PROFILE_TRAIN_FIELDS, ProfileOptions
 from cadence.verify import VERIFY_TRAIN_FIELDS, VerifyOptions

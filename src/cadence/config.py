@@ -1,7 +1,7 @@
-"""The training configuration: one typed dataclass, a TOML loader, and validation that reports every problem at once.
+"""The training configuration: one typed dataclass, and validation that reports every problem at once.
 
 Each field's name is its TOML key; its flag is the name with dashes (``micro_batch_size`` -> ``--micro-batch-size``).
-Flags win over the TOML file, which wins over the defaults.
+Flags win over the TOML file, which wins over the defaults (config_sources.py).
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_type_hints
+from typing import TYPE_CHECKING, Any
 
 from cadence.errors import Problem, UsageError
 from cadence.offload import OFFLOAD_MODES
@@ -20,11 +19,6 @@ from cadence.recompute import CHECKPOINTING_MODES
 from cadence.precision import PRECISIONS, precision_problem
 from cadence.schedules import LR_SCHEDULES
 from cadence.windows import LAST_WINDOW_CHOICES
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 if TYPE_CHECKING:
     import torch
@@ -185,121 +179,6 @@ def read_field_docs(cls: type) -> dict[str, str]:
             if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
                 docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs
-
-
-# ---------------------------------------------------------------------------------------------------- TOML
-def load_toml(path: Path) -> dict[str, Any]:
-    """Read a TOML config, checking keys and value types against TrainConfig; every problem is reported."""
-    where = f"--config {path}"
-    if not path.exists():
-        raise UsageError.single("--config", f"{path} does not exist")
-    if path.is_dir():
-        raise UsageError.single("--config", f"{path} is a directory, expected a .toml file")
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise UsageError.single("--config", f"{path} is not valid TOML: {err}") from None
-    hints = get_type_hints(TrainConfig)
-    values: dict[str, Any] = {}
-    problems: list[Problem] = []
-    for key, value in raw.items():
-        if key not in hints:
-            problems.append(Problem(where=where, message=f"unknown key {key!r}; keys are the flag names with '_'"))
-            continue
-        converted = _convert(value, hints[key])
-        if converted is _INVALID:
-            problems.append(Problem(where=f"{where}: {key}", message=f"{value!r} is not a valid {_type_name(hints[key])}"))
-        else:
-            values[key] = converted
-    if problems:
-        raise UsageError(problems)
-    return values
-
-
-_INVALID = object()
-
-
-def _type_name(hint: Any) -> str:
-    args = set(getattr(hint, "__args__", ())) or {hint}
-    for kind, name in ((bool, "true or false"), (Path, "path string"), (int, "integer"), (float, "number"),
-                       (str, "string")):
-        if kind in args:
-            return name
-    return str(hint)
-
-
-def _convert(value: Any, hint: Any) -> Any:
-    """A TOML value as the field's type, or _INVALID. Integers are accepted for float fields, not the reverse."""
-    args = set(getattr(hint, "__args__", ())) or {hint}
-    if any(getattr(arg, "__origin__", None) is list for arg in args):
-        return value if isinstance(value, list) and all(isinstance(item, str) for item in value) else _INVALID
-    if bool in args:
-        return value if isinstance(value, bool) else _INVALID
-    if isinstance(value, bool):
-        return _INVALID
-    if Path in args:
-        return Path(value) if isinstance(value, str) else _INVALID
-    if int in args and isinstance(value, int):
-        return value
-    if str in args and isinstance(value, str):
-        return value
-    if int in args:
-        return _INVALID
-    if float in args:
-        return float(value) if isinstance(value, (int, float)) else _INVALID
-    if str in args:
-        return value if isinstance(value, str) else _INVALID
-    return _INVALID
-
-
-def _given(flags: dict[str, Any]) -> dict[str, Any]:
-    """The flags the user gave: None (and an empty repeatable flag) means not given; repeats become a list."""
-    return {key: list(value) if isinstance(value, tuple) else value for key, value in flags.items()
-            if value is not None and value != ()}
-
-
-def given_keys(*, toml_path: Path | None, flags: dict[str, Any]) -> set[str]:
-    """The fields the user set, in the TOML file or as flags (the rest are defaults)."""
-    keys = set(_given(flags))
-    if toml_path is not None and toml_path.is_file():
-        keys |= set(_good_toml_values(toml_path))
-    return keys
-
-
-def build_config(*, toml_path: Path | None, flags: dict[str, Any]) -> TrainConfig:
-    """Defaults <- TOML file <- flags (flags whose value is None were not given).
-
-    Problems in the TOML file and in the flags are reported together: a bad file does not hide a bad flag.
-    """
-    values: dict[str, Any] = {}
-    file_problems: list[Problem] = []
-    if toml_path is not None:
-        try:
-            values = load_toml(toml_path)
-        except UsageError as err:
-            file_problems = err.problems
-            if toml_path.is_file():  # keep the file's good keys so that flag validation still runs
-                values = _good_toml_values(toml_path)
-    values.update(_given(flags))
-    config = TrainConfig(**values)
-    if file_problems:
-        try:
-            validate(config)
-        except UsageError as err:
-            raise UsageError(file_problems + err.problems) from None
-        raise UsageError(file_problems)
-    return config
-
-
-def _good_toml_values(path: Path) -> dict[str, Any]:
-    """The keys of a TOML file that parse and have the right type (empty if the file is not TOML at all)."""
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
-        return {}
-    hints = get_type_hints(TrainConfig)
-    converted = {key: _convert(value, hints[key]) for key, value in raw.items() if key in hints}
-    return {key: value for key, value in converted.items() if value is not _INVALID}
 
 
 # ---------------------------------------------------------------------------------------------------- validation
