@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad
 
 import cadence.audit
-from cadence.audit import RULES, Audit, format_report, run_script
+from cadence.audit import RULES, Audit, format_report
+from cadence.audit_run import run_script
 from cadence.errors import UsageError
 
 CASES = Path(__file__).parent / "audit_cases"

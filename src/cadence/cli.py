@@ -197,7 +197,7 @@ def audit_command(as_json: bool, command: tuple[str, ...]) -> None:
     """Run your own training script with its step chain instrumented, and report the cadence it observed and every
     rule it broke (rule id, explanation, fix, file:line). Your output and exit status pass through; the exit status
     is 1 when an error-level rule fired."""
-    from cadence.audit import run_script
+    from cadence.audit_run import run_script
 
     raise click.exceptions.Exit(run_script(list(command), as_json=as_json))
 
