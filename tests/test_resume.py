@@ -167,3 +167,36 @@ def test_sigterm_finishes_the_window_checkpoints_and_exits_0(tmp_path):
     assert 1 <= done < 60 and [p.name for p in checkpoint_dirs(tmp_path / "cut")] == [f"step-{done}"]
     assert main([*cut, "--resume"]) == 0
     same_run(tmp_path / "cut", tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_sigterm_mid_window_keeps_the_accumulated_gradients(tmp_path):
+    data = data_file(tmp_path)
+    base = ["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "1", "--grad-accum-steps", "16",
+            "--max-steps", "12", "--val-fraction", "0", "--checkpoint-mid-window"]
+    assert main([*base, "--out", str(tmp_path / "whole")]) == 0
+    rng = random.Random(3)
+    for attempt in range(4):
+        out = tmp_path / f"cut{attempt}"
+        process = spawn([*base, "--out", str(out)])
+        while not (out / "metrics.jsonl").exists() or not read_metrics(out):
+            time.sleep(0.02)
+            assert process.poll() is None
+        time.sleep(rng.uniform(0.0, 0.2))  # somewhere inside a window of 16 micro-batches
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        (checkpoint,) = checkpoint_dirs(out)
+        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+        partial = state["partial_window"]
+        assert main([*base, "--out", str(out), "--resume"]) == 0
+        same_run(out, tmp_path / "whole")  # bitwise, whether or not the signal landed mid-window
+        if partial is not None:
+            assert 1 <= partial["micro_batches_done"] < 16 and partial["grads"]
+            return
+    pytest.fail("no SIGTERM landed inside a window in 4 tries")
+
+
+def test_mid_window_checkpoints_need_a_fixed_micro_batch(tmp_path, capsys):
+    code = main(["train", "--micro-batch-size", "auto", "--effective-batch-size", "8", "--checkpoint-mid-window",
+                 "--out", str(tmp_path / "run")])
+    assert code == 2 and "--checkpoint-mid-window" in capsys.readouterr().err

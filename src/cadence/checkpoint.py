@@ -69,6 +69,7 @@ def save_checkpoint(
     data_position: dict[str, int],
     info: dict[str, Any],
     keep: int = 0,
+    partial_window: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoints/step-{step}/ (weights, optimizer, scheduler, precision, counters, RNG, data position);
     with ``keep`` > 0, delete all but the newest ``keep`` checkpoints afterwards."""
@@ -84,6 +85,8 @@ def save_checkpoint(
             "engine": engine_state,
             "data_position": data_position,
             "rng": rng_state(),
+            # --checkpoint-mid-window: the gradients of the micro-batches already done in the interrupted window
+            "partial_window": partial_window,
         }
         with open(staging / STATE_FILE, "wb") as handle:
             torch.save(state, handle)

@@ -115,6 +115,9 @@ class TrainConfig:
     resume: bool = False
     """Continue the run in --out from its newest intact checkpoint, as if it had never stopped (same losses, data
     order and LR); with no checkpoint yet, start fresh. Refused when the configuration changes the math."""
+    checkpoint_mid_window: bool = False
+    """On SIGTERM/SIGINT in the middle of a window, stop after the current micro-batch and checkpoint the gradients
+    accumulated so far, so that no micro-batch's work is lost; --resume continues the window there."""
     max_skipped_steps: int = 50
     """Stop (exit status 1) after this many optimizer steps in a row were skipped (fp16 overflow or non-finite
     gradients): the run has diverged."""
@@ -270,6 +273,8 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
     if config.resume and config.out is None:
         bad("resume", "needs --out: the run directory to continue")
     at_least("keep_checkpoints", 0)
+    if config.checkpoint_mid_window and config.micro_batch_size == "auto":
+        bad("checkpoint_mid_window", "needs a fixed --micro-batch-size (auto may re-cut the window it would continue)")
     at_least("max_skipped_steps", 1)
     device_ok = config.device in DEVICE_CHOICES
     if config.device == "cuda" and not (_cuda_available() if cuda_available is None else cuda_available):

@@ -157,11 +157,16 @@ class Engine:
         *,
         measure_memory: bool = False,
         on_micro_batch: Callable[[int], None] | None = None,
+        stop_requested: Callable[[], bool] | None = None,
+        resume: PartialWindow | None = None,
     ) -> StepResult:
         """Run one window through the step chain and return what happened.
 
         ``measure_memory`` profiles this step's peak on CPU (CUDA is always measured, at no cost);
         ``on_micro_batch(index)`` is called before each micro-batch (a progress display uses it).
+        ``stop_requested()`` is asked after each micro-batch but the last: when it says yes, WindowInterrupted is
+        raised with the gradients accumulated so far left in place (a checkpoint saves them); ``resume`` continues
+        such a window from where it stopped.
         """
         if self.phases is not None:
             self.phases.step_started()  # the time since the previous step ended was spent waiting for this window
@@ -185,10 +190,12 @@ class Engine:
             if window_targets == 0:
                 return self._skip_empty_window(window, started, lr, loss_scale, tokens, samples)
 
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            loss_sum = torch.full((), resume.loss_sum if resume else 0.0, dtype=torch.float64, device=self.device)
             last = len(window.micro_batches) - 1
             try:
                 for index, micro_batch in enumerate(window.micro_batches):
+                    if resume is not None and index < resume.micro_batches_done:
+                        continue  # their gradients were restored from the checkpoint
                     if on_micro_batch is not None:
                         on_micro_batch(index)
                     batch = _to_device(micro_batch, self.device)
@@ -204,6 +211,10 @@ class Engine:
                                 self.precision.backward(micro_loss_sum * (world / window_targets))
                     loss_sum += micro_loss_sum.detach().to(torch.float64)
                     del micro_loss_sum, batch  # free the graph's last references before the next micro-batch
+                    if stop_requested is not None and index < last and stop_requested():
+                        raise WindowInterrupted(micro_batches_done=index + 1, loss_sum=float(loss_sum))
+            except WindowInterrupted:
+                raise  # the accumulated gradients are the point: keep them for the checkpoint
             except BaseException:
                 # Out of memory (or interrupted) mid-window: drop the partial gradients so that a retry of the same
                 # window, at any micro-batch size, starts from exactly the state before it. Nothing was counted.
@@ -315,6 +326,23 @@ class Engine:
 
 
 _NO_PHASE = contextlib.nullcontext()
+
+
+@dataclass(kw_only=True)
+class PartialWindow:
+    """How far an interrupted window got: its first ``micro_batches_done`` micro-batches are in the gradients."""
+
+    micro_batches_done: int
+    loss_sum: float
+    """Their summed loss (float64), so the window's reported loss is exact after a resume."""
+
+
+class WindowInterrupted(Exception):
+    """A stop was asked for between two micro-batches of a window; the gradients so far are still in place."""
+
+    def __init__(self, *, micro_batches_done: int, loss_sum: float) -> None:
+        super().__init__(f"window interrupted after {micro_batches_done} micro-batches")
+        self.partial = PartialWindow(micro_batches_done=micro_batches_done, loss_sum=loss_sum)
 
 
 class PhaseRecorder(Protocol):

@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 from cadence.checkpoint import LoadedCheckpoint, latest_checkpoint, restore_rng_state
+from cadence.engine import PartialWindow
 from cadence.errors import Problem, UsageError
 from cadence.run_dir import CHECKPOINTS_DIR, METRICS_FILE, atomic_write_bytes
 
@@ -37,6 +38,9 @@ class ResumePoint:
     epoch: int
     windows_done_in_epoch: int
     kept_rows: list[dict[str, Any]]
+    partial: PartialWindow | None = None
+    """Set when the checkpoint was written mid-window: the window to continue, its gradients already restored."""
+    partial_micro_batch_size: int | None = None
 
 
 def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Problem]:
@@ -73,8 +77,18 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any) -> Resum
     restore_rng_state(state["rng"])
     position = state["data_position"]
     kept = _truncate_metrics(run_dir, windows=int(state["engine"]["windows"]))
-    return ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=int(position["epoch"]),
-                       windows_done_in_epoch=int(position["window_in_epoch"]), kept_rows=kept)
+    point = ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=int(position["epoch"]),
+                        windows_done_in_epoch=int(position["window_in_epoch"]), kept_rows=kept)
+    partial = state.get("partial_window")
+    if partial:
+        # The interrupted window's accumulated gradients go back exactly where they were.
+        for name, parameter in parts.model.named_parameters():
+            if name in partial["grads"]:
+                parameter.grad = partial["grads"][name].to(parameter.device, parameter.dtype)
+        point.partial = PartialWindow(micro_batches_done=int(partial["micro_batches_done"]),
+                                      loss_sum=float(partial["loss_sum"]))
+        point.partial_micro_batch_size = int(partial["micro_batch_size"])
+    return point
 
 
 def _truncate_metrics(run_dir: Path, *, windows: int) -> list[dict[str, Any]]:

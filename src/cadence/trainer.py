@@ -22,7 +22,8 @@ from cadence.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.checkpoint import save_checkpoint
 from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches
-from cadence.engine import Engine, StepResult
+from cadence.engine import Engine, StepResult, WindowInterrupted
+from cadence.errors import UsageError
 from cadence.models import build_model
 from cadence.models.hf import save_hf
 from cadence.prepare import Prepared, adopt_token_cache, prepare  # noqa: F401 - Prepared is used by trials
@@ -164,6 +165,10 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
         totals.add_row(row)
     consecutive_skips = 0
     epoch, skip = (start.epoch, start.windows_done_in_epoch) if start else (0, 0)
+    partial = start.partial if start else None
+    if partial is not None and start.partial_micro_batch_size != prep.micro_batch_size:
+        raise UsageError.single("--micro-batch-size", f"{prep.micro_batch_size} differs from the "
+                                f"{start.partial_micro_batch_size} of the window the checkpoint interrupted")
     stop = StopOnSignal()
     saved_at = engine.windows if start else -1
     progress = TrainProgress(total_steps=config.max_steps, grad_accum_steps=prep.grad_accum_steps,
@@ -188,15 +193,23 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
                     profiled = prep.device.type == "cpu" and (
                         budget_on_cpu or engine.windows + 1 == min(2, config.max_steps)
                     )
-                    step_options = {
+                    step_options: dict[str, Any] = {
                         "measure_memory": profiled,
                         "on_micro_batch": lambda index: progress.micro_step(engine.steps, index + 1),
                     }
+                    if config.checkpoint_mid_window:
+                        step_options["stop_requested"] = lambda: stop.requested is not None
+                    if partial is not None:  # continue the window a mid-window checkpoint interrupted
+                        step_options["resume"], partial = partial, None
                     try:
                         if config.auto_micro_batch:
                             result, retries = controller.step(engine, window, **step_options)
                         else:
                             result, retries = engine.step(window, **step_options), 0
+                    except WindowInterrupted as interrupted:
+                        _save_mid_window(prep, parts, interrupted, epoch, window_in_epoch, resolved)
+                        saved_at = engine.windows
+                        break
                     except MicroBatchTooLarge as err:
                         raise TrainingFailed(str(err)) from err
                     except torch.OutOfMemoryError as err:
@@ -286,6 +299,23 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
         print(f"stopped by {stop.requested} after step {engine.steps} (checkpoint saved); continue with --resume",
               file=stream, flush=True)
     return summary
+
+
+def _save_mid_window(prep: Prepared, parts: Components, interrupted: WindowInterrupted, epoch: int,
+                     window_in_epoch: int, resolved: dict[str, Any]) -> None:
+    """A checkpoint inside a window: the state before it, plus the gradients of the micro-batches it has done."""
+    grads = {name: p.grad.detach().to("cpu").clone() for name, p in parts.model.named_parameters()
+             if p.grad is not None}
+    save_checkpoint(
+        prep.out, step=parts.engine.steps, model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
+        engine_state=parts.engine.state_dict(),
+        data_position={"epoch": epoch, "window_in_epoch": window_in_epoch - 1},  # this window is continued
+        info={"loss": None, "config": prep.config.to_json_dict(), "resolved_config": resolved, "mid_window": True},
+        keep=prep.config.keep_checkpoints,
+        partial_window={"micro_batches_done": interrupted.partial.micro_batches_done,
+                        "loss_sum": interrupted.partial.loss_sum, "micro_batch_size": prep.micro_batch_size,
+                        "grads": grads},
+    )
 
 
 def _validation_batches(prep: Prepared) -> list[dict[str, torch.Tensor]]:
