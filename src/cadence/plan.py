@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -26,14 +27,14 @@ from typing import IO, Any
 import torch
 
 from cadence.config import TrainConfig, resolve_device, validate
-from cadence.data import DataSplits, iterate_micro_batches, load_data
+from cadence.data import DataSplits, iterate_micro_batches
 from cadence.data.text import PackedSequences
 from cadence.equivalence import Setup, compare_gradients, compare_losses
 from cadence.errors import Problem, UsageError
 from cadence.flops import matmul_speed
-from cadence.memory_estimate import MemoryEstimate, estimate_step_memory
-from cadence.models import MODEL_CONFIGS, build_model, model_context_length
+from cadence.memory_estimate import MemoryEstimate
 from cadence.offload import OFFLOAD_MODES
+from cadence.plan_models import PlanModel, plan_model
 from cadence.precision import PRECISIONS, precision_problem
 from cadence.progress import format_bytes
 from cadence.recompute import CHECKPOINTING_MODES
@@ -51,7 +52,7 @@ OFFLOAD_COST = {"none": 1.0, "activations": 1.3, "optimizer": 1.5}
 """Prior relative cost per token, used only to order which candidates to measure first, never to decide."""
 
 PLAN_TRAIN_FIELDS = (
-    "model", "data", "seq_len", "micro_batch_size", "effective_batch_size", "precision", "activation_checkpointing",
+    "model", "model_config", "data", "text_field", "prompt_field", "completion_field", "seq_len", "micro_batch_size", "effective_batch_size", "precision", "activation_checkpointing",
     "offload", "memory_budget", "max_grad_norm", "lr", "weight_decay", "adam_beta1", "adam_beta2", "lr_schedule",
     "warmup_steps", "min_lr_ratio", "seed", "device", "out",
 )
@@ -115,7 +116,8 @@ def validate_plan(config: TrainConfig, options: PlanOptions) -> None:
 
 
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
-                     notes: list[str]) -> list[Candidate]:
+                     notes: list[str], model: PlanModel | None = None) -> list[Candidate]:
+    model = model or plan_model(config)
     effective = int(config.effective_batch_size or 0)
     micro_sizes = [int(config.micro_batch_size)] if "micro_batch_size" in constrained else divisors(effective)
     if "precision" in constrained:
@@ -137,7 +139,6 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
         offloads = ["none"]
         notes.append("offload (activations or optimizer) saves nothing on a CPU-only machine: host memory is the "
                      "device memory. Offload candidates were left out rather than measured as if they helped.")
-    model_config = MODEL_CONFIGS[config.model]
     candidates = []
     for precision in precisions:
         for recompute in recomputes:
@@ -145,10 +146,9 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
                 for micro in micro_sizes:
                     setup = TrialSetup(micro_batch_size=micro, grad_accum_steps=effective // micro,
                                        precision=precision, activation_checkpointing=recompute, offload=offload)
-                    estimate = estimate_step_memory(
-                        model_config, micro_batch_size=micro, seq_len=seq_len, precision=precision,  # type: ignore
-                        checkpointing=recompute, offload=offload, device_type=device.type,  # type: ignore
-                        grad_accum_steps=setup.grad_accum_steps,
+                    estimate = model.estimate(
+                        micro_batch_size=micro, seq_len=seq_len, precision=precision, checkpointing=recompute,
+                        offload=offload, device_type=device.type, grad_accum_steps=setup.grad_accum_steps,
                     )
                     candidates.append(Candidate(id=f"c{len(candidates) + 1:02d}", setup=setup, estimate=estimate))
     return candidates
@@ -201,21 +201,27 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     validate_plan(config, options)
     started = time.perf_counter()
     device = resolve_device(config.device)
-    seq_len = config.seq_len or model_context_length(config.model)
-    data = load_data(config.data, seq_len, 0.0)
+    model = plan_model(config)
+    seq_len = config.seq_len or model.context_length
+    if seq_len > model.context_length:
+        raise UsageError.single("--seq-len", f"{seq_len} is above {config.model}'s context length of "
+                                             f"{model.context_length}")
+    from cadence.prepare import _load_data  # the same data path as train (a model's tokenizer, hf: datasets)
+
+    out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    data, token_cache = _load_data(dataclasses.replace(config, val_fraction=0.0), seq_len, model.hf, out)
     budget = int(config.memory_budget_bytes() or 0)
     effective = int(config.effective_batch_size or 0)
-    out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
     if config.out is None and out.exists():
         raise UsageError.single("--out", f"default {out} already exists; give --out")
     notes: list[str] = []
 
-    baseline = estimate_step_memory(MODEL_CONFIGS[config.model], micro_batch_size=effective, seq_len=seq_len,
-                                    precision="fp32", checkpointing="none", device_type=device.type)
+    baseline = model.estimate(micro_batch_size=effective, seq_len=seq_len, precision="fp32", checkpointing="none",
+                              device_type=device.type)
     say(f"plan: {config.model}, effective batch {effective} x {seq_len} tokens, budget {format_bytes(budget)} "
         f"on {device}\ndiagnosis: the whole batch at once in fp32 needs about {format_bytes(baseline.peak_bytes)}: "
         f"{baseline.dominant}")
-    candidates = build_candidates(config, constrained, device, seq_len, notes)
+    candidates = build_candidates(config, constrained, device, seq_len, notes, model)
     for candidate in candidates:
         if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
             candidate.status = "over budget (estimate)"
@@ -251,12 +257,14 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     chosen = max(feasible, key=lambda c: c.measured.tokens_per_s)  # type: ignore[union-attr]
     say(f"choice: {chosen.id} {_describe(chosen.setup)} at {chosen.measured.tokens_per_s:,.0f} tokens/s, "  # type: ignore
         f"peak {format_bytes(chosen.measured.peak_bytes)}")  # type: ignore[union-attr]
-    quality = _quality_check(config, chosen, data, device, seq_len, budget, options)
+    quality = _quality_check(config, chosen, data, device, seq_len, budget, options, model)
     say(f"quality: gradient relative error {quality['gradient']['relative_error']:.2e} "
         f"({'pass' if quality['gradient']['passed'] else 'FAIL'}), loss within "
         f"{quality['loss']['max_relative_difference']:.2%} of fp32 ({'pass' if quality['loss']['passed'] else 'FAIL'})")
     plan = _plan_document(config, data, device, seq_len, budget, baseline, candidates, chosen, quality, notes,
-                          epoch_tokens(data), time.perf_counter() - started)
+                          epoch_tokens(data), time.perf_counter() - started, model)
+    if token_cache is not None:
+        shutil.rmtree(token_cache, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / PLAN_FILE, plan)
     _write_report(out, say)
@@ -282,14 +290,13 @@ def _next_smaller(candidates: list[Candidate], candidate: Candidate) -> Candidat
 
 
 def _quality_check(config: TrainConfig, chosen: Candidate, data: DataSplits, device: torch.device, seq_len: int,
-                   budget: int, options: PlanOptions) -> dict[str, Any]:
+                   budget: int, options: PlanOptions, model: PlanModel) -> dict[str, Any]:
     setup = chosen.setup
     window = next(iter(iter_windows(iterate_micro_batches(data.train, setup.micro_batch_size, config.seed, 0),
                                     setup.grad_accum_steps, micro_batch_size=setup.micro_batch_size)))
 
     def model_factory() -> torch.nn.Module:
-        torch.manual_seed(config.seed)
-        return build_model(config.model).to(device)
+        return model.build().to(device)
 
     gradient = compare_gradients(model_factory, window, Setup(
         micro_batch_size=setup.micro_batch_size, precision=setup.precision,
@@ -311,7 +318,7 @@ def _describe(setup: TrialSetup) -> str:
 
 def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, seq_len: int, budget: int,
                    baseline: MemoryEstimate, candidates: list[Candidate], chosen: Candidate, quality: dict[str, Any],
-                   notes: list[str], tokens_per_epoch: int, duration: float) -> dict[str, Any]:
+                   notes: list[str], tokens_per_epoch: int, duration: float, model: PlanModel) -> dict[str, Any]:
     def row(candidate: Candidate) -> dict[str, Any]:
         result = candidate.measured
         measured = None
@@ -335,7 +342,8 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
         "created": datetime.now().isoformat(timespec="seconds"),
         "duration_s": duration,
         "model": config.model,
-        "parameters": MODEL_CONFIGS[config.model].num_parameters(),
+        "model_config": list(config.model_config) if config.model_config else None,
+        "parameters": model.num_parameters,
         "seq_len": seq_len,
         "data": data.description,
         "tokens_per_epoch": tokens_per_epoch,
@@ -387,6 +395,8 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
         choice = plan["choice"]
         decided = {name: choice[name] for name in DECISION_FIELDS}
         decided.update(model=plan["model"], seq_len=plan["seq_len"], effective_batch_size=None)
+        if plan.get("model_config"):  # a Hugging Face model's --model-config overrides
+            decided["model_config"] = list(plan["model_config"])
     except FileNotFoundError:
         raise UsageError.single("--plan", f"{path} does not exist") from None
     except (OSError, ValueError, KeyError, TypeError) as err:

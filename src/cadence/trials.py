@@ -18,6 +18,7 @@ import torch
 
 from cadence.config import TrainConfig
 from cadence.data import DataSplits, iterate_micro_batches
+from cadence.plan_models import fresh_hf
 from cadence.trainer import Prepared, build_components
 from cadence.windows import iter_windows
 
@@ -58,7 +59,8 @@ class TrialResult:
 
 def trial_prepared(base: TrainConfig, setup: TrialSetup, *, device: torch.device, seq_len: int, data: DataSplits,
                    max_steps: int) -> Prepared:
-    """A Prepared for ``setup`` without re-validating or re-loading the data (the plan did both once)."""
+    """A Prepared for ``setup`` without re-validating or re-loading the data (the plan did both once); a Hugging
+    Face model is built afresh (seeded) for every trial."""
     config = dataclasses.replace(
         base, micro_batch_size=setup.micro_batch_size, grad_accum_steps=setup.grad_accum_steps,
         effective_batch_size=None, precision=setup.precision, activation_checkpointing=setup.activation_checkpointing,
@@ -68,6 +70,7 @@ def trial_prepared(base: TrainConfig, setup: TrialSetup, *, device: torch.device
         config=config, device=device, seq_len=seq_len, micro_batch_size=setup.micro_batch_size,
         grad_accum_steps=setup.grad_accum_steps, effective_batch_size=setup.micro_batch_size * setup.grad_accum_steps,
         world_size=1, data=data, out=Path("-"), memory_budget_bytes=None,  # trials write nothing
+        hf=fresh_hf(config),
     )
 
 
