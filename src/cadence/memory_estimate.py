@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from cadence.models.gpt import GPTConfig
 
@@ -100,20 +100,26 @@ def estimate_step_memory(
     if problems:
         raise ValueError("; ".join(problems))
 
-    notes: list[str] = []
     on_device = device_type != "cpu"
-    if offload != "none" and not on_device:
-        notes.append(f"offload {offload} saves nothing on cpu: the host is the device, so nothing moves")
     replay = _Replay(
         config, tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
     )
+    return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
+                                on_device=on_device)
+
+
+def estimate_from_replay(replay: Any, *, grad_accum_steps: int, precision: str, offload: str,
+                         on_device: bool) -> MemoryEstimate:
+    """Run a step replay (built-in GPT or a Hugging Face block style) and read the estimate off its peak."""
+    notes: list[str] = []
+    if offload != "none" and not on_device:
+        notes.append(f"offload {offload} saves nothing on cpu: the host is the device, so nothing moves")
     replay.run(grad_accum_steps)
     notes += replay.notes
     if on_device:
         notes.append("the CUDA context and the caching allocator's reserve come on top (see nvidia-smi, not this)")
-
     by_category = {name: int(replay.at_peak.get(name, 0)) for name in ESTIMATE_CATEGORIES}
     peak = sum(by_category.values())
     if replay.host_bytes:

@@ -22,13 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cadence.memory_estimate import (
-    _FP32,
-    ESTIMATE_CATEGORIES,
-    MemoryEstimate,
-    _dominant,
-    _Replay,
-)
+from cadence.memory_estimate import _FP32, MemoryEstimate, _Replay, estimate_from_replay
 from cadence.models.hf import ModelShape
 
 GPT2_TYPES = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "gptj"})
@@ -79,27 +73,14 @@ def estimate_hf_step_memory(
         problems.append("the model's config gives no attention heads, head size or MLP width to estimate from")
     if problems:
         raise ValueError("; ".join(problems))
-    notes: list[str] = []
     on_device = device_type != "cpu"
-    if offload != "none" and not on_device:
-        notes.append(f"offload {offload} saves nothing on cpu: the host is the device, so nothing moves")
     replay = _HFReplay(
         shape, block_style(model_type), tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
     )
-    replay.run(grad_accum_steps)
-    notes += replay.notes
-    if on_device:
-        notes.append("the CUDA context and the caching allocator's reserve come on top (see nvidia-smi, not this)")
-    by_category = {name: int(replay.at_peak.get(name, 0)) for name in ESTIMATE_CATEGORIES}
-    peak = sum(by_category.values())
-    if replay.host_bytes:
-        by_category["offloaded_to_host"] = int(replay.host_bytes)
-    return MemoryEstimate(
-        peak_bytes=peak, by_category=by_category, peak_phase=replay.peak_phase, activation_bytes=replay.activation_peak,
-        dominant=_dominant(by_category, peak, replay.peak_phase, precision), notes=notes,
-    )
+    return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
+                                on_device=on_device)
 
 
 class _HFReplay(_Replay):
