@@ -50,6 +50,7 @@ def test_python_api_phases_add_up_to_the_step(tmp_path):
     assert result["phase_peak_memory_bytes"]["backward"] > 0
     assert result["top_operators"] and result["top_operators"][0]["self_time_s"] > 0
     assert (tmp_path / "profile" / "profile.json").exists()
+    assert (tmp_path / "profile" / "report.html").exists()  # the same report as `cadence profile`
 
 
 def test_slow_dataset_is_data_bound(tmp_path):

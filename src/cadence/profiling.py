@@ -104,8 +104,8 @@ class ProfileSettings:
 
 
 class StepProfiler:
-    """torch.profiler with a wait/warmup/active schedule plus cadence's phase timings; writes profile.json and
-    trace.json into ``out`` when the active steps are done (or the context exits)."""
+    """torch.profiler with a wait/warmup/active schedule plus cadence's phase timings; writes profile.json,
+    trace.json, report.md and report.html into ``out`` when the active steps are done (or the context exits)."""
 
     def __init__(self, engine: Engine, *, out: Path, settings: ProfileSettings | None = None) -> None:
         self.engine = engine
@@ -168,6 +168,9 @@ class StepProfiler:
         profiler.export_chrome_trace(str(self.out / TRACE_FILE))
         self.result = summarize(self, profiler)
         atomic_write_json(self.out / PROFILE_FILE, self.result)
+        from cadence.report import build_report  # report.md and report.html, the same as `cadence profile` writes
+
+        build_report(self.out)
 
 
 def summarize(profiler: StepProfiler, prof: Any) -> dict[str, Any]:
@@ -368,9 +371,6 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
             if profiler.done:
                 break
     summary = profiler.result or {}
-    from cadence.report import build_report
-
-    build_report(prep.out)  # report.md and report.html beside profile.json
     verdict_ = summary.get("verdict", {})
     mfu = summary.get("mfu")
     print(f"{verdict_.get('kind')}: {verdict_.get('figure')}. {verdict_.get('advice')}\n"
