@@ -35,7 +35,8 @@ lint: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# Issue 9: the engine against a hand-written loop, Accelerate and Lightning Fabric (benchmarks/overhead.py).
+# Issue 9: the engine against a hand-written loop, Accelerate and Lightning Fabric (benchmarks/overhead.py), then
+# memory flatness, recompute/offload costs and MFU (benchmarks/memory_and_modes.py).
 # The `bench` extra (accelerate, lightning) goes into .venv only for these targets; `make test` never needs it.
 # Both accept the installed torch: pip keeps $(TORCH_PIN) (checked with accelerate 1.15.0, lightning 2.6.6).
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -47,6 +48,7 @@ $(BENCH_STAMP): $(STAMP)
 # Full: 8 rounds x 4 timed steps per implementation and precision (about 4 minutes on 2 CPU cores).
 bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/memory_and_modes.py
 
 # Under 3 minutes on 2 CPU cores (about 1): 3 rounds x 2 timed steps; writes benchmarks/results/overhead_quick.json.
 bench-quick: $(BENCH_STAMP)
