@@ -88,15 +88,9 @@ def estimate_step_memory(
     beyond 2 only the window's token ids grow (on cpu, where the whole window sits in the same memory). The
     optimizer is the one :func:`cadence.trainer.build_optimizer` makes (AdamW, matrices and biases in two groups).
     """
-    choices = {"precision": (precision, ("fp32", "bf16", "fp16")), "optimizer": (optimizer, ("adamw",)),
-               "checkpointing": (checkpointing, ("none", "full", "selective")),
-               "offload": (offload, ("none", "activations", "optimizer"))}
-    problems = [f"unknown {key} {value!r} (one of {', '.join(ok)})" for key, (value, ok) in choices.items()
-                if value not in ok]
-    if min(micro_batch_size, seq_len, grad_accum_steps) < 1:
-        problems.append("micro_batch_size, seq_len and grad_accum_steps must be >= 1")
-    if seq_len > config.context_length:
-        problems.append(f"seq_len {seq_len} exceeds the model's context length {config.context_length}")
+    problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
+                              context_length=config.context_length, precision=precision,
+                              checkpointing=checkpointing, offload=offload, optimizer=optimizer)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -108,6 +102,21 @@ def estimate_step_memory(
     )
     return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
                                 on_device=on_device)
+
+
+def input_problems(*, micro_batch_size: int, seq_len: int, grad_accum_steps: int, context_length: int,
+                   precision: str, checkpointing: str, offload: str, optimizer: str = "adamw") -> list[str]:
+    """What is wrong with an estimate's arguments (shared by the built-in and the Hugging Face estimates)."""
+    choices = {"precision": (precision, ("fp32", "bf16", "fp16")), "optimizer": (optimizer, ("adamw",)),
+               "checkpointing": (checkpointing, ("none", "full", "selective")),
+               "offload": (offload, ("none", "activations", "optimizer"))}
+    problems = [f"unknown {key} {value!r} (one of {', '.join(ok)})" for key, (value, ok) in choices.items()
+                if value not in ok]
+    if min(micro_batch_size, seq_len, grad_accum_steps) < 1:
+        problems.append("micro_batch_size, seq_len and grad_accum_steps must be >= 1")
+    if seq_len > context_length:
+        problems.append(f"seq_len {seq_len} exceeds the model's context length {context_length}")
+    return problems
 
 
 def estimate_from_replay(replay: Any, *, grad_accum_steps: int, precision: str, offload: str,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cadence.memory_estimate import _FP32, MemoryEstimate, _Replay, estimate_from_replay
+from cadence.memory_estimate import _FP32, MemoryEstimate, _Replay, estimate_from_replay, input_problems
 from cadence.models.hf import ModelShape
 
 GPT2_TYPES = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "gptj"})
@@ -60,15 +60,9 @@ def estimate_hf_step_memory(
     grad_accum_steps: int = 1,
 ) -> MemoryEstimate:
     """Predict the peak memory of one step of the Hugging Face model ``shape`` describes, trained by the Engine."""
-    choices = {"precision": (precision, ("fp32", "bf16", "fp16")),
-               "checkpointing": (checkpointing, ("none", "full", "selective")),
-               "offload": (offload, ("none", "activations", "optimizer"))}
-    problems = [f"unknown {key} {value!r} (one of {', '.join(ok)})" for key, (value, ok) in choices.items()
-                if value not in ok]
-    if min(micro_batch_size, seq_len, grad_accum_steps) < 1:
-        problems.append("micro_batch_size, seq_len and grad_accum_steps must be >= 1")
-    if seq_len > shape.context_length:
-        problems.append(f"seq_len {seq_len} exceeds the model's context length {shape.context_length}")
+    problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
+                              context_length=shape.context_length, precision=precision,
+                              checkpointing=checkpointing, offload=offload)
     if not shape.num_heads or not shape.head_dim or not shape.intermediate_size:
         problems.append("the model's config gives no attention heads, head size or MLP width to estimate from")
     if problems:
