@@ -36,7 +36,9 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # Issue 9: the engine against a hand-written loop, Accelerate and Lightning Fabric (benchmarks/overhead.py), then
-# memory flatness, recompute/offload costs and MFU (benchmarks/memory_and_modes.py).
+# memory flatness, recompute/offload costs and MFU (benchmarks/memory_and_modes.py), then the memory estimate against
+# measurement (benchmarks/memory_estimate.py); benchmarks/write_report.py then rewrites BENCHMARKS.md from every
+# benchmarks/results/*.json (plus the overhead plot), so BENCHMARKS.md is generated, never edited by hand.
 # The `bench` extra (accelerate, lightning) goes into .venv only for these targets; `make test` never needs it.
 # Both accept the installed torch: pip keeps $(TORCH_PIN) (checked with accelerate 1.15.0, lightning 2.6.6).
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -45,12 +47,17 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]' $(TORCH_PIN)
 	touch $(BENCH_STAMP)
 
-# Full: 8 rounds x 4 timed steps per implementation and precision (about 4 minutes on 2 CPU cores).
+# Full: 8 rounds x 4 timed steps per implementation and precision (about 4 minutes on 2 CPU cores), then about 2 and
+# 1 minutes for the other two; the plan, phase, audit and demo results keep their JSON (see their sections' commands).
 bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/memory_and_modes.py
+	$(BIN)/python benchmarks/memory_estimate.py
+	$(BIN)/python benchmarks/write_report.py
 
-# Under 3 minutes on 2 CPU cores (about 1): 3 rounds x 2 timed steps; writes benchmarks/results/overhead_quick.json.
+# Under 3 minutes on 2 CPU cores (about 1): 3 rounds x 2 timed steps; prints the overhead ratios and writes
+# benchmarks/results/overhead_quick.json only. It does NOT touch BENCHMARKS.md, and write_report.py never shows
+# *_quick.json, so quick numbers cannot pass for the full run's.
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/overhead.py --quick
 

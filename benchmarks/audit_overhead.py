@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_env import environment
 
 from cadence.audit import Audit
 from cadence.models import build_model
@@ -62,7 +63,7 @@ def main() -> int:
     result = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
               "rounds": args.rounds, "steps_per_round": args.steps,
               "median_step_s_plain": statistics.median(plain), "median_step_s_audited": statistics.median(audited),
-              "overhead": overhead}
+              "overhead": overhead, "environment": environment()}
     out = Path(__file__).parent / "results" / "audit_overhead.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

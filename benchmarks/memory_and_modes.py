@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+from bench_env import environment
 
 from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches, load_data
@@ -96,7 +97,8 @@ def main() -> int:
 
     RESULTS.mkdir(exist_ok=True)
     result = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
-              "flatness": flat, "modes": modes, "mfu": mfu}
+              "environment": environment(), "quick": args.quick, "timed_steps": steps, "flatness": flat, "modes": modes,
+              "mfu": mfu}
     (RESULTS / "memory_and_modes.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(flat, RESULTS / "memory_flatness.png")
     print("\n| accumulation | peak, micro 4 x accum | peak, one batch of 4 x accum |\n|---|---|---|")

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_env import environment
 
 from cadence import Engine
 from cadence.data import IGNORE_INDEX, iterate_micro_batches, load_data
@@ -275,6 +276,7 @@ def main() -> int:
         "micro_batch_size": args.micro_batch_size, "grad_accum_steps": args.grad_accum_steps,
         "tokens_per_step": windows[1].tokens, "rounds": args.rounds, "steps_per_round": args.steps,
         "order": "alternating, " + " ".join(IMPLEMENTATIONS) + " per round", "precisions": {},
+        "environment": environment(("accelerate", "lightning")),
     }
     failures = []
     for precision in args.precisions.split(","):

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from bench_env import environment
 
 from cadence.data import iterate_micro_batches, load_data
 from cadence.engine import Engine
@@ -72,7 +73,7 @@ def main() -> int:
               "baseline_rev": args.baseline_rev, "rounds": args.rounds, "steps_per_round": args.steps,
               "annotated_median_tokens_per_s": statistics.median(annotated),
               "baseline_median_tokens_per_s": statistics.median(plain), "ratio": ratio,
-              "annotated": annotated, "baseline": plain}
+              "annotated": annotated, "baseline": plain, "environment": environment()}
     out = ROOT / "benchmarks" / "results" / "phase_overhead.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_env import environment
 
 from cadence.config import TrainConfig
 from cadence.plan import PlanOptions, make_plan
@@ -57,7 +58,7 @@ def main() -> int:
         "plan_choice": dict(zip(key, pick)), "plan_choice_peak_bytes": chosen_in_plan["measured"]["peak_bytes"],
         "sweep_best": {k: best[k] for k in key}, "sweep_best_tokens_per_s": best["measured"]["tokens_per_s"],
         "plan_choice_tokens_per_s_in_sweep": same["measured"]["tokens_per_s"] if same and same["measured"] else None,
-        "ratio": ratio, "sweep_seconds": sweep["duration_s"],
+        "ratio": ratio, "sweep_seconds": sweep["duration_s"], "environment": environment(),
     }
     out = Path(__file__).parent / "results" / "plan_vs_sweep.json"
     out.parent.mkdir(exist_ok=True)

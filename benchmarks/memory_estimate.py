@@ -1,0 +1,87 @@
+"""Benchmark: cadence's analytic memory estimate against the measured peak of one optimizer step.
+
+For gpt-tiny (micro 8), gpt-small (micro 4) and gpt-base (micro 1), seq 256, AdamW, clipping at 1.0, in
+{fp32, bf16} x recompute {none, full}: the estimate (``cadence.memory_estimate.estimate_step_memory``) beside the
+measurement (``cadence.memory_measure.measure_step``: the profiler's memory timeline of the second optimizer step, by
+category). The same table ``tests/test_memory_estimate.py -k 15_percent`` asserts within 15%; this script records it
+as JSON for BENCHMARKS.md. One intra-op thread, as in that test: the bytes do not depend on it, and on shared cores it
+keeps the run from stalling on spin-waiting threads.
+
+    .venv/bin/python benchmarks/memory_estimate.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_env import environment
+
+from cadence.config import TrainConfig
+from cadence.engine import Engine
+from cadence.memory_estimate import estimate_step_memory
+from cadence.memory_measure import measure_step
+from cadence.models import MODEL_CONFIGS, build_model
+from cadence.recompute import apply_activation_checkpointing
+from cadence.trainer import build_optimizer
+
+SIZES = {"gpt-tiny": (8, 256), "gpt-small": (4, 256), "gpt-base": (1, 256)}
+"""(micro-batch, seq_len) per model: the test's table sizes, small enough for 2 CPU cores."""
+TOLERANCE = 0.15
+
+
+def random_window(batch: int, seq: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Random tokens: the memory of a step does not depend on the values, only on the shapes."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (batch, seq), generator=generator)
+    return [{"input_ids": ids, "labels": torch.randint(0, 256, (batch, seq), generator=generator)}]
+
+
+def measure_model(name: str, batch: int, seq: int) -> list[dict]:
+    """{fp32, bf16} x {none, full} on one model; a first step allocates AdamW's state so it is never the measured one."""
+    torch.manual_seed(0)
+    model = build_model(name)
+    optimizer = build_optimizer(model, TrainConfig())
+    window = random_window(batch, seq, seed=1)
+    Engine(model, optimizer, precision="fp32", max_grad_norm=1.0).step(random_window(batch, seq, seed=0))
+    rows = []
+    for checkpointing in ("none", "full"):
+        apply_activation_checkpointing(model, checkpointing)  # type: ignore[arg-type]
+        for precision in ("fp32", "bf16"):
+            engine = Engine(model, optimizer, precision=precision, max_grad_norm=1.0)  # type: ignore[arg-type]
+            measured = measure_step(model, optimizer, lambda engine=engine: engine.step(window), "cpu")
+            predicted = estimate_step_memory(MODEL_CONFIGS[name], micro_batch_size=batch, seq_len=seq,
+                                             precision=precision, checkpointing=checkpointing)  # type: ignore[arg-type]
+            rows.append({
+                "model": name, "micro_batch_size": batch, "seq_len": seq, "precision": precision,
+                "recompute": checkpointing, "estimated_peak_bytes": predicted.peak_bytes,
+                "measured_peak_bytes": measured.peak_bytes, "estimated_activation_bytes": predicted.activation_bytes,
+                "measured_activation_bytes": measured.activation_peak_bytes, "peak_phase": predicted.peak_phase,
+            })
+            print(f"{name} {precision} {checkpointing}: estimated {predicted.peak_bytes / 2**20:.1f} MiB, "
+                  f"measured {measured.peak_bytes / 2**20:.1f} MiB", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory_estimate.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    rows = [row for name, (batch, seq) in SIZES.items() for row in measure_model(name, batch, seq)]
+    worst = max(abs(r["estimated_peak_bytes"] / r["measured_peak_bytes"] - 1) for r in rows)
+    result = {"environment": environment(), "tolerance": TOLERANCE, "rows": rows, "max_abs_peak_error": worst,
+              "wall_s": time.perf_counter() - started}
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"largest peak error {worst:.1%} (tolerance {TOLERANCE:.0%}); raw: {args.out}")
+    return 0 if worst <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""Write BENCHMARKS.md from the JSON the benchmark scripts leave in benchmarks/results/ (issue 9).
+
+`make bench` runs the benchmarks and then this script, so BENCHMARKS.md always shows the numbers on disk: the machine
+and versions each result recorded, the targets of issue 9 judged from the overhead JSON, and one section per
+benchmark with its reproduce command, tables and plots. A result whose JSON is missing gets a section that says so
+and names the command that produces it. The markdown depends on the JSON only (same JSON, byte-identical output), so
+``tests/test_benchmarks_report.py`` can check that the checked-in BENCHMARKS.md is neither hand-edited nor stale.
+
+    .venv/bin/python benchmarks/write_report.py [--results benchmarks/results] [--out BENCHMARKS.md] [--check]
+
+``*_quick.json`` files (from `make bench-quick`) are never shown: quick numbers must not pass for the real ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+OUTPUT = HERE.parent / "BENCHMARKS.md"
+OVERHEAD_PLOT = "overhead_ratios.png"
+
+
+def _load_sibling(name: str) -> types.ModuleType:
+    """Import ``benchmarks/<name>.py`` by path: benchmarks/ is not a package, and the test imports this file by path."""
+    spec = importlib.util.spec_from_file_location(f"_cadence_bench_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+sections = _load_sibling("report_sections")
+
+
+@dataclass(frozen=True)
+class Section:
+    """One benchmark: its JSON file, heading, the command that produces the JSON, and its renderer."""
+
+    file: str
+    title: str
+    command: str
+    render: Callable[[dict], list[str]]
+    uses: tuple[str, ...] = ()  # libraries besides torch whose versions matter to the numbers
+    in_make_bench: bool = False  # refreshed by every `make bench`; the others only by their own command
+
+    def reproduce(self) -> str:
+        return f"`{self.command}`" + (" (part of `make bench`)" if self.in_make_bench else "")
+
+
+SECTIONS = (
+    Section("overhead.json", "The engine against a hand-written loop, Accelerate and Lightning Fabric",
+            ".venv/bin/python benchmarks/overhead.py", sections.render_overhead, ("accelerate", "lightning"), True),
+    Section("memory_and_modes.json", "Memory flatness, recompute and offload costs, MFU",
+            ".venv/bin/python benchmarks/memory_and_modes.py", sections.render_memory_and_modes, in_make_bench=True),
+    Section("memory_estimate.json", "Memory estimate against measurement",
+            ".venv/bin/python benchmarks/memory_estimate.py", sections.render_memory_estimate, in_make_bench=True),
+    Section("plan_vs_sweep.json", "cadence plan against an exhaustive sweep",
+            ".venv/bin/python benchmarks/plan_vs_sweep.py --budget 64MiB --effective-batch-size 32",
+            sections.render_plan_vs_sweep),
+    Section("phase_overhead.json", "Cost of the phase annotations when profiling is off",
+            ".venv/bin/python benchmarks/phase_overhead.py", sections.render_phase_overhead),
+    Section("audit_overhead.json", "Cost of `cadence audit` on a correct loop",
+            ".venv/bin/python benchmarks/audit_overhead.py", sections.render_audit_overhead),
+    Section("demo.json", "The demo", "make demo && .venv/bin/python benchmarks/record_demo.py", sections.render_demo),
+)
+VERSION_COLUMNS = ("python", "torch", "cadence", "accelerate", "lightning")
+# Shown only while some result predates machine recording: the earlier hand-written BENCHMARKS.md's description of
+# the development machine, quoted as such so a reader still learns what those numbers ran on.
+LEGACY_MACHINE = ("AMD EPYC (x86_64, avx512_bf16), 2 cores, 24 GiB, no GPU; Python 3.11.7, torch 2.13.0+cpu")
+
+
+def load_results(results: Path) -> dict[str, dict]:
+    """Every JSON in ``results`` by file name, quick runs left out; unknown ones are reported on stderr, not shown."""
+    known = {section.file for section in SECTIONS}
+    loaded = {}
+    for path in sorted(results.glob("*.json")):
+        if path.name.endswith("_quick.json"):
+            continue
+        if path.name not in known:
+            print(f"write_report: {path.name} has no section in BENCHMARKS.md; not shown", file=sys.stderr)
+            continue
+        loaded[path.name] = json.loads(path.read_text())
+    return loaded
+
+
+def recorded_versions(data: dict) -> dict[str, str | None]:
+    """Versions from ``environment`` (current scripts) or the top-level / ``versions`` keys older JSON used."""
+    env = data.get("environment", {}).get("versions", {})
+    old = {**data.get("versions", {}), **{k: data[k] for k in VERSION_COLUMNS if isinstance(data.get(k), str)}}
+    return {name: env.get(name, old.get(name)) for name in VERSION_COLUMNS}
+
+
+def describe_machine(data: dict) -> str:
+    """The machine in words from what the JSON recorded; the parts it did not record are named as such."""
+    env = data.get("environment")
+    if env is None:
+        recorded = data.get("machine")
+        prefix = f"{recorded}; " if recorded else ""
+        return f"{prefix}CPU model, memory and GPU not recorded"
+    parts = [f"{env.get('cpu_model') or 'CPU model not recorded'} ({env.get('arch')})"]
+    cores = f"{env['cpu_count']} cores" if env.get("cpu_count") else "cores not recorded"
+    if env.get("torch_threads"):
+        cores += f" ({env['torch_threads']} torch thread{'s' if env['torch_threads'] > 1 else ''})"
+    parts.append(cores)
+    total, limit = env.get("memory_total_bytes"), env.get("memory_limit_bytes")
+    memory = f"{total / 2**30:.1f} GiB" if total else "memory not recorded"
+    if limit and (not total or limit < total):
+        memory += f" (cgroup limit {limit / 2**30:.1f} GiB)"
+    parts.append(memory)
+    parts.append(f"GPU {env['gpu']}" if env.get("gpu") else "no GPU")
+    return ", ".join(parts)
+
+
+def measured_at(data: dict) -> str:
+    stamp = data.get("environment", {}).get("measured_at")
+    return stamp.replace("T", " ").replace("Z", " UTC") if stamp else "not recorded"
+
+
+def render_header(results: dict[str, dict]) -> list[str]:
+    lines = ["# Benchmarks", "",
+             "<!-- Generated by benchmarks/write_report.py from benchmarks/results/*.json: do not edit by hand. -->", ""]
+    lines += sections.para(
+        "Written by `benchmarks/write_report.py` from the JSON in `benchmarks/results/`. `make bench` reruns the "
+        "overhead, memory and estimate benchmarks and then rewrites this file; the other sections name the command "
+        "that refreshes their JSON (then run `.venv/bin/python benchmarks/write_report.py`). Numbers are from one run "
+        "each unless stated; the commands reproduce them.")
+    lines += ["## Targets (issue 9)", ""] + render_targets(results.get("overhead.json")) + [""]
+    lines += ["## Machine and versions", ""]
+    lines += sections.para("As each result recorded them; \"not recorded\" marks results measured before the "
+                           "scripts recorded it, and n/a a library the benchmark does not use.")
+    rows = []
+    for section in SECTIONS:
+        data = results.get(section.file)
+        if data is None:
+            rows.append([f"`{section.file}`", "missing"] + [""] * (1 + len(VERSION_COLUMNS)))
+            continue
+        versions = recorded_versions(data)
+        cells = [versions[name] or ("n/a" if name in ("accelerate", "lightning") and name not in section.uses
+                                    else "not recorded") for name in VERSION_COLUMNS]
+        rows.append([f"`{section.file}`", measured_at(data), describe_machine(data)] + cells)
+    lines += sections.table(["result", "measured", "machine", "Python", "torch", "cadence", "accelerate", "lightning"],
+                            rows)
+    if any("environment" not in data for data in results.values()):
+        lines += sections.para("The earlier hand-written BENCHMARKS.md described the development machine those older "
+                               f"results ran on as: {LEGACY_MACHINE}.")
+    return lines
+
+
+def render_targets(data: dict | None) -> list[str]:
+    """One line per target of issue 9, judged from the overhead JSON: met / NOT met, with the figures."""
+    speed = f"cadence >= {sections.SPEED_TARGET} x the hand-written loop's tokens/s (median of paired runs)"
+    memory = f"peak memory within {sections.MEMORY_TARGET:.0%} of it"
+    if data is None:
+        missing = "not measured (`benchmarks/results/overhead.json` is missing; run `make bench`)"
+        return [f"- {speed}: {missing}", f"- {memory}: {missing}"]
+    judged = sections.overhead_targets(data)
+    speed_all = all(t["speed_met"] for t in judged.values())
+    memory_all = all(t["memory_met"] for t in judged.values())
+    speed_figures = "; ".join(f"{p} {t['ratio']:.3f} ({sections.verdict(t['speed_met'])})" for p, t in judged.items())
+    memory_figures = "; ".join(
+        f"{p} {sections.mib(t['peak'])} vs {sections.mib(t['plain_peak'])} MiB "
+        + (f"({t['memory']:+.2%}, {sections.verdict(t['memory_met'])})" if t["memory"] is not None else "(NOT met)")
+        for p, t in judged.items())
+    return [f"- {speed}: **{sections.verdict(speed_all)}**. {speed_figures}; each the median of {data['rounds']} "
+            "paired rounds.",
+            f"- {memory}: **{sections.verdict(memory_all)}**. {memory_figures}."]
+
+
+def render(results_dir: Path = RESULTS) -> str:
+    """The whole BENCHMARKS.md for the JSON in ``results_dir``."""
+    results = load_results(results_dir)
+    lines = render_header(results)
+    for section in SECTIONS:
+        lines += [f"## {section.title}", ""]
+        data = results.get(section.file)
+        if data is None:
+            lines += sections.para(f"Not measured: `benchmarks/results/{section.file}` is missing. Produce it with "
+                                   f"{section.reproduce()}, then run `.venv/bin/python benchmarks/write_report.py`.")
+            continue
+        lines += sections.para(f"Reproduce: {section.reproduce()}. Raw: `benchmarks/results/{section.file}`. "
+                               f"Measured: {measured_at(data)}.")
+        lines += section.render(data)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def plot_overhead(data: dict, path: Path) -> None:
+    """Each implementation's paired tokens/s ratio to the hand-written loop, per precision, with the 0.98 target."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 3.6))
+    FigureCanvasAgg(figure)  # Agg only: no display, and the same bytes from the same data
+    axes = figure.add_subplot()
+    names = [n for n in sections.IMPLEMENTATIONS if n != "plain"]
+    precisions = list(data["precisions"])
+    offset = 0.25 / len(precisions)
+    lowest = 1.0
+    for index, precision in enumerate(precisions):
+        per = data["precisions"][precision]
+        ratios = [sections.paired_ratios(per, name) for name in names]
+        medians = [statistics.median(r) for r in ratios]
+        low = [m - min(r) for m, r in zip(medians, ratios)]
+        high = [max(r) - m for m, r in zip(medians, ratios)]
+        lowest = min([lowest] + [min(r) for r in ratios])
+        positions = [i + (2 * index - len(precisions) + 1) * offset for i in range(len(names))]
+        # Points, not bars: the axis does not start at 0, and a bar's length would then mean nothing.
+        axes.errorbar(positions, medians, yerr=[low, high], fmt="o", capsize=4, label=f"{precision}: median, min-max")
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.axhline(sections.SPEED_TARGET, color="red", linestyle="--", linewidth=1, label="target 0.98 (cadence)")
+    axes.set_xticks(range(len(names)), [sections.IMPLEMENTATIONS[n] for n in names])
+    axes.set_xlim(-0.5, len(names) - 0.5)
+    axes.set_ylim(min(0.9, lowest - 0.04), None)  # room for the legend below the lowest whisker
+    axes.set_ylabel("tokens/s / hand-written (paired)")
+    axes.set_title(f"{data['model']}, seq {data['seq_len']}: {data['rounds']} rounds, paired with the hand-written loop")
+    axes.grid(alpha=0.3, axis="y")
+    axes.legend(fontsize=8, loc="lower left", ncols=3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110, metadata={"Software": None})  # no matplotlib version: reruns give the same file
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=OUTPUT)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if --out differs from a render")
+    args = parser.parse_args()
+    text = render(args.results)
+    if args.check:
+        current = args.out.read_text() if args.out.exists() else ""
+        print(f"{args.out}: {'up to date' if current == text else 'STALE: rerun benchmarks/write_report.py'}")
+        return 0 if current == text else 1
+    overhead = args.results / "overhead.json"
+    if overhead.exists():
+        plot_overhead(json.loads(overhead.read_text()), args.results / OVERHEAD_PLOT)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
