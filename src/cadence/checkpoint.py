@@ -18,6 +18,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -62,8 +63,8 @@ def save_checkpoint(
     run_dir: Path,
     *,
     step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    weights: Mapping[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     engine_state: dict[str, Any],
     data_position: dict[str, int],
@@ -78,9 +79,9 @@ def save_checkpoint(
     final = root / f"step-{step}"
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step}."))
     try:
-        save_weights(model, staging / WEIGHTS_FILE)
+        save_weights(weights, staging / WEIGHTS_FILE)
         state = {
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scheduler": None if scheduler is None else scheduler.state_dict(),
             "engine": engine_state,
             "data_position": data_position,
@@ -146,16 +147,26 @@ class LoadedCheckpoint:
 
 def latest_checkpoint(run_dir: Path) -> LoadedCheckpoint | None:
     """The newest checkpoint that verifies; damaged newer ones are skipped with a warning. None when there is none."""
+    path = newest_intact_checkpoint(run_dir)
+    return None if path is None else load_checkpoint(path)
+
+
+def newest_intact_checkpoint(run_dir: Path) -> Path | None:
+    """The newest step-N folder whose files match their manifest (damaged newer ones are skipped with a warning)."""
     for path in reversed(checkpoint_dirs(run_dir)):
         problem = verify_checkpoint(path)
-        if problem is not None:
-            warnings.warn(f"checkpoint {path} is damaged ({problem}); using the one before it", stacklevel=2)
-            continue
-        info = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-        return LoadedCheckpoint(path=path, step=int(info["step"]), weights=load_file(str(path / WEIGHTS_FILE)),
-                                state=state, info=info)
+        if problem is None:
+            return path
+        warnings.warn(f"checkpoint {path} is damaged ({problem}); using the one before it", stacklevel=2)
     return None
+
+
+def load_checkpoint(path: Path) -> LoadedCheckpoint:
+    """Read one checkpoint folder (verify it first: ``newest_intact_checkpoint``)."""
+    info = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    return LoadedCheckpoint(path=path, step=int(info["step"]), weights=load_file(str(path / WEIGHTS_FILE)),
+                            state=state, info=info)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -112,16 +112,50 @@ def config_file_option(command: Any) -> Any:
 @app.command("train")
 @config_file_option
 @dataclass_options(TrainConfig)
-def train_command(config_file: Path | None, **options: Any) -> None:
+@click.option("--nproc-per-node", "nproc_per_node", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Start N processes on this machine with torchrun (one per GPU; DDP, or FSDP2 with --strategy fsdp); "
+                   "the same as torchrun --standalone --nproc-per-node N -m cadence train ...")
+@click.pass_context
+def train_command(ctx: click.Context, config_file: Path | None, nproc_per_node: int | None, **options: Any) -> None:
     """Train a model; writes a run directory (config.json, metrics.jsonl, summary.json, model.safetensors)."""
-    from cadence.trainer import train
+    from cadence.distributed import torchrun_ranks
 
     config = build_config(toml_path=config_file, flags=options)
     if config.plan is not None:
         from cadence.plan import apply_plan
 
         config = apply_plan(config, given_keys(toml_path=config_file, flags=options))
+    if nproc_per_node is not None:
+        from cadence.errors import UsageError
+        from cadence.launch import arguments_without_nproc, launch_train
+
+        if torchrun_ranks() is not None:
+            raise UsageError.single("--nproc-per-node", "this process was already started by torchrun; give the "
+                                                        "number of processes to torchrun only")
+        arguments = list((ctx.obj or {}).get("argv", []))
+        train_arguments = arguments_without_nproc(arguments[arguments.index("train") + 1:])
+        raise click.exceptions.Exit(launch_train(config, nproc_per_node, train_arguments))
+    if torchrun_ranks() is not None:
+        _train_as_a_rank(config)
+        return
+    from cadence.trainer import train
+
     train(config)
+
+
+def _train_as_a_rank(config: TrainConfig) -> None:
+    """Under torchrun: join the process group, train, leave it."""
+    from cadence.config import DEVICE_CHOICES, resolve_device
+    from cadence.distributed import start, stop
+    from cadence.trainer import train
+
+    # The flags are validated inside train (every problem named); until then, only sane values start the group.
+    device = resolve_device(config.device) if config.device in DEVICE_CHOICES else resolve_device("cpu")
+    timeout = config.collective_timeout if config.collective_timeout > 0 else 600.0
+    ranks = start(device_type=device.type, strategy=config.strategy,  # type: ignore[arg-type]
+                  sync_every_micro_step=config.sync_every_micro_step, timeout_s=timeout)
+    train(config, ranks=ranks)
+    stop(ranks)
 
 
 @app.command("plan")
@@ -234,10 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     from cadence.verify import VerifyFailed
     from cadence.trainer import TrainingFailed
 
+    from cadence.distributed import torchrun_ranks
+
+    arguments = argv if argv is not None else sys.argv[1:]
+    found = torchrun_ranks()
+    # Under torchrun: rank 0 reports what every rank found; another rank speaks only for itself, naming its rank.
+    rank = found[0] if found is not None and found[2] > 1 else None
+    prefix = "cadence: " if rank is None else f"cadence: rank {rank}: "
     try:
         # Without standalone mode click returns an Exit's code instead of raising it (audit passes the script's on).
-        status = app.main(args=argv if argv is not None else sys.argv[1:], prog_name="cadence",
-                          standalone_mode=False)
+        status = app.main(args=arguments, prog_name="cadence", standalone_mode=False, obj={"argv": arguments})
         if isinstance(status, int):
             return status
     except click.exceptions.Exit as done:
@@ -249,11 +289,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cadence: error: {_click_problem(err)}", file=sys.stderr)
         return 2
     except UsageError as err:
-        for problem in err.problems:
-            print(f"cadence: error: {problem}", file=sys.stderr)
+        # Every rank checks the same input: rank 0 speaks for all, unless a problem was this rank's alone.
+        if not rank or getattr(err, "rank_specific", False):
+            for problem in err.problems:
+                print(f"{prefix}error: {problem}", file=sys.stderr)
         return 2
     except TrainingFailed as err:
-        print(f"cadence: training failed: {err}", file=sys.stderr)
+        if not (err.agreed and rank):
+            print(f"{prefix}training failed: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:
+        if rank is None or not _is_collective_failure(err):
+            raise
+        print(f"{prefix}training failed: lost contact with another rank ({str(err).splitlines()[0]}); it probably "
+              f"died or hung, see its message", file=sys.stderr)
         return 1
     except PlanFailed as err:
         print(f"cadence: plan failed: {err}", file=sys.stderr)
@@ -262,6 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cadence: verify failed: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def _is_collective_failure(err: BaseException) -> bool:
+    """An error raised by torch.distributed while waiting for other ranks (closed connection, timeout)."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        word in text for word in ("gloo", "nccl", "connection closed", "connection reset", "timed out"))
 
 
 if __name__ == "__main__":  # pragma: no cover

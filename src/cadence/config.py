@@ -126,6 +126,17 @@ class TrainConfig:
     save_hf: Path | None = None
     """Also save the final model with save_pretrained into this directory (Hugging Face models), so that it loads in
     transformers unchanged."""
+    strategy: str = "ddp"
+    """With several processes (--nproc-per-node or torchrun): ddp (each rank holds the whole model; gradients are
+    all-reduced once per window) or fsdp (FSDP2 fully_shard: parameters, gradients and optimizer state sharded over
+    the ranks, gathered block by block)."""
+    sync_every_micro_step: bool = False
+    """With --strategy fsdp: reduce-scatter gradients after every micro-batch instead of once per window. Each rank
+    then keeps 1/world of the gradients instead of all of them, at accumulation-times the communication; worth it
+    when memory matters more than bandwidth."""
+    collective_timeout: float = 600.0
+    """Seconds a collective waits for the other ranks before the run fails (a rank that hangs; one that dies is
+    noticed at once)."""
     plan: Path | None = None
     """A plan.json from cadence plan: train with its decision (micro-batch, accumulation, precision, recompute,
     offload, model and seq-len). A flag that contradicts the plan is an error."""
@@ -185,8 +196,11 @@ def read_field_docs(cls: type) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------- validation
-def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool | None = None) -> None:
-    """Check every field and combination; raise one UsageError listing ALL problems, each naming its flag."""
+def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False,
+             cuda_available: bool | None = None) -> None:
+    """Check every field and combination; raise one UsageError listing ALL problems, each naming its flag.
+
+    ``launched``: this process was started by torchrun (or is about to start ``world_size`` of them)."""
     from cadence.models import MODEL_NAMES, model_context_length
 
     problems: list[Problem] = []
@@ -276,6 +290,7 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
     if config.checkpoint_mid_window and config.micro_batch_size == "auto":
         bad("checkpoint_mid_window", "needs a fixed --micro-batch-size (auto may re-cut the window it would continue)")
     at_least("max_skipped_steps", 1)
+    problems += _distributed_problems(config, world_size, launched)
     device_ok = config.device in DEVICE_CHOICES
     if config.device == "cuda" and not (_cuda_available() if cuda_available is None else cuda_available):
         bad("device", "cuda was asked for but this machine has no usable CUDA device; use cpu or auto")
@@ -287,6 +302,40 @@ def validate(config: TrainConfig, *, world_size: int = 1, cuda_available: bool |
             bad("precision", reason)
     if problems:
         raise UsageError(problems)
+
+
+def _distributed_problems(config: TrainConfig, world_size: int, launched: bool) -> list[Problem]:
+    """--strategy and its companions: meaningful only with several processes, and only in combinations that work."""
+    from cadence.distributed import STRATEGIES
+
+    problems: list[Problem] = []
+
+    def bad(name: str, message: str) -> None:
+        problems.append(Problem(where=flag(name), message=message))
+
+    if config.strategy not in STRATEGIES:
+        bad("strategy", f"{config.strategy!r} is not one of {', '.join(STRATEGIES)}")
+    elif not launched and config.strategy != "ddp":
+        bad("strategy", f"{config.strategy} needs several processes: add --nproc-per-node N or start with torchrun")
+    if config.sync_every_micro_step and config.strategy != "fsdp":
+        bad("sync_every_micro_step", "only helps --strategy fsdp (DDP keeps whole gradients on every rank either way, "
+                                     "so syncing every micro-batch would only add communication)")
+    if not math.isfinite(config.collective_timeout) or config.collective_timeout <= 0:
+        bad("collective_timeout", f"must be a positive number of seconds, got {config.collective_timeout:g}")
+    if launched:
+        if config.checkpoint_mid_window and world_size > 1:
+            bad("checkpoint_mid_window", "works with one process: mid-window, each rank holds different, not yet "
+                                         "synchronised gradients")
+        if config.micro_batch_size == "auto" and world_size > 1:
+            bad("micro_batch_size", "auto needs one process for now: an out-of-memory on one rank in the middle of "
+                                    "a backward would leave the others waiting in its all-reduce; give a number")
+        if config.strategy == "fsdp" and config.precision == "fp16":
+            bad("precision", "fp16 with --strategy fsdp is not supported: each rank would find inf/nan in its own "
+                             "gradient shard and skip steps alone; use bf16")
+        if config.strategy == "fsdp" and config.offload == "optimizer":
+            bad("offload", "optimizer offload with --strategy fsdp is not supported; FSDP already shards the "
+                           "optimizer state over the ranks")
+    return problems
 
 
 def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]:

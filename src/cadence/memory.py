@@ -23,6 +23,8 @@ def tensor_bytes(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
+        if hasattr(t, "to_local"):  # an FSDP2 DTensor: this process holds (and pays for) its shard only
+            t = t.to_local()
         if t is None or not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             continue
         storage = t.untyped_storage()

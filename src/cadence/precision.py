@@ -71,6 +71,8 @@ class Precision:
         total = torch.nn.utils.clip_grad_norm_(
             with_grads, max_norm if max_norm > 0 else math.inf, error_if_nonfinite=False
         )
+        if hasattr(total, "full_tensor"):  # FSDP2: a replicated DTensor holding the norm over all shards
+            total = total.full_tensor()
         # One host sync per optimizer step: the norm is a reported metric and decides nothing on the device.
         return float(total.item())
 

@@ -18,6 +18,7 @@ import torch
 from cadence.config import TrainConfig, resolve_device, validate
 from cadence.data import DataSplits, load_data
 from cadence.data.hf import is_hf_data, load_hf_data
+from cadence.distributed import SINGLE, Ranks, broadcast_from_main, rank_device
 from cadence.errors import UsageError
 from cadence.models import MODEL_NAMES, model_context_length
 from cadence.models.hf import HFModel, build_hf_model, parse_model_overrides
@@ -41,13 +42,18 @@ class Prepared:
     """The Hugging Face model (built, seeded) when --model is hf:TYPE or a directory."""
     token_cache: Path | None = None
     """A temporary tokenisation cache that the run directory adopts once it exists (adopt_token_cache)."""
+    ranks: Ranks = SINGLE
+    """This process among the run's processes (one, unless torchrun started several)."""
 
 
-def prepare(config: TrainConfig, *, world_size: int = 1) -> Prepared:
+def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Prepared:
     """Validate the configuration, build a Hugging Face model (if asked) and load the data; raises UsageError naming
-    every problem. Writes nothing into --out."""
-    validate(config, world_size=world_size)
-    out = config.out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    every problem. Writes nothing into --out. Every rank of a distributed run calls it (all hold the data)."""
+    world_size = ranks.world_size
+    # The default directory is named by the clock: rank 0's name for all, or ranks a second apart would disagree.
+    default_out = broadcast_from_main(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"), ranks)
+    validate(config, world_size=world_size, launched=ranks.launched)
+    out = config.out or default_out
     if config.out is None and out.exists():
         raise UsageError.single("--out", f"default {out} already exists; give --out")
     hf = None
@@ -71,9 +77,9 @@ def prepare(config: TrainConfig, *, world_size: int = 1) -> Prepared:
             f"window of {effective}; use --last-window step or a smaller --effective-batch-size",
         )
     return Prepared(
-        config=config, device=resolve_device(config.device), seq_len=seq_len, micro_batch_size=micro,
+        config=config, device=rank_device(resolve_device(config.device), ranks), seq_len=seq_len, micro_batch_size=micro,
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
-        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, token_cache=token_cache,
+        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, token_cache=token_cache, ranks=ranks,
     )
 
 
@@ -103,6 +109,9 @@ def _load_data(config: TrainConfig, seq_len: int, hf: HFModel | None, out: Path)
 def adopt_token_cache(prep: Prepared) -> None:
     """Move the temporary tokenisation cache into the run directory, which exists now (see _load_data)."""
     if prep.token_cache is None:
+        return
+    if not prep.ranks.is_main:  # rank 0 keeps its copy in the run directory; the others' are the same tokens
+        shutil.rmtree(prep.token_cache, ignore_errors=True)
         return
     target = prep.out / TOKEN_CACHE_DIR
     target.mkdir(parents=True, exist_ok=True)

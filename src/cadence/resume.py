@@ -17,7 +17,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from cadence.checkpoint import LoadedCheckpoint, latest_checkpoint, restore_rng_state
+from cadence.checkpoint import load_checkpoint, newest_intact_checkpoint, restore_rng_state
+from cadence.distributed import broadcast_from_main, load_full_state, optimizer_state_format, unwrap
 from cadence.engine import PartialWindow
 from cadence.errors import Problem, UsageError
 from cadence.run_dir import CHECKPOINTS_DIR, METRICS_FILE, atomic_write_bytes
@@ -58,31 +59,42 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any) -> Resum
     """Load the newest intact checkpoint of ``run_dir`` into ``parts`` (trainer.Components); None if there is none.
 
     Raises UsageError when the configuration changes the math. Call before the run writer opens metrics.jsonl.
+    Under several processes every rank calls it and all load the checkpoint rank 0 chose; rank 0 alone tidies the
+    run directory.
     """
-    for staging in (run_dir / CHECKPOINTS_DIR).glob(".step-*"):  # a write cut short by a kill: never renamed in
-        shutil.rmtree(staging, ignore_errors=True)
-    checkpoint: LoadedCheckpoint | None = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        _truncate_metrics(run_dir, windows=0)  # a run killed before its first checkpoint starts over
+    main = parts.ranks.is_main
+    if main:
+        for staging in (run_dir / CHECKPOINTS_DIR).glob(".step-*"):  # a write cut short by a kill: never renamed in
+            shutil.rmtree(staging, ignore_errors=True)
+    # All ranks decide together: rank 0's choice, even if a file changed between two ranks' checks.
+    path = broadcast_from_main(newest_intact_checkpoint(run_dir) if main else None, parts.ranks)
+    if path is None:
+        if main:
+            _truncate_metrics(run_dir, windows=0)  # a run killed before its first checkpoint starts over
         return None
+    checkpoint = load_checkpoint(path)
     problems = incompatibilities(checkpoint.info.get("resolved_config", {}), resolved_config)
+    saved_format = checkpoint.info.get("optimizer_format", "by-index")
+    if saved_format != optimizer_state_format(parts.ranks):
+        problems.append(Problem(where="--strategy", message=(
+            "the checkpoint's optimizer state was saved " + ("under" if saved_format == "by-name" else "without")
+            + " --strategy fsdp; resume with the strategy it was saved with")))
     if problems:
         raise UsageError(problems)
     state = checkpoint.state
-    parts.model.load_state_dict(checkpoint.weights)
-    parts.optimizer.load_state_dict(state["optimizer"])
+    load_full_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"])
     if state["scheduler"] is not None:
         parts.scheduler.load_state_dict(state["scheduler"])
     parts.engine.load_state_dict(state["engine"])
     restore_rng_state(state["rng"])
     position = state["data_position"]
-    kept = _truncate_metrics(run_dir, windows=int(state["engine"]["windows"]))
+    kept = _truncate_metrics(run_dir, windows=int(state["engine"]["windows"])) if main else []
     point = ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=int(position["epoch"]),
                         windows_done_in_epoch=int(position["window_in_epoch"]), kept_rows=kept)
     partial = state.get("partial_window")
     if partial:
         # The interrupted window's accumulated gradients go back exactly where they were.
-        for name, parameter in parts.model.named_parameters():
+        for name, parameter in unwrap(parts.model).named_parameters():
             if name in partial["grads"]:
                 parameter.grad = partial["grads"][name].to(parameter.device, parameter.dtype)
         point.partial = PartialWindow(micro_batches_done=int(partial["micro_batches_done"]),

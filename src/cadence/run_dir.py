@@ -11,6 +11,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -55,19 +56,20 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def weights_for_safetensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def weights_for_safetensors(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's state_dict with every name kept, as contiguous CPU copies.
 
     safetensors refuses tensors that share storage (tied embeddings do); copying keeps the names exactly as the
     model has them, so ``model.load_state_dict(load_file(...))`` works without knowing about the tie.
     """
-    return {name: tensor.detach().to("cpu").clone().contiguous() for name, tensor in model.state_dict().items()}
+    return {name: tensor.detach().to("cpu").clone().contiguous() for name, tensor in weights.items()}
 
 
-def save_weights(model: torch.nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
+def save_weights(weights: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``weights`` is a state_dict (the whole model's: under FSDP2 the caller gathers it first)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(weights_for_safetensors(model), str(tmp), metadata=metadata)
+    save_file(weights_for_safetensors(weights), str(tmp), metadata=metadata)
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.chmod(tmp, 0o644)
@@ -107,14 +109,36 @@ class RunWriter:
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write_json(self.root / SUMMARY_FILE, summary)
 
-    def save_model(self, model: torch.nn.Module, metadata: dict[str, str] | None = None) -> None:
-        save_weights(model, self.root / WEIGHTS_FILE, metadata)
+    def save_model(self, weights: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+        save_weights(weights, self.root / WEIGHTS_FILE, metadata)
 
     def close(self) -> None:
         self._metrics.close()
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
+
+
+class NoWriter(RunWriter):
+    """What ranks other than 0 write: nothing (rank 0 alone writes the run directory)."""
+
+    def __init__(self) -> None:  # no directory, no files
+        pass
+
+    def write_config(self, resolved: dict[str, Any]) -> None:
+        pass
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        pass
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def save_model(self, weights: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

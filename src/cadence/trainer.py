@@ -22,6 +22,19 @@ from cadence.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.checkpoint import save_checkpoint
 from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches
+from cadence.distributed import (
+    SINGLE,
+    ProcessGroupCollective,
+    Ranks,
+    any_rank,
+    broadcast_from_main,
+    full_model_state,
+    full_optimizer_state,
+    max_over_ranks,
+    optimizer_state_format,
+    unwrap,
+    wrap_model,
+)
 from cadence.engine import Engine, StepResult, WindowInterrupted
 from cadence.errors import UsageError
 from cadence.models import build_model
@@ -31,14 +44,21 @@ from cadence.offload import OffloadedOptimizer
 from cadence.progress import TrainProgress, format_bytes
 from cadence.recompute import apply_activation_checkpointing
 from cadence.resume import StopOnSignal, restore
-from cadence.run_dir import RunWriter
+from cadence.run_dir import NoWriter, RunWriter
 from cadence.schedules import build_lr_scheduler
-from cadence.windows import iter_windows
+from cadence.windows import epoch_windows, padding_micro_batch
 
 
 
 class TrainingFailed(RuntimeError):
-    """Training could not continue (not a usage problem): the CLI exits with status 1 and this message."""
+    """Training could not continue (not a usage problem): the CLI exits with status 1 and this message.
+
+    ``agreed``: every rank reached the same decision (divergence), so rank 0 alone reports it; otherwise the
+    failing rank reports it with its rank."""
+
+    def __init__(self, message: str, *, agreed: bool = False) -> None:
+        super().__init__(message)
+        self.agreed = agreed
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -63,9 +83,11 @@ class Components:
     """The objects one training run is made of."""
 
     model: torch.nn.Module
+    """What the engine runs: the user's model, or DDP around it, or the model sharded in place by FSDP2."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     engine: Engine
+    ranks: Ranks = SINGLE
 
 
 def build_components(prep: Prepared) -> Components:
@@ -74,6 +96,8 @@ def build_components(prep: Prepared) -> Components:
     torch.manual_seed(config.seed)
     model = (prep.hf.model if prep.hf else build_model(config.model)).to(prep.device)
     apply_activation_checkpointing(model, config.activation_checkpointing)  # type: ignore[arg-type]
+    # Wrapped before the optimizer is built: FSDP2 replaces the parameters with their shards.
+    model = wrap_model(model, prep.ranks, prep.device)
     optimizer = build_optimizer(model, config)
     scheduler = build_lr_scheduler(
         optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,  # type: ignore[arg-type]
@@ -88,8 +112,9 @@ def build_components(prep: Prepared) -> Components:
         model, optimizer, scheduler=scheduler, precision=config.precision,  # type: ignore[arg-type]
         max_grad_norm=config.max_grad_norm, offload_activations=config.offload == "activations",
         memory_budget_bytes=budget if prep.device.type == "cpu" else None,
+        collective=ProcessGroupCollective(prep.ranks, prep.device) if prep.ranks.launched else None,
     )
-    return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine)
+    return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, ranks=prep.ranks)
 
 
 @dataclass(kw_only=True)
@@ -131,10 +156,13 @@ class _Totals:
             self.last_val = row["val_loss"]
 
 
-def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | None = None) -> dict[str, Any]:
-    """Train as configured; returns the summary (also written to summary.json)."""
-    stream = stream or sys.stderr
-    prep = prepare(config)
+def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | None = None,
+          ranks: Ranks = SINGLE) -> dict[str, Any]:
+    """Train as configured; returns the summary (also written to summary.json).
+
+    Under torchrun every rank calls this with its ``ranks``; rank 0 alone prints and writes the run directory."""
+    stream = (stream or sys.stderr) if ranks.is_main else _Discard()
+    prep = _prepare_on_every_rank(config, ranks)
     parts = build_components(prep)
     engine = parts.engine
     val_batches = _validation_batches(prep)
@@ -142,7 +170,7 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
 
     resolved = _resolved_config(prep, parameters)
     start = restore(prep.out, resolved, parts) if config.resume else None  # before the writer opens metrics.jsonl
-    writer = RunWriter(prep.out)
+    writer = RunWriter(prep.out) if ranks.is_main else NoWriter()
     adopt_token_cache(prep)
     writer.write_config(resolved)
     micro = "auto, starting at " + str(prep.micro_batch_size) if config.auto_micro_batch else prep.micro_batch_size
@@ -164,6 +192,7 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
     for row in start.kept_rows if start else []:
         totals.add_row(row)
     consecutive_skips = 0
+    stopped_elsewhere = False
     epoch, skip = (start.epoch, start.windows_done_in_epoch) if start else (0, 0)
     partial = start.partial if start else None
     if partial is not None and start.partial_micro_batch_size != prep.micro_batch_size:
@@ -180,10 +209,11 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
         with stop, progress, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             while engine.steps < config.max_steps:
-                windows = iter_windows(
-                    iterate_micro_batches(prep.data.train, prep.micro_batch_size, config.seed, epoch),
-                    prep.grad_accum_steps, micro_batch_size=prep.micro_batch_size,
-                    last_window=config.last_window, epoch=epoch,  # type: ignore[arg-type]
+                # This rank's share of each window (all of it with one process); the same windows for any split.
+                windows = epoch_windows(
+                    prep.data.train, micro_batch_size=prep.micro_batch_size, grad_accum_steps=prep.grad_accum_steps,
+                    seed=config.seed, epoch=epoch, world_size=ranks.world_size, rank=ranks.rank,
+                    last_window=config.last_window,  # type: ignore[arg-type]
                 )
                 # A resumed run skips the windows its checkpoint had done: same permutation, same windows after.
                 for window_in_epoch, window in enumerate(itertools.islice(windows, skip, None), start=skip + 1):
@@ -231,26 +261,27 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
                     progress.update(row)
                     if not result.skipped:
                         totals.last = row
+                    # Skips are decided from all-reduced gradients, so every rank counts the same ones.
                     consecutive_skips = consecutive_skips + 1 if result.skipped else 0
                     if consecutive_skips >= config.max_skipped_steps:
                         raise TrainingFailed(
                             f"{consecutive_skips} optimizer steps in a row were skipped (last reason: "
                             f"{result.skip_reason}); the run has diverged. Lower --lr or use bf16/fp32. The last "
-                            f"good checkpoint is kept."
+                            f"good checkpoint is kept.", agreed=True,
                         )
+                    # A signal may reach some ranks only: all stop at the same window boundary, or one would wait
+                    # in the next window's all-reduce for a rank that left (one tiny collective per window).
+                    stopping = any_rank(stop.requested is not None, ranks)
+                    stopped_elsewhere = stopping and stop.requested is None
                     periodic = config.checkpoint_every and engine.steps % config.checkpoint_every == 0
                     # At a window boundary: periodically, at the end, and when a signal asked to stop.
-                    wanted = (periodic and not result.skipped) or (done and config.checkpoint_every) or stop.requested
+                    wanted = (periodic and not result.skipped) or (done and config.checkpoint_every) or stopping
                     if wanted and saved_at != engine.windows:
-                        save_checkpoint(
-                            prep.out, step=engine.steps, model=parts.model, optimizer=parts.optimizer,
-                            scheduler=parts.scheduler, engine_state=engine.state_dict(),
-                            data_position={"epoch": epoch, "window_in_epoch": window_in_epoch},
-                            info={"loss": result.loss, "config": config.to_json_dict(), "resolved_config": resolved},
-                            keep=config.keep_checkpoints,
-                        )
+                        _checkpoint(prep, parts, data_position={"epoch": epoch, "window_in_epoch": window_in_epoch},
+                                    info={"loss": result.loss, "config": config.to_json_dict(),
+                                          "resolved_config": resolved})
                         saved_at = engine.windows
-                    if done or stop.requested:
+                    if done or stopping:
                         break
                 else:
                     epoch, skip = epoch + 1, 0  # the epoch's windows ran out before max_steps: the next epoch
@@ -260,9 +291,11 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
         writer.close()
 
     wall = time.perf_counter() - started
-    writer.save_model(parts.model, metadata={"model": config.model, "step": str(engine.steps)})
-    if config.save_hf is not None:
-        save_hf(parts.model, config.save_hf, prep.hf.tokenizer if prep.hf else None)
+    weights = full_model_state(parts.model, ranks)  # a collective under FSDP2: every rank takes part
+    writer.save_model(weights, metadata={"model": config.model, "step": str(engine.steps)})
+    if config.save_hf is not None and ranks.is_main:
+        save_hf(unwrap(parts.model), config.save_hf, prep.hf.tokenizer if prep.hf else None, weights=weights)
+    peak_memory = max_over_ranks(totals.peak_memory, ranks)
     summary = {
         "steps": engine.steps,
         "skipped": engine.skipped_steps,
@@ -276,7 +309,8 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
         "tokens_per_s": (totals.timed_tokens / totals.timed_s if totals.timed_s > 0
                          else totals.tokens / wall if wall > 0 else None),
         "tokens_per_s_includes_profiler": totals.timed_s == 0,
-        "peak_memory_bytes": totals.peak_memory,
+        "peak_memory_bytes": peak_memory,
+        "peak_memory_of": "the busiest rank" if ranks.world_size > 1 else "the process",
         "peak_memory_source": _memory_source(prep.device, budget_on_cpu),
         "max_rss_bytes": _max_rss_bytes(),
         "final_loss": totals.last.get("loss"),
@@ -285,33 +319,78 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
         "final_micro_batch_size": controller.current if config.auto_micro_batch else prep.micro_batch_size,
         "oom_retries": totals.oom_retries,
         "parameters": parameters,
-        "stopped_by": stop.requested,
+        "stopped_by": stop.requested or ("a signal to another rank" if stopped_elsewhere else None),
         "resumed_from_step": start.step if start else None,
     }
     writer.write_summary(summary)
     print(
         f"done: {engine.steps} steps ({engine.skipped_steps} skipped), final loss {_fmt(summary['final_loss'])}, "
         f"val loss {_fmt(totals.last_val)}, {_fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
-        f"peak memory {format_bytes(totals.peak_memory)}, {wall:.1f} s -> {prep.out}",
+        f"peak memory {format_bytes(peak_memory)}, {wall:.1f} s -> {prep.out}",
         file=stream, flush=True,
     )
-    if stop.requested:
-        print(f"stopped by {stop.requested} after step {engine.steps} (checkpoint saved); continue with --resume",
-              file=stream, flush=True)
+    if summary["stopped_by"]:
+        print(f"stopped by {summary['stopped_by']} after step {engine.steps} (checkpoint saved); continue with "
+              f"--resume", file=stream, flush=True)
     return summary
+
+
+def _prepare_on_every_rank(config: TrainConfig, ranks: Ranks) -> Prepared:
+    """``prepare`` on every rank, then all learn whether any rank found a problem (so none goes on alone), before
+    rank 0 creates the run directory (--out is still empty while the others check it)."""
+    try:
+        prep, error = prepare(config, ranks=ranks), None
+    except UsageError as err:
+        if not ranks.launched:
+            raise
+        error = err
+    main_failed = broadcast_from_main(error is not None, ranks)
+    anyone_failed = any_rank(error is not None, ranks)
+    if error is not None:
+        error.rank_specific = not main_failed  # type: ignore[attr-defined]
+        raise error
+    if anyone_failed:
+        raise UsageError.single("another rank", "found a problem with the input (its message is above)")
+    return prep
+
+
+def _checkpoint(prep: Prepared, parts: Components, *, data_position: dict[str, int], info: dict[str, Any],
+                partial_window: dict[str, Any] | None = None) -> None:
+    """Every rank gathers its part of the state (FSDP2 shards it); rank 0 writes the checkpoint."""
+    weights = full_model_state(parts.model, parts.ranks)
+    optimizer_state = full_optimizer_state(parts.model, parts.optimizer, parts.ranks)
+    if not parts.ranks.is_main:
+        return
+    save_checkpoint(
+        prep.out, step=parts.engine.steps, weights=weights, optimizer_state=optimizer_state,
+        scheduler=parts.scheduler, engine_state=parts.engine.state_dict(), data_position=data_position,
+        info={**info, "optimizer_format": optimizer_state_format(parts.ranks)}, keep=prep.config.keep_checkpoints,
+        partial_window=partial_window,
+    )
+
+
+class _Discard:
+    """The output stream of ranks other than 0: they print nothing."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
 
 
 def _save_mid_window(prep: Prepared, parts: Components, interrupted: WindowInterrupted, epoch: int,
                      window_in_epoch: int, resolved: dict[str, Any]) -> None:
     """A checkpoint inside a window: the state before it, plus the gradients of the micro-batches it has done."""
-    grads = {name: p.grad.detach().to("cpu").clone() for name, p in parts.model.named_parameters()
+    grads = {name: p.grad.detach().to("cpu").clone() for name, p in unwrap(parts.model).named_parameters()
              if p.grad is not None}
-    save_checkpoint(
-        prep.out, step=parts.engine.steps, model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
-        engine_state=parts.engine.state_dict(),
+    _checkpoint(
+        prep, parts,
         data_position={"epoch": epoch, "window_in_epoch": window_in_epoch - 1},  # this window is continued
         info={"loss": None, "config": prep.config.to_json_dict(), "resolved_config": resolved, "mid_window": True},
-        keep=prep.config.keep_checkpoints,
         partial_window={"micro_batches_done": interrupted.partial.micro_batches_done,
                         "loss_sum": interrupted.partial.loss_sum, "micro_batch_size": prep.micro_batch_size,
                         "grads": grads},
@@ -319,7 +398,10 @@ def _save_mid_window(prep: Prepared, parts: Components, interrupted: WindowInter
 
 
 def _validation_batches(prep: Prepared) -> list[dict[str, torch.Tensor]]:
-    """The same first --eval-batches validation micro-batches every time, so evaluations are comparable."""
+    """The same first --eval-batches validation micro-batches every time, so evaluations are comparable.
+
+    With several processes each rank evaluates every world-th of them (the engine sums over ranks), padded so that
+    all ranks run the same number of forwards (FSDP2 gathers parameters in each)."""
     config = prep.config
     if config.eval_every <= 0 or prep.data.val is None:
         return []
@@ -328,7 +410,10 @@ def _validation_batches(prep: Prepared) -> list[dict[str, torch.Tensor]]:
         batches.append(batch)
         if len(batches) == config.eval_batches:
             break
-    return batches
+    world, rank = prep.ranks.world_size, prep.ranks.rank
+    per_rank = -(-len(batches) // world)
+    mine = batches[rank::world]
+    return mine + [padding_micro_batch() for _ in range(per_rank - len(mine))]
 
 
 def _resolved_config(prep: Prepared, parameters: int) -> dict[str, Any]:

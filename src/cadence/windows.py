@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from cadence.data.batching import IGNORE_INDEX
+from cadence.data.batching import IGNORE_INDEX, PAD_TOKEN_ID, Example, collate, epoch_order
 
 Batch = Mapping[str, torch.Tensor]
 """A micro-batch: ``input_ids`` [B, T] and ``labels`` [B, T] (-100 = no loss), or anything a custom loss reads."""
@@ -166,3 +166,60 @@ def _trim_after_last_target(batch: dict[str, torch.Tensor]) -> dict[str, torch.T
     full = labels.shape[1]
     return {key: (value[:, :width] if value.ndim == 2 and value.shape[1] == full else value)
             for key, value in batch.items()}
+
+
+def epoch_windows(
+    examples: Sequence[Example],
+    *,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    seed: int,
+    epoch: int,
+    world_size: int = 1,
+    rank: int = 0,
+    last_window: LastWindow = "step",
+) -> Iterator[Window]:
+    """This process's windows of one epoch: its disjoint share of each global window.
+
+    A global window is the next ``micro x accum x world`` samples of the epoch's permutation (the same permutation
+    for every split), so window by window the union over ranks is exactly what one process sees with the same
+    effective batch. Each rank takes a contiguous slice of it: equal slices of ``micro x accum``, or, in the epoch's
+    short last window, slices that differ by at most one sample.
+
+    Every rank must run the same number of micro-batches per window (DDP and FSDP2 pair their collectives by
+    order), so a rank whose slice needs fewer gets *padding micro-batches*: one position with no target. They add
+    nothing to the loss, the gradient or the counts, and keep the collectives in step.
+    """
+    if micro_batch_size < 1 or grad_accum_steps < 1 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError("micro_batch_size, grad_accum_steps and world_size must be >= 1, and 0 <= rank < world_size")
+    order = epoch_order(len(examples), seed, epoch).tolist()
+    per_window = micro_batch_size * grad_accum_steps * world_size
+    for start in range(0, len(order), per_window):
+        window_ids = order[start:start + per_window]
+        short = len(window_ids) < per_window
+        if short and last_window == "drop":
+            return
+        base, extra = divmod(len(window_ids), world_size)
+        bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
+        mine = window_ids[bounds[rank]:bounds[rank + 1]]
+        # The rank with the largest slice (rank 0) sets how many micro-batches every rank runs.
+        micro_steps = -(-(bounds[1] - bounds[0]) // micro_batch_size)
+        batches = [collate([examples[i] for i in mine[at:at + micro_batch_size]])
+                   for at in range(0, len(mine), micro_batch_size)]
+        real = make_window(batches, epoch=epoch, short=short) if batches else None
+        padding = [padding_micro_batch() for _ in range(micro_steps - len(batches))]
+        yield Window(
+            micro_batches=batches + padding,
+            targets=real.targets if real else 0,
+            tokens=real.tokens if real else 0,
+            samples=real.samples if real else 0,
+            epoch=epoch,
+            short=short,
+        )
+
+
+def padding_micro_batch() -> dict[str, torch.Tensor]:
+    """One position, no target: runs the forward and backward the collectives need and contributes exactly zero
+    (its summed loss is 0, so is its gradient)."""
+    return {"input_ids": torch.full((1, 1), PAD_TOKEN_ID, dtype=torch.long),
+            "labels": torch.full((1, 1), IGNORE_INDEX, dtype=torch.long)}

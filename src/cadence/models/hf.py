@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -412,12 +412,14 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None) -> None:
+def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
+            weights: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write ``model`` (and its tokenizer) with ``save_pretrained``; ``AutoModelForCausalLM.from_pretrained`` loads it.
 
     The files are written into a temporary sibling directory and renamed into place, so ``directory`` never holds a
     half-written model. ``tokenizer`` may be a transformers tokenizer, a wrapper with a ``.hf_tokenizer`` attribute
-    (``cadence.data.hf.HFTokenizer``), or None / byte tokens (nothing to save).
+    (``cadence.data.hf.HFTokenizer``), or None / byte tokens (nothing to save). ``weights`` replaces the model's own
+    state_dict (FSDP2 shards the model's parameters; the caller gathers them whole).
     """
     inner = _unwrap(model)
     if not hasattr(inner, "save_pretrained"):
@@ -430,7 +432,8 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None) -> 
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
     try:
         with quiet_transformers():
-            inner.save_pretrained(str(staging), safe_serialization=True)
+            inner.save_pretrained(str(staging), safe_serialization=True,
+                                  state_dict=None if weights is None else dict(weights))
             if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(str(staging))
         os.chmod(staging, 0o755)  # mkdtemp makes 0700; a saved model is meant to be shared

@@ -1,0 +1,83 @@
+"""``cadence train --nproc-per-node N``: start N ranks on this machine with torchrun's own launcher.
+
+The same as ``torchrun --standalone --nproc-per-node N -m cadence train ...``: torch's elastic agent starts the
+processes, watches them, and stops all of them as soon as one dies (so a dead rank never leaves the others hanging),
+and this module turns its report into one clear line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import uuid
+
+from cadence.config import TrainConfig, validate
+
+NPROC_FLAG = "--nproc-per-node"
+
+
+def arguments_without_nproc(argv: list[str]) -> list[str]:
+    """The train command's arguments minus ``--nproc-per-node N`` (the ranks must not launch again)."""
+    kept: list[str] = []
+    skip_next = False
+    for argument in argv:
+        if skip_next:
+            skip_next = False
+        elif argument == NPROC_FLAG:
+            skip_next = True
+        elif not argument.startswith(NPROC_FLAG + "="):
+            kept.append(argument)
+    return kept
+
+
+def launch_train(config: TrainConfig, nproc_per_node: int, train_arguments: list[str]) -> int:
+    """Validate for ``nproc_per_node`` processes, run them, and return the exit status (0, 1, or 2 for bad input).
+
+    Bad flags are reported here, once, before any process starts; problems only the ranks can find (a malformed data
+    file) are reported by rank 0.
+    """
+    validate(config, world_size=nproc_per_node, launched=True)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun's convention (one thread per rank unless told), but sharing the cores rather than using one:
+        # N ranks each spawning a thread per core would oversubscribe the CPU N times.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=f"cadence-{uuid.uuid4().hex[:12]}",
+        # torchrun --standalone: a rendezvous on this machine, on a free port.
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+        # Check on the ranks every 0.1 s: a rank that dies brings the others down within seconds.
+        monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(launch, sys.executable)("-m", "cadence", "train", *train_arguments)
+    except ChildFailedError as failed:
+        codes = {rank: failure.exitcode for rank, failure in failed.failures.items()}
+        if all(code == 2 for code in codes.values()):
+            return 2  # bad input found by the ranks: rank 0 has said what it is
+        print(f"cadence: training failed: {describe_failures(codes)}; the other ranks were stopped",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def describe_failures(codes: dict[int, int]) -> str:
+    """'rank 1 was killed by SIGKILL', 'rank 0 exited with status 1 (its message is above)', ...
+
+    Ranks ended by SIGTERM were stopped by the launcher after the first failure: they are named only when nothing
+    else failed, so that the line points at the cause."""
+    causes = {rank: code for rank, code in codes.items() if code != -signal.SIGTERM} or codes
+    parts = []
+    for rank, code in sorted(causes.items()):
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            parts.append(f"rank {rank} was killed by {name}")
+        else:
+            parts.append(f"rank {rank} exited with status {code} (its message is above)")
+    return ", ".join(parts)

@@ -1,0 +1,235 @@
+"""Several processes for real: `cadence train --nproc-per-node 2` starts 2 gloo ranks with torchrun's launcher.
+
+Acceptance (issue 7): world 2 x micro 2 x accum 4 gives the losses and weights of one process at 2 x 8 and at
+16 x 1, on prompt/completion data where the two ranks hold different target counts in every window; FSDP2 gives
+DDP's losses; one gradient all-reduce per optimizer step; a rank that dies stops the others within 60 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train_parity import relative_l2, write_jsonl
+
+from cadence.cli import main
+from cadence.data import load_data
+from cadence.run_dir import read_metrics
+from cadence.windows import epoch_windows
+
+STEPS = 6
+COMMON = ["--seq-len", "32", "--max-steps", str(STEPS), "--lr", "3e-3", "--warmup-steps", "2", "--val-fraction", "0",
+          "--checkpoint-every", "3"]
+TESTS = Path(__file__).resolve().parent
+
+
+def cadence(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """The cadence command in a fresh process (the launcher starts its ranks as further processes)."""
+    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def train_two_ranks(out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    result = cadence("train", "--nproc-per-node", "2", "--data", str(data), "--micro-batch-size", "2",
+                     "--grad-accum-steps", "4", "--out", str(out), *COMMON, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def train_one_process(out: Path, data: Path, micro: int, accum: int, *extra: str) -> None:
+    assert main(["train", "--data", str(data), "--micro-batch-size", str(micro), "--grad-accum-steps", str(accum),
+                 "--out", str(out), *COMMON, *extra]) == 0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same 6 steps of effective batch 16 as DDP 2x2x4, FSDP2 2x2x4, and one process at 2x8 and 16x1."""
+    root = tmp_path_factory.mktemp("distributed")
+    data = write_jsonl(root / "examples.jsonl")
+    found = {"data": data, "root": root}
+    found["ddp"] = root / "ddp"
+    found["ddp_log"] = Path(root / "ddp.log")
+    found["ddp_log"].write_text(train_two_ranks(found["ddp"], data).stderr)
+    train_two_ranks(root / "fsdp", data, "--strategy", "fsdp")
+    found["fsdp"] = root / "fsdp"
+    for micro, accum in ((2, 8), (16, 1)):
+        found[f"{micro}x{accum}"] = root / f"one-{micro}x{accum}"
+        train_one_process(found[f"{micro}x{accum}"], data, micro, accum)
+    return found
+
+
+def test_two_ranks_give_the_one_process_losses_and_weights(runs: dict[str, Path]) -> None:
+    ddp = read_metrics(runs["ddp"])
+    assert [row["step"] for row in ddp] == list(range(1, STEPS + 1))
+    ddp_weights = load_file(str(runs["ddp"] / "model.safetensors"))
+    for name in ("2x8", "16x1"):
+        rows = read_metrics(runs[name])
+        for mine, theirs in zip(ddp, rows, strict=True):
+            # Global counts: the all-reduced target count normalises every rank's loss.
+            assert (mine["targets"], mine["samples"], mine["tokens"]) == (
+                theirs["targets"], theirs["samples"], theirs["tokens"])
+            assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"], (name, mine["step"])
+            assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-12)
+        assert relative_l2(ddp_weights, load_file(str(runs[name] / "model.safetensors"))) < 1e-4, name
+    assert len({row["targets"] for row in ddp}) > 1  # the windows really differ in length
+
+
+def test_the_two_ranks_hold_different_target_counts_in_every_window(runs: dict[str, Path]) -> None:
+    """What makes the test above sharp: a per-rank normalisation would get each of these windows wrong."""
+    train = load_data(runs["data"], 32, 0.0).train
+    per_rank = [[window.targets for epoch in (0, 1)  # 48 examples: 3 windows of 16 per epoch
+                 for window in epoch_windows(train, micro_batch_size=2, grad_accum_steps=4, seed=0, epoch=epoch,
+                                             world_size=2, rank=rank)]
+                for rank in (0, 1)]
+    assert len(per_rank[0]) == STEPS
+    assert all(a != b for a, b in zip(*per_rank)), per_rank
+    totals = [row["targets"] for row in read_metrics(runs["ddp"])]
+    assert [a + b for a, b in zip(*per_rank)] == totals
+
+
+def test_effective_batch_counts_the_processes(runs: dict[str, Path]) -> None:
+    config = json.loads((runs["ddp"] / "config.json").read_text())
+    assert (config["world_size"], config["effective_batch_size"], config["strategy"]) == (2, 16, "ddp")
+    log = runs["ddp_log"].read_text()
+    assert "effective batch = 2 micro-batch x 4 accumulation x 2 process(es) = 16 sequences" in log
+    assert log.count("effective batch =") == 1  # rank 0 alone prints
+    summary = json.loads((runs["ddp"] / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["peak_memory_of"] == "the busiest rank"
+
+
+def test_fsdp2_gives_the_ddp_losses(runs: dict[str, Path]) -> None:
+    fsdp, ddp = read_metrics(runs["fsdp"]), read_metrics(runs["ddp"])
+    for mine, theirs in zip(fsdp, ddp, strict=True):
+        assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"], mine["step"]
+    # The gathered full state dict: the user's parameter names, the DDP run's values.
+    fsdp_weights = load_file(str(runs["fsdp"] / "model.safetensors"))
+    assert relative_l2(fsdp_weights, load_file(str(runs["ddp"] / "model.safetensors"))) < 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_under_two_ranks_equals_the_uninterrupted_run(runs: dict[str, Path], strategy: str) -> None:
+    """Cut the run back to its step-3 checkpoint and resume it with 2 ranks: the last 3 steps come out the same."""
+    run = runs["root"] / f"resumed-{strategy}"
+    shutil.copytree(runs[strategy], run)
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    (run / "model.safetensors").unlink()
+    extra = ["--strategy", "fsdp"] if strategy == "fsdp" else []
+    result = cadence("train", "--nproc-per-node", "2", "--data", str(runs["data"]), "--micro-batch-size", "2",
+                     "--grad-accum-steps", "4", "--out", str(run), "--resume", *COMMON, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stderr and "(step 3)" in result.stderr
+    resumed, original = read_metrics(run), read_metrics(runs[strategy])
+    assert [row["loss"] for row in resumed] == pytest.approx([row["loss"] for row in original], rel=1e-6)
+    assert relative_l2(load_file(str(run / "model.safetensors")),
+                       load_file(str(runs[strategy] / "model.safetensors"))) < 1e-6
+
+
+def test_a_one_process_checkpoint_resumes_on_two_ranks(runs: dict[str, Path]) -> None:
+    """The windows are the same for any split of the effective batch, so a run may move to more processes."""
+    run = runs["root"] / "one-to-two"
+    shutil.copytree(runs["2x8"], run)
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    train_two_ranks(run, runs["data"], "--resume")
+    assert [row["loss"] for row in read_metrics(run)] == pytest.approx(
+        [row["loss"] for row in read_metrics(runs["2x8"])], rel=1e-5)
+
+
+def test_one_gradient_all_reduce_per_optimizer_step(tmp_path: Path) -> None:
+    """A DDP communication hook counts the all-reduces: none during the first 3 micro-batches of a window, one with
+    the last (the tiny model's gradients fit one bucket)."""
+    out = tmp_path / "count.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(TESTS / "distributed" / "count_allreduce.py"), str(out)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = json.loads(out.read_text())
+    assert counts["optimizer_steps"] == 3
+    assert counts["all_reduces"] == 3
+    assert counts["windows_at_call"] == [0, 1, 2]  # each during its own window
+    # Before micro-batch i of window w, exactly w all-reduces have happened: none inside a window's first three.
+    assert counts["before_micro_batch"] == [[i, w] for w in range(3) for i in range(4)]
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of the launcher's worker processes (from /proc: the ranks' torchrun variables)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        variables = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+        if parent == launcher and b"LOCAL_RANK" in variables:
+            found[int(variables[b"LOCAL_RANK"])] = int(entry.name)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc (Linux)")
+def test_a_rank_that_dies_stops_the_others_with_a_clear_message(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "examples.jsonl")
+    out = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "cadence", "train", "--nproc-per-node", "2", "--data", str(data), "--seq-len", "32",
+         "--micro-batch-size", "2", "--grad-accum-steps", "4", "--max-steps", "100000", "--val-fraction", "0",
+         "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        pids = _rank_pids(launcher.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = launcher.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1, stderr[-3000:]
+    assert elapsed < 60
+    assert "rank 1 was killed by SIGKILL" in stderr, stderr[-3000:]
+    for pid in pids.values():  # no rank is left behind
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_gradients_of_padding_micro_batches_are_zero() -> None:
+    """The short last window's padding runs a forward and backward for the collectives and adds nothing."""
+    from conftest import tiny_model
+
+    from cadence.engine import token_cross_entropy_sum
+    from cadence.windows import padding_micro_batch
+
+    model = tiny_model()
+    loss = token_cross_entropy_sum(model, padding_micro_batch())
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+def test_launcher_arguments_and_failure_lines() -> None:
+    from cadence.launch import arguments_without_nproc, describe_failures
+
+    assert arguments_without_nproc(["--nproc-per-node", "2", "--lr", "1", "--nproc-per-node=4", "--resume"]) == [
+        "--lr", "1", "--resume"]
+    assert describe_failures({0: -signal.SIGTERM, 1: -signal.SIGKILL}) == "rank 1 was killed by SIGKILL"
+    assert describe_failures({0: 1, 1: 1}) == ("rank 0 exited with status 1 (its message is above), "
+                                               "rank 1 exited with status 1 (its message is above)")
+    assert describe_failures({1: -signal.SIGTERM}) == "rank 1 was killed by SIGTERM"
