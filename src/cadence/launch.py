@@ -3,6 +3,10 @@
 The same as ``torchrun --standalone --nproc-per-node N -m cadence train ...``: torch's elastic agent starts the
 processes, watches them, and stops all of them as soon as one dies (so a dead rank never leaves the others hanging),
 and this module turns its report into one clear line.
+
+SIGTERM (a preemption) is passed on to the ranks rather than handled by the agent: the ranks agree to stop at the
+next window boundary, save a checkpoint and exit 0, exactly as one process does. (The agent's own handling would
+tear them down and end in a traceback whatever they managed to save.)
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import os
 import signal
 import sys
 import uuid
+from pathlib import Path
+from types import FrameType
 
 from cadence.config import TrainConfig, validate
 
@@ -45,13 +51,16 @@ def launch_train(config: TrainConfig, nproc_per_node: int, train_arguments: list
         # torchrun's convention (one thread per rank unless told), but sharing the cores rather than using one:
         # N ranks each spawning a thread per core would oversubscribe the CPU N times.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    forwarding = Path("/proc").is_dir()  # the ranks are found as this process's children in /proc (Linux)
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=f"cadence-{uuid.uuid4().hex[:12]}",
         # torchrun --standalone: a rendezvous on this machine, on a free port.
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
         # Check on the ranks every 0.1 s: a rank that dies brings the others down within seconds.
         monitor_interval=0.1,
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT" if forwarding else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     )
+    previous = signal.signal(signal.SIGTERM, _forward_to_ranks) if forwarding else None
     try:
         elastic_launch(launch, sys.executable)("-m", "cadence", "train", *train_arguments)
     except ChildFailedError as failed:
@@ -61,7 +70,34 @@ def launch_train(config: TrainConfig, nproc_per_node: int, train_arguments: list
         print(f"cadence: training failed: {describe_failures(codes)}; the other ranks were stopped",
               file=sys.stderr, flush=True)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _forward_to_ranks(number: int, frame: FrameType | None) -> None:
+    """Pass the signal to every child process (the ranks); the agent keeps watching them finish."""
+    for pid in child_pids(os.getpid()):
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass
+
+
+def child_pids(parent: int) -> list[int]:
+    """Processes whose parent is ``parent``, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent:  # after the command name: state, then the parent's pid
+            found.append(int(entry.name))
+    return found
 
 
 def describe_failures(codes: dict[int, int]) -> str:
