@@ -298,17 +298,17 @@ def main(argv: list[str] | None = None) -> int:
         if not (err.agreed and rank):
             print(f"{prefix}training failed: {err}", file=sys.stderr)
         return 1
-    except Exception as err:
-        if rank is None or not _is_collective_failure(err):
-            raise
-        print(f"{prefix}training failed: lost contact with another rank ({str(err).splitlines()[0]}); it probably "
-              f"died or hung, see its message", file=sys.stderr)
-        return 1
     except PlanFailed as err:
         print(f"cadence: plan failed: {err}", file=sys.stderr)
         return 1
     except VerifyFailed as err:
         print(f"cadence: verify failed: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # last: the specific failures above come first
+        if rank is None or not _is_collective_failure(err):
+            raise
+        print(f"{prefix}training failed: lost contact with another rank ({str(err).splitlines()[0]}); it probably "
+              f"died or hung, see its message", file=sys.stderr)
         return 1
     return 0
 
