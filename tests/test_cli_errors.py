@@ -101,8 +101,6 @@ CASES: list[tuple[str, Builder, str]] = [
     ("sync-every-micro-step-with-ddp", flags("--sync-every-micro-step"), "--sync-every-micro-step"),
     ("collective-timeout-0", flags("--collective-timeout", "0"), "--collective-timeout"),
     ("nproc-per-node-0", flags("--nproc-per-node", "0"), "--nproc-per-node"),
-    ("nproc-auto-micro-batch", flags("--nproc-per-node", "2", "--micro-batch-size", "auto",
-                                     "--effective-batch-size", "16"), "--micro-batch-size"),
     ("nproc-effective-not-divisible", flags("--nproc-per-node", "2", "--micro-batch-size", "4",
                                             "--effective-batch-size", "12"), "--effective-batch-size"),
     ("nproc-fsdp-fp16", flags("--nproc-per-node", "2", "--strategy", "fsdp", "--precision", "fp16"), "--precision"),

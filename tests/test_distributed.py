@@ -267,3 +267,39 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_a_window_boundary_with_a_ch
     assert [row["loss"] for row in read_metrics(out)] == [row["loss"] for row in read_metrics(reference)]
     assert relative_l2(load_file(str(out / "model.safetensors")),
                        load_file(str(reference / "model.safetensors"))) == 0.0
+
+
+def test_auto_micro_batch_under_two_ranks_halves_on_every_rank_together(tmp_path: Path) -> None:
+    """Budget 30 MiB per rank fits micro-batch 4 but not 8 (gpt-tiny, seq 64): both ranks retry the window at 4,
+    together, and train exactly like one process at 4 x 8."""
+    common = ["--seq-len", "64", "--max-steps", "5", "--val-fraction", "0"]
+    auto = tmp_path / "auto"
+    result = cadence("train", "--nproc-per-node", "2", *common, "--micro-batch-size", "auto",
+                     "--effective-batch-size", "32", "--grad-accum-steps", "2", "--memory-budget", "30MiB",
+                     "--auto-grow-after", "2", "--out", str(auto))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "out of memory at micro-batch 8: retrying the window as 4 x 4" in result.stderr
+    fixed = tmp_path / "fixed"
+    assert main(["train", *common, "--micro-batch-size", "4", "--grad-accum-steps", "8", "--out", str(fixed)]) == 0
+    auto_rows, fixed_rows = read_metrics(auto), read_metrics(fixed)
+    assert auto_rows[0]["oom_retries"] == 1 and [row["micro_steps"] for row in auto_rows] == [4] * 5
+    assert any(row["oom_retries"] == 1 for row in auto_rows[1:]), "it tried growing back to 8"
+    for got, want in zip(auto_rows, fixed_rows, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    summary = json.loads((auto / "summary.json").read_text())
+    assert summary["final_micro_batch_size"] == 4 and summary["peak_memory_bytes"] <= 30 * 2**20
+
+
+def test_an_out_of_memory_on_one_rank_makes_every_rank_retry_the_window(tmp_path: Path) -> None:
+    """Rank 1 alone runs out of memory above micro-batch 2: without the engine's agreement rank 0 would go on into
+    the all-reduce and wait for it (until the collective timeout); with it both retry at 2 and stay identical."""
+    out = tmp_path / "agreement.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(TESTS / "distributed" / "oom_agreement.py"), str(out)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen["retries"] == [1, 0, 0] and seen["final_micro_batch_size"] == 2 and seen["steps"] == 3
+    assert seen["weight_checksums"][0] == seen["weight_checksums"][1]

@@ -48,8 +48,8 @@ class MicroBatchController:
             try:
                 result = engine.step(attempt, **step_kwargs)
             except torch.OutOfMemoryError as err:
-                # Under several processes every rank must take the same decision; that agreement lands with the
-                # distributed engine (issue 7): here, one process.
+                # Under several processes every rank gets here in the same micro-batch (the engine's out-of-memory
+                # agreement), so every rank's controller takes the same decisions and the ranks stay in step.
                 self._after_oom(engine, err, window)
                 retries += 1
                 continue

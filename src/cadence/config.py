@@ -326,9 +326,6 @@ def _distributed_problems(config: TrainConfig, world_size: int, launched: bool) 
         if config.checkpoint_mid_window and world_size > 1:
             bad("checkpoint_mid_window", "works with one process: mid-window, each rank holds different, not yet "
                                          "synchronised gradients")
-        if config.micro_batch_size == "auto" and world_size > 1:
-            bad("micro_batch_size", "auto needs one process for now: an out-of-memory on one rank in the middle of "
-                                    "a backward would leave the others waiting in its all-reduce; give a number")
         if config.strategy == "fsdp" and config.precision == "fp16":
             bad("precision", "fp16 with --strategy fsdp is not supported: each rank would find inf/nan in its own "
                              "gradient shard and skip steps alone; use bf16")

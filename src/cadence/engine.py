@@ -127,6 +127,7 @@ class Engine:
         skip_nonfinite: bool = True,
         offload_activations: bool = False,
         memory_budget_bytes: int | None = None,
+        agree_on_out_of_memory: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -141,6 +142,9 @@ class Engine:
         self.offload_activations = offload_activations
         """Keep the tensors saved for backward in host memory (``torch.autograd.graph.save_on_cpu``)."""
         self.memory = StepMemoryMeter(self.device, budget_bytes=memory_budget_bytes)
+        self.agree_on_out_of_memory = agree_on_out_of_memory and self.collective.world_size > 1
+        """Several processes retrying out-of-memory windows (--micro-batch-size auto): after each micro-batch's
+        forward and after its backward, all ranks learn whether any ran out of memory, and all raise together."""
         self.phases: PhaseRecorder | None = None
         """Set by cadence.profiling while a profile runs; None (no annotations, no cost) otherwise."""
         self.steps = 0
@@ -199,16 +203,19 @@ class Engine:
                     if on_micro_batch is not None:
                         on_micro_batch(index)
                     batch = _to_device(micro_batch, self.device)
+                    agreement = _OutOfMemoryAgreement(self.collective, enabled=self.agree_on_out_of_memory)
                     # guarded: a micro-batch above --memory-budget raises out-of-memory, like a real CUDA OOM.
-                    with self.memory.segment(guarded=True):
+                    with agreement, self.memory.segment(guarded=True):
                         # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.
                         with self.collective.gradient_sync(self.model, enabled=index == last):
                             with self._phase("forward"), self.precision.autocast(), self._saved_tensors_context():
                                 micro_loss_sum = self.loss_fn(self.model, batch)
+                            agreement.passed("forward")  # before any backward hook can start an all-reduce
                             # Dividing by the window's targets (not the micro-batch's) makes the accumulated
                             # gradient the one-big-batch gradient; x world undoes DDP's average over processes.
                             with self._phase("backward"):
                                 self.precision.backward(micro_loss_sum * (world / window_targets))
+                    agreement.passed("backward")
                     loss_sum += micro_loss_sum.detach().to(torch.float64)
                     del micro_loss_sum, batch  # free the graph's last references before the next micro-batch
                     if stop_requested is not None and index < last and stop_requested():
@@ -343,6 +350,38 @@ class WindowInterrupted(Exception):
     def __init__(self, *, micro_batches_done: int, loss_sum: float) -> None:
         super().__init__(f"window interrupted after {micro_batches_done} micro-batches")
         self.partial = PartialWindow(micro_batches_done=micro_batches_done, loss_sum=loss_sum)
+
+
+class _OutOfMemoryAgreement:
+    """All ranks learn together whether any ran out of memory in a micro-batch, so that all retry it (or give up)
+    together instead of one waiting in a collective the others never enter.
+
+    Each rank takes part in the same sequence of tiny all-reduces: one after the forward, one after the backward,
+    ending at the first that reports a failure. A rank that ran out of memory reports it at the point it reached; the
+    others raise there too. (The CPU budget is checked after the backward. On CUDA, an out-of-memory inside the
+    backward of a window's LAST micro-batch, while DDP all-reduces, cannot be agreed on: that run fails.)
+    """
+
+    def __init__(self, collective: Collective, *, enabled: bool) -> None:
+        self.collective = collective
+        self.enabled = enabled
+        self.settled = False
+
+    def passed(self, point: str) -> None:
+        if self.enabled and not self.settled and self._failures(0) > 0:
+            self.settled = True
+            raise torch.OutOfMemoryError(f"another rank ran out of memory in this micro-batch's {point}")
+
+    def __enter__(self) -> _OutOfMemoryAgreement:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
+        if self.enabled and not self.settled and isinstance(error, torch.OutOfMemoryError):
+            self.settled = True
+            self._failures(1)  # tell the others at the point they will reach next; the error goes on
+
+    def _failures(self, mine: int) -> int:
+        return int(self.collective.all_reduce_sum(torch.tensor([float(mine)], dtype=torch.float64))[0])
 
 
 class PhaseRecorder(Protocol):

@@ -113,6 +113,8 @@ def build_components(prep: Prepared) -> Components:
         max_grad_norm=config.max_grad_norm, offload_activations=config.offload == "activations",
         memory_budget_bytes=budget if prep.device.type == "cpu" else None,
         collective=ProcessGroupCollective(prep.ranks, prep.device) if prep.ranks.launched else None,
+        # --micro-batch-size auto retries out-of-memory windows: with several ranks, all must retry together.
+        agree_on_out_of_memory=config.auto_micro_batch,
     )
     return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, ranks=prep.ranks)
 
@@ -241,7 +243,8 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
                         saved_at = engine.windows
                         break
                     except MicroBatchTooLarge as err:
-                        raise TrainingFailed(str(err)) from err
+                        # With several ranks every rank got here together (the engine agrees on out-of-memory).
+                        raise TrainingFailed(str(err), agreed=True) from err
                     except torch.OutOfMemoryError as err:
                         raise TrainingFailed(
                             f"out of memory at micro-batch {prep.micro_batch_size} ({str(err).splitlines()[0]}); "

@@ -62,6 +62,11 @@ class Window:
     """The epoch the window belongs to (windows never span epochs)."""
     short: bool = False
     """True for an epoch's last window when it has fewer micro-batches or samples than a full one."""
+    padding: int = 0
+    """Trailing padding micro-batches (no targets) that keep this rank's micro-batch count equal to the others'."""
+    largest_share: int | None = None
+    """With several processes: the most samples any rank holds in this window; every rank runs as many
+    micro-batches as that share needs (None: one process, this window is the whole window)."""
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -132,7 +137,9 @@ def resplit_window(window: Window, micro_batch_size: int, *, counter: WindowCoun
     """
     if micro_batch_size < 1:
         raise ValueError("micro_batch_size must be >= 1")
-    batches = window.micro_batches
+    batches = window.micro_batches[:len(window.micro_batches) - window.padding]
+    if not batches:  # this rank holds no sample of the window: padding only, as many as the largest share needs
+        return _padded(window, [], micro_batch_size, counter)
     width = max(int(b["labels"].shape[1]) for b in batches)
     padded = [_pad_to_width(batch, width) for batch in batches]
     merged = {key: torch.cat([batch[key] for batch in padded]) for key in padded[0]}
@@ -141,7 +148,17 @@ def resplit_window(window: Window, micro_batch_size: int, *, counter: WindowCoun
     for start in range(0, total, micro_batch_size):
         chunk = {key: value[start:start + micro_batch_size] for key, value in merged.items()}
         chunks.append(_trim_after_last_target(chunk))
-    return make_window(chunks, epoch=window.epoch, short=window.short, counter=counter)
+    return _padded(window, chunks, micro_batch_size, counter)
+
+
+def _padded(window: Window, chunks: list[Batch], micro_batch_size: int, counter: WindowCounter | None) -> Window:
+    """``chunks`` as ``window`` re-cut, plus the padding micro-batches that match the largest rank share's count."""
+    needed = len(chunks) if window.largest_share is None else -(-window.largest_share // micro_batch_size)
+    padding = [padding_micro_batch() for _ in range(needed - len(chunks))]
+    counted = make_window(chunks, counter=counter) if chunks else None
+    return Window(micro_batches=[*chunks, *padding], targets=counted.targets if counted else 0,
+                  tokens=counted.tokens if counted else 0, samples=counted.samples if counted else 0,
+                  epoch=window.epoch, short=window.short, padding=len(padding), largest_share=window.largest_share)
 
 
 def _pad_to_width(batch: Batch, width: int) -> dict[str, torch.Tensor]:
@@ -203,7 +220,8 @@ def epoch_windows(
         bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
         mine = window_ids[bounds[rank]:bounds[rank + 1]]
         # The rank with the largest slice (rank 0) sets how many micro-batches every rank runs.
-        micro_steps = -(-(bounds[1] - bounds[0]) // micro_batch_size)
+        largest_share = bounds[1] - bounds[0]
+        micro_steps = -(-largest_share // micro_batch_size)
         batches = [collate([examples[i] for i in mine[at:at + micro_batch_size]])
                    for at in range(0, len(mine), micro_batch_size)]
         real = make_window(batches, epoch=epoch, short=short) if batches else None
@@ -215,6 +233,8 @@ def epoch_windows(
             samples=real.samples if real else 0,
             epoch=epoch,
             short=short,
+            padding=len(padding),
+            largest_share=largest_share if world_size > 1 else None,
         )
 
 
