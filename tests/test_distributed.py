@@ -303,3 +303,56 @@ def test_an_out_of_memory_on_one_rank_makes_every_rank_retry_the_window(tmp_path
     seen = json.loads(out.read_text())
     assert seen["retries"] == [1, 0, 0] and seen["final_micro_batch_size"] == 2 and seen["steps"] == 3
     assert seen["weight_checksums"][0] == seen["weight_checksums"][1]
+
+
+LLAMA = ["--model", "hf:llama", "--model-config", "hidden_size=64", "--model-config", "num_hidden_layers=2",
+         "--model-config", "num_attention_heads=4", "--model-config", "intermediate_size=128",
+         "--model-config", "vocab_size=256"]
+
+
+def test_hugging_face_model_under_fsdp2_validates_and_saves_like_one_process(tmp_path: Path) -> None:
+    """A transformers llama sharded per decoder layer: the same training and validation losses as one process
+    (the validation micro-batches are shared out over the ranks, padded), and --save-hf writes the gathered weights."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    data = write_jsonl(tmp_path / "examples.jsonl")
+    common = [*LLAMA, "--data", str(data), "--seq-len", "32", "--max-steps", "4", "--lr", "3e-3",
+              "--val-fraction", "0.1", "--eval-every", "2"]
+    sharded, saved = tmp_path / "fsdp", tmp_path / "saved-hf"
+    result = cadence("train", "--nproc-per-node", "2", "--strategy", "fsdp", *common, "--micro-batch-size", "2",
+                     "--grad-accum-steps", "2", "--save-hf", str(saved), "--out", str(sharded))
+    assert result.returncode == 0, result.stderr[-3000:]
+    single = tmp_path / "single"
+    assert main(["train", *common, "--micro-batch-size", "2", "--grad-accum-steps", "4", "--out", str(single)]) == 0
+    rows, reference = read_metrics(sharded), read_metrics(single)
+    assert sum(row.get("val_loss") is not None for row in reference) == 2  # steps 2 and 4
+    for got, want in zip(rows, reference, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert (got.get("val_loss") is None) == (want.get("val_loss") is None)
+        if want.get("val_loss") is not None:
+            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(saved))
+    weights = load_file(str(sharded / "model.safetensors"))
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_cuda_ranks_with_nccl_match_one_process_in_bf16(tmp_path: Path, strategy: str) -> None:
+    """The CUDA path: nccl, one GPU per rank (all GPUs, at most 2; FSDP2 also runs as a single rank), bf16 autocast."""
+    ranks = min(2, torch.cuda.device_count())
+    data = write_jsonl(tmp_path / "examples.jsonl")
+    common = ["--data", str(data), "--device", "cuda", "--precision", "bf16", "--seq-len", "32", "--max-steps", "4",
+              "--val-fraction", "0", "--lr", "3e-3"]
+    launched = tmp_path / "launched"
+    result = cadence("train", "--nproc-per-node", str(ranks), "--strategy", strategy, *common, "--micro-batch-size",
+                     "2", "--grad-accum-steps", str(8 // ranks), "--out", str(launched))
+    assert result.returncode == 0, result.stderr[-3000:]
+    single = tmp_path / "single"
+    assert main(["train", *common, "--micro-batch-size", "2", "--grad-accum-steps", "8", "--out", str(single)]) == 0
+    for got, want in zip(read_metrics(launched), read_metrics(single), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)  # bf16: summation order moves the rounding
+        assert got["peak_memory_bytes"] > 0
