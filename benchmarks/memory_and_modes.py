@@ -29,7 +29,7 @@ from cadence.engine import Engine
 from cadence.flops import measured_peak_flops, model_flops_per_token
 from cadence.models import MODEL_CONFIGS, build_model
 from cadence.recompute import apply_activation_checkpointing
-from cadence.trainer import build_optimizer
+from cadence.components import build_optimizer
 from cadence.windows import iter_windows
 
 RESULTS = Path(__file__).parent / "results"

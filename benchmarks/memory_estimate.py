@@ -27,7 +27,7 @@ from cadence.memory_estimate import estimate_step_memory
 from cadence.memory_measure import measure_step
 from cadence.models import MODEL_CONFIGS, build_model
 from cadence.recompute import apply_activation_checkpointing
-from cadence.trainer import build_optimizer
+from cadence.components import build_optimizer
 
 SIZES = {"gpt-tiny": (8, 256), "gpt-small": (4, 256), "gpt-base": (1, 256)}
 """(micro-batch, seq_len) per model: the test's table sizes, small enough for 2 CPU cores."""

@@ -14,7 +14,7 @@ from cadence.memory_estimate import ESTIMATE_CATEGORIES, MemoryEstimate, estimat
 from cadence.memory_measure import MeasuredMemory, measure_step
 from cadence.models import GPT, MODEL_CONFIGS, build_model
 from cadence.recompute import apply_activation_checkpointing
-from cadence.trainer import build_optimizer
+from cadence.components import build_optimizer
 
 MiB = 2**20
 TABLE_SIZES = {"gpt-tiny": (8, 256), "gpt-small": (4, 256), "gpt-base": (1, 256)}

@@ -16,7 +16,7 @@ from cadence.memory_estimate_hf import block_style, estimate_hf_step_memory
 from cadence.memory_measure import MeasuredMemory, measure_step
 from cadence.models.hf import HFModel, ModelShape, build_hf_model
 from cadence.recompute import apply_activation_checkpointing
-from cadence.trainer import build_optimizer
+from cadence.components import build_optimizer
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,7 +15,7 @@ from cadence.engine import Engine, token_cross_entropy_sum
 from cadence.memory_measure import CATEGORIES, MeasuredMemory, measure_step
 from cadence.models import build_model
 from cadence.recompute import apply_activation_checkpointing
-from cadence.trainer import build_optimizer
+from cadence.components import build_optimizer
 
 MiB = 2**20
 

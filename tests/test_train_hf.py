@@ -94,7 +94,7 @@ def test_cli_llama_run_equals_a_hand_written_loop(tmp_path):
     from cadence.data.jsonl import read_jsonl
     from cadence.models.hf import build_hf_model, parse_model_overrides
     from cadence.schedules import build_lr_scheduler
-    from cadence.trainer import build_optimizer
+    from cadence.components import build_optimizer
 
     data = uneven_jsonl(tmp_path / "pc.jsonl")
     run = train(tmp_path, "cli", *LLAMA, "--data", str(data), "--micro-batch-size", "2", "--grad-accum-steps", "4")

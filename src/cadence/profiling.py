@@ -322,7 +322,8 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
     from cadence.errors import Problem, UsageError
     from cadence.flops import model_flops_per_token
     from cadence.models import MODEL_CONFIGS
-    from cadence.trainer import build_components, prepare
+    from cadence.components import build_components
+    from cadence.prepare import prepare
     from cadence.windows import iter_windows
 
     stream = stream or sys.stderr

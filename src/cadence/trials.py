@@ -19,7 +19,8 @@ import torch
 from cadence.config import TrainConfig
 from cadence.data import DataSplits, iterate_micro_batches
 from cadence.plan_models import fresh_hf
-from cadence.trainer import Prepared, build_components
+from cadence.components import build_components
+from cadence.prepare import Prepared
 from cadence.windows import iter_windows
 
 MIN_TRIAL_STEPS = 3

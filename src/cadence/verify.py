@@ -280,7 +280,8 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False) ->
     from cadence.data import iterate_micro_batches
     from cadence.errors import UsageError
     from cadence.models import build_model
-    from cadence.trainer import build_optimizer, prepare
+    from cadence.components import build_optimizer
+    from cadence.prepare import prepare
     from cadence.windows import iter_windows
 
     if options.steps < 0:
