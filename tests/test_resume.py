@@ -126,11 +126,17 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
     cut = [*whole[:-1], str(tmp_path / "cut")]
     rng = random.Random(5)
     kills = during_write = 0
+    metrics = tmp_path / "cut" / "metrics.jsonl"
     for attempt in range(30):
+        rows_before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
         process = spawn([*cut, "--resume"] if attempt else cut)
         started = time.monotonic()
-        # start-up takes ~1.5 s; then ~40 steps with a checkpoint (fsync) after each: kill somewhere in there
-        time.sleep(rng.uniform(1.2, 3.0))
+        # Kill once the run has made 1 to 5 new steps (each followed by a checkpoint with fsync), a random moment
+        # after a step's row: counted in steps, not seconds, so that a faster machine still gets its kills.
+        wanted = rows_before + rng.randint(1, 5)
+        while process.poll() is None and (len(metrics.read_text().splitlines()) if metrics.exists() else 0) < wanted:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.04))
         if process.poll() is None and kills < 6:
             process.send_signal(signal.SIGKILL)
             process.wait()
