@@ -203,6 +203,7 @@ def test_a_rank_that_dies_stops_the_others_with_a_clear_message(tmp_path: Path) 
     finally:
         if launcher.poll() is None:
             launcher.kill()
+    print(f"all ranks gone {elapsed:.1f} s after rank 1 was killed")
     assert launcher.returncode == 1, stderr[-3000:]
     assert elapsed < 60
     assert "rank 1 was killed by SIGKILL" in stderr, stderr[-3000:]
@@ -356,3 +357,26 @@ def test_cuda_ranks_with_nccl_match_one_process_in_bf16(tmp_path: Path, strategy
     for got, want in zip(read_metrics(launched), read_metrics(single), strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)  # bf16: summation order moves the rounding
         assert got["peak_memory_bytes"] > 0
+
+
+def test_commands_other_than_train_refuse_to_run_under_torchrun(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Each rank would write the same plan or profile directory at once: only train knows how to share the work."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)  # what torchrun gives each rank
+    assert main(["plan", "--memory-budget", "1GiB", "--effective-batch-size", "8"]) == 2
+    assert "cadence plan runs in one process" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_verify_on_two_ranks_gives_the_big_batch_gradient(tmp_path: Path, strategy: str) -> None:
+    """cadence verify with the configuration really distributed: each rank runs its share of the window through
+    DDP or FSDP2; the synchronised gradient (and the weights after 2 steps) match one process's whole batch."""
+    data = write_jsonl(tmp_path / "examples.jsonl")
+    result = cadence("verify", "--nproc-per-node", "2", "--strategy", strategy, "--data", str(data), "--seq-len", "32",
+                     "--micro-batch-size", "2", "--grad-accum-steps", "4", "--steps", "2", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    payload = json.loads(result.stdout)  # rank 0 alone prints
+    assert payload["passed"] and payload["world_size"] == 2 and payload["effective_batch_size"] == 16
+    assert payload["grad_accum_steps"] == 4 and payload["relative_error"] < 1e-5
+    assert payload["parameters_after_steps"]["relative_distance"] < 1e-4

@@ -132,3 +132,17 @@ def test_resplitting_a_rank_share_keeps_every_rank_in_step(variable_dataset):
         assert len({len(w.micro_batches) for w in cut}) == 1, size
         assert [w.targets for w in cut] == [w.targets for w in last]
         assert [w.samples for w in cut] == [2, 1, 1]
+
+
+def test_a_share_of_a_whole_window_is_what_epoch_windows_gives_that_rank(variable_dataset):
+    from cadence.windows import epoch_windows, window_share
+
+    whole = list(epoch_windows(variable_dataset, micro_batch_size=12, grad_accum_steps=1, seed=4, epoch=0))
+    for rank in range(3):
+        shares = list(epoch_windows(variable_dataset, micro_batch_size=2, grad_accum_steps=2, seed=4, epoch=0,
+                                    world_size=3, rank=rank))
+        for window, expected in zip(whole, shares, strict=True):
+            got = window_share(window, 2, world_size=3, rank=rank)
+            assert (got.targets, got.samples, got.padding, len(got.micro_batches)) == (
+                expected.targets, expected.samples, expected.padding, len(expected.micro_batches))
+            assert sorted(_ids(got)) == sorted(_ids(expected))

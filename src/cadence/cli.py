@@ -109,52 +109,67 @@ def config_file_option(command: Any) -> Any:
     )(command)
 
 
+def nproc_option(command: Any) -> Any:
+    return click.option(
+        "--nproc-per-node", "nproc_per_node", type=click.IntRange(min=1), default=None, metavar="N",
+        help="Start N processes on this machine with torchrun (one per GPU; DDP, or FSDP2 with --strategy fsdp); the "
+             "same as torchrun --standalone --nproc-per-node N -m cadence COMMAND ...")(command)
+
+
 @app.command("train")
 @config_file_option
 @dataclass_options(TrainConfig)
-@click.option("--nproc-per-node", "nproc_per_node", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Start N processes on this machine with torchrun (one per GPU; DDP, or FSDP2 with --strategy fsdp); "
-                   "the same as torchrun --standalone --nproc-per-node N -m cadence train ...")
+@nproc_option
 @click.pass_context
 def train_command(ctx: click.Context, config_file: Path | None, nproc_per_node: int | None, **options: Any) -> None:
     """Train a model; writes a run directory (config.json, metrics.jsonl, summary.json, model.safetensors)."""
-    from cadence.distributed import torchrun_ranks
+    from cadence.trainer import train
 
     config = build_config(toml_path=config_file, flags=options)
     if config.plan is not None:
         from cadence.plan import apply_plan
 
         config = apply_plan(config, given_keys(toml_path=config_file, flags=options))
+    _on_every_rank(ctx, "train", config, nproc_per_node, lambda ranks: train(config, ranks=ranks))
+
+
+def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_per_node: int | None,
+                   run: Callable[[Any], Any]) -> None:
+    """``run(ranks)`` in this process, or as a rank of torchrun's group, or launched on --nproc-per-node ranks."""
+    from cadence.distributed import SINGLE, torchrun_ranks
+
     if nproc_per_node is not None:
         from cadence.errors import UsageError
-        from cadence.launch import arguments_without_nproc, launch_train
+        from cadence.launch import arguments_without_nproc, launch
 
         if torchrun_ranks() is not None:
             raise UsageError.single("--nproc-per-node", "this process was already started by torchrun; give the "
                                                         "number of processes to torchrun only")
         arguments = list((ctx.obj or {}).get("argv", []))
-        train_arguments = arguments_without_nproc(arguments[arguments.index("train") + 1:])
-        raise click.exceptions.Exit(launch_train(config, nproc_per_node, train_arguments))
-    if torchrun_ranks() is not None:
-        _train_as_a_rank(config)
+        rank_arguments = arguments_without_nproc(arguments[arguments.index(command) + 1:])
+        raise click.exceptions.Exit(launch(command, config, nproc_per_node, rank_arguments))
+    if torchrun_ranks() is None:
+        run(SINGLE)
         return
-    from cadence.trainer import train
-
-    train(config)
-
-
-def _train_as_a_rank(config: TrainConfig) -> None:
-    """Under torchrun: join the process group, train, leave it."""
     from cadence.config import DEVICE_CHOICES, resolve_device
     from cadence.distributed import start, stop
-    from cadence.trainer import train
+    from cadence.errors import UsageError
+    from cadence.trainer import TrainingFailed
+    from cadence.verify import VerifyFailed
 
-    # The flags are validated inside train (every problem named); until then, only sane values start the group.
+    # The flags are validated inside run (every problem named); until then, only sane values start the group.
     device = resolve_device(config.device) if config.device in DEVICE_CHOICES else resolve_device("cpu")
     timeout = config.collective_timeout if config.collective_timeout > 0 else 600.0
     ranks = start(device_type=device.type, strategy=config.strategy,  # type: ignore[arg-type]
                   sync_every_micro_step=config.sync_every_micro_step, timeout_s=timeout)
-    train(config, ranks=ranks)
+    try:
+        run(ranks)
+    except (UsageError, TrainingFailed, VerifyFailed) as err:
+        # Bad input, a failed verification and agreed failures (divergence) are found by every rank at the same
+        # point: all can leave the group together. Any other failure may be one rank's alone: nothing to wait for.
+        if not isinstance(err, TrainingFailed) or err.agreed:
+            stop(ranks)
+        raise
     stop(ranks)
 
 
@@ -213,7 +228,10 @@ def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None,
 @dataclass_options(TrainConfig, VERIFY_TRAIN_FIELDS)
 @dataclass_options(VerifyOptions)
 @click.option("--json", "as_json", is_flag=True, default=False, help="Print the result as JSON.")
-def verify_command(config_file: Path | None, as_json: bool, **options: Any) -> None:
+@nproc_option
+@click.pass_context
+def verify_command(ctx: click.Context, config_file: Path | None, as_json: bool, nproc_per_node: int | None,
+                   **options: Any) -> None:
     """Check that a configuration (micro-batch x accumulation, precision, recompute, offload) gives the gradient of
     the whole effective batch in fp32; exit status 1 when it does not."""
     from cadence.verify import run_verify
@@ -221,7 +239,9 @@ def verify_command(config_file: Path | None, as_json: bool, **options: Any) -> N
     verify_fields = {f.name for f in dataclasses.fields(VerifyOptions)}
     verify_options = VerifyOptions(**{k: v for k, v in options.items() if k in verify_fields and v is not None})
     flags = {k: v for k, v in options.items() if k not in verify_fields}
-    run_verify(build_config(toml_path=config_file, flags=flags), verify_options, as_json=as_json)
+    config = build_config(toml_path=config_file, flags=flags)
+    _on_every_rank(ctx, "verify", config, nproc_per_node,
+                   lambda ranks: run_verify(config, verify_options, as_json=as_json, ranks=ranks))
 
 
 @app.command("audit", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -275,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun: rank 0 reports what every rank found; another rank speaks only for itself, naming its rank.
     rank = found[0] if found is not None and found[2] > 1 else None
     prefix = "cadence: " if rank is None else f"cadence: rank {rank}: "
+    command = next((argument for argument in arguments if not argument.startswith("-")), None)
+    if found is not None and command not in (None, "train", "verify"):
+        if not rank:  # every rank would say the same
+            print(f"cadence: error: cadence {command} runs in one process; start it without torchrun (train and "
+                  f"verify run on several)", file=sys.stderr)
+        return 2
     try:
         # Without standalone mode click returns an Exit's code instead of raising it (audit passes the script's on).
         status = app.main(args=arguments, prog_name="cadence", standalone_mode=False, obj={"argv": arguments})
@@ -302,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cadence: plan failed: {err}", file=sys.stderr)
         return 1
     except VerifyFailed as err:
-        print(f"cadence: verify failed: {err}", file=sys.stderr)
+        if not rank:  # every rank compared the same gradients
+            print(f"cadence: verify failed: {err}", file=sys.stderr)
         return 1
     except Exception as err:  # last: the specific failures above come first
         if rank is None or not _is_collective_failure(err):

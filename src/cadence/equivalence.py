@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from cadence.distributed import SINGLE, ProcessGroupCollective, Ranks, wrap_model
 from cadence.engine import Engine, LossFn, token_cross_entropy_sum
 from cadence.offload import OffloadedOptimizer
 from cadence.recompute import apply_activation_checkpointing
-from cadence.windows import Window, resplit_window
+from cadence.windows import Window, resplit_window, window_share
 
 GRADIENT_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 """Relative L2 error of the window gradient against the fp32 reference that passes, per precision. fp32: rounding
@@ -71,18 +72,28 @@ class _GradientRecorder(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
-        self.recorded = [None if p.grad is None else p.grad.detach().float().cpu().clone()
+        self.recorded = [None if p.grad is None else _whole(p.grad).detach().float().cpu().clone()
                          for g in self.param_groups for p in g["params"]]
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 gradient shard gathered whole (a collective: every rank calls it); any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def parameter_gradients(
     build_model: Callable[[], torch.nn.Module], window: Window, setup: Setup, *,
-    loss_fn: LossFn = token_cross_entropy_sum, max_overflow_retries: int = 12,
+    loss_fn: LossFn = token_cross_entropy_sum, max_overflow_retries: int = 12, ranks: Ranks = SINGLE,
 ) -> dict[str, torch.Tensor]:
-    """The gradient an optimizer would receive for ``window`` under ``setup``: parameter name -> fp32 CPU tensor."""
+    """The gradient an optimizer would receive for ``window`` under ``setup``: parameter name -> fp32 CPU tensor.
+
+    Under torchrun (``ranks``) each rank runs its share of the window through DDP or FSDP2, and the gradient is the
+    synchronised one every rank's optimizer receives."""
     model = build_model()
     apply_activation_checkpointing(model, setup.activation_checkpointing)  # type: ignore[arg-type]
     names = [name for name, _ in model.named_parameters()]
+    device = next(model.parameters()).device
+    model = wrap_model(model, ranks, device)
     recorder = _GradientRecorder(model.parameters())
     optimizer: torch.optim.Optimizer = recorder
     if setup.offload == "optimizer":
@@ -90,8 +101,10 @@ def parameter_gradients(
         optimizer = OffloadedOptimizer(model.parameters(), optimizer_class=_GradientRecorder)
         recorder = optimizer.inner  # type: ignore[assignment]
     engine = Engine(model, optimizer, precision=setup.precision, max_grad_norm=0.0,  # type: ignore[arg-type]
-                    offload_activations=setup.offload == "activations", loss_fn=loss_fn)
-    split = resplit_window(window, setup.micro_batch_size)
+                    offload_activations=setup.offload == "activations", loss_fn=loss_fn,
+                    collective=ProcessGroupCollective(ranks, device) if ranks.launched else None)
+    split = (window_share(window, setup.micro_batch_size, world_size=ranks.world_size, rank=ranks.rank)
+             if ranks.launched else resplit_window(window, setup.micro_batch_size))
     for _ in range(max_overflow_retries + 1):
         result = engine.step(split)
         if not result.skipped:

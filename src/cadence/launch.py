@@ -37,8 +37,9 @@ def arguments_without_nproc(argv: list[str]) -> list[str]:
     return kept
 
 
-def launch_train(config: TrainConfig, nproc_per_node: int, train_arguments: list[str]) -> int:
-    """Validate for ``nproc_per_node`` processes, run them, and return the exit status (0, 1, or 2 for bad input).
+def launch(command: str, config: TrainConfig, nproc_per_node: int, rank_arguments: list[str]) -> int:
+    """``cadence COMMAND`` on ``nproc_per_node`` ranks: validate for that many processes, run them, and return the
+    exit status (0; 1 for a failure; 2 for bad input).
 
     Bad flags are reported here, once, before any process starts; problems only the ranks can find (a malformed data
     file) are reported by rank 0.
@@ -52,7 +53,7 @@ def launch_train(config: TrainConfig, nproc_per_node: int, train_arguments: list
         # N ranks each spawning a thread per core would oversubscribe the CPU N times.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
     forwarding = Path("/proc").is_dir()  # the ranks are found as this process's children in /proc (Linux)
-    launch = LaunchConfig(
+    launch_config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=f"cadence-{uuid.uuid4().hex[:12]}",
         # torchrun --standalone: a rendezvous on this machine, on a free port.
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
@@ -62,12 +63,14 @@ def launch_train(config: TrainConfig, nproc_per_node: int, train_arguments: list
     )
     previous = signal.signal(signal.SIGTERM, _forward_to_ranks) if forwarding else None
     try:
-        elastic_launch(launch, sys.executable)("-m", "cadence", "train", *train_arguments)
+        elastic_launch(launch_config, sys.executable)("-m", "cadence", command, *rank_arguments)
     except ChildFailedError as failed:
         codes = {rank: failure.exitcode for rank, failure in failed.failures.items()}
-        if all(code == 2 for code in codes.values()):
-            return 2  # bad input found by the ranks: rank 0 has said what it is
-        print(f"cadence: training failed: {describe_failures(codes)}; the other ranks were stopped",
+        if len(set(codes.values())) == 1 and next(iter(codes.values())) in (1, 2):
+            # Every rank ended the same way (bad input, a failed verify, an agreed divergence): rank 0 has said why.
+            return next(iter(codes.values()))
+        what = "training" if command == "train" else command
+        print(f"cadence: {what} failed: {describe_failures(codes)}; the other ranks were stopped",
               file=sys.stderr, flush=True)
         return 1
     finally:

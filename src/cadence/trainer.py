@@ -44,7 +44,6 @@ from cadence.run_dir import NoWriter, RunWriter
 from cadence.windows import epoch_windows, padding_micro_batch
 
 
-
 class TrainingFailed(RuntimeError):
     """Training could not continue (not a usage problem): the CLI exits with status 1 and this message.
 

@@ -22,9 +22,17 @@ from typing import Any
 
 import torch
 
+from cadence.distributed import (
+    SINGLE,
+    ProcessGroupCollective,
+    Ranks,
+    broadcast_from_main,
+    full_model_state,
+    wrap_model,
+)
 from cadence.engine import Engine, LossFn, token_cross_entropy_sum
 from cadence.equivalence import GRADIENT_TOLERANCE, Setup, flat, parameter_gradients
-from cadence.windows import IGNORE_INDEX, Batch, Window, make_window, resplit_window
+from cadence.windows import IGNORE_INDEX, Batch, Window, make_window, resplit_window, window_share
 
 PARAMETER_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
 """Relative L2 distance of the parameters after --steps K optimizer steps against the reference run that passes.
@@ -56,6 +64,8 @@ class VerifyResult:
     worst_parameters: list[dict[str, float | str]]
     findings: list[Finding] = field(default_factory=list)
     parameters_after_steps: dict[str, Any] | None = None
+    world_size: int = 1
+    """Processes the configuration ran on (each on its share of the window)."""
 
     @property
     def passed(self) -> bool:
@@ -69,7 +79,7 @@ class VerifyResult:
             "effective_batch_size": self.effective_batch_size, "reference": self.reference,
             "relative_error": self.relative_error, "cosine": self.cosine, "tolerance": self.tolerance,
             "worst_parameters": self.worst_parameters, "findings": [f.as_dict() for f in self.findings],
-            "parameters_after_steps": self.parameters_after_steps,
+            "parameters_after_steps": self.parameters_after_steps, "world_size": self.world_size,
         }
 
 
@@ -157,18 +167,21 @@ def verify(
     steps: int = 0,
     build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
     reference_in_one_pass: bool = True,
+    ranks: Ranks = SINGLE,
 ) -> VerifyResult:
     """Verify ``setup`` on ``windows[0]`` (and, with ``steps`` K > 0, the parameters after K windows).
 
     ``loss_fn`` is the loss under test (it must return the SUM of per-target losses); ``reference_loss_fn`` is the
-    exact one the reference uses (next-token cross-entropy summed over labels != -100 by default).
+    exact one the reference uses (next-token cross-entropy summed over labels != -100 by default). Under torchrun
+    (``ranks``) the configuration runs on all ranks, each on its share of every window, through DDP or FSDP2; the
+    reference is always one process.
     """
     build = _dropout_off(build_model)
     window = _as_window(windows[0])
     findings = model_findings(build_model()) + data_findings(window) + loss_findings(build, window, loss_fn)
     reference_micro = window.samples if reference_in_one_pass else 1
     reference = _reference_gradients(build, window, reference_micro, reference_loss_fn)
-    candidate = parameter_gradients(build, window, setup, loss_fn=loss_fn)
+    candidate = parameter_gradients(build, window, setup, loss_fn=loss_fn, ranks=ranks)
     ref_flat, cand_flat = flat(reference), flat(candidate)
     error = float((cand_flat - ref_flat).norm() / ref_flat.norm().clamp_min(1e-30))
     per_parameter = []
@@ -178,7 +191,8 @@ def verify(
                               "reference_norm": float(ref.norm())})
     per_parameter.sort(key=lambda row: -float(row["relative_error"]))
     result = VerifyResult(
-        setup=setup, grad_accum_steps=-(-window.samples // setup.micro_batch_size),
+        setup=setup, grad_accum_steps=-(-window.samples // (setup.micro_batch_size * ranks.world_size)),
+        world_size=ranks.world_size,
         effective_batch_size=window.samples,
         reference=f"fp32 gradient of the whole window of {window.samples} samples "
                   + ("in one pass" if reference_micro == window.samples else "accumulated at micro-batch 1"),
@@ -187,7 +201,7 @@ def verify(
     )
     if steps > 0:
         result.parameters_after_steps = _compare_after_steps(build, windows, setup, loss_fn, reference_loss_fn, steps,
-                                                             build_optimizer)
+                                                             build_optimizer, ranks)
     return result
 
 
@@ -206,26 +220,35 @@ def _reference_gradients(build: Callable[[], torch.nn.Module], window: Window, m
 
 def _compare_after_steps(build: Callable[[], torch.nn.Module], windows: Sequence[Window | Sequence[Batch]],
                          setup: Setup, loss_fn: LossFn, reference_loss_fn: LossFn, steps: int,
-                         build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None) -> dict[str, Any]:
+                         build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None,
+                         ranks: Ranks = SINGLE) -> dict[str, Any]:
     if len(windows) < steps:
         raise ValueError(f"--steps {steps} needs {steps} windows, got {len(windows)}")
     make_optimizer = build_optimizer or (lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3))
 
-    def train(run_setup: Setup, user_loss: LossFn) -> dict[str, torch.Tensor]:
+    def train(run_setup: Setup, user_loss: LossFn, run_ranks: Ranks) -> dict[str, torch.Tensor]:
         from cadence.recompute import apply_activation_checkpointing
 
         model = build()
         apply_activation_checkpointing(model, run_setup.activation_checkpointing)  # type: ignore[arg-type]
+        names = [name for name, _ in model.named_parameters()]
+        device = next(model.parameters()).device
+        model = wrap_model(model, run_ranks, device)
         engine = Engine(model, make_optimizer(model), precision=run_setup.precision,  # type: ignore[arg-type]
-                        max_grad_norm=1.0, loss_fn=user_loss)
+                        max_grad_norm=1.0, loss_fn=user_loss,
+                        collective=ProcessGroupCollective(run_ranks, device) if run_ranks.launched else None)
         for window in windows[:steps]:
-            engine.step(resplit_window(_as_window(window), run_setup.micro_batch_size))
-        return {name: p.detach().float().cpu() for name, p in model.named_parameters()}
+            whole, micro = _as_window(window), run_setup.micro_batch_size
+            engine.step(window_share(whole, micro, world_size=run_ranks.world_size, rank=run_ranks.rank)
+                        if run_ranks.launched else resplit_window(whole, micro))
+        weights = full_model_state(model, run_ranks)  # FSDP2 gathers the shards on rank 0
+        return {name: weights[name].detach().float().cpu() for name in names if name in weights}
 
     samples = _as_window(windows[0]).samples
-    reference = train(Setup(micro_batch_size=samples), reference_loss_fn)
-    candidate = train(setup, loss_fn)
-    distance = float((flat(candidate) - flat(reference)).norm() / flat(reference).norm())
+    reference = train(Setup(micro_batch_size=samples), reference_loss_fn, SINGLE)
+    candidate = train(setup, loss_fn, ranks)
+    distance = broadcast_from_main(
+        float((flat(candidate) - flat(reference)).norm() / flat(reference).norm()) if ranks.is_main else None, ranks)
     tolerance = PARAMETER_TOLERANCE[setup.precision]
     return {"steps": steps, "relative_distance": distance, "tolerance": tolerance, "passed": distance <= tolerance,
             "reference": "the same windows, fp32, one pass per window, AdamW lr 1e-3, clipping 1.0"}
@@ -235,7 +258,8 @@ def format_result(result: VerifyResult) -> str:
     """The table the CLI prints."""
     s = result.setup
     lines = [
-        f"cadence verify: micro {s.micro_batch_size} x accum {result.grad_accum_steps} = {result.effective_batch_size}"
+        f"cadence verify: micro {s.micro_batch_size} x accum {result.grad_accum_steps}"
+        + (f" x {result.world_size} processes" if result.world_size > 1 else "") + f" = {result.effective_batch_size}"
         f", {s.precision}, recompute {s.activation_checkpointing}, offload {s.offload}",
         f"reference: {result.reference}",
         f"{'gradient relative error':<28}{result.relative_error:>12.3e}   tolerance {result.tolerance:.0e}",
@@ -256,7 +280,7 @@ def format_result(result: VerifyResult) -> str:
 # ---------------------------------------------------------------------------------------------------- the command
 VERIFY_TRAIN_FIELDS = (
     "model", "data", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size", "precision",
-    "activation_checkpointing", "offload", "lr", "seed", "device",
+    "activation_checkpointing", "offload", "lr", "seed", "device", "strategy",
 )
 """The train flags `cadence verify` accepts: what defines the configuration, and the LR of the --steps comparison."""
 
@@ -273,8 +297,9 @@ class VerifyFailed(RuntimeError):
     """The configuration does not match the big batch (the CLI exits with status 1)."""
 
 
-def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False) -> VerifyResult:
-    """`cadence verify`: the configuration's windows from the data, verified; prints a table (or JSON)."""
+def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ranks: Ranks = SINGLE) -> VerifyResult:
+    """`cadence verify`: the configuration's windows from the data, verified; prints a table (or JSON). Under
+    torchrun every rank runs it and rank 0 prints."""
     import json
 
     from cadence.data import iterate_micro_batches
@@ -288,7 +313,7 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False) ->
         raise UsageError.single("--steps", f"must be at least 0, got {options.steps}")
     if config.micro_batch_size == "auto":
         raise UsageError.single("--micro-batch-size", "verify checks one fixed micro-batch size; give a number")
-    prep = prepare(dataclasses.replace(config, out=None, val_fraction=0.0))
+    prep = prepare(dataclasses.replace(config, out=None, val_fraction=0.0), ranks=ranks)
     windows = []
     for window in iter_windows(iterate_micro_batches(prep.data.train, prep.effective_batch_size, config.seed, 0), 1):
         windows.append(window)
@@ -304,8 +329,9 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False) ->
     setup = Setup(micro_batch_size=prep.micro_batch_size, precision=config.precision,
                   activation_checkpointing=config.activation_checkpointing, offload=config.offload)
     result = verify(model_factory, windows, setup, steps=options.steps,
-                    build_optimizer=lambda model: build_optimizer(model, config))
-    print(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result), flush=True)
+                    build_optimizer=lambda model: build_optimizer(model, config), ranks=ranks)
+    if ranks.is_main:
+        print(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result), flush=True)
     if not result.passed:
         raise VerifyFailed("the configuration does not train like the big batch (see the findings above)")
     return result

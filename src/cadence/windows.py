@@ -140,15 +140,34 @@ def resplit_window(window: Window, micro_batch_size: int, *, counter: WindowCoun
     batches = window.micro_batches[:len(window.micro_batches) - window.padding]
     if not batches:  # this rank holds no sample of the window: padding only, as many as the largest share needs
         return _padded(window, [], micro_batch_size, counter)
-    width = max(int(b["labels"].shape[1]) for b in batches)
-    padded = [_pad_to_width(batch, width) for batch in batches]
-    merged = {key: torch.cat([batch[key] for batch in padded]) for key in padded[0]}
+    merged = _merged_rows(batches)
     total = int(merged["labels"].shape[0])
     chunks = []
     for start in range(0, total, micro_batch_size):
         chunk = {key: value[start:start + micro_batch_size] for key, value in merged.items()}
         chunks.append(_trim_after_last_target(chunk))
     return _padded(window, chunks, micro_batch_size, counter)
+
+
+def window_share(window: Window, micro_batch_size: int, *, world_size: int, rank: int,
+                 counter: WindowCounter | None = None) -> Window:
+    """Rank ``rank``'s share of a whole window, cut into micro-batches: the same contiguous, balanced slice of its
+    samples as ``epoch_windows`` gives that rank, padded to the largest share's micro-batch count."""
+    rows = _merged_rows(window.micro_batches[:len(window.micro_batches) - window.padding])
+    total = int(rows["labels"].shape[0])
+    base, extra = divmod(total, world_size)
+    bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
+    mine = {key: value[bounds[rank]:bounds[rank + 1]] for key, value in rows.items()}
+    share = Window(micro_batches=[mine] if bounds[rank + 1] > bounds[rank] else [], targets=0, tokens=0, samples=0,
+                   epoch=window.epoch, short=window.short, largest_share=bounds[1] - bounds[0])
+    return resplit_window(share, micro_batch_size, counter=counter)
+
+
+def _merged_rows(batches: Sequence[Batch]) -> dict[str, torch.Tensor]:
+    """All rows of ``batches`` in one batch, right-padded to a common width (input 0, label -100)."""
+    width = max(int(b["labels"].shape[1]) for b in batches)
+    padded = [_pad_to_width(batch, width) for batch in batches]
+    return {key: torch.cat([batch[key] for batch in padded]) for key in padded[0]}
 
 
 def _padded(window: Window, chunks: list[Batch], micro_batch_size: int, counter: WindowCounter | None) -> Window:
