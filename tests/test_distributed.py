@@ -49,6 +49,17 @@ def train_one_process(out: Path, data: Path, micro: int, accum: int, *extra: str
                  "--out", str(out), *COMMON, *extra]) == 0
 
 
+def run_rank_script(name: str, out: Path) -> dict:
+    """A script of tests/distributed/ on 2 gloo ranks under torchrun itself; returns the JSON rank 0 wrote."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(TESTS / "distributed" / name), str(out)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The same 6 steps of effective batch 16 as DDP 2x2x4, FSDP2 2x2x4, and one process at 2x8 and 16x1."""
@@ -145,14 +156,7 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(runs: dict[str, Path]) ->
 def test_one_gradient_all_reduce_per_optimizer_step(tmp_path: Path) -> None:
     """A DDP communication hook counts the all-reduces: none during the first 3 micro-batches of a window, one with
     the last (the tiny model's gradients fit one bucket)."""
-    out = tmp_path / "count.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(TESTS / "distributed" / "count_allreduce.py"), str(out)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    counts = json.loads(out.read_text())
+    counts = run_rank_script("count_allreduce.py", tmp_path / "count.json")
     assert counts["optimizer_steps"] == 3
     assert counts["all_reduces"] == 3
     assert counts["windows_at_call"] == [0, 1, 2]  # each during its own window
@@ -294,14 +298,7 @@ def test_auto_micro_batch_under_two_ranks_halves_on_every_rank_together(tmp_path
 def test_an_out_of_memory_on_one_rank_makes_every_rank_retry_the_window(tmp_path: Path) -> None:
     """Rank 1 alone runs out of memory above micro-batch 2: without the engine's agreement rank 0 would go on into
     the all-reduce and wait for it (until the collective timeout); with it both retry at 2 and stay identical."""
-    out = tmp_path / "agreement.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(TESTS / "distributed" / "oom_agreement.py"), str(out)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    seen = json.loads(out.read_text())
+    seen = run_rank_script("oom_agreement.py", tmp_path / "agreement.json")
     assert seen["retries"] == [1, 0, 0] and seen["final_micro_batch_size"] == 2 and seen["steps"] == 3
     assert seen["weight_checksums"][0] == seen["weight_checksums"][1]
 
