@@ -290,7 +290,9 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     if config.checkpoint_mid_window and config.micro_batch_size == "auto":
         bad("checkpoint_mid_window", "needs a fixed --micro-batch-size (auto may re-cut the window it would continue)")
     at_least("max_skipped_steps", 1)
-    problems += _distributed_problems(config, world_size, launched)
+    from cadence.distributed import distributed_problems
+
+    problems += distributed_problems(config, world_size, launched)
     device_ok = config.device in DEVICE_CHOICES
     if config.device == "cuda" and not (_cuda_available() if cuda_available is None else cuda_available):
         bad("device", "cuda was asked for but this machine has no usable CUDA device; use cpu or auto")
@@ -302,37 +304,6 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
             bad("precision", reason)
     if problems:
         raise UsageError(problems)
-
-
-def _distributed_problems(config: TrainConfig, world_size: int, launched: bool) -> list[Problem]:
-    """--strategy and its companions: meaningful only with several processes, and only in combinations that work."""
-    from cadence.distributed import STRATEGIES
-
-    problems: list[Problem] = []
-
-    def bad(name: str, message: str) -> None:
-        problems.append(Problem(where=flag(name), message=message))
-
-    if config.strategy not in STRATEGIES:
-        bad("strategy", f"{config.strategy!r} is not one of {', '.join(STRATEGIES)}")
-    elif not launched and config.strategy != "ddp":
-        bad("strategy", f"{config.strategy} needs several processes: add --nproc-per-node N or start with torchrun")
-    if config.sync_every_micro_step and config.strategy != "fsdp":
-        bad("sync_every_micro_step", "only helps --strategy fsdp (DDP keeps whole gradients on every rank either way, "
-                                     "so syncing every micro-batch would only add communication)")
-    if not math.isfinite(config.collective_timeout) or config.collective_timeout <= 0:
-        bad("collective_timeout", f"must be a positive number of seconds, got {config.collective_timeout:g}")
-    if launched:
-        if config.checkpoint_mid_window and world_size > 1:
-            bad("checkpoint_mid_window", "works with one process: mid-window, each rank holds different, not yet "
-                                         "synchronised gradients")
-        if config.strategy == "fsdp" and config.precision == "fp16":
-            bad("precision", "fp16 with --strategy fsdp is not supported: each rank would find inf/nan in its own "
-                             "gradient shard and skip steps alone; use bf16")
-        if config.strategy == "fsdp" and config.offload == "optimizer":
-            bad("offload", "optimizer offload with --strategy fsdp is not supported; FSDP already shards the "
-                           "optimizer state over the ranks")
-    return problems
 
 
 def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]:

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from cadence.config import TrainConfig
+    from cadence.errors import Problem
 
 Strategy = Literal["ddp", "fsdp"]
 STRATEGIES: tuple[Strategy, ...] = ("ddp", "fsdp")
@@ -47,6 +52,38 @@ class Ranks:
 
 SINGLE = Ranks()
 """One process, no process group."""
+
+
+def distributed_problems(config: TrainConfig, world_size: int, launched: bool) -> list[Problem]:
+    """--strategy and its companions: meaningful only with several processes, and only in combinations that work."""
+    from cadence.config import flag
+    from cadence.errors import Problem
+
+    problems: list[Problem] = []
+
+    def bad(name: str, message: str) -> None:
+        problems.append(Problem(where=flag(name), message=message))
+
+    if config.strategy not in STRATEGIES:
+        bad("strategy", f"{config.strategy!r} is not one of {', '.join(STRATEGIES)}")
+    elif not launched and config.strategy != "ddp":
+        bad("strategy", f"{config.strategy} needs several processes: add --nproc-per-node N or start with torchrun")
+    if config.sync_every_micro_step and config.strategy != "fsdp":
+        bad("sync_every_micro_step", "only helps --strategy fsdp (DDP keeps whole gradients on every rank either way, "
+                                     "so syncing every micro-batch would only add communication)")
+    if not math.isfinite(config.collective_timeout) or config.collective_timeout <= 0:
+        bad("collective_timeout", f"must be a positive number of seconds, got {config.collective_timeout:g}")
+    if launched:
+        if config.checkpoint_mid_window and world_size > 1:
+            bad("checkpoint_mid_window", "works with one process: mid-window, each rank holds different, not yet "
+                                         "synchronised gradients")
+        if config.strategy == "fsdp" and config.precision == "fp16":
+            bad("precision", "fp16 with --strategy fsdp is not supported: each rank would find inf/nan in its own "
+                             "gradient shard and skip steps alone; use bf16")
+        if config.strategy == "fsdp" and config.offload == "optimizer":
+            bad("offload", "optimizer offload with --strategy fsdp is not supported; FSDP already shards the "
+                           "optimizer state over the ranks")
+    return problems
 
 
 def torchrun_ranks() -> tuple[int, int, int] | None:
