@@ -377,3 +377,18 @@ def test_verify_on_two_ranks_gives_the_big_batch_gradient(tmp_path: Path, strate
     assert payload["passed"] and payload["world_size"] == 2 and payload["effective_batch_size"] == 16
     assert payload["grad_accum_steps"] == 4 and payload["relative_error"] < 1e-5
     assert payload["parameters_after_steps"]["relative_distance"] < 1e-4
+
+
+def test_bad_data_found_by_the_ranks_is_reported_once_and_nothing_is_written(tmp_path: Path) -> None:
+    """The flags pass the launcher's check; the malformed line is found by every rank while loading, and rank 0
+    alone reports it (the ranks agree first, so none goes on alone)."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "a", "completion": "bc"}\n{oops\n')
+    out = tmp_path / "run"
+    result = cadence("train", "--nproc-per-node", "2", "--data", str(data), "--seq-len", "32", "--max-steps", "2",
+                     "--out", str(out))
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("cadence:")]
+    assert errors == [f"cadence: error: {data}:2: not valid JSON: Expecting property name enclosed in double quotes "
+                      f"at column 2"]
+    assert not out.exists()

@@ -316,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except UsageError as err:
         # Every rank checks the same input: rank 0 speaks for all, unless a problem was this rank's alone.
-        if not rank or getattr(err, "rank_specific", False):
+        own = getattr(err, "rank_specific", False)
+        if not rank or own:
             for problem in err.problems:
-                print(f"{prefix}error: {problem}", file=sys.stderr)
+                print(f"{prefix if own else 'cadence: '}error: {problem}", file=sys.stderr)
         return 2
     except TrainingFailed as err:
         if not (err.agreed and rank):
