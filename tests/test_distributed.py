@@ -389,6 +389,5 @@ def test_bad_data_found_by_the_ranks_is_reported_once_and_nothing_is_written(tmp
                      "--out", str(out))
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("cadence:")]
-    assert errors == [f"cadence: error: {data}:2: not valid JSON: Expecting property name enclosed in double quotes "
-                      f"at column 2"]
+    assert len(errors) == 1 and errors[0].startswith(f"cadence: error: {data}:2: not valid JSON"), errors
     assert not out.exists()
