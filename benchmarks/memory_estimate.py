@@ -21,49 +21,25 @@ from pathlib import Path
 import torch
 from bench_env import environment
 
-from cadence.config import TrainConfig
-from cadence.engine import Engine
-from cadence.memory_estimate import estimate_step_memory
-from cadence.memory_measure import measure_step
-from cadence.models import MODEL_CONFIGS, build_model
-from cadence.recompute import apply_activation_checkpointing
-from cadence.components import build_optimizer
+from cadence.memory_measure import estimate_against_measurement
 
 SIZES = {"gpt-tiny": (8, 256), "gpt-small": (4, 256), "gpt-base": (1, 256)}
 """(micro-batch, seq_len) per model: the test's table sizes, small enough for 2 CPU cores."""
 TOLERANCE = 0.15
 
 
-def random_window(batch: int, seq: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    """Random tokens: the memory of a step does not depend on the values, only on the shapes."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (batch, seq), generator=generator)
-    return [{"input_ids": ids, "labels": torch.randint(0, 256, (batch, seq), generator=generator)}]
-
-
 def measure_model(name: str, batch: int, seq: int) -> list[dict]:
-    """{fp32, bf16} x {none, full} on one model; a first step allocates AdamW's state so it is never the measured one."""
-    torch.manual_seed(0)
-    model = build_model(name)
-    optimizer = build_optimizer(model, TrainConfig())
-    window = random_window(batch, seq, seed=1)
-    Engine(model, optimizer, precision="fp32", max_grad_norm=1.0).step(random_window(batch, seq, seed=0))
+    """{fp32, bf16} x {none, full} on one model, as ``cadence.memory_measure.estimate_against_measurement`` gives it."""
     rows = []
-    for checkpointing in ("none", "full"):
-        apply_activation_checkpointing(model, checkpointing)  # type: ignore[arg-type]
-        for precision in ("fp32", "bf16"):
-            engine = Engine(model, optimizer, precision=precision, max_grad_norm=1.0)  # type: ignore[arg-type]
-            measured = measure_step(model, optimizer, lambda engine=engine: engine.step(window), "cpu")
-            predicted = estimate_step_memory(MODEL_CONFIGS[name], micro_batch_size=batch, seq_len=seq,
-                                             precision=precision, checkpointing=checkpointing)  # type: ignore[arg-type]
-            rows.append({
-                "model": name, "micro_batch_size": batch, "seq_len": seq, "precision": precision,
-                "recompute": checkpointing, "estimated_peak_bytes": predicted.peak_bytes,
-                "measured_peak_bytes": measured.peak_bytes, "estimated_activation_bytes": predicted.activation_bytes,
-                "measured_activation_bytes": measured.activation_peak_bytes, "peak_phase": predicted.peak_phase,
-            })
-            print(f"{name} {precision} {checkpointing}: estimated {predicted.peak_bytes / 2**20:.1f} MiB, "
-                  f"measured {measured.peak_bytes / 2**20:.1f} MiB", flush=True)
+    for precision, checkpointing, predicted, measured in estimate_against_measurement(name, batch, seq):
+        rows.append({
+            "model": name, "micro_batch_size": batch, "seq_len": seq, "precision": precision,
+            "recompute": checkpointing, "estimated_peak_bytes": predicted.peak_bytes,
+            "measured_peak_bytes": measured.peak_bytes, "estimated_activation_bytes": predicted.activation_bytes,
+            "measured_activation_bytes": measured.activation_peak_bytes, "peak_phase": predicted.peak_phase,
+        })
+        print(f"{name} {precision} {checkpointing}: estimated {predicted.peak_bytes / 2**20:.1f} MiB, "
+              f"measured {measured.peak_bytes / 2**20:.1f} MiB", flush=True)
     return rows
 
 

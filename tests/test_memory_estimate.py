@@ -11,8 +11,8 @@ from conftest import TINY
 from cadence.config import TrainConfig
 from cadence.engine import Engine
 from cadence.memory_estimate import ESTIMATE_CATEGORIES, MemoryEstimate, estimate_step_memory
-from cadence.memory_measure import MeasuredMemory, measure_step
-from cadence.models import GPT, MODEL_CONFIGS, build_model
+from cadence.memory_measure import MeasuredMemory, estimate_against_measurement, measure_step
+from cadence.models import GPT, MODEL_CONFIGS
 from cadence.recompute import apply_activation_checkpointing
 from cadence.components import build_optimizer
 
@@ -38,23 +38,6 @@ def estimate(name: str = "gpt-tiny", **overrides: object) -> MemoryEstimate:
     return estimate_step_memory(config, **options)  # type: ignore[arg-type]
 
 
-def measure_table_rows(name: str, model: torch.nn.Module, batch: int, seq: int) -> list[tuple]:
-    """Measure {fp32, bf16} x {none, full} on one model: its first step (AdamW state) is never the measured one."""
-    optimizer = build_optimizer(model, TrainConfig())
-    window = make_window(batch, seq)
-    Engine(model, optimizer, precision="fp32", max_grad_norm=1.0).step(make_window(batch, seq, seed=0))
-    rows = []
-    for checkpointing in ("none", "full"):
-        apply_activation_checkpointing(model, checkpointing)  # type: ignore[arg-type]
-        for precision in ("fp32", "bf16"):
-            engine = Engine(model, optimizer, precision=precision, max_grad_norm=1.0)  # type: ignore[arg-type]
-            measured = measure_step(model, optimizer, lambda engine=engine: engine.step(window), "cpu")
-            predicted = estimate(name, micro_batch_size=batch, seq_len=seq, precision=precision,
-                                 checkpointing=checkpointing)
-            rows.append((name, precision, checkpointing, predicted, measured))
-    return rows
-
-
 def relative_error(predicted: int, measured: int) -> float:
     return (predicted - measured) / measured
 
@@ -63,8 +46,7 @@ def relative_error(predicted: int, measured: int) -> float:
 def test_estimate_is_within_15_percent_of_the_measured_peak() -> None:
     rows: list[tuple[str, str, str, MemoryEstimate, MeasuredMemory]] = []
     for name, (batch, seq) in TABLE_SIZES.items():
-        torch.manual_seed(0)
-        rows += measure_table_rows(name, build_model(name), batch, seq)
+        rows += [(name, *row) for row in estimate_against_measurement(name, batch, seq)]
 
     print(f"\n{'model':10} {'prec':5} {'ckpt':5} {'est MiB':>9} {'meas MiB':>9} {'error':>7}   "
           f"{'act est':>8} {'act meas':>8} {'error':>7}   peak in")
