@@ -158,6 +158,6 @@ def test_checkpoint_every(tmp_path: Path) -> None:
     for step in (2, 4):
         folder = checkpoints / f"step-{step}"
         assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.json", "manifest.json", "model.safetensors",
-                                                           "training_state.pt"]
+                                                           "training_state.json", "training_state.safetensors"]
         assert json.loads((folder / "checkpoint.json").read_text())["step"] == step
     _no_hidden_leftovers(out)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
+import pickle
 import random
 import shutil
 import signal
@@ -16,7 +19,7 @@ import torch
 from conftest import sample_text
 from safetensors.torch import load_file
 
-from cadence.checkpoint import checkpoint_dirs, verify_checkpoint
+from cadence.checkpoint import checkpoint_dirs, load_checkpoint, verify_checkpoint
 from cadence.cli import main
 from cadence.run_dir import read_metrics
 
@@ -192,7 +195,7 @@ def test_sigterm_mid_window_keeps_the_accumulated_gradients(tmp_path):
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
         (checkpoint,) = checkpoint_dirs(out)
-        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+        state = load_checkpoint(checkpoint).state
         partial = state["partial_window"]
         assert main([*base, "--out", str(out), "--resume"]) == 0
         same_run(out, tmp_path / "whole")  # bitwise, whether or not the signal landed mid-window
@@ -206,3 +209,72 @@ def test_mid_window_checkpoints_need_a_fixed_micro_batch(tmp_path, capsys):
     code = main(["train", "--micro-batch-size", "auto", "--effective-batch-size", "8", "--checkpoint-mid-window",
                  "--out", str(tmp_path / "run")])
     assert code == 2 and "--checkpoint-mid-window" in capsys.readouterr().err
+
+
+def _reseal(checkpoint: Path) -> None:
+    """Recompute the manifest over the files as they are now: what anyone who tampers with a checkpoint can do."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in checkpoint.iterdir()
+                          if p.name != "manifest.json"}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+class _RunsCode:
+    """Unpickling this runs ``touch MARKER``: a planted training state."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (subprocess.call, (["touch", str(self.marker)],))
+
+
+def test_a_planted_pickle_in_a_checkpoint_never_runs(tmp_path, capsys):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "run", steps=2)) == 0
+    (checkpoint,) = checkpoint_dirs(tmp_path / "run")
+    marker = tmp_path / "pwned"
+    # The layout cadence used to write: the state as a pickle, with a manifest that vouches for it.
+    with open(checkpoint / "training_state.pt", "wb") as handle:
+        pickle.dump({"optimizer": _RunsCode(marker)}, handle)
+    _reseal(checkpoint)
+    code = main(args(data, tmp_path / "run", "--resume", steps=4))
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    assert code == 2 and "--resume" in err and "training_state.pt" in err and "could run code" in err
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]  # the run was not restarted over itself
+
+
+def test_an_edited_training_state_with_a_resealed_manifest_is_refused(tmp_path, capsys):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "run", steps=2)) == 0
+    (checkpoint,) = checkpoint_dirs(tmp_path / "run")
+    (checkpoint / "training_state.json").write_text(
+        json.dumps({"format": "cadence-state/1", "state": {"__reduce__": ["os.system", ["touch pwned"]]}}))
+    _reseal(checkpoint)
+    assert main(args(data, tmp_path / "run", "--resume", steps=4)) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "unknown marker" in err and "Traceback" not in err
+
+
+def test_no_module_of_cadence_unpickles():
+    """The class, not the example: no torch.load without weights_only=True, no pickle module, no allow_pickle."""
+    source = Path(__file__).resolve().parents[1] / "src" / "cadence"
+    offenders = []
+    for path in source.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.relative_to(source)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names] + ([node.module] if isinstance(node, ast.ImportFrom)
+                                                                 and node.module else [])
+                offenders += [f"{where}: imports {n}" for n in names if n.split(".")[0] in
+                              {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                keywords = {k.arg: k.value for k in node.keywords}
+                safe = isinstance(keywords.get("weights_only"), ast.Constant) and keywords["weights_only"].value is True
+                if node.func.attr == "load" and ast.unparse(node.func.value) == "torch" and not safe:
+                    offenders.append(f"{where}: torch.load without weights_only=True")
+                pickles = keywords.get("allow_pickle")
+                if pickles is not None and not (isinstance(pickles, ast.Constant) and pickles.value is False):
+                    offenders.append(f"{where}: allow_pickle")
+    assert offenders == []

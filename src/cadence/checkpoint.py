@@ -4,6 +4,10 @@ A checkpoint is assembled in a hidden temporary folder, every file fsynced, a ma
 last, and the folder renamed into place only then (rename is atomic within a filesystem): a crash mid-write leaves
 either no step-N folder or a whole one. Reading verifies the manifest, so a folder damaged afterwards (a disk error,
 a partial copy) is detected and the previous checkpoint is used instead, with a warning.
+
+Nothing in a checkpoint is pickled: the training state is JSON plus safetensors (``state_file``), so a checkpoint
+from someone else can damage a run at worst, never run code. The manifest guards against damage, not tampering
+(anyone who edits a file can recompute its checksum); the pickle-free format is what guards against tampering.
 """
 
 from __future__ import annotations
@@ -23,13 +27,20 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from cadence.run_dir import CHECKPOINTS_DIR, WEIGHTS_FILE, atomic_write_json, save_weights
+from cadence.state_file import StateFileError, read_state, state_file_names, write_state
 
-STATE_FILE = "training_state.pt"
+STATE_STEM = "training_state"
+STATE_FILES = state_file_names(STATE_STEM)
 INFO_FILE = "checkpoint.json"
 MANIFEST_FILE = "manifest.json"
+CHECKPOINT_FILES = (WEIGHTS_FILE, *STATE_FILES, INFO_FILE)
+"""Every file of a checkpoint; the manifest must vouch for each of them."""
+LEGACY_PICKLE_FILE = "training_state.pt"
+"""What cadence before the pickle-free format wrote: never loaded, since unpickling it could run code."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -89,13 +100,10 @@ def save_checkpoint(
             # --checkpoint-mid-window: the gradients of the micro-batches already done in the interrupted window
             "partial_window": partial_window,
         }
-        with open(staging / STATE_FILE, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_state(staging, STATE_STEM, state)
         atomic_write_json(staging / INFO_FILE, {"step": step, **info})
         # The manifest is written last: a folder with a valid manifest was complete when it was written.
-        manifest = {name: _sha256(staging / name) for name in (WEIGHTS_FILE, STATE_FILE, INFO_FILE)}
+        manifest = {name: _sha256(staging / name) for name in CHECKPOINT_FILES}
         atomic_write_json(staging / MANIFEST_FILE, {"step": step, "sha256": manifest})
         if final.exists():  # the same step written again (a final save after a periodic one): replace it whole
             shutil.rmtree(final)
@@ -124,14 +132,22 @@ def verify_checkpoint(path: Path) -> str | None:
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
         return "no manifest (the write did not finish)"
+    if (path / LEGACY_PICKLE_FILE).exists():
+        return (f"{LEGACY_PICKLE_FILE} is a pickle from an older cadence; loading it could run code, so it is not "
+                f"read (start a new run, or resume with the cadence that wrote it)")
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        for name, digest in manifest["sha256"].items():
+        checksums = manifest["sha256"]
+        if not isinstance(checksums, dict):
+            return "unreadable manifest (no checksum table)"
+        for name in CHECKPOINT_FILES:
+            if name not in checksums:
+                return f"the manifest does not vouch for {name}"
             if not (path / name).is_file():
                 return f"{name} is missing"
-            if _sha256(path / name) != digest:
+            if _sha256(path / name) != checksums[name]:
                 return f"{name} does not match its checksum"
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         return f"unreadable manifest ({err})"
     return None
 
@@ -162,11 +178,24 @@ def newest_intact_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
-    """Read one checkpoint folder (verify it first: ``newest_intact_checkpoint``)."""
-    info = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    return LoadedCheckpoint(path=path, step=int(info["step"]), weights=load_file(str(path / WEIGHTS_FILE)),
-                            state=state, info=info)
+    """Read one checkpoint folder (verify it first: ``newest_intact_checkpoint``); JSON and safetensors only.
+
+    Raises ``CheckpointUnreadable`` when a file that matched its checksum still does not parse (a manifest recomputed
+    over edited files)."""
+    try:
+        info = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
+        state = read_state(path, STATE_STEM)
+        weights = load_file(str(path / WEIGHTS_FILE))
+        if not isinstance(info, dict) or not isinstance(state, dict):
+            raise StateFileError("checkpoint.json and the training state must each hold an object")
+        step = int(info["step"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, SafetensorError) as err:
+        raise CheckpointUnreadable(f"{path}: unreadable checkpoint ({err})") from err
+    return LoadedCheckpoint(path=path, step=step, weights=weights, state=state, info=info)
+
+
+class CheckpointUnreadable(ValueError):
+    """A checkpoint's files verify against its manifest but do not parse as a cadence checkpoint."""
 
 
 def _fsync_dir(path: Path) -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from cadence.checkpoint import load_checkpoint, newest_intact_checkpoint, restore_rng_state
+from cadence.checkpoint import (CheckpointUnreadable, checkpoint_dirs, load_checkpoint, newest_intact_checkpoint,
+                                restore_rng_state, verify_checkpoint)
 from cadence.distributed import broadcast_from_main, load_full_state, optimizer_state_format, unwrap
 from cadence.engine import PartialWindow
 from cadence.errors import Problem, UsageError
@@ -69,10 +70,20 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any) -> Resum
     # All ranks decide together: rank 0's choice, even if a file changed between two ranks' checks.
     path = broadcast_from_main(newest_intact_checkpoint(run_dir) if main else None, parts.ranks)
     if path is None:
+        found = checkpoint_dirs(run_dir)
+        if found:
+            # Checkpoints exist but none can be used: starting over would silently throw the run away.
+            raise UsageError([Problem(where="--resume", message=(
+                f"no usable checkpoint in {run_dir / CHECKPOINTS_DIR}; "
+                + "; ".join(f"{p.name}: {verify_checkpoint(p)}" for p in found)
+                + " (nothing was changed; start a new --out to train from scratch)"))])
         if main:
             _truncate_metrics(run_dir, windows=0)  # a run killed before its first checkpoint starts over
         return None
-    checkpoint = load_checkpoint(path)
+    try:
+        checkpoint = load_checkpoint(path)
+    except CheckpointUnreadable as err:
+        raise UsageError([Problem(where="--resume", message=f"{err} (nothing was changed)")]) from err
     problems = incompatibilities(checkpoint.info.get("resolved_config", {}), resolved_config)
     saved_format = checkpoint.info.get("optimizer_format", "by-index")
     if saved_format != optimizer_state_format(parts.ranks):
