@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from bench_env import environment
 
-from cadence.audit import Audit
+from cadence.audit.checker import Audit
 from cadence.models import build_model
 
 

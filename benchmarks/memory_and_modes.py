@@ -25,12 +25,12 @@ from bench_env import environment
 
 from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches, load_data
-from cadence.engine import Engine
-from cadence.flops import measured_peak_flops, model_flops_per_token
+from cadence.engine.step import Engine
+from cadence.engine.windows import iter_windows
+from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import MODEL_CONFIGS, build_model
-from cadence.recompute import apply_activation_checkpointing
-from cadence.components import build_optimizer
-from cadence.windows import iter_windows
+from cadence.profiling.flops import measured_peak_flops, model_flops_per_token
+from cadence.training.components import build_optimizer
 
 RESULTS = Path(__file__).parent / "results"
 

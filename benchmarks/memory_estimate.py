@@ -1,9 +1,9 @@
 """Benchmark: cadence's analytic memory estimate against the measured peak of one optimizer step.
 
 For gpt-tiny (micro 8), gpt-small (micro 4) and gpt-base (micro 1), seq 256, AdamW, clipping at 1.0, in
-{fp32, bf16} x recompute {none, full}: the estimate (``cadence.memory_estimate.estimate_step_memory``) beside the
-measurement (``cadence.memory_measure.measure_step``: the profiler's memory timeline of the second optimizer step, by
-category). The same table ``tests/test_memory_estimate.py -k 15_percent`` asserts within 15%; this script records it
+{fp32, bf16} x recompute {none, full}: the estimate (``cadence.memory.estimate.estimate_step_memory``) beside the
+measurement (``cadence.memory.measure.measure_step``: the profiler's memory timeline of the second optimizer step, by
+category). The same table ``tests/memory/test_memory_estimate.py -k 15_percent`` asserts within 15%; this script records it
 as JSON for BENCHMARKS.md. One intra-op thread, as in that test: the bytes do not depend on it, and on shared cores it
 keeps the run from stalling on spin-waiting threads.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from bench_env import environment
 
-from cadence.memory_measure import estimate_against_measurement
+from cadence.plan.estimate_check import estimate_against_measurement
 
 SIZES = {"gpt-tiny": (8, 256), "gpt-small": (4, 256), "gpt-base": (1, 256)}
 """(micro-batch, seq_len) per model: the test's table sizes, small enough for 2 CPU cores."""
@@ -29,7 +29,7 @@ TOLERANCE = 0.15
 
 
 def measure_model(name: str, batch: int, seq: int) -> list[dict]:
-    """{fp32, bf16} x {none, full} on one model, as ``cadence.memory_measure.estimate_against_measurement`` gives it."""
+    """{fp32, bf16} x {none, full} on one model, as ``cadence.plan.estimate_check.estimate_against_measurement`` gives it."""
     rows = []
     for precision, checkpointing, predicted, measured in estimate_against_measurement(name, batch, seq):
         rows.append({

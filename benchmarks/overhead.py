@@ -16,7 +16,7 @@ They run alternately (plain cadence accelerate fabric, plain cadence ...), each 
 timed steps on the same windows. Every round's per-step losses AND gradient norms before clipping (AdamW and clipping
 would hide a wrongly scaled gradient from the losses alone) of each implementation are checked against the
 hand-written loop's (same math, so they must agree to float rounding). Reports the median tokens/s (over rounds),
-the ratio to the hand-written loop and the peak memory of one extra step (cadence.memory.StepMemoryMeter, one
+the ratio to the hand-written loop and the peak memory of one extra step (cadence.memory.meter.StepMemoryMeter, one
 profiler session around the step, on the unwrapped model and optimizer).
 
     .venv/bin/python benchmarks/overhead.py [--quick] [--rounds 8] [--steps 4] [--model gpt-small] [--seq-len 128]
@@ -44,9 +44,9 @@ from bench_env import environment
 
 from cadence import Engine
 from cadence.data import IGNORE_INDEX, iterate_micro_batches, load_data
-from cadence.memory import StepMemoryMeter
+from cadence.engine.windows import Window, iter_windows
+from cadence.memory.meter import StepMemoryMeter
 from cadence.models import build_model
-from cadence.windows import Window, iter_windows
 
 IMPLEMENTATIONS = ("plain", "cadence", "accelerate", "fabric")
 LR = 1e-3

@@ -23,15 +23,15 @@ import torch
 from bench_env import environment
 
 from cadence.data import iterate_micro_batches, load_data
-from cadence.engine import Engine
+from cadence.engine.step import Engine
+from cadence.engine.windows import iter_windows
 from cadence.models import build_model
-from cadence.windows import iter_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def baseline_engine_class(rev: str) -> type:
-    """cadence.engine.Engine as it was at ``rev``, loaded as a separate module beside the current package."""
+    """cadence.engine.step.Engine as it was at ``rev``, loaded as a separate module beside the current package."""
     source = subprocess.run(["git", "show", f"{rev}:src/cadence/engine.py"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
     if "_phase(" in source:

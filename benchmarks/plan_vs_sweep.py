@@ -23,7 +23,7 @@ import torch
 from bench_env import environment
 
 from cadence.config import TrainConfig
-from cadence.plan import PlanOptions, make_plan
+from cadence.plan.planner import PlanOptions, make_plan
 
 
 def main() -> int:

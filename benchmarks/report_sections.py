@@ -78,7 +78,7 @@ def render_overhead(data: dict) -> list[str]:
         f"{data['rounds']} rounds each of one warm-up and {data['steps_per_round']} timed steps, every round from the "
         "same starting weights on the same windows; median over rounds of tokens/s. The paired ratio is each round's "
         "tokens/s over the hand-written loop's in the same round; its median is what the target is judged on. Peak "
-        "memory: one extra step under `cadence.memory.StepMemoryMeter` (CPU profiler) on the unwrapped model and "
+        "memory: one extra step under `cadence.memory.meter.StepMemoryMeter` (CPU profiler) on the unwrapped model and "
         f"optimizer.{wall} `make bench-quick` (3 rounds x 2 steps, about 1 minute) prints the same table and writes "
         "`benchmarks/results/overhead_quick.json`, which this file never shows.")
     rows = []
@@ -201,7 +201,7 @@ def _mfu_reading(data: dict) -> list[str]:
 def render_memory_estimate(data: dict) -> list[str]:
     rows, tolerance = data["rows"], data["tolerance"]
     sizes = ", ".join(dict.fromkeys(f"{r['model']} micro {r['micro_batch_size']}" for r in rows))
-    lines = para("The same table `.venv/bin/python -m pytest -q -s tests/test_memory_estimate.py -k 15_percent` "
+    lines = para("The same table `.venv/bin/python -m pytest -q -s tests/memory/test_memory_estimate.py -k 15_percent` "
                  "prints and asserts. Measured = the profiler's memory timeline of the second optimizer step, by "
                  f"category; {sizes}, seq {rows[0]['seq_len']}, AdamW, grad clipping. Tolerance asserted: "
                  f"{tolerance:.0%}.")

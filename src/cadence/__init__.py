@@ -9,11 +9,21 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from cadence.engine import Engine, SingleProcess, StepResult, token_cross_entropy_sum  # noqa: E402
+from cadence.engine import (  # noqa: E402
+    Engine,
+    Precision,
+    SingleProcess,
+    StepResult,
+    Window,
+    build_lr_scheduler,
+    count_targets,
+    epoch_windows,
+    iter_windows,
+    lr_factor,
+    make_window,
+    token_cross_entropy_sum,
+)
 from cadence.errors import Problem, UsageError  # noqa: E402
-from cadence.precision import Precision  # noqa: E402
-from cadence.schedules import build_lr_scheduler, lr_factor  # noqa: E402
-from cadence.windows import Window, count_targets, iter_windows, make_window  # noqa: E402
 
 __all__ = [
     "Engine",
@@ -26,6 +36,7 @@ __all__ = [
     "__version__",
     "build_lr_scheduler",
     "count_targets",
+    "epoch_windows",
     "iter_windows",
     "lr_factor",
     "make_window",

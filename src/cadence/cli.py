@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, get_type_hints
 
 import click
 
 from cadence import __version__
-from cadence.config import TrainConfig, flag, read_field_docs
-from cadence.config_sources import build_config, given_keys
-from cadence.plan import PLAN_TRAIN_FIELDS, PlanOptions
-from cadence.profiling import PROFILE_TRAIN_FIELDS, ProfileOptions
-from cadence.verify import VERIFY_TRAIN_FIELDS, VerifyOptions
+from cadence.audit.run import run_script
+from cadence.config import DEVICE_CHOICES, TrainConfig, flag, read_field_docs, resolve_device
+from cadence.config.sources import build_config, given_keys
+from cadence.distributed.launch import arguments_without_nproc, launch
+from cadence.distributed.ranks import SINGLE, start, stop, torchrun_ranks
+from cadence.errors import UsageError
+from cadence.plan.planner import PLAN_TRAIN_FIELDS, PlanFailed, PlanOptions, apply_plan, make_plan
+from cadence.profiling.compare import write_comparison
+from cadence.profiling.profiler import PROFILE_TRAIN_FIELDS, ProfileOptions, run_profile
+from cadence.rebuild import build_report
+from cadence.training.loop import TrainingFailed, train
+from cadence.verify.check import VERIFY_TRAIN_FIELDS, VerifyFailed, VerifyOptions, run_verify
 
 
 @click.group(
@@ -123,11 +130,9 @@ def nproc_option(command: Any) -> Any:
 @click.pass_context
 def train_command(ctx: click.Context, config_file: Path | None, nproc_per_node: int | None, **options: Any) -> None:
     """Train a model; writes a run directory (config.json, metrics.jsonl, summary.json, model.safetensors)."""
-    from cadence.trainer import train
 
     config = build_config(toml_path=config_file, flags=options)
     if config.plan is not None:
-        from cadence.plan import apply_plan
 
         config = apply_plan(config, given_keys(toml_path=config_file, flags=options))
     _on_every_rank(ctx, "train", config, nproc_per_node, lambda ranks: train(config, ranks=ranks))
@@ -136,11 +141,8 @@ def train_command(ctx: click.Context, config_file: Path | None, nproc_per_node: 
 def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_per_node: int | None,
                    run: Callable[[Any], Any]) -> None:
     """``run(ranks)`` in this process, or as a rank of torchrun's group, or launched on --nproc-per-node ranks."""
-    from cadence.distributed import SINGLE, torchrun_ranks
 
     if nproc_per_node is not None:
-        from cadence.errors import UsageError
-        from cadence.launch import arguments_without_nproc, launch
 
         if torchrun_ranks() is not None:
             raise UsageError.single("--nproc-per-node", "this process was already started by torchrun; give the "
@@ -151,11 +153,6 @@ def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_
     if torchrun_ranks() is None:
         run(SINGLE)
         return
-    from cadence.config import DEVICE_CHOICES, resolve_device
-    from cadence.distributed import start, stop
-    from cadence.errors import UsageError
-    from cadence.trainer import TrainingFailed
-    from cadence.verify import VerifyFailed
 
     # The flags are validated inside run (every problem named); until then, only sane values start the group.
     device = resolve_device(config.device) if config.device in DEVICE_CHOICES else resolve_device("cpu")
@@ -180,7 +177,6 @@ def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_
 def plan_command(config_file: Path | None, **options: Any) -> None:
     """Choose micro-batch, accumulation, recompute, offload and precision under --memory-budget for
     --effective-batch-size, by estimate and measured trials; writes plan.json and a report."""
-    from cadence.plan import make_plan
 
     plan_fields = {f.name for f in dataclasses.fields(PlanOptions)}
     plan_options = PlanOptions(**{k: v for k, v in options.items() if k in plan_fields and v is not None})
@@ -202,8 +198,6 @@ def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None,
     writes trace.json (Chrome/Perfetto), profile.json and a report."""
     profile_fields = {f.name for f in dataclasses.fields(ProfileOptions)}
     if compare is not None:
-        from cadence.errors import UsageError
-        from cadence.profile_compare import write_comparison
 
         given = [flag(k) for k, v in options.items() if v is not None and k != "out"]
         if given or config_file is not None:
@@ -211,13 +205,11 @@ def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None,
         for path in write_comparison(compare[0], compare[1], options.get("out")):
             click.echo(str(path))
         return
-    from cadence.profiling import run_profile
 
     profile_options = ProfileOptions(**{k: v for k, v in options.items() if k in profile_fields and v is not None})
     flags = {k: v for k, v in options.items() if k not in profile_fields}
     config = build_config(toml_path=config_file, flags=flags)
     if config.plan is not None:
-        from cadence.plan import apply_plan
 
         config = apply_plan(config, given_keys(toml_path=config_file, flags=flags))
     run_profile(config, profile_options)
@@ -234,7 +226,6 @@ def verify_command(ctx: click.Context, config_file: Path | None, as_json: bool, 
                    **options: Any) -> None:
     """Check that a configuration (micro-batch x accumulation, precision, recompute, offload) gives the gradient of
     the whole effective batch in fp32; exit status 1 when it does not."""
-    from cadence.verify import run_verify
 
     verify_fields = {f.name for f in dataclasses.fields(VerifyOptions)}
     verify_options = VerifyOptions(**{k: v for k, v in options.items() if k in verify_fields and v is not None})
@@ -251,7 +242,6 @@ def audit_command(as_json: bool, command: tuple[str, ...]) -> None:
     """Run your own training script with its step chain instrumented, and report the cadence it observed and every
     rule it broke (rule id, explanation, fix, file:line). Your output and exit status pass through; the exit status
     is 1 when an error-level rule fired."""
-    from cadence.audit_run import run_script
 
     raise click.exceptions.Exit(run_script(list(command), as_json=as_json))
 
@@ -260,7 +250,6 @@ def audit_command(as_json: bool, command: tuple[str, ...]) -> None:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def report_command(run_dir: Path) -> None:
     """(Re)build report.md and report.html of a run directory or a plan directory."""
-    from cadence.report import build_report
 
     for path in build_report(run_dir):
         click.echo(str(path))
@@ -283,12 +272,7 @@ def _click_problem(err: click.ClickException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cadence`` console script; returns the exit status."""
-    from cadence.errors import UsageError
-    from cadence.plan import PlanFailed
-    from cadence.verify import VerifyFailed
-    from cadence.trainer import TrainingFailed
 
-    from cadence.distributed import torchrun_ranks
 
     arguments = argv if argv is not None else sys.argv[1:]
     found = torchrun_ranks()

@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's tiny model and data
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers' tiny model and data
 
-from conftest import prompt_completion_dataset, tiny_model  # noqa: E402
+from helpers import prompt_completion_dataset, tiny_model  # noqa: E402
 
-from cadence.distributed import ProcessGroupCollective, start, stop, wrap_model  # noqa: E402
-from cadence.engine import Engine  # noqa: E402
-from cadence.windows import epoch_windows  # noqa: E402
+from cadence.distributed.ranks import ProcessGroupCollective, start, stop, wrap_model  # noqa: E402
+from cadence.engine.step import Engine  # noqa: E402
+from cadence.engine.windows import epoch_windows  # noqa: E402
 
 STEPS, ACCUM = 3, 4
 

@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's tiny model and data
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers' tiny model and data
 
-from conftest import prompt_completion_dataset, tiny_model  # noqa: E402
+from helpers import prompt_completion_dataset, tiny_model  # noqa: E402
 
-from cadence.autobatch import MicroBatchController  # noqa: E402
-from cadence.distributed import ProcessGroupCollective, start, stop, wrap_model  # noqa: E402
-from cadence.engine import Engine, token_cross_entropy_sum  # noqa: E402
-from cadence.windows import Batch, epoch_windows  # noqa: E402
+from cadence.distributed.ranks import ProcessGroupCollective, start, stop, wrap_model  # noqa: E402
+from cadence.engine.step import Engine, token_cross_entropy_sum  # noqa: E402
+from cadence.engine.windows import Batch, epoch_windows  # noqa: E402
+from cadence.training.autobatch import MicroBatchController  # noqa: E402
 
 
 def main() -> None:

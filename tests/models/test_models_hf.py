@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from conftest import prompt_completion_dataset  # noqa: E402
+from helpers import prompt_completion_dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from cadence import Engine, iter_windows, token_cross_entropy_sum  # noqa: E402

@@ -41,7 +41,7 @@ class DataSplits:
     """Examples cut to ``--seq-len`` (JSONL only; packed text is never truncated)."""
 
 
-def _split(examples: TokenDataset, val_fraction: float) -> tuple[TokenDataset, TokenDataset | None]:
+def split_validation(examples: TokenDataset, val_fraction: float) -> tuple[TokenDataset, TokenDataset | None]:
     """Hold out the last ``round(len * val_fraction)`` examples (at least 1 when ``val_fraction > 0``).
 
     The tail (not a random sample) is held out so that, for packed text, validation text never overlaps the
@@ -99,7 +99,7 @@ def load_data(
     ``max_corpus_bytes`` limits only the built-in corpus (tests and quick runs do not need all of it).
     """
     examples, description, truncated = _load_examples(data, seq_len, max_corpus_bytes)
-    train, val = _split(examples, val_fraction)
+    train, val = split_validation(examples, val_fraction)
     if val is not None:
         description += f"; {len(train)} train / {len(val)} validation"
     return DataSplits(train=train, val=val, description=description, truncated=truncated)

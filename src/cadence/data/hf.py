@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from cadence.data import DataSplits, _split
+from cadence.data import DataSplits, split_validation
 from cadence.data.batching import IGNORE_INDEX, Example, TokenDataset
 from cadence.errors import UsageError
 
@@ -410,7 +410,7 @@ def _splits(source: _Source, results: dict[str, _Tokenized], tok: Tokenizer, seq
         train, val = TokenDataset(train_part.examples), TokenDataset(results["val"].examples) or None
         description += f"; {len(train)} train / {len(results['val'].examples)} validation ({val_name} split)"
     else:
-        train, val = _split(TokenDataset(train_part.examples), val_fraction)
+        train, val = split_validation(TokenDataset(train_part.examples), val_fraction)
         if val is not None:
             description += f"; {len(train)} train / {len(val)} validation (last {val_fraction:g})"
     truncated = sum(part.truncated for part in results.values())

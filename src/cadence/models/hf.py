@@ -9,7 +9,7 @@ Default sizes are the families' full sizes (``hf:llama`` defaults to 6.7B parame
 a small model is asked for; a config over :data:`DEFAULT_MAX_PARAMETERS` is refused rather than allocated by accident.
 
 The engine calls ``model(input_ids)`` and reads ``.logits``: the model is never given labels, so it never computes its
-own mean loss; cadence sums the per-target losses itself (see :func:`cadence.engine.token_cross_entropy_sum`).
+own mean loss; cadence sums the per-target losses itself (see :func:`cadence.engine.step.token_cross_entropy_sum`).
 transformers is an optional dependency, imported only when one of these functions runs.
 """
 

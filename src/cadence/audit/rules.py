@@ -1,0 +1,441 @@
+"""The rules of ``cadence audit`` (tabled in ``cadence.audit.checker``'s docstring) and the analysis of the event stream that
+``cadence.audit.checker.Audit`` records.
+
+The instrumentation (``cadence.audit.checker``) appends small tuples, one per call of interest, in call order; this module
+turns that stream into windows (the backward passes between two optimizer steps) and findings. The analysis is a
+single pass that can be fed in chunks, so a long run keeps only aggregates, never its whole history.
+
+Event tuples (the first item is the kind; ``loc`` is ``(filename, lineno)`` in the user's code, or None):
+
+    (BACKWARD, loc, ddp, stale)        ddp: None | (forward_synced, backward_in_no_sync, no_sync_loc);
+                                       stale: the gradients were left untouched since the previous step
+    (CE_COUNTS, loc, counts)           just before a STEP: the non-ignored targets of each micro-batch of the window
+                                       (ints, or a tensor on an accelerator), when every loss was a mean cross_entropy
+    (STEP, loc, optimizer_id, did_step, via_scaler)
+    (ZERO_GRAD, loc)  (CLIP, loc)  (SCALE, loc)  (UNSCALE, loc, optimizer_id)  (UPDATE, loc)
+    (SCHEDULER, loc, scheduler_id, is_plateau)  (AUTOCAST, loc, is_fp16)  (EPOCH,)
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+BACKWARD, STEP, ZERO_GRAD, CLIP, SCALE, UNSCALE, UPDATE, SCHEDULER, AUTOCAST, EPOCH, CE_COUNTS = range(11)
+
+Loc = tuple[str, int] | None
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """One thing a training loop can get wrong about the step chain (docs/ARCHITECTURE.md, "The step chain")."""
+
+    id: str
+    level: str
+    what: str
+    fix: str
+
+
+_RULE_LIST = [
+    Rule(id="CAD001", level=ERROR, what="gradients clipped while still scaled by the fp16 GradScaler "
+         "(no scaler.unscale_ since the last step), so the clip threshold is multiplied by the loss scale",
+         fix="call scaler.unscale_(optimizer) right before clip_grad_norm_"),
+    Rule(id="CAD002", level=ERROR, what="gradients clipped where the window's gradient is not complete "
+         "(another backward follows before the optimizer step, or no backward since the last step)",
+         fix="clip once per optimizer step, after the window's last backward"),
+    Rule(id="CAD003", level=ERROR, what="scaler.unscale_ called where the window's gradient is not complete "
+         "(another backward follows before the step): later micro-batches add scaled to unscaled gradients",
+         fix="unscale once per optimizer step, after the window's last backward"),
+    Rule(id="CAD004", level=ERROR, what="scaler.unscale_ called twice for one optimizer in one step "
+         "(torch raises)", fix="unscale each optimizer once, between the last backward and scaler.step"),
+    Rule(id="CAD005", level=WARNING, what="LR scheduler stepped more than once per optimizer step "
+         "(per micro-batch): the schedule runs grad_accum_steps times too fast",
+         fix="call scheduler.step() once, after the optimizer step of each window"),
+    Rule(id="CAD006", level=WARNING, what="LR scheduler stepped before the first optimizer step: the schedule's "
+         "first value is skipped (torch's own warning)", fix="call scheduler.step() after optimizer.step()"),
+    Rule(id="CAD007", level=WARNING, what="LR scheduler stepped after an fp16 step that the GradScaler skipped "
+         "(inf/nan gradients): the schedule advances for a step that did not happen",
+         fix="compare scaler.get_scale() before and after scaler.update(); step the scheduler only if it did not drop"),
+    Rule(id="CAD008", level=ERROR, what="zero_grad inside the accumulation window: gradients of earlier "
+         "micro-batches are discarded before the optimizer used them",
+         fix="zero gradients once per window, after the optimizer step (or before the window's first backward)"),
+    Rule(id="CAD009", level=ERROR, what="optimizer.step with no backward since this optimizer's previous step: "
+         "it applies stale or empty gradients (momentum and weight decay still move the weights)",
+         fix="step once per window, after its backwards"),
+    Rule(id="CAD010", level=WARNING, what="accumulation windows of different lengths (a short one is only "
+         "expected at the end of an epoch or run): those steps weigh their micro-batches differently",
+         fix="count micro-steps from the window start, e.g. `if (i + 1) % accum == 0 or last:`"),
+    Rule(id="CAD011", level=ERROR, what="fp16 autocast without a GradScaler: small gradients underflow to zero "
+         "in fp16", fix="scale the loss with torch.amp.GradScaler, or use bf16 autocast"),
+    Rule(id="CAD012", level=INFO, what="GradScaler used with bf16 autocast: harmless but unneeded (bf16 has "
+         "fp32's exponent range)", fix="drop the GradScaler for bf16"),
+    Rule(id="CAD013", level=ERROR, what="scaler.step called again without scaler.update in between "
+         "(update missing): the loss scale never adapts (torch raises on the second step)",
+         fix="call scaler.update() once after every scaler.step(optimizer)"),
+    Rule(id="CAD014", level=ERROR, what="scaler.update called without a scaler.step since the previous update "
+         "(per micro-batch; torch raises)", fix="call scaler.update() once per optimizer step, after scaler.step"),
+    Rule(id="CAD015", level=WARNING, what="DDP all-reduces gradients on a non-final micro-step of a window "
+         "(forward and backward outside no_sync): wasted communication",
+         fix="wrap the forward AND backward of every micro-step but the window's last in model.no_sync()"),
+    Rule(id="CAD016", level=WARNING, what="DDP no_sync entered after the forward: DDP decides at forward time, "
+         "so this backward still all-reduces", fix="enter model.no_sync() before the forward, not around backward"),
+    Rule(id="CAD017", level=ERROR, what="DDP sync suppressed on the window's last micro-step: the optimizer "
+         "steps on gradients that were never all-reduced (ranks drift apart)",
+         fix="run the window's last forward and backward outside no_sync"),
+    Rule(id="CAD018", level=WARNING, what="loss is a mean-reduced cross_entropy while the micro-batches of a "
+         "window hold different target counts (>10% apart; heuristic): targets of short micro-batches weigh more "
+         "than in one big batch", fix="sum the loss (reduction='sum') and divide by the window's total target count"),
+    Rule(id="CAD019", level=ERROR, what="gradients not cleared after an optimizer step: the next window "
+         "accumulates onto the gradients already applied", fix="call optimizer.zero_grad() after each step"),
+    Rule(id="CAD020", level=INFO, what="backward passes after the last optimizer step were never stepped",
+         fix="step the short last window too (or drop it explicitly)"),
+]
+RULES: dict[str, Rule] = {rule.id: rule for rule in _RULE_LIST}
+
+# A finding that is a mere consequence of another at the same line is dropped (say one thing once).
+_IMPLIED_BY = {"CAD006": "CAD005", "CAD004": "CAD003"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One rule broken at one place of the user's code (``count`` times)."""
+
+    rule: str
+    level: str
+    what: str
+    fix: str
+    file: str | None
+    line: int | None
+    count: int = 1
+
+    @property
+    def where(self) -> str:
+        if self.file is None:
+            return "<unknown>"
+        return f"{_short_path(self.file)}:{self.line}"
+
+
+@dataclass(kw_only=True)
+class ObservedCadence:
+    """What the loop did, as the audit saw it."""
+
+    backwards: int = 0
+    optimizer_steps: int = 0
+    """Optimizer steps that really happened (scaler.step calls that skipped are not counted)."""
+    skipped_steps: int = 0
+    windows: int = 0
+    window_lengths: dict[int, int] = field(default_factory=dict)
+    """Backward passes per window -> how many windows had that many."""
+    precision: str = "fp32"
+    grad_scaler: bool = False
+    clip_calls: int = 0
+    unscale_calls: int = 0
+    zero_grad_calls: int = 0
+    scheduler_steps: int = 0
+    ddp: bool = False
+    ddp_suppressed_micro_steps: int = 0
+
+
+@dataclass(kw_only=True)
+class AuditReport:
+    """Findings (sorted by place) and the observed cadence of one audited run."""
+
+    findings: list[Finding]
+    cadence: ObservedCadence
+    crashed: bool = False
+    """The audited code raised; trailing unstepped backwards are then expected and not reported."""
+
+    @property
+    def has_errors(self) -> bool:
+        return any(f.level == ERROR for f in self.findings)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``cadence audit --json``)."""
+        cadence = asdict(self.cadence)
+        cadence["window_lengths"] = {str(k): v for k, v in sorted(self.cadence.window_lengths.items())}
+        return {
+            "findings": [asdict(f) | {"where": f.where} for f in self.findings],
+            "cadence": cadence,
+            "crashed": self.crashed,
+            "errors": sum(f.level == ERROR for f in self.findings),
+            "warnings": sum(f.level == WARNING for f in self.findings),
+        }
+
+
+def _short_path(path: str) -> str:
+    """Relative to the working directory when the file is below it (what a user types), else as recorded."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return path if rel.startswith("..") else rel
+
+
+class Analyzer:
+    """Consumes events in order (``feed``, any number of times) and produces the report (``finish``)."""
+
+    def __init__(self) -> None:
+        self.cadence = ObservedCadence()
+        self._hits: dict[tuple[str, Loc], int] = {}
+        # closed windows, compact (a long run has one per optimizer step): length, where the closing step was
+        # called (an index into _locs), and the windows followed by a new DataLoader epoch
+        self._lengths = array("l")
+        self._step_locs = array("l")
+        self._locs: dict[Loc, int] = {}
+        self._epoch_ends: set[int] = set()
+        self._bws: list[tuple] = []  # backward events of the open window
+        self._boundaries = 0  # optimizer steps attempted (a consecutive step of another optimizer included)
+        self._bw_at_step: dict[int, int] = {}  # optimizer -> backwards seen at its last step
+        # the open window, since the last boundary
+        self._zero_after_bw: Loc = None
+        self._clip: Loc = None
+        self._unscale: Loc = None
+        self._scaled = False
+        self._unscaled: set[int] = set()
+        # since the last backward
+        self._autocast: tuple[Loc, bool] | None = None
+        self._scaled_since_bw = False
+        # GradScaler state (reset by update)
+        self._scaler_stepped: dict[int, Loc] = {}
+        self._skipped_pending = False
+        # schedulers: id -> boundaries at its last step; steps; candidates of CAD007
+        self._sched_last: dict[int, int] = {}
+        self._sched_steps: Counter[int] = Counter()
+        self._after_skip: list[tuple[int, Loc]] = []
+        self._ce_windows: list[tuple[Loc, Any]] = []  # target counts per micro-batch, resolved in batches
+        self._precisions: set[str] = set()
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    def _hit(self, rule: str, loc: Loc) -> None:
+        key = (rule, loc)
+        self._hits[key] = self._hits.get(key, 0) + 1
+
+    # ------------------------------------------------------------------------------------------------ feeding
+    def feed(self, events: Iterable[tuple]) -> None:
+        for event in events:
+            kind = event[0]
+            if kind == BACKWARD:
+                self._backward(event)
+            elif kind == STEP:
+                self._step(event)
+            elif kind == ZERO_GRAD:
+                self.cadence.zero_grad_calls += 1
+                if self._bws and self._zero_after_bw is None:
+                    self._zero_after_bw = event[1]
+            elif kind == CLIP:
+                self._clip_event(event[1])
+            elif kind == SCALE:
+                self.cadence.grad_scaler = True
+                self._scaled = self._scaled_since_bw = True
+                if self._autocast is not None and not self._autocast[1]:
+                    self._hit("CAD012", event[1])
+            elif kind == UNSCALE:
+                self._unscale_event(event[1], event[2])
+            elif kind == UPDATE:
+                if not self._scaler_stepped:
+                    self._hit("CAD014", event[1])
+                self._scaler_stepped.clear()
+                self._unscaled.clear()
+            elif kind == SCHEDULER:
+                self._scheduler(event[1], event[2], event[3])
+            elif kind == AUTOCAST:
+                self._autocast = (event[1], event[2])
+                self._precisions.add("fp16" if event[2] else "bf16")
+            elif kind == CE_COUNTS:
+                self._ce_windows.append((event[1], event[2]))
+            elif kind == EPOCH:
+                if self._lengths and not self._bws:
+                    self._epoch_ends.add(len(self._lengths) - 1)
+        if len(self._ce_windows) >= 64:
+            self._resolve_ce()
+
+    def _backward(self, event: tuple) -> None:
+        _, loc, ddp, stale = event
+        self.cadence.backwards += 1
+        if self._clip is not None and self._bws:
+            self._hit("CAD002", self._clip)
+        if self._unscale is not None and self._bws:
+            self._hit("CAD003", self._unscale)
+        self._clip = self._unscale = None
+        if self._zero_after_bw is not None:
+            self._hit("CAD008", self._zero_after_bw)
+            self._zero_after_bw = None
+        if self._autocast is not None and self._autocast[1] and not self._scaled_since_bw:
+            self._hit("CAD011", self._autocast[0])
+        if stale:
+            self._hit("CAD019", loc)
+        if ddp is not None:
+            self.cadence.ddp = True
+        self._autocast = None
+        self._scaled_since_bw = False
+        self._bws.append(event)
+
+    def _clip_event(self, loc: Loc) -> None:
+        self.cadence.clip_calls += 1
+        if self._scaled and not self._unscaled:
+            self._hit("CAD001", loc)
+        if not self._bws:
+            self._hit("CAD002", loc)  # nothing accumulated since the last step: clips old or empty gradients
+        else:
+            self._clip = loc  # judged at the next backward or step
+
+    def _unscale_event(self, loc: Loc, optimizer: int) -> None:
+        self.cadence.unscale_calls += 1
+        if optimizer in self._unscaled:
+            self._hit("CAD004", loc)
+        self._unscaled.add(optimizer)
+        if not self._bws:
+            self._hit("CAD003", loc)
+        else:
+            self._unscale = loc
+
+    def _step(self, event: tuple) -> None:
+        _, loc, optimizer, did_step, via_scaler = event
+        backwards = self.cadence.backwards
+        if self._bw_at_step.get(optimizer, 0) == backwards:
+            self._hit("CAD009", loc)
+        self._bw_at_step[optimizer] = backwards
+        if via_scaler:
+            if optimizer in self._scaler_stepped:
+                self._hit("CAD013", loc)
+            self._scaler_stepped[optimizer] = loc
+        if did_step:
+            self.cadence.optimizer_steps += 1
+        else:
+            self.cadence.skipped_steps += 1
+        if self._zero_after_bw is not None:
+            self._hit("CAD008", self._zero_after_bw)
+        if self._bws:  # a step right after another optimizer's step belongs to the same boundary
+            self._close_window(loc)
+            self._boundaries += 1
+        elif self._boundaries == 0:
+            self._boundaries += 1
+        self._skipped_pending = not did_step
+        self._zero_after_bw = self._clip = self._unscale = None
+        self._scaled = False
+
+    def _close_window(self, loc: Loc) -> None:
+        bws = self._bws
+        self._bws = []
+        self._lengths.append(len(bws))
+        self._step_locs.append(self._locs.setdefault(loc, len(self._locs)))
+        last = len(bws) - 1
+        for index, (_, bw_loc, ddp, _) in enumerate(bws):
+            if ddp is None:
+                continue
+            synced, in_no_sync, no_sync_loc = ddp
+            if not synced:
+                self.cadence.ddp_suppressed_micro_steps += 1
+            if index == last:
+                if not synced:
+                    self._hit("CAD017", bw_loc)
+            elif synced:
+                if in_no_sync:
+                    self._hit("CAD016", no_sync_loc or bw_loc)
+                else:
+                    self._hit("CAD015", bw_loc)
+
+    def _scheduler(self, loc: Loc, scheduler: int, plateau: bool) -> None:
+        self.cadence.scheduler_steps += 1
+        self._sched_steps[scheduler] += 1
+        last = self._sched_last.get(scheduler)
+        if last is not None and last == self._boundaries:
+            self._hit("CAD005", loc)
+        elif not plateau:
+            if self._boundaries == 0:
+                self._hit("CAD006", loc)
+            elif self._skipped_pending:
+                self._after_skip.append((scheduler, loc))
+        self._sched_last[scheduler] = self._boundaries
+
+    def _resolve_ce(self) -> None:
+        """Turn the recorded target counts into ints; done in batches so a GPU is not synchronised every step."""
+        for loc, counts in self._ce_windows:
+            values = counts if isinstance(counts, list) else counts.tolist()
+            if min(values) * 1.1 < max(values):
+                self._hit("CAD018", loc)
+        self._ce_windows.clear()
+
+    # ------------------------------------------------------------------------------------------------ the end
+    def finish(self, *, crashed: bool) -> AuditReport:
+        """Rules that need the whole run (window lengths, trailing backwards), then the sorted findings."""
+        self._resolve_ce()
+        self._check_window_lengths()
+        boundaries = max(self._boundaries, 1)
+        for scheduler, loc in self._after_skip:
+            # Only a scheduler stepped about once per optimizer step follows the steps; a per-epoch one does not.
+            if self._sched_steps[scheduler] * 2 >= boundaries:
+                self._hit("CAD007", loc)
+        if not crashed:
+            for loc in self._scaler_stepped.values():
+                self._hit("CAD013", loc)  # the run's last scaler.step was never followed by update
+        if self._bws and not crashed:
+            self._hit("CAD020", self._bws[0][1])
+        cadence = self.cadence
+        cadence.engine.windows = len(self._lengths)
+        cadence.window_lengths = dict(sorted(Counter(self._lengths).items()))
+        if self._precisions:
+            cadence.engine.precision = "+".join(sorted(self._precisions))
+        findings = []
+        for (rule_id, loc), count in self._hits.items():
+            implied_by = _IMPLIED_BY.get(rule_id)
+            if implied_by is not None and (implied_by, loc) in self._hits:
+                continue
+            rule = RULES[rule_id]
+            findings.append(Finding(rule=rule_id, level=rule.level, what=rule.what, fix=rule.fix,
+                                    file=loc[0] if loc else None, line=loc[1] if loc else None, count=count))
+        findings.sort(key=lambda f: (f.file or "", f.line or 0, f.rule))
+        return AuditReport(findings=findings, cadence=cadence, crashed=crashed)
+
+    def _check_window_lengths(self) -> None:
+        """CAD010: a window whose length differs from the usual one, unless it is a short last one (run/epoch)."""
+        lengths = self._lengths
+        if len(lengths) < 2:
+            return
+        counts = Counter(lengths)
+        usual = max(counts, key=lambda length: (counts[length], length))
+        last = len(lengths) - 1
+        odd = [i for i, length in enumerate(lengths) if length != usual]
+        # Loops over lists or generators show no DataLoader epochs; a short window recurring every p windows
+        # (p >= 2) at the same length looks like the end of each epoch: accept it.
+        periodic = False
+        short = [i for i in odd if i != last]
+        if not self._epoch_ends and short and all(lengths[i] < usual for i in short):
+            period = short[0] + 1
+            periodic = (period >= 2 and short == list(range(period - 1, last, period))
+                        and len({lengths[i] for i in short}) == 1)
+        locs = list(self._locs)
+        for i in odd:
+            if lengths[i] < usual and (i == last or i in self._epoch_ends or periodic):
+                continue
+            self._hit("CAD010", locs[self._step_locs[i]])
+
+
+def format_report(report: AuditReport) -> str:
+    """The human report: the observed cadence, then one block per finding (level, rule, file:line, what, fix)."""
+    c = report.cadence
+    lengths = ", ".join(f"{length} x{count}" for length, count in c.window_lengths.items()) or "none"
+    scaler = " with GradScaler" if c.grad_scaler else ""
+    lines = [
+        f"cadence audit: {c.optimizer_steps} optimizer steps ({c.skipped_steps} skipped) from {c.backwards} backward "
+        f"passes in {c.windows} windows (backwards per window: {lengths})",
+        f"  precision {c.precision}{scaler}; clip {c.clip_calls}, unscale {c.unscale_calls}, zero_grad "
+        f"{c.zero_grad_calls}, scheduler steps {c.scheduler_steps}; DDP "
+        + (f"yes ({c.ddp_suppressed_micro_steps} micro-steps under no_sync)" if c.ddp else "no"),
+    ]
+    for f in report.findings:
+        times = f" (x{f.count})" if f.count > 1 else ""
+        lines.append(f"{f.level:<7} {f.rule} {f.where}{times}: {f.what}")
+        lines.append(f"{'':<15}fix: {f.fix}")
+    levels = Counter(f.level for f in report.findings)
+    if report.findings:
+        lines.append(f"{levels[ERROR]} errors, {levels[WARNING]} warnings, {levels[INFO]} info")
+    else:
+        lines.append("no findings: the step chain looks right")
+    return "\n".join(lines)

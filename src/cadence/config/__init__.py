@@ -1,0 +1,20 @@
+"""The training configuration: the schema (one typed dataclass), its validation, and where values come from."""
+
+from cadence.config.schema import (
+    DEVICE_CHOICES,
+    FIELD_NAMES,
+    MAX_SEED,
+    STRATEGIES,
+    Strategy,
+    TrainConfig,
+    field_help,
+    flag,
+    parse_size,
+    read_field_docs,
+)
+from cadence.config.validate import distributed_problems, resolve_device, validate
+
+__all__ = [
+    "DEVICE_CHOICES", "FIELD_NAMES", "MAX_SEED", "STRATEGIES", "Strategy", "TrainConfig", "distributed_problems",
+    "field_help", "flag", "parse_size", "read_field_docs", "resolve_device", "validate",
+]

@@ -1,0 +1,206 @@
+"""The training configuration: one typed dataclass, and validation that reports every problem at once.
+
+Each field's name is its TOML key; its flag is the name with dashes (``micro_batch_size`` -> ``--micro-batch-size``).
+Flags win over the TOML file, which wins over the defaults (config_sources.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+Strategy = Literal["ddp", "fsdp"]
+STRATEGIES: tuple[Strategy, ...] = ("ddp", "fsdp")
+MAX_SEED = 2**64 - 1
+"""torch.manual_seed takes at most 64 bits."""
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a config field."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything ``cadence train`` needs. Field docstrings are the CLI help."""
+
+    model: str = "gpt-tiny"
+    """Built-in model (gpt-tiny ~1M parameters, gpt-small ~10M, gpt-base ~85M); hf:TYPE, a Hugging Face causal LM
+    built offline from its config class (hf:llama, hf:gpt2, hf:qwen2, hf:mistral ...; sizes from --model-config); or
+    a local model directory saved by save_pretrained."""
+    model_config: list[str] | None = None
+    """KEY=VALUE overrides of a Hugging Face model's config (repeat the flag), e.g. hidden_size=256."""
+    data: Path | None = None
+    """Training data: omitted = the built-in corpus (Python's standard library source); a .txt file or a directory
+    is packed into --seq-len sequences; a .jsonl file holds {"text"} or {"prompt", "completion"} examples;
+    hf:PATH is a dataset saved by datasets' save_to_disk; .parquet, .csv and .json files are read with datasets."""
+    text_field: str = "text"
+    """Column of a datasets source holding the text."""
+    prompt_field: str = "prompt"
+    """Column of a datasets source holding the prompt (no loss on it)."""
+    completion_field: str = "completion"
+    """Column of a datasets source holding the completion (the loss is on it)."""
+    seq_len: int | None = None
+    """Tokens per sequence (bytes); default: the model's context length."""
+    micro_batch_size: int | str = 8
+    """Sequences per forward/backward pass (what must fit in memory), or auto: start at --effective-batch-size /
+    (--grad-accum-steps x processes), halve it (doubling accumulation, same math) whenever a window runs out of
+    memory, and try growing back after --auto-grow-after good steps."""
+    grad_accum_steps: int | None = None
+    """Micro-batches accumulated per optimizer step; default 1, or derived from --effective-batch-size."""
+    effective_batch_size: int | None = None
+    """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps."""
+    precision: str = "fp32"
+    """Compute precision: fp32, bf16 (autocast, no loss scaling) or fp16 (autocast with a GradScaler)."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward: none, full (each block keeps only its input) or selective (keep matmul and
+    attention outputs, recompute norms, GELU and adds)."""
+    offload: str = "none"
+    """none, activations (saved tensors in host memory) or optimizer (optimizer state and update on the CPU). On a
+    CPU-only machine both run but save nothing: host and device memory are the same."""
+    memory_budget: str | None = None
+    """Peak memory allowed per process, e.g. 512MiB or 2GiB. CUDA: the allocator is capped there (a real OOM past
+    it); CPU: every step is measured by the profiler and a micro-batch past it counts as out of memory."""
+    auto_grow_after: int = 50
+    """With --micro-batch-size auto: good optimizer steps after a halving before trying a larger micro-batch again."""
+    max_grad_norm: float = 1.0
+    """Clip the total gradient norm to this, once per optimizer step after unscaling; 0 turns clipping off."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices and embeddings only (not to biases and norms)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    lr_schedule: str = "cosine"
+    """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear LR warmup."""
+    min_lr_ratio: float = 0.1
+    """Floor of the linear and cosine decay, as a fraction of --lr."""
+    max_steps: int = 100
+    """Optimizer steps to train (skipped fp16 steps do not count)."""
+    seed: int = 0
+    """Seed for weights and data order."""
+    last_window: str = "step"
+    """The short last window of an epoch: step (normalised by its own target count) or drop."""
+    val_fraction: float = 0.05
+    """Fraction of the data held out for validation (the last examples); 0 = no validation split."""
+    eval_every: int = 0
+    """Evaluate the validation loss every N optimizer steps and at the end; 0 = never."""
+    eval_batches: int = 20
+    """Validation micro-batches per evaluation (always the same ones, so evaluations compare)."""
+    device: str = "auto"
+    """auto (CUDA when available, else CPU), cpu or cuda."""
+    out: Path | None = None
+    """Run directory to create; default runs/<date>-<time>. An existing non-empty directory is refused."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N optimizer steps (and at the end) into OUT/checkpoints/step-N; 0 = none."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N checkpoints; 0 keeps all."""
+    resume: bool = False
+    """Continue the run in --out from its newest intact checkpoint, as if it had never stopped (same losses, data
+    order and LR); with no checkpoint yet, start fresh. Refused when the configuration changes the math."""
+    checkpoint_mid_window: bool = False
+    """On SIGTERM/SIGINT in the middle of a window, stop after the current micro-batch and checkpoint the gradients
+    accumulated so far, so that no micro-batch's work is lost; --resume continues the window there."""
+    max_skipped_steps: int = 50
+    """Stop (exit status 1) after this many optimizer steps in a row were skipped (fp16 overflow or non-finite
+    gradients): the run has diverged."""
+    log_every: int = 10
+    """Print a progress line every N optimizer steps when the output is not a terminal."""
+    save_hf: Path | None = None
+    """Also save the final model with save_pretrained into this directory (Hugging Face models), so that it loads in
+    transformers unchanged."""
+    strategy: str = "ddp"
+    """With several processes (--nproc-per-node or torchrun): ddp (each rank holds the whole model; gradients are
+    all-reduced once per window) or fsdp (FSDP2 fully_shard: parameters, gradients and optimizer state sharded over
+    the ranks, gathered block by block)."""
+    sync_every_micro_step: bool = False
+    """With --strategy fsdp: reduce-scatter gradients after every micro-batch instead of once per window. Each rank
+    then keeps 1/world of the gradients instead of all of them, at accumulation-times the communication; worth it
+    when memory matters more than bandwidth."""
+    collective_timeout: float = 600.0
+    """Seconds a collective waits for the other ranks before the run fails (a rank that hangs; one that dies is
+    noticed at once)."""
+    plan: Path | None = None
+    """A plan.json from cadence plan: train with its decision (micro-batch, accumulation, precision, recompute,
+    offload, model and seq-len). A flag that contradicts the plan is an error."""
+
+    # ------------------------------------------------------------------------------------------------ derived
+    @property
+    def auto_micro_batch(self) -> bool:
+        return self.micro_batch_size == "auto"
+
+    def resolved_grad_accum_steps(self, world_size: int = 1) -> int:
+        """The accumulation actually used at the start (call after ``validate``)."""
+        if self.grad_accum_steps is not None:
+            return self.grad_accum_steps
+        if self.effective_batch_size is not None and not self.auto_micro_batch:
+            return self.effective_batch_size // (int(self.micro_batch_size) * world_size)
+        return 1
+
+    def resolved_micro_batch_size(self, world_size: int = 1) -> int:
+        """The micro-batch actually used at the start; auto starts at the largest the accumulation allows."""
+        if not self.auto_micro_batch:
+            return int(self.micro_batch_size)
+        return int(self.effective_batch_size or 0) // (self.resolved_grad_accum_steps(world_size) * world_size)
+
+    def resolved_effective_batch_size(self, world_size: int = 1) -> int:
+        return self.resolved_micro_batch_size(world_size) * self.resolved_grad_accum_steps(world_size) * world_size
+
+    def memory_budget_bytes(self) -> int | None:
+        return None if self.memory_budget is None else parse_size(self.memory_budget)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return {key: (str(value) if isinstance(value, Path) else value) for key, value in out.items()}
+
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def field_help(name: str, cls: type | None = None) -> str:
+    """The docstring under a field, used as its --help text (one source of truth for both)."""
+    return read_field_docs(cls or TrainConfig).get(name, "")
+
+
+def read_field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal right under it) in a dataclass's source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+               "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1.5G' (K/M/G are binary, like KiB/MiB/GiB), '3GB' (decimal) or a byte count -> bytes."""
+    cleaned = text.strip().lower().replace(" ", "")
+    number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = cleaned[len(number):]
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} has an unknown unit; use e.g. 512MiB, 2GiB, 1.5G or a number of bytes")
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size; use e.g. 512MiB, 2GiB, 1.5G or a number of bytes") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite size")
+    return int(value * _SIZE_UNITS[unit])

@@ -1,0 +1,133 @@
+"""Where a configuration comes from: defaults <- a TOML file <- flags, with every problem of the file reported.
+
+The TOML keys are TrainConfig's field names (``micro_batch_size``); flags win over the file.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from cadence.config.schema import TrainConfig
+from cadence.config.validate import validate
+from cadence.errors import Problem, UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """Read a TOML config, checking keys and value types against TrainConfig; every problem is reported."""
+    where = f"--config {path}"
+    if not path.exists():
+        raise UsageError.single("--config", f"{path} does not exist")
+    if path.is_dir():
+        raise UsageError.single("--config", f"{path} is a directory, expected a .toml file")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise UsageError.single("--config", f"{path} is not valid TOML: {err}") from None
+    hints = get_type_hints(TrainConfig)
+    values: dict[str, Any] = {}
+    problems: list[Problem] = []
+    for key, value in raw.items():
+        if key not in hints:
+            problems.append(Problem(where=where, message=f"unknown key {key!r}; keys are the flag names with '_'"))
+            continue
+        converted = _convert(value, hints[key])
+        if converted is _INVALID:
+            problems.append(Problem(where=f"{where}: {key}", message=f"{value!r} is not a valid {_type_name(hints[key])}"))
+        else:
+            values[key] = converted
+    if problems:
+        raise UsageError(problems)
+    return values
+
+
+_INVALID = object()
+
+
+def _type_name(hint: Any) -> str:
+    args = set(getattr(hint, "__args__", ())) or {hint}
+    for kind, name in ((bool, "true or false"), (Path, "path string"), (int, "integer"), (float, "number"),
+                       (str, "string")):
+        if kind in args:
+            return name
+    return str(hint)
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    """A TOML value as the field's type, or _INVALID. Integers are accepted for float fields, not the reverse."""
+    args = set(getattr(hint, "__args__", ())) or {hint}
+    if any(getattr(arg, "__origin__", None) is list for arg in args):
+        return value if isinstance(value, list) and all(isinstance(item, str) for item in value) else _INVALID
+    if bool in args:
+        return value if isinstance(value, bool) else _INVALID
+    if isinstance(value, bool):
+        return _INVALID
+    if Path in args:
+        return Path(value) if isinstance(value, str) else _INVALID
+    if int in args and isinstance(value, int):
+        return value
+    if str in args and isinstance(value, str):
+        return value
+    if int in args:
+        return _INVALID
+    if float in args:
+        return float(value) if isinstance(value, (int, float)) else _INVALID
+    if str in args:
+        return value if isinstance(value, str) else _INVALID
+    return _INVALID
+
+
+def _given(flags: dict[str, Any]) -> dict[str, Any]:
+    """The flags the user gave: None (and an empty repeatable flag) means not given; repeats become a list."""
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in flags.items()
+            if value is not None and value != ()}
+
+
+def given_keys(*, toml_path: Path | None, flags: dict[str, Any]) -> set[str]:
+    """The fields the user set, in the TOML file or as flags (the rest are defaults)."""
+    keys = set(_given(flags))
+    if toml_path is not None and toml_path.is_file():
+        keys |= set(_good_toml_values(toml_path))
+    return keys
+
+
+def build_config(*, toml_path: Path | None, flags: dict[str, Any]) -> TrainConfig:
+    """Defaults <- TOML file <- flags (flags whose value is None were not given).
+
+    Problems in the TOML file and in the flags are reported together: a bad file does not hide a bad flag.
+    """
+    values: dict[str, Any] = {}
+    file_problems: list[Problem] = []
+    if toml_path is not None:
+        try:
+            values = load_toml(toml_path)
+        except UsageError as err:
+            file_problems = err.problems
+            if toml_path.is_file():  # keep the file's good keys so that flag validation still runs
+                values = _good_toml_values(toml_path)
+    values.update(_given(flags))
+    config = TrainConfig(**values)
+    if file_problems:
+        try:
+            validate(config)
+        except UsageError as err:
+            raise UsageError(file_problems + err.problems) from None
+        raise UsageError(file_problems)
+    return config
+
+
+def _good_toml_values(path: Path) -> dict[str, Any]:
+    """The keys of a TOML file that parse and have the right type (empty if the file is not TOML at all)."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return {}
+    hints = get_type_hints(TrainConfig)
+    converted = {key: _convert(value, hints[key]) for key, value in raw.items() if key in hints}
+    return {key: value for key, value in converted.items() if value is not _INVALID}

@@ -1,0 +1,232 @@
+"""Validation of a TrainConfig: every field and combination checked, ALL problems reported at once, each naming its
+flag; also the helpers validation shares with the CLI (sizes, devices)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cadence.config.schema import DEVICE_CHOICES, MAX_SEED, STRATEGIES, TrainConfig, flag, parse_size
+from cadence.engine.precision import PRECISIONS, precision_problem
+from cadence.engine.schedules import LR_SCHEDULES
+from cadence.engine.windows import LAST_WINDOW_CHOICES
+from cadence.errors import Problem, UsageError
+from cadence.memory.offload import OFFLOAD_MODES
+from cadence.memory.recompute import CHECKPOINTING_MODES
+from cadence.models import MODEL_NAMES, model_context_length
+
+if TYPE_CHECKING:
+    import torch
+
+
+def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False,
+             cuda_available: bool | None = None) -> None:
+    """Check every field and combination; raise one UsageError listing ALL problems, each naming its flag.
+
+    ``launched``: this process was started by torchrun (or is about to start ``world_size`` of them)."""
+
+    problems: list[Problem] = []
+
+    def bad(name: str, message: str) -> None:
+        problems.append(Problem(where=flag(name), message=message))
+
+    def choice(name: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(config, name)
+        if value not in allowed:
+            bad(name, f"{value!r} is not one of {', '.join(allowed)}")
+
+    def at_least(name: str, minimum: int) -> bool:
+        value = getattr(config, name)
+        if value is not None and value < minimum:
+            bad(name, f"must be at least {minimum}, got {value}")
+            return False
+        return True
+
+    def finite_range(name: str, low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> None:
+        value = getattr(config, name)
+        too_low = value <= low if low_open else value < low
+        too_high = value >= high if high_open else value > high
+        if not math.isfinite(value) or too_low or too_high:
+            left, right = "(" if low_open else "[", ")" if high_open else "]"
+            bad(name, f"must be in {left}{low:g}, {high:g}{right}, got {value:g}")
+
+    seq_ok = at_least("seq_len", 2)
+    if config.model not in MODEL_NAMES and not _is_hf_model(config.model):
+        bad("model", f"unknown model {config.model!r}; built-in models are {', '.join(MODEL_NAMES)}, or hf:TYPE, "
+                     f"or a local model directory")
+    elif config.model_config and config.model in MODEL_NAMES:
+        bad("model_config", f"overrides a Hugging Face model's config; {config.model} is built in")
+    elif config.model in MODEL_NAMES and config.seq_len is not None and seq_ok and \
+            config.seq_len > model_context_length(config.model):
+        context = model_context_length(config.model)
+        bad("seq_len", f"{config.seq_len} is above {config.model}'s context length of {context}")
+    problems += _batch_shape_problems(config, world_size)
+    choice("precision", PRECISIONS)
+    choice("activation_checkpointing", CHECKPOINTING_MODES)
+    choice("offload", OFFLOAD_MODES)
+    at_least("auto_grow_after", 1)
+    if config.memory_budget is not None:
+        try:
+            if parse_size(config.memory_budget) <= 0:
+                bad("memory_budget", "must be above 0")
+        except ValueError as err:
+            bad("memory_budget", str(err))
+    choice("lr_schedule", LR_SCHEDULES)
+    choice("last_window", LAST_WINDOW_CHOICES)
+    choice("device", DEVICE_CHOICES)
+    if not math.isfinite(config.max_grad_norm) or config.max_grad_norm < 0:
+        bad("max_grad_norm", f"must be >= 0 (0 turns clipping off), got {config.max_grad_norm:g}")
+    if not math.isfinite(config.lr) or config.lr <= 0:
+        bad("lr", f"must be a positive number, got {config.lr:g}")
+    finite_range("weight_decay", 0.0, 1.0)
+    finite_range("adam_beta1", 0.0, 1.0, high_open=True)
+    finite_range("adam_beta2", 0.0, 1.0, high_open=True)
+    finite_range("min_lr_ratio", 0.0, 1.0)
+    finite_range("val_fraction", 0.0, 0.5)
+    if at_least("max_steps", 1) and at_least("warmup_steps", 0) and config.warmup_steps >= config.max_steps > 1:
+        bad("warmup_steps", f"{config.warmup_steps} leaves no steps after warmup; must be below --max-steps "
+                            f"{config.max_steps}")
+    if at_least("seed", 0) and config.seed > MAX_SEED:
+        bad("seed", f"must be at most 2**64 - 1 = {MAX_SEED}, got {config.seed}")
+    at_least("eval_batches", 1)
+    at_least("checkpoint_every", 0)
+    at_least("log_every", 1)
+    if at_least("eval_every", 0) and config.eval_every > 0 and config.val_fraction == 0:
+        bad("eval_every", "needs a validation split; set --val-fraction above 0")
+    if config.plan is not None and not config.plan.is_file():
+        bad("plan", f"{config.plan} is not a file; give the plan.json that cadence plan wrote")
+    if config.save_hf is not None and config.model in MODEL_NAMES:
+        bad("save_hf", f"saves Hugging Face models; {config.model} is built in (its weights are in model.safetensors)")
+    if config.data is not None and str(config.data).startswith("hf:"):
+        if not Path(str(config.data)[3:]).exists():
+            bad("data", f"{str(config.data)[3:]} does not exist (hf:PATH is a dataset saved by save_to_disk)")
+    elif config.data is not None and not config.data.exists():
+        bad("data", f"{config.data} does not exist")
+    if config.out is not None and not (config.resume and config.out.is_dir()):
+        problem = _out_problem(config.out)
+        if problem:
+            bad("out", problem)
+    if config.resume and config.out is None:
+        bad("resume", "needs --out: the run directory to continue")
+    at_least("keep_checkpoints", 0)
+    if config.checkpoint_mid_window and config.micro_batch_size == "auto":
+        bad("checkpoint_mid_window", "needs a fixed --micro-batch-size (auto may re-cut the window it would continue)")
+    at_least("max_skipped_steps", 1)
+    problems += distributed_problems(config, world_size, launched)
+    device_ok = config.device in DEVICE_CHOICES
+    if config.device == "cuda" and not (_cuda_available() if cuda_available is None else cuda_available):
+        bad("device", "cuda was asked for but this machine has no usable CUDA device; use cpu or auto")
+        device_ok = False
+    if device_ok and config.precision in PRECISIONS:
+        # Only a real op tells whether this build and device run the precision (fp16 on some CPUs, bf16 on old GPUs).
+        reason = precision_problem(config.precision, resolve_device(config.device))
+        if reason is not None:
+            bad("precision", reason)
+    if problems:
+        raise UsageError(problems)
+
+
+def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]:
+    """--micro-batch-size, --grad-accum-steps and --effective-batch-size: each valid, and consistent together."""
+    problems: list[Problem] = []
+
+    def bad(name: str, message: str) -> None:
+        problems.append(Problem(where=flag(name), message=message))
+
+    micro = config.micro_batch_size
+    if isinstance(micro, str) and micro != "auto":
+        bad("micro_batch_size", f"{micro!r} is neither a whole number nor auto")
+    elif isinstance(micro, int) and micro < 1:
+        bad("micro_batch_size", f"must be at least 1 (or auto), got {micro}")
+    accum, effective = config.grad_accum_steps, config.effective_batch_size
+    if accum is not None and accum < 1:
+        bad("grad_accum_steps", f"must be at least 1, got {accum}")
+    if effective is not None and effective < 1:
+        bad("effective_batch_size", f"must be at least 1, got {effective}")
+    if problems:
+        return problems
+    if micro == "auto":
+        if effective is None:
+            bad("micro_batch_size", "auto needs --effective-batch-size (the batch that auto keeps fixed)")
+        elif effective % ((accum or 1) * world_size) != 0:
+            bad("effective_batch_size", f"{effective} is not divisible by --grad-accum-steps x processes = "
+                                        f"{(accum or 1) * world_size}")
+        return problems
+    if effective is not None:
+        per_step = int(micro) * world_size
+        if effective % per_step != 0:
+            bad("effective_batch_size", f"{effective} is not divisible by --micro-batch-size x processes = "
+                                        f"{per_step}; use a multiple of {per_step}")
+        elif accum is not None and accum * per_step != effective:
+            bad("effective_batch_size", f"{effective} contradicts --grad-accum-steps {accum} x --micro-batch-size "
+                                        f"{micro} x {world_size} process(es); give one of the two")
+    return problems
+
+
+def _out_problem(out: Path) -> str | None:
+    """Why the run directory cannot be created there, or None. Checked up front so nothing is half-written."""
+    if out.exists():
+        if not out.is_dir():
+            return f"{out} is a file; give a directory to create"
+        if any(out.iterdir()):
+            return f"{out} already exists and is not empty; choose a new directory"
+        return None if os.access(out, os.W_OK) else f"{out} is not writable"
+    ancestor = out.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"cannot create {out}: {ancestor} is a file"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot create {out}: {ancestor} is not writable"
+    return None
+
+
+def _is_hf_model(spec: str) -> bool:
+    return spec.startswith("hf:") or Path(spec).is_dir()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_device(name: str) -> "torch.device":
+    """auto -> cuda when available, else cpu."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def distributed_problems(config: TrainConfig, world_size: int, launched: bool) -> list[Problem]:
+    """--strategy and its companions: meaningful only with several processes, and only in combinations that work."""
+
+    problems: list[Problem] = []
+
+    def bad(name: str, message: str) -> None:
+        problems.append(Problem(where=flag(name), message=message))
+
+    if config.strategy not in STRATEGIES:
+        bad("strategy", f"{config.strategy!r} is not one of {', '.join(STRATEGIES)}")
+    elif not launched and config.strategy != "ddp":
+        bad("strategy", f"{config.strategy} needs several processes: add --nproc-per-node N or start with torchrun")
+    if config.sync_every_micro_step and config.strategy != "fsdp":
+        bad("sync_every_micro_step", "only helps --strategy fsdp (DDP keeps whole gradients on every rank either way, "
+                                     "so syncing every micro-batch would only add communication)")
+    if not math.isfinite(config.collective_timeout) or config.collective_timeout <= 0:
+        bad("collective_timeout", f"must be a positive number of seconds, got {config.collective_timeout:g}")
+    if launched:
+        if config.checkpoint_mid_window and world_size > 1:
+            bad("checkpoint_mid_window", "works with one process: mid-window, each rank holds different, not yet "
+                                         "synchronised gradients")
+        if config.strategy == "fsdp" and config.precision == "fp16":
+            bad("precision", "fp16 with --strategy fsdp is not supported: each rank would find inf/nan in its own "
+                             "gradient shard and skip steps alone; use bf16")
+        if config.strategy == "fsdp" and config.offload == "optimizer":
+            bad("offload", "optimizer offload with --strategy fsdp is not supported; FSDP already shards the "
+                           "optimizer state over the ranks")
+    return problems

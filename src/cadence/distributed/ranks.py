@@ -1,0 +1,245 @@
+"""Several processes: PyTorch's own torch.distributed (launched by torchrun), DDP or FSDP2, and what the step chain
+needs from them.
+
+cadence never builds its own communication: DDP (``DistributedDataParallel``) or FSDP2 (``fully_shard``) move the
+gradients, and this module only decides WHEN (``Collective.gradient_sync``: once per window, entered before the last
+micro-batch's forward) and adds the one small all-reduce the normalisation needs (the window's target count, summed
+over ranks, so that any split micro x accum x world gives the gradient of one big batch).
+
+Configuration comes from the command line; the only environment variables read are torchrun's rank variables
+(RANK, LOCAL_RANK, WORLD_SIZE; MASTER_ADDR and MASTER_PORT are read by torch.distributed itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cadence.config import Strategy
+from cadence.memory.recompute import checkpoint_blocks
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ranks:
+    """Where this process stands: its rank among ``world_size`` processes and how they share the model."""
+
+    rank: int = 0
+    local_rank: int = 0
+    """Rank on this machine: picks the CUDA device."""
+    world_size: int = 1
+    launched: bool = False
+    """True under torchrun (a process group exists, even with one process)."""
+    strategy: Strategy = "ddp"
+    sync_every_micro_step: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone prints and writes the run directory."""
+        return self.rank == 0
+
+
+SINGLE = Ranks()
+"""One process, no process group."""
+
+
+def torchrun_ranks() -> tuple[int, int, int] | None:
+    """(rank, local_rank, world_size) when torchrun started this process, else None."""
+    try:
+        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+
+
+def start(*, device_type: str, strategy: Strategy, sync_every_micro_step: bool, timeout_s: float) -> Ranks:
+    """Join torchrun's process group: nccl on CUDA, gloo on CPU.
+
+    ``timeout_s`` bounds every collective: a rank that hangs (rather than dies, which torchrun sees at once) fails
+    the run after that long instead of blocking the others forever.
+    """
+    found = torchrun_ranks()
+    if found is None:
+        raise RuntimeError("not started by torchrun (RANK and WORLD_SIZE are not set)")
+    rank, local_rank, world_size = found
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return Ranks(rank=rank, local_rank=local_rank, world_size=world_size, launched=True, strategy=strategy,
+                 sync_every_micro_step=sync_every_micro_step)
+
+
+def stop(ranks: Ranks) -> None:
+    """Leave the process group after a run that succeeded on every rank.
+
+    The barrier first: a rank that tears its connections down while rank 0 still writes the run directory made
+    gloo abort at exit ("terminate called without an active exception"). After a failure nothing is torn down:
+    the process exits, and waiting for ranks that may be gone could hang."""
+    if ranks.launched and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def rank_device(device: torch.device, ranks: Ranks) -> torch.device:
+    """Each process on a machine gets its own GPU (cuda:LOCAL_RANK); CPU processes share the CPU."""
+    if device.type == "cuda" and ranks.launched:
+        return torch.device("cuda", ranks.local_rank)
+    return device
+
+
+# ---------------------------------------------------------------------------------------------------- wrapping
+def wrap_model(model: torch.nn.Module, ranks: Ranks, device: torch.device) -> torch.nn.Module:
+    """DDP or FSDP2 around ``model`` (already on ``device``, recompute already applied); unchanged without torchrun.
+
+    Build the optimizer AFTER this: FSDP2 replaces the parameters with sharded DTensors.
+    """
+    if not ranks.launched:
+        return model
+    if ranks.strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+
+        # One FSDP unit per transformer block (all-gathered just before its forward, freed after), and the root
+        # for the rest (embeddings, final norm, a tied head): the usual granularity (torchtitan, torchtune).
+        for block in checkpoint_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        # cadence's models keep no running statistics (BatchNorm is refused by verify): broadcasting buffers
+        # before every forward would only add a collective per micro-batch.
+        forward_sync_buffers=False,
+        # Gradients live in DDP's communication buckets: one copy of the gradients instead of two.
+        gradient_as_bucket_view=True,
+    )
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside DDP (FSDP2 shards in place: the module is its own wrapper)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+class ProcessGroupCollective:
+    """The engine's Collective over torch.distributed: DDP's ``no_sync`` or FSDP2's gradient-sync switch, and sums."""
+
+    def __init__(self, ranks: Ranks, device: torch.device) -> None:
+        self.ranks = ranks
+        self.world_size = ranks.world_size
+        # nccl reduces CUDA tensors only; gloo reduces CPU tensors.
+        self._reduce_device = device if device.type == "cuda" else torch.device("cpu")
+
+    @contextlib.contextmanager
+    def gradient_sync(self, model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+        if self.ranks.strategy == "fsdp":
+            fsdp_model: Any = model
+            # Without sync, FSDP2 keeps each micro-batch's UNSHARDED gradients (memory of a full gradient per rank)
+            # and reduce-scatters once per window; --sync-every-micro-step reduce-scatters every micro-batch into
+            # sharded gradients instead: 1/world of the gradient memory, accum times the communication.
+            fsdp_model.set_requires_gradient_sync(enabled or self.ranks.sync_every_micro_step)
+            try:
+                yield
+            finally:
+                fsdp_model.set_requires_gradient_sync(True)
+            return
+        if enabled or self.ranks.sync_every_micro_step:
+            yield
+            return
+        # DDP decides in forward whether the following backward all-reduces: no_sync must wrap the forward too.
+        with model.no_sync():  # type: ignore[operator]
+            yield
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        reduced = values.to(self._reduce_device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        return reduced.cpu()
+
+
+def any_rank(flag: bool, ranks: Ranks) -> bool:
+    """True on every rank when ``flag`` is true on at least one: decisions that must be taken together (stop on a
+    signal, give up), so that no rank waits in a collective the others will never enter."""
+    if not ranks.launched:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def max_over_ranks(value: int | None, ranks: Ranks) -> int | None:
+    """The largest value over ranks (None counts as absent): e.g. the peak memory of the busiest rank."""
+    if not ranks.launched:
+        return value
+    tensor = torch.tensor([-1 if value is None else value], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    result = int(tensor.item())
+    return None if result < 0 else result
+
+
+def broadcast_from_main(obj: Any, ranks: Ranks) -> Any:
+    """Rank 0's ``obj`` on every rank (a picklable value, such as the default run directory's name)."""
+    if not ranks.launched:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------------- state
+def full_model_state(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Tensor]:
+    """The whole model's weights with the user's parameter names, on the CPU; every rank must call this (FSDP2
+    gathers the shards), and only rank 0 is guaranteed the full dict."""
+    if ranks.launched and ranks.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return dict(unwrap(model).state_dict())
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: Ranks) -> dict[str, Any]:
+    """The optimizer's state as rank 0 saves it; a collective under FSDP2 (every rank calls it)."""
+    if ranks.launched and ranks.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def optimizer_state_format(ranks: Ranks) -> str:
+    """How ``full_optimizer_state`` keys parameters: FSDP2's full state by name, torch's own by index. A checkpoint
+    resumes only under the same format."""
+    return "by-name" if ranks.launched and ranks.strategy == "fsdp" else "by-index"
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: Ranks,
+                    weights: Mapping[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+    """Load what ``full_model_state`` and ``full_optimizer_state`` saved (every rank reads the same checkpoint)."""
+    if ranks.launched and ranks.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, dict(weights), options=options)
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+        return
+    unwrap(model).load_state_dict(weights)
+    optimizer.load_state_dict(optimizer_state)

@@ -1,0 +1,24 @@
+"""The step chain (``Engine.step``) and what it is made of: precision, windows of micro-batches, LR schedules.
+
+Usable from a user's own loop: ``from cadence.engine import Engine, iter_windows``.
+"""
+
+from cadence.engine.precision import PRECISIONS, Precision, PrecisionName
+from cadence.engine.schedules import LR_SCHEDULES, build_lr_scheduler, lr_factor
+from cadence.engine.step import Engine, LossFn, PartialWindow, SingleProcess, StepResult, token_cross_entropy_sum
+from cadence.engine.windows import (
+    IGNORE_INDEX,
+    Batch,
+    Window,
+    count_targets,
+    count_tokens,
+    epoch_windows,
+    iter_windows,
+    make_window,
+)
+
+__all__ = [
+    "IGNORE_INDEX", "LR_SCHEDULES", "PRECISIONS", "Batch", "Engine", "LossFn", "PartialWindow", "Precision",
+    "PrecisionName", "SingleProcess", "StepResult", "Window", "build_lr_scheduler", "count_targets", "count_tokens",
+    "epoch_windows", "iter_windows", "lr_factor", "make_window", "token_cross_entropy_sum",
+]

@@ -1,0 +1,396 @@
+"""The step chain: one optimizer step from one window of micro-batches, readable top to bottom in ``Engine.step``.
+
+Use it from your own loop::
+
+    engine = Engine(model, optimizer, scheduler=scheduler, precision="bf16", max_grad_norm=1.0)
+    for window in iter_windows(loader, grad_accum_steps=4):
+        result = engine.step(window)
+
+Rules it keeps (each has a test that fails when the rule is broken):
+- every micro-batch's summed loss is divided by the window's target count (over all processes), so any split of the
+  window gives the gradient of one big batch, whatever the padding and the targets per example;
+- gradients synchronise only on the window's last micro-batch (the sync context is entered before its forward);
+- fp16 unscales before clipping; clipping happens once per window, on the total norm;
+- the LR scheduler advances only when the optimizer really stepped; skipped steps are counted apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from cadence.engine.precision import Precision, PrecisionName
+from cadence.engine.windows import IGNORE_INDEX, Batch, Window, WindowCounter, make_window
+from cadence.memory.meter import StepMemoryMeter
+from cadence.memory.offload import activation_offload
+
+LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
+"""``loss_fn(model, micro_batch)`` returns the SUM of per-target losses of the micro-batch (a scalar tensor)."""
+
+
+def token_cross_entropy_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Next-token cross-entropy summed over targets (labels != -100) of a causal LM that returns logits [B, T, V]."""
+    logits = model(batch["input_ids"])
+    if not isinstance(logits, torch.Tensor):  # Hugging Face style outputs
+        logits = logits.logits
+    # The loss is computed in fp32 even under autocast: a sum over thousands of targets in bf16 loses digits.
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+class Collective(Protocol):
+    """What the step chain needs from the process group; the single-process default is ``SingleProcess``."""
+
+    world_size: int
+
+    def gradient_sync(self, model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        """Context for one micro-batch's forward and backward; ``enabled=False`` suppresses gradient all-reduce."""
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a small float64 vector over all processes (every process receives the sum)."""
+
+
+class SingleProcess:
+    """One process: nothing to synchronise."""
+
+    world_size = 1
+
+    def gradient_sync(self, model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    """What one window did. Counts are summed over all processes."""
+
+    step: int
+    """Optimizer steps that really happened so far, this one included."""
+    window: int
+    """Windows attempted so far, skipped ones included."""
+    skipped: bool
+    """True when the optimizer did not step (fp16 overflow, non-finite gradients, or no targets)."""
+    skip_reason: str | None
+    loss: float | None
+    """Token-mean loss over the whole window (None when the window had no targets)."""
+    grad_norm: float | None
+    """Total gradient norm before clipping, unscaled; None when not finite or not computed."""
+    lr: float
+    """The learning rate this step used (read before the scheduler advanced)."""
+    loss_scale: float | None
+    """The fp16 loss scale the window's backward used; None for fp32 and bf16."""
+    micro_steps: int
+    micro_batch_size: int
+    """Sequences in the window's largest micro-batch (changes under --micro-batch-size auto)."""
+    samples: int
+    tokens: int
+    targets: int
+    step_time_s: float
+    peak_memory_bytes: int | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    def as_metrics(self) -> dict[str, Any]:
+        """The metrics.jsonl row of docs/ARCHITECTURE.md, "The run directory" (plus ``window``, ``targets`` and ``skip_reason``)."""
+        row = asdict(self)
+        row["tokens_per_s"] = self.tokens_per_s
+        return row
+
+
+class Engine:
+    """Runs the step chain for a model and optimizer the user built; see the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        precision: PrecisionName | Precision = "fp32",
+        max_grad_norm: float = 0.0,
+        loss_fn: LossFn = token_cross_entropy_sum,
+        collective: Collective | None = None,
+        counter: WindowCounter | None = None,
+        skip_nonfinite: bool = True,
+        offload_activations: bool = False,
+        memory_budget_bytes: int | None = None,
+        agree_on_out_of_memory: bool = False,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.device = next(model.parameters()).device
+        self.precision = precision if isinstance(precision, Precision) else Precision(precision, self.device)
+        self.max_grad_norm = float(max_grad_norm)
+        self.loss_fn = loss_fn
+        self.collective: Collective = collective or SingleProcess()
+        self.counter = counter or WindowCounter()
+        self.skip_nonfinite = skip_nonfinite
+        self.offload_activations = offload_activations
+        """Keep the tensors saved for backward in host memory (``torch.autograd.graph.save_on_cpu``)."""
+        self.memory = StepMemoryMeter(self.device, budget_bytes=memory_budget_bytes)
+        self.agree_on_out_of_memory = agree_on_out_of_memory and self.collective.world_size > 1
+        """Several processes retrying out-of-memory windows (--micro-batch-size auto): after each micro-batch's
+        forward and after its backward, all ranks learn whether any ran out of memory, and all raise together."""
+        self.phases: PhaseRecorder | None = None
+        """Set by cadence.profiling.profiler while a profile runs; None (no annotations, no cost) otherwise."""
+        self.steps = 0
+        """Optimizer steps that really happened."""
+        self.skipped_steps = 0
+        """Windows whose optimizer step was skipped."""
+        self.windows = 0
+        """Windows attempted."""
+
+    # ------------------------------------------------------------------------------------------------ the chain
+    def step(
+        self,
+        window: Window | Sequence[Batch],
+        *,
+        measure_memory: bool = False,
+        on_micro_batch: Callable[[int], None] | None = None,
+        stop_requested: Callable[[], bool] | None = None,
+        resume: PartialWindow | None = None,
+    ) -> StepResult:
+        """Run one window through the step chain and return what happened.
+
+        ``measure_memory`` profiles this step's peak on CPU (CUDA is always measured, at no cost);
+        ``on_micro_batch(index)`` is called before each micro-batch (a progress display uses it).
+        ``stop_requested()`` is asked after each micro-batch but the last: when it says yes, WindowInterrupted is
+        raised with the gradients accumulated so far left in place (a checkpoint saves them); ``resume`` continues
+        such a window from where it stopped.
+        """
+        if self.phases is not None:
+            self.phases.step_started()  # the time since the previous step ended was spent waiting for this window
+        if not isinstance(window, Window):
+            window = make_window(window, counter=self.counter)
+        started = time.perf_counter()
+        world = self.collective.world_size
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        loss_scale = self.precision.loss_scale
+        self.model.train()
+
+        with self.memory.measure(
+            model=self.model, optimizer=self.optimizer, enabled=measure_memory, segmented=True
+        ):
+            # Sync point: every process must know the WHOLE window's target count before its first backward.
+            with self._phase("gradient_sync"):
+                totals = self.collective.all_reduce_sum(
+                    torch.tensor([window.targets, window.tokens, window.samples], dtype=torch.float64)
+                )
+            window_targets, tokens, samples = (int(v) for v in totals.tolist())
+            if window_targets == 0:
+                return self._skip_empty_window(window, started, lr, loss_scale, tokens, samples)
+
+            loss_sum = torch.full((), resume.loss_sum if resume else 0.0, dtype=torch.float64, device=self.device)
+            last = len(window.micro_batches) - 1
+            try:
+                for index, micro_batch in enumerate(window.micro_batches):
+                    if resume is not None and index < resume.micro_batches_done:
+                        continue  # their gradients were restored from the checkpoint
+                    if on_micro_batch is not None:
+                        on_micro_batch(index)
+                    batch = _to_device(micro_batch, self.device)
+                    agreement = _OutOfMemoryAgreement(self.collective, enabled=self.agree_on_out_of_memory)
+                    # guarded: a micro-batch above --memory-budget raises out-of-memory, like a real CUDA OOM.
+                    with agreement, self.memory.segment(guarded=True):
+                        # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.
+                        with self.collective.gradient_sync(self.model, enabled=index == last):
+                            with self._phase("forward"), self.precision.autocast(), self._saved_tensors_context():
+                                micro_loss_sum = self.loss_fn(self.model, batch)
+                            agreement.passed("forward")  # before any backward hook can start an all-reduce
+                            # Dividing by the window's targets (not the micro-batch's) makes the accumulated
+                            # gradient the one-big-batch gradient; x world undoes DDP's average over processes.
+                            with self._phase("backward"):
+                                self.precision.backward(micro_loss_sum * (world / window_targets))
+                    agreement.passed("backward")
+                    loss_sum += micro_loss_sum.detach().to(torch.float64)
+                    del micro_loss_sum, batch  # free the graph's last references before the next micro-batch
+                    if stop_requested is not None and index < last and stop_requested():
+                        raise WindowInterrupted(micro_batches_done=index + 1, loss_sum=float(loss_sum))
+            except WindowInterrupted:
+                raise  # the accumulated gradients are the point: keep them for the checkpoint
+            except BaseException:
+                # Out of memory (or interrupted) mid-window: drop the partial gradients so that a retry of the same
+                # window, at any micro-batch size, starts from exactly the state before it. Nothing was counted.
+                self.optimizer.zero_grad(set_to_none=True)
+                raise
+
+            self.windows += 1
+            with self.memory.segment():
+                with self._phase("unscale_clip"):
+                    grad_norm = self.precision.unscale_and_clip(
+                        self.optimizer, self.model.parameters(), self.max_grad_norm
+                    )
+                with self._phase("optimizer_step"):
+                    if self.skip_nonfinite and not self.precision.has_scaler and not math.isfinite(grad_norm):
+                        did_step, reason = False, "non-finite gradients"
+                    else:
+                        did_step = self.precision.step(self.optimizer)  # fp16: skipped when the scaler found inf
+                        reason = None if did_step else "fp16 overflow"
+                with self._phase("zero_grad_scheduler"):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if did_step and self.scheduler is not None:
+                        self.scheduler.step()  # only after a real step: a skipped step must not move the schedule
+            if did_step:
+                self.steps += 1
+            else:
+                self.skipped_steps += 1
+
+            with self._phase("gradient_sync"):
+                window_loss = float(self.collective.all_reduce_sum(loss_sum.reshape(1).cpu())[0]) / window_targets
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # honest step time: wait for the optimizer's kernels
+        return StepResult(
+            step=self.steps,
+            window=self.windows,
+            skipped=not did_step,
+            skip_reason=reason,
+            loss=window_loss,
+            grad_norm=grad_norm if math.isfinite(grad_norm) else None,
+            lr=lr,
+            loss_scale=loss_scale,
+            micro_steps=len(window.micro_batches),
+            micro_batch_size=max(self.counter.samples(b) for b in window.micro_batches),
+            samples=samples,
+            tokens=tokens,
+            targets=window_targets,
+            step_time_s=time.perf_counter() - started,
+            peak_memory_bytes=self.memory.peak_bytes,
+        )
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """A profiling range around one phase of the step; a shared no-op when profiling is off (no cost)."""
+        return NO_PHASE if self.phases is None else self.phases.phase(name)
+
+    def _saved_tensors_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Where autograd keeps what the forward saves for backward: device memory, or host memory when offloaded."""
+        if not self.offload_activations:
+            return contextlib.nullcontext()
+        return activation_offload(self.device)
+
+    def _skip_empty_window(
+        self, window: Window, started: float, lr: float, loss_scale: float | None, tokens: int, samples: int
+    ) -> StepResult:
+        """A window without a single target has no loss to average: skip it, never divide by zero."""
+        self.windows += 1
+        warnings.warn(
+            f"window {self.windows} has no loss-bearing targets (every label is -100); skipped", stacklevel=3
+        )
+        self.skipped_steps += 1
+        return StepResult(
+            step=self.steps, window=self.windows, skipped=True, skip_reason="no targets", loss=None,
+            grad_norm=None, lr=lr, loss_scale=loss_scale, micro_steps=len(window.micro_batches),
+            micro_batch_size=max(self.counter.samples(b) for b in window.micro_batches), samples=samples,
+            tokens=tokens, targets=0, step_time_s=time.perf_counter() - started, peak_memory_bytes=None,
+        )
+
+    # ------------------------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Sequence[Batch] | Any) -> float | None:
+        """Token-mean loss over ``micro_batches`` (all processes), in eval mode and the training precision."""
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64)
+        try:
+            for micro_batch in micro_batches:
+                batch = _to_device(micro_batch, self.device)
+                with self.precision.autocast():
+                    totals[0] += float(self.loss_fn(self.model, batch))
+                totals[1] += self.counter.targets(micro_batch)
+        finally:
+            self.model.train(was_training)
+        loss_sum, targets = self.collective.all_reduce_sum(totals).tolist()
+        return loss_sum / targets if targets > 0 else None
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and precision state; the optimizer and scheduler state belong to their own objects."""
+        return {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "windows": self.windows,
+            "precision": self.precision.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.windows = int(state["windows"])
+        self.precision.load_state_dict(dict(state["precision"]))
+
+
+NO_PHASE = contextlib.nullcontext()
+
+
+@dataclass(kw_only=True)
+class PartialWindow:
+    """How far an interrupted window got: its first ``micro_batches_done`` micro-batches are in the gradients."""
+
+    micro_batches_done: int
+    loss_sum: float
+    """Their summed loss (float64), so the window's reported loss is exact after a resume."""
+
+
+class WindowInterrupted(Exception):
+    """A stop was asked for between two micro-batches of a window; the gradients so far are still in place."""
+
+    def __init__(self, *, micro_batches_done: int, loss_sum: float) -> None:
+        super().__init__(f"window interrupted after {micro_batches_done} micro-batches")
+        self.partial = PartialWindow(micro_batches_done=micro_batches_done, loss_sum=loss_sum)
+
+
+class _OutOfMemoryAgreement:
+    """All ranks learn together whether any ran out of memory in a micro-batch, so that all retry it (or give up)
+    together instead of one waiting in a collective the others never enter.
+
+    Each rank takes part in the same sequence of tiny all-reduces: one after the forward, one after the backward,
+    ending at the first that reports a failure. A rank that ran out of memory reports it at the point it reached; the
+    others raise there too. (The CPU budget is checked after the backward. On CUDA, an out-of-memory inside the
+    backward of a window's LAST micro-batch, while DDP all-reduces, cannot be agreed on: that run fails.)
+    """
+
+    def __init__(self, collective: Collective, *, enabled: bool) -> None:
+        self.collective = collective
+        self.enabled = enabled
+        self.settled = False
+
+    def passed(self, point: str) -> None:
+        if self.enabled and not self.settled and self._failures(0) > 0:
+            self.settled = True
+            raise torch.OutOfMemoryError(f"another rank ran out of memory in this micro-batch's {point}")
+
+    def __enter__(self) -> _OutOfMemoryAgreement:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
+        if self.enabled and not self.settled and isinstance(error, torch.OutOfMemoryError):
+            self.settled = True
+            self._failures(1)  # tell the others at the point they will reach next; the error goes on
+
+    def _failures(self, mine: int) -> int:
+        return int(self.collective.all_reduce_sum(torch.tensor([float(mine)], dtype=torch.float64))[0])
+
+
+class PhaseRecorder(Protocol):
+    """What the engine tells a profiler: where each step starts, and the phases inside it."""
+
+    def step_started(self) -> None: ...
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[Any]: ...
+
+
+def _to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}

@@ -1,0 +1,264 @@
+"""Accumulation windows: the micro-batches of one optimizer step, and how many loss-bearing targets they hold.
+
+The target count of the whole window must be known BEFORE the first backward, because every micro-batch's loss is
+divided by it: that is what makes any split (micro x accum x world) give the gradient of one big batch. Micro-batches
+are small index tensors, so holding one window of them in memory costs nothing next to the activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from cadence.data.batching import IGNORE_INDEX, PAD_TOKEN_ID, Example, collate, epoch_order
+
+Batch = Mapping[str, torch.Tensor]
+"""A micro-batch: ``input_ids`` [B, T] and ``labels`` [B, T] (-100 = no loss), or anything a custom loss reads."""
+
+LastWindow = Literal["step", "drop"]
+LAST_WINDOW_CHOICES: tuple[LastWindow, ...] = ("step", "drop")
+
+def count_targets(batch: Batch) -> int:
+    """Loss-bearing targets of a micro-batch: labels != -100. A fully masked micro-batch has zero, not an error."""
+    return int((batch["labels"] != IGNORE_INDEX).sum().item())
+
+
+def count_tokens(batch: Batch) -> int:
+    """Input tokens a micro-batch really carries: positions up to each row's last target (right padding excluded).
+
+    Padded positions are computed but are not work the user asked for, so throughput counts real tokens only.
+    """
+    labels = batch["labels"]
+    if labels.ndim != 2:
+        return int(labels.numel())
+    has_target = labels != IGNORE_INDEX
+    length = labels.shape[1]
+    # Index of the last target in each row, +1; rows with no target count their full length (they were read).
+    last = length - torch.argmax(has_target.flip(1).to(torch.int8), dim=1)
+    last = torch.where(has_target.any(dim=1), last, torch.full_like(last, length))
+    return int(last.sum().item())
+
+
+def count_samples(batch: Batch) -> int:
+    return int(next(iter(batch.values())).shape[0])
+
+
+@dataclass(kw_only=True)
+class Window:
+    """The micro-batches of one optimizer step."""
+
+    micro_batches: list[Batch]
+    """In order; the last one closes the window (and is the only one whose backward synchronises gradients)."""
+    targets: int
+    """Loss-bearing targets in this window on this process (the engine sums it over processes)."""
+    tokens: int
+    """Real input tokens in this window on this process."""
+    samples: int
+    """Sequences in this window on this process."""
+    epoch: int = 0
+    """The epoch the window belongs to (windows never span epochs)."""
+    short: bool = False
+    """True for an epoch's last window when it has fewer micro-batches or samples than a full one."""
+    padding: int = 0
+    """Trailing padding micro-batches (no targets) that keep this rank's micro-batch count equal to the others'."""
+    largest_share: int | None = None
+    """With several processes: the most samples any rank holds in this window; every rank runs as many
+    micro-batches as that share needs (None: one process, this window is the whole window)."""
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+
+@dataclass(kw_only=True)
+class WindowCounter:
+    """Counts targets, tokens and samples; the default reads ``labels``, a user's loop may pass its own."""
+
+    targets: Callable[[Batch], int] = count_targets
+    tokens: Callable[[Batch], int] = count_tokens
+    samples: Callable[[Batch], int] = count_samples
+
+
+def make_window(micro_batches: Sequence[Batch], *, epoch: int = 0, short: bool = False,
+                counter: WindowCounter | None = None) -> Window:
+    """Wrap a list of micro-batches as a window, counting what it holds."""
+    counter = counter or WindowCounter()
+    batches = list(micro_batches)
+    if not batches:
+        raise ValueError("a window needs at least one micro-batch")
+    return Window(
+        micro_batches=batches,
+        targets=sum(counter.targets(b) for b in batches),
+        tokens=sum(counter.tokens(b) for b in batches),
+        samples=sum(counter.samples(b) for b in batches),
+        epoch=epoch,
+        short=short,
+    )
+
+
+def iter_windows(
+    micro_batches: Iterable[Batch],
+    grad_accum_steps: int,
+    *,
+    micro_batch_size: int | None = None,
+    last_window: LastWindow = "step",
+    epoch: int = 0,
+    counter: WindowCounter | None = None,
+) -> Iterator[Window]:
+    """Group one epoch's micro-batches into windows of ``grad_accum_steps``.
+
+    The epoch's last window may be short: fewer micro-batches, or a smaller last micro-batch (``micro_batch_size``
+    tells what full is). ``last_window="step"`` yields it, and because the engine divides by the window's OWN target
+    count it is normalised correctly (a fixed divisor would under-weight it); ``"drop"`` discards it.
+    """
+    if grad_accum_steps < 1:
+        raise ValueError("grad_accum_steps must be >= 1")
+    pending: list[Batch] = []
+    for batch in micro_batches:
+        pending.append(batch)
+        if len(pending) == grad_accum_steps:
+            short = micro_batch_size is not None and count_samples(pending[-1]) < micro_batch_size
+            if not (short and last_window == "drop"):
+                yield make_window(pending, epoch=epoch, short=short, counter=counter)
+            pending = []
+    if pending and last_window == "step":
+        yield make_window(pending, epoch=epoch, short=True, counter=counter)
+
+
+def resplit_window(window: Window, micro_batch_size: int, *, counter: WindowCounter | None = None) -> Window:
+    """The same samples in micro-batches of ``micro_batch_size`` (the last may be smaller): same window, same math.
+
+    Micro-batches are right-padded to a common width before they are re-cut (input 0, label -100), then each new
+    micro-batch is trimmed after its last target column. With a causal model neither changes any target's loss:
+    positions after a target are never attended to by it, and padded positions carry no loss. This is what lets
+    ``--micro-batch-size auto`` retry an out-of-memory window at half the size and get the same gradient.
+    """
+    if micro_batch_size < 1:
+        raise ValueError("micro_batch_size must be >= 1")
+    batches = window.micro_batches[:len(window.micro_batches) - window.padding]
+    if not batches:  # this rank holds no sample of the window: padding only, as many as the largest share needs
+        return _padded(window, [], micro_batch_size, counter)
+    merged = _merged_rows(batches)
+    total = int(merged["labels"].shape[0])
+    chunks = []
+    for start in range(0, total, micro_batch_size):
+        chunk = {key: value[start:start + micro_batch_size] for key, value in merged.items()}
+        chunks.append(_trim_after_last_target(chunk))
+    return _padded(window, chunks, micro_batch_size, counter)
+
+
+def window_share(window: Window, micro_batch_size: int, *, world_size: int, rank: int,
+                 counter: WindowCounter | None = None) -> Window:
+    """Rank ``rank``'s share of a whole window, cut into micro-batches: the same contiguous, balanced slice of its
+    samples as ``epoch_windows`` gives that rank, padded to the largest share's micro-batch count."""
+    rows = _merged_rows(window.micro_batches[:len(window.micro_batches) - window.padding])
+    total = int(rows["labels"].shape[0])
+    base, extra = divmod(total, world_size)
+    bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
+    mine = {key: value[bounds[rank]:bounds[rank + 1]] for key, value in rows.items()}
+    share = Window(micro_batches=[mine] if bounds[rank + 1] > bounds[rank] else [], targets=0, tokens=0, samples=0,
+                   epoch=window.epoch, short=window.short, largest_share=bounds[1] - bounds[0])
+    return resplit_window(share, micro_batch_size, counter=counter)
+
+
+def _merged_rows(batches: Sequence[Batch]) -> dict[str, torch.Tensor]:
+    """All rows of ``batches`` in one batch, right-padded to a common width (input 0, label -100)."""
+    width = max(int(b["labels"].shape[1]) for b in batches)
+    padded = [_pad_to_width(batch, width) for batch in batches]
+    return {key: torch.cat([batch[key] for batch in padded]) for key in padded[0]}
+
+
+def _padded(window: Window, chunks: list[Batch], micro_batch_size: int, counter: WindowCounter | None) -> Window:
+    """``chunks`` as ``window`` re-cut, plus the padding micro-batches that match the largest rank share's count."""
+    needed = len(chunks) if window.largest_share is None else -(-window.largest_share // micro_batch_size)
+    padding = [padding_micro_batch() for _ in range(needed - len(chunks))]
+    counted = make_window(chunks, counter=counter) if chunks else None
+    return Window(micro_batches=[*chunks, *padding], targets=counted.targets if counted else 0,
+                  tokens=counted.tokens if counted else 0, samples=counted.samples if counted else 0,
+                  epoch=window.epoch, short=window.short, padding=len(padding), largest_share=window.largest_share)
+
+
+def _pad_to_width(batch: Batch, width: int) -> dict[str, torch.Tensor]:
+    current = int(batch["labels"].shape[1])
+    if current == width:
+        return dict(batch)
+    out = {}
+    for key, value in batch.items():
+        if value.ndim == 2 and value.shape[1] == current:
+            fill = IGNORE_INDEX if key == "labels" else 0
+            value = torch.nn.functional.pad(value, (0, width - current), value=fill)
+        out[key] = value
+    return out
+
+
+def _trim_after_last_target(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    labels = batch["labels"]
+    columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
+    width = int(columns[-1]) + 1 if len(columns) else 1
+    if width == labels.shape[1]:
+        return batch
+    full = labels.shape[1]
+    return {key: (value[:, :width] if value.ndim == 2 and value.shape[1] == full else value)
+            for key, value in batch.items()}
+
+
+def epoch_windows(
+    examples: Sequence[Example],
+    *,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    seed: int,
+    epoch: int,
+    world_size: int = 1,
+    rank: int = 0,
+    last_window: LastWindow = "step",
+) -> Iterator[Window]:
+    """This process's windows of one epoch: its disjoint share of each global window.
+
+    A global window is the next ``micro x accum x world`` samples of the epoch's permutation (the same permutation
+    for every split), so window by window the union over ranks is exactly what one process sees with the same
+    effective batch. Each rank takes a contiguous slice of it: equal slices of ``micro x accum``, or, in the epoch's
+    short last window, slices that differ by at most one sample.
+
+    Every rank must run the same number of micro-batches per window (DDP and FSDP2 pair their collectives by
+    order), so a rank whose slice needs fewer gets *padding micro-batches*: one position with no target. They add
+    nothing to the loss, the gradient or the counts, and keep the collectives in step.
+    """
+    if micro_batch_size < 1 or grad_accum_steps < 1 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError("micro_batch_size, grad_accum_steps and world_size must be >= 1, and 0 <= rank < world_size")
+    order = epoch_order(len(examples), seed, epoch).tolist()
+    per_window = micro_batch_size * grad_accum_steps * world_size
+    for start in range(0, len(order), per_window):
+        window_ids = order[start:start + per_window]
+        short = len(window_ids) < per_window
+        if short and last_window == "drop":
+            return
+        base, extra = divmod(len(window_ids), world_size)
+        bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
+        mine = window_ids[bounds[rank]:bounds[rank + 1]]
+        # The rank with the largest slice (rank 0) sets how many micro-batches every rank runs.
+        largest_share = bounds[1] - bounds[0]
+        micro_steps = -(-largest_share // micro_batch_size)
+        batches = [collate([examples[i] for i in mine[at:at + micro_batch_size]])
+                   for at in range(0, len(mine), micro_batch_size)]
+        real = make_window(batches, epoch=epoch, short=short) if batches else None
+        padding = [padding_micro_batch() for _ in range(micro_steps - len(batches))]
+        yield Window(
+            micro_batches=batches + padding,
+            targets=real.targets if real else 0,
+            tokens=real.tokens if real else 0,
+            samples=real.samples if real else 0,
+            epoch=epoch,
+            short=short,
+            padding=len(padding),
+            largest_share=largest_share if world_size > 1 else None,
+        )
+
+
+def padding_micro_batch() -> dict[str, torch.Tensor]:
+    """One position, no target: runs the forward and backward the collectives need and contributes exactly zero
+    (its summed loss is 0, so is its gradient)."""
+    return {"input_ids": torch.full((1, 1), PAD_TOKEN_ID, dtype=torch.long),
+            "labels": torch.full((1, 1), IGNORE_INDEX, dtype=torch.long)}

@@ -1,0 +1,442 @@
+"""Where the memory of one training step of the built-in GPT goes, predicted without running it.
+
+The estimate is a replay, not a sum: it walks the step op by op (forward, backward, optimizer step) the way PyTorch
+runs it, allocating each tensor when the op that makes it runs and freeing it when the last user lets it go, and
+reports the highest total and what made it. The peak therefore sits where the real one does: at the end of the forward
+(all saved activations plus the fp32 logits), early in backward (activations not yet released plus the gradients
+flowing back), or in the optimizer step (parameters + gradients + AdamW state + its scratch).
+
+What each op keeps for backward is PyTorch's own choice and is written out below: a pre-norm block saves its input
+and mid residual (fp32: the residual stream stays fp32 under autocast, because a bf16 branch added to an fp32 stream
+promotes), both layer norms' statistics, the compute-dtype inputs of its four matmuls, the fused qkv output and the
+attention output and log-sum-exp (flash attention, on CPU too, never stores the T x T matrix), and both MLP
+activations (4x wide). Under autocast every matmul also keeps the compute-dtype copy of its weight.
+
+Checked against :func:`cadence.memory.measure.measure_step` on CPU (gpt-tiny / small / base x fp32 / bf16 / fp16 x
+none / selective / full, with and without accumulation): the peak within 1.5%, activation memory within 0.5%. On CUDA
+the same ops save the same tensors, but the allocator's rounding and the CUDA context are not modelled.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cadence.models.gpt import GPTConfig
+
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+CheckpointingMode = Literal["none", "full", "selective"]
+OffloadMode = Literal["none", "activations", "optimizer"]
+
+ESTIMATE_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+"""Device categories of :attr:`MemoryEstimate.by_category`, in report order."""
+
+FP32_BYTES = 4
+_INDEX = 8  # int64 token ids and labels
+_STATS = 2  # a layer norm saves its mean and reciprocal std: two fp32 values per token
+
+# What a block keeps for its backward, by checkpointing mode (names as in StepReplay._block_forward).
+_SAVED_NONE = frozenset(
+    {"ln1.stats", "h1", "qkv", "att", "lse", "x1", "ln2.stats", "h2", "f", "g", "w.qkv", "w.proj", "w.fc", "w.mlp"}
+)
+# Selective keeps the outputs of matmuls and attention (cadence.memory.recompute's policy) and recomputes the cheap ops.
+_SAVED_SELECTIVE = frozenset({"qkv", "att", "lse", "po", "f", "mo"})
+_SAVED_FULL: frozenset[str] = frozenset()  # the checkpoint keeps only the block's input (the residual, always kept)
+_WEIGHTS = ("w.qkv", "w.proj", "w.fc", "w.mlp")  # autocast's compute-dtype copies of a block's matmul weights
+
+
+@dataclass(kw_only=True)
+class MemoryEstimate:
+    """The predicted memory of one optimizer step (bytes of tensors; the allocator's own overhead excluded)."""
+
+    peak_bytes: int
+    """Device bytes at the predicted peak: the sum of the device categories of ``by_category``."""
+    by_category: dict[str, int]
+    """parameters, gradients, optimizer_state, activations, temporaries, inputs at the peak (summing to
+    ``peak_bytes``), plus ``offloaded_to_host`` (host memory, not part of the peak) when offload moves something."""
+    peak_phase: str
+    """Where the peak happens: ``"forward"``, ``"backward"`` or ``"optimizer step"``."""
+    activation_bytes: int
+    """Most activation bytes alive at once over the step (recomputed ones included): "activation memory"."""
+    dominant: str
+    """The largest part of the peak, its share, and what would shrink it."""
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line: the peak, where it happens, and its largest parts."""
+        parts = sorted(((k, v) for k, v in self.by_category.items() if k in ESTIMATE_CATEGORIES), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{name} {value / 2**20:.1f} MiB" for name, value in parts if value > 0)
+        return f"peak {self.peak_bytes / 2**20:.1f} MiB in the {self.peak_phase} ({shown})"
+
+
+def estimate_step_memory(
+    config: GPTConfig,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: PrecisionName,
+    checkpointing: CheckpointingMode,
+    offload: OffloadMode = "none",
+    device_type: str = "cpu",
+    optimizer: Literal["adamw"] = "adamw",
+    grad_accum_steps: int = 1,
+) -> MemoryEstimate:
+    """Predict the peak memory of one step of ``GPT(config)`` trained the way :class:`cadence.engine.step.Engine` does.
+
+    ``grad_accum_steps`` > 1 adds the fp32 gradients, held from the second micro-batch on, to the forward's peak;
+    beyond 2 only the window's token ids grow (on cpu, where the whole window sits in the same memory). The
+    optimizer is the one :func:`cadence.training.loop.build_optimizer` makes (AdamW, matrices and biases in two groups).
+    """
+    problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
+                              context_length=config.context_length, precision=precision,
+                              checkpointing=checkpointing, offload=offload, optimizer=optimizer)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+    on_device = device_type != "cpu"
+    replay = StepReplay(
+        config, tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
+        checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
+        offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
+    )
+    return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
+                                on_device=on_device)
+
+
+def input_problems(*, micro_batch_size: int, seq_len: int, grad_accum_steps: int, context_length: int,
+                   precision: str, checkpointing: str, offload: str, optimizer: str = "adamw") -> list[str]:
+    """What is wrong with an estimate's arguments (shared by the built-in and the Hugging Face estimates)."""
+    choices = {"precision": (precision, ("fp32", "bf16", "fp16")), "optimizer": (optimizer, ("adamw",)),
+               "checkpointing": (checkpointing, ("none", "full", "selective")),
+               "offload": (offload, ("none", "activations", "optimizer"))}
+    problems = [f"unknown {key} {value!r} (one of {', '.join(ok)})" for key, (value, ok) in choices.items()
+                if value not in ok]
+    if min(micro_batch_size, seq_len, grad_accum_steps) < 1:
+        problems.append("micro_batch_size, seq_len and grad_accum_steps must be >= 1")
+    if seq_len > context_length:
+        problems.append(f"seq_len {seq_len} exceeds the model's context length {context_length}")
+    return problems
+
+
+def estimate_from_replay(replay: Any, *, grad_accum_steps: int, precision: str, offload: str,
+                         on_device: bool) -> MemoryEstimate:
+    """Run a step replay (built-in GPT or a Hugging Face block style) and read the estimate off its peak."""
+    notes: list[str] = []
+    if offload != "none" and not on_device:
+        notes.append(f"offload {offload} saves nothing on cpu: the host is the device, so nothing moves")
+    replay.run(grad_accum_steps)
+    notes += replay.notes
+    if on_device:
+        notes.append("the CUDA context and the caching allocator's reserve come on top (see nvidia-smi, not this)")
+    by_category = {name: int(replay.at_peak.get(name, 0)) for name in ESTIMATE_CATEGORIES}
+    peak = sum(by_category.values())
+    if replay.host_bytes:
+        by_category["offloaded_to_host"] = int(replay.host_bytes)
+    return MemoryEstimate(
+        peak_bytes=peak, by_category=by_category, peak_phase=replay.peak_phase, activation_bytes=replay.activation_peak,
+        dominant=_dominant(by_category, peak, replay.peak_phase, precision), notes=notes,
+    )
+
+
+_WHY = {  # what each category is made of, and what would shrink it
+    "activations": "they grow with micro-batch x seq_len; recompute or a smaller micro-batch (accumulate) cuts them",
+    "optimizer_state": "AdamW keeps two fp32 moments per parameter; --offload optimizer (on a GPU) moves them",
+    "parameters": "fp32 master weights{copies}; fixed by the model size",
+    "gradients": "one fp32 gradient per parameter, from the first backward to the optimizer step; fixed by the model",
+    "temporaries": "gradients flowing back, the logits' fp32 softmax, optimizer scratch; a smaller micro-batch cuts",
+    "inputs": "the window's int64 token ids and labels, held for the whole step; they grow with accumulation",
+}
+
+
+def _dominant(by_category: dict[str, int], peak: int, phase: str, precision: str) -> str:
+    name = max(ESTIMATE_CATEGORIES, key=lambda key: by_category[key])
+    why = _WHY[name].format(copies="" if precision == "fp32" else f" plus autocast's {precision} copies")
+    return f"{name}: {by_category[name] / peak:.0%} of the peak (in the {phase}) — {why}"
+
+
+class StepReplay:
+    """Walks one step op by op, tracking live device bytes by category and remembering the highest total."""
+
+    def __init__(
+        self, config: GPTConfig, *, tokens: int, seq_len: int, precision: str, checkpointing: str,
+        offload_activations: bool, offload_optimizer: bool, on_device: bool,
+    ) -> None:
+        self.cfg, self.n, self.t, self.c = config, tokens, seq_len, config.n_embd
+        self.lowp = precision != "fp32"
+        self.act = 2 if self.lowp else FP32_BYTES  # bytes per element of the compute dtype
+        self.mode = checkpointing
+        self.saved = {"none": _SAVED_NONE, "selective": _SAVED_SELECTIVE, "full": _SAVED_FULL}[checkpointing]
+        self.offload_activations, self.offload_optimizer = offload_activations, offload_optimizer
+        self.on_device = on_device
+        self.notes: list[str] = []
+        self.live: collections.Counter[str] = collections.Counter()
+        self.tensors: dict[str, tuple[int, str]] = {}  # live tensors by name: (bytes, category)
+        self.grads: set[str] = set()  # parameters whose .grad exists
+        self.offloaded: dict[str, tuple[int, str]] = {}  # saved tensors waiting in host memory
+        self.host_bytes = self.peak = self.activation_peak = 0
+        self.at_peak: dict[str, int] = {}
+        self.peak_phase = self.phase = ""
+
+    # ---------------------------------------------------------------------------------------------- bookkeeping
+    def alloc(self, name: str, size: int, category: str) -> None:
+        self.tensors[name] = (size, category)
+        self.live[category] += size
+        total = sum(self.live.values())
+        self.activation_peak = max(self.activation_peak, self.live["activations"])
+        if total > self.peak:
+            self.peak, self.at_peak, self.peak_phase = total, dict(self.live), self.phase
+
+    def free(self, *names: str) -> None:
+        for name in names:
+            if name in self.tensors:
+                size, category = self.tensors.pop(name)
+                self.live[category] -= size
+
+    def param_grad(self, name: str, numel: int) -> None:
+        """A parameter's gradient arrives: the first becomes ``.grad`` (fp32), later ones add into it in place.
+        Under autocast the matmul makes it in the compute dtype and autograd casts it: both exist for a moment."""
+        if self.lowp:
+            self.alloc("pg.low", numel * self.act, "temporaries")
+        if name in self.grads:
+            self.alloc("pg.new", numel * FP32_BYTES, "temporaries")
+            self.free("pg.new")
+        else:
+            self.grads.add(name)
+            self.alloc("grad." + name, numel * FP32_BYTES, "gradients")
+        self.free("pg.low")
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def run(self, grad_accum_steps: int) -> None:
+        self.phase = "forward"
+        params = self.cfg.num_parameters()
+        self.alloc("params", params * FP32_BYTES, "parameters")
+        state = 2 * params * FP32_BYTES  # AdamW: exp_avg and exp_avg_sq, fp32 like the parameters
+        if self.offload_optimizer:
+            # cadence.memory.offload.OffloadedOptimizer: the state, an fp32 master copy the host step updates, and the
+            # (pinned) buffers the gradients are copied into.
+            self.host_bytes += state + 2 * params * FP32_BYTES
+            self.notes.append("offload optimizer: AdamW state, an fp32 master copy and a gradient buffer live on the "
+                              "host; the step runs there and copies the parameters back")
+        else:
+            self.alloc("adam", state, "optimizer_state")
+        # The engine holds the whole window (it counts its targets before the first backward). On a GPU it sits in
+        # host memory and each micro-batch is copied over when its turn comes.
+        window = 1 if self.on_device else grad_accum_steps
+        self.alloc("inputs", window * 2 * self.n * _INDEX, "inputs")
+        # From the second micro-batch on the fp32 gradients exist during the forward; later ones repeat the second.
+        for _ in range(min(grad_accum_steps, 2)):
+            self.phase = "forward"
+            self._forward()
+            self.phase = "backward"
+            self._backward()
+        self.free("inputs")
+        self.phase = "optimizer step"
+        if not self.offload_optimizer:
+            self.alloc("adam.scratch", self._optimizer_scratch(), "temporaries")
+            self.free("adam.scratch")
+        for name in list(self.grads):
+            self.free("grad." + name)  # zero_grad(set_to_none=True)
+        if self.offload_activations:
+            self.notes.append("offload activations: saved tensors wait in host memory; each block's come back for "
+                              "its backward")
+
+    def _optimizer_scratch(self) -> int:
+        """AdamW's scratch at the largest moment of its step. CUDA (foreach kernels): ``_foreach_sqrt`` of a whole
+        param group's ``exp_avg_sq``. CPU (one tensor at a time): ``sqrt`` and the quotient of one tensor while the
+        previous tensor's ``denom`` is still bound to the loop variable."""
+        cfg, c = self.cfg, self.c
+        matrices = [cfg.vocab_size * c, cfg.context_length * c] + [3 * c * c, c * c, 4 * c * c, 4 * c * c] * cfg.n_layer
+        if self.on_device:
+            return sum(matrices) * FP32_BYTES  # the weight-decay group (matrices and embeddings) is the larger group
+        worst = max(2 * cur + prev for prev, cur in zip([0] + matrices[:-1], matrices, strict=True))
+        return worst * FP32_BYTES
+
+    def _forward(self) -> None:
+        n, c, v, a = self.n, self.c, self.cfg.vocab_size, self.act
+        # Embeddings run in fp32 even under autocast; the sum is the fp32 residual stream.
+        self.alloc("tok", n * c * FP32_BYTES, "activations")
+        self.alloc("pos", self.t * c * FP32_BYTES, "activations")
+        self.alloc("r0", n * c * FP32_BYTES, "activations")
+        self.free("tok", "pos")
+        for layer in range(self.cfg.n_layer):
+            self._block_forward(layer)
+        self.alloc("lnf.stats", _STATS * n * FP32_BYTES, "activations")
+        self._normalised("hf")
+        self._weight("w.head", v * c, saved=True)
+        self.alloc("logits", n * v * a, "activations")
+        self.free("hf.f32")
+        if self.lowp:
+            self.alloc("logits.f32", n * v * FP32_BYTES, "activations")  # the loss is computed in fp32
+        self.alloc("lsm", n * v * FP32_BYTES, "activations")  # log_softmax output, saved by cross-entropy
+        self.free("logits", "logits.f32")  # the loss function returns: the logits were never saved
+        # Leaving autocast clears its cast cache: weight copies that nothing saved (checkpointed blocks) or that
+        # were saved to the host are freed.
+        self.free(*(f"b{i}.{w}" for i in range(self.cfg.n_layer) for w in _WEIGHTS if w not in self.saved))
+        self.free(*(name for name, (_, category) in self.offloaded.items() if category == "parameters"))
+        for name in [k for k, (_, category) in self.tensors.items() if category == "activations"]:
+            self._keep(name)  # what is left is saved for backward (ln_f, lm_head, cross-entropy)
+
+    def _normalised(self, name: str) -> None:
+        """A layer norm's output as the next matmul keeps it: fp32, or (autocast) an fp32 result and its cast.
+        The fp32 result is the argument of the submodule that casts it, so it lives until that call returns."""
+        if self.lowp:
+            self.alloc(name + ".f32", self.n * self.c * FP32_BYTES, "activations")
+        self.alloc(name, self.n * self.c * self.act, "activations")
+
+    def _block_forward(self, layer: int, *, recompute: bool = False) -> None:
+        """One pre-norm block's forward. ``recompute``: checkpointing re-running it at the start of its backward.
+
+        A recompute keeps everything a plain block saves, reuses tensors still alive (the block input; selective's
+        cached matmul and attention outputs, consumed once) and stops as soon as the last saved tensor (GELU's
+        output, kept by mlp.proj) exists: non-reentrant checkpointing's early stop.
+        """
+        n, c, a, p = self.n, self.c, self.act, f"b{layer}."
+        saved = _SAVED_NONE if recompute else self.saved
+
+        def out(name: str, size: int, category: str = "activations") -> None:
+            if p + name not in self.tensors:
+                self.alloc(p + name, size, category)
+
+        def drop(*names: str) -> None:  # the forward code lets go of these; only what backward keeps survives
+            for name in names:
+                if name not in saved:
+                    self.free(p + name)
+                elif not recompute:
+                    self._keep(p + name)
+
+        def weight(name: str, numel: int) -> None:
+            if p + name not in self.tensors:
+                self._weight(p + name, numel, saved=name in saved and not recompute)
+
+        out("ln1.stats", _STATS * n * FP32_BYTES)
+        self._normalised(p + "h1")
+        weight("w.qkv", 3 * c * c)
+        out("qkv", 3 * n * c * a)  # q, k, v are views of it
+        out("att", n * c * a)  # flash attention keeps its output ...
+        out("lse", self.cfg.n_head * n * FP32_BYTES)  # ... and the log-sum-exp, never the T x T matrix
+        drop("h1", "qkv", "ln1.stats")
+        weight("w.proj", c * c)
+        out("po", n * c * a)  # output projection; its input is ``att`` itself (the transpose back is free)
+        self.free(p + "h1.f32")  # the attention call returns
+        drop("att", "lse")
+        out("x1", n * c * FP32_BYTES)  # residual add: fp32 stream + compute-dtype branch -> fp32
+        drop("po")
+        out("ln2.stats", _STATS * n * FP32_BYTES)
+        self._normalised(p + "h2")
+        weight("w.fc", 4 * c * c)
+        out("f", 4 * n * c * a)
+        drop("h2", "ln2.stats")
+        out("g", 4 * n * c * a)  # GELU
+        drop("f")
+        weight("w.mlp", 4 * c * c)
+        if recompute:
+            self.free(p + "mo", p + "h2.f32")
+            return
+        out("mo", n * c * a)
+        self.free(p + "h2.f32")  # the MLP call returns
+        drop("g")
+        self.alloc(f"r{layer + 1}", n * c * FP32_BYTES, "activations")
+        drop("mo", "x1")
+        self._keep(f"r{layer}")  # the block's input: kept by ln1 (none) or by the checkpoint (full, selective)
+
+    def _weight(self, name: str, numel: int, *, saved: bool) -> None:
+        """A matmul's weight: under autocast a compute-dtype copy, cached until autocast exits. ``save_on_cpu``
+        (offload activations) copies every saved tensor to the host, weights included (fp32: the parameter)."""
+        if self.lowp:
+            self.alloc(name, numel * self.act, "parameters")
+        if saved and self.offload_activations:
+            self.host_bytes += numel * self.act
+            if self.lowp:
+                self.offloaded[name] = (numel * self.act, "parameters")
+
+    def _keep(self, name: str) -> None:
+        """A tensor saved for backward stays on the device, or (offload activations) waits in host memory."""
+        if self.offload_activations and name in self.tensors and self.tensors[name][1] == "activations":
+            self.offloaded[name] = self.tensors[name]
+            self.host_bytes += self.tensors[name][0]
+            self.free(name)
+
+    # ------------------------------------------------------------------------------------------------ backward
+    def _backward(self) -> None:
+        n, c, v, a = self.n, self.c, self.cfg.vocab_size, self.act
+        self._bring_back("lsm")
+        self.alloc("dlsm", n * v * FP32_BYTES, "temporaries")  # nll_loss backward
+        self.alloc("dlogits.f32", n * v * FP32_BYTES, "temporaries")  # log_softmax backward
+        self.free("dlsm", "lsm")
+        if self.lowp:
+            self.alloc("dlogits", n * v * a, "temporaries")  # back to the logits' dtype
+            self.free("dlogits.f32")
+        self._bring_back("hf", "w.head")
+        self.alloc("dhf", n * c * a, "temporaries")  # lm_head (tied to the token embedding)
+        self.param_grad("tok_emb", v * c)
+        self.free("dlogits", "dlogits.f32", "hf", "w.head")
+        last = f"r{self.cfg.n_layer}"
+        self._bring_back(last, "lnf.stats")
+        self._norm_backward("dhf", "dres")
+        self.param_grad("ln_f", 2 * c)
+        self.free(last, "lnf.stats")
+        for layer in reversed(range(self.cfg.n_layer)):
+            self._block_backward(layer)
+        self.alloc("dpos", self.t * c * FP32_BYTES, "temporaries")  # the position term's gradient, summed over batch
+        self.param_grad("tok_emb", v * c)
+        self.param_grad("pos_emb", self.cfg.context_length * c)
+        self.free("dres", "dpos")
+
+    def _bring_back(self, *names: str) -> None:
+        """Offloaded activations return to the device for the ops that need them (released by those ops)."""
+        for name in names:
+            if name in self.offloaded and name not in self.tensors:
+                self.alloc(name, *self.offloaded.pop(name))
+
+    def _norm_backward(self, grad_in: str, grad_out: str) -> None:
+        """Layer-norm backward: under autocast the incoming gradient is first cast back to fp32."""
+        if self.lowp:
+            self.alloc(grad_in + ".f32", self.n * self.c * FP32_BYTES, "temporaries")
+            self.free(grad_in)
+        self.alloc(grad_out, self.n * self.c * FP32_BYTES, "temporaries")
+        self.free(grad_in, grad_in + ".f32")
+
+    def _block_backward(self, layer: int) -> None:
+        n, c, a, p = self.n, self.c, self.act, f"b{layer}."
+        self._bring_back(f"r{layer}", *(p + name for name in sorted(self.saved)))
+        if self.mode != "none":
+            self._block_forward(layer, recompute=True)
+
+        def grad(name: str, size: int) -> None:
+            self.alloc(p + name, size, "temporaries")
+
+        def release(*names: str) -> None:  # a backward node frees what it saved once it has run
+            self.free(*(p + name for name in names))
+
+        # The residual gradient ``dres`` (fp32) stays alive through the block; under autocast each branch gets a
+        # compute-dtype copy of it.
+        if self.lowp:
+            grad("dres.c", n * c * a)
+        grad("dg", 4 * n * c * a)  # mlp.proj
+        self.param_grad(p + "mlp.proj", 4 * c * c + c)
+        release("dres.c", "g", "w.mlp")
+        grad("df", 4 * n * c * a)  # GELU
+        release("dg", "f")
+        grad("dh2", n * c * a)  # mlp.fc
+        self.param_grad(p + "mlp.fc", 4 * c * c + 4 * c)
+        release("df", "w.fc")
+        self._norm_backward(p + "dh2", p + "dx1")  # ln2
+        self.param_grad(p + "ln2", 2 * c)
+        release("h2", "x1", "ln2.stats", "dx1")  # added into dres in place
+        if self.lowp:
+            grad("dres.c", n * c * a)
+        grad("dy", n * c * a)  # attention output projection
+        self.param_grad(p + "attn.proj", c * c + c)
+        release("dres.c", "w.proj")
+        grad("dqkv.parts", 3 * n * c * a)  # attention backward: dq, dk, dv
+        release("dy", "att", "lse")
+        grad("dqkv", 3 * n * c * a)  # the split's backward concatenates them
+        release("dqkv.parts", "qkv")
+        grad("dh1", n * c * a)  # qkv projection
+        self.param_grad(p + "attn.qkv", 3 * c * c + 3 * c)
+        release("dqkv", "w.qkv")
+        self._norm_backward(p + "dh1", p + "dx")  # ln1
+        self.param_grad(p + "ln1", 2 * c)
+        release("h1", "ln1.stats", "dx", "po", "mo")
+        self.free(f"r{layer}")  # the block's input, kept by ln1 or by the checkpoint

@@ -1,0 +1,77 @@
+"""The model a plan is about, built in or Hugging Face: its memory estimate, size, and fresh seeded copies.
+
+``cadence plan`` estimates every candidate and builds a new model for every trial and for the quality check. A built-in
+model is estimated from :data:`cadence.models.MODEL_CONFIGS`; a Hugging Face one (``--model hf:TYPE`` with
+``--model-config``, or a model directory) is built once to read its :class:`~cadence.models.hf.ModelShape`, and again,
+seeded, whenever a trial needs one, so every trial starts from the same weights, as ``cadence train`` would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cadence.config import TrainConfig
+from cadence.memory.estimate import MemoryEstimate, estimate_step_memory
+from cadence.memory.estimate_hf import estimate_hf_step_memory
+from cadence.models import MODEL_CONFIGS, MODEL_NAMES, build_model, model_context_length
+from cadence.models.hf import HFModel, ModelShape, build_hf_model, parse_model_overrides
+
+
+def is_built_in(config: TrainConfig) -> bool:
+    return config.model in MODEL_NAMES
+
+
+def fresh_hf(config: TrainConfig) -> HFModel | None:
+    """A newly built (seeded, like ``cadence train``'s) Hugging Face model, or None for a built-in model."""
+    if is_built_in(config):
+        return None
+    torch.manual_seed(config.seed)
+    return build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])))
+
+
+@dataclass(kw_only=True)
+class PlanModel:
+    """What a plan needs to know about its model."""
+
+    config: TrainConfig
+    shape: ModelShape | None  # None: a built-in model
+    model_type: str | None
+    num_parameters: int
+    context_length: int
+    tokenizer: Any | None = None
+    hf: HFModel | None = None
+    """The model built to read the shape (used for loading data with its tokenizer)."""
+
+    def estimate(self, *, micro_batch_size: int, seq_len: int, precision: str, checkpointing: str,
+                 offload: str = "none", device_type: str = "cpu", grad_accum_steps: int = 1) -> MemoryEstimate:
+        options: dict[str, Any] = {
+            "micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision,
+            "checkpointing": checkpointing, "offload": offload, "device_type": device_type,
+            "grad_accum_steps": grad_accum_steps,
+        }
+        if self.shape is None:
+            return estimate_step_memory(MODEL_CONFIGS[self.config.model], **options)
+        return estimate_hf_step_memory(self.shape, model_type=str(self.model_type), **options)
+
+    def build(self) -> torch.nn.Module:
+        """A fresh model with the seed's initial weights."""
+        hf = fresh_hf(self.config)
+        if hf is not None:
+            return hf.model
+        torch.manual_seed(self.config.seed)
+        return build_model(self.config.model)
+
+
+def plan_model(config: TrainConfig) -> PlanModel:
+    if is_built_in(config):
+        return PlanModel(config=config, shape=None, model_type=None,
+                         num_parameters=MODEL_CONFIGS[config.model].num_parameters(),
+                         context_length=model_context_length(config.model))
+    hf = fresh_hf(config)
+    assert hf is not None
+    return PlanModel(config=config, shape=hf.shape, model_type=str(getattr(hf.config, "model_type", "")),
+                     num_parameters=hf.shape.num_parameters, context_length=hf.context_length,
+                     tokenizer=hf.tokenizer, hf=hf)

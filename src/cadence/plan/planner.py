@@ -1,0 +1,412 @@
+"""``cadence plan``: which micro-batch, accumulation, recompute, offload and precision under a memory budget?
+
+diagnose (the analytic estimate of the configuration one would naively try: the whole batch at once, fp32)
+-> candidates (every micro-batch that divides the effective batch x precision x recompute [x offload on a GPU],
+   each with its estimated peak)
+-> measured trials (per precision/recompute/offload group, the largest micro-batch the estimate admits; when the
+   measurement says it does not fit after all, the next smaller one)
+-> decision (the highest measured throughput whose measured peak is within the budget: the effective batch is the
+   same for every candidate, so the math is too)
+-> quality check (the decision's window gradient against fp32 accumulation of the same window, and a short loss
+   comparison against fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from cadence.config import TrainConfig, resolve_device, validate
+from cadence.data import DataSplits, iterate_micro_batches
+from cadence.data.text import PackedSequences
+from cadence.engine.precision import PRECISIONS, precision_problem
+from cadence.engine.windows import iter_windows
+from cadence.errors import Problem, UsageError
+from cadence.memory.estimate import MemoryEstimate
+from cadence.memory.offload import OFFLOAD_MODES
+from cadence.memory.recompute import CHECKPOINTING_MODES
+from cadence.plan.models import PlanModel, plan_model
+from cadence.plan.report import plan_report
+from cadence.plan.trials import TrialResult, TrialSetup, run_trial
+from cadence.profiling.flops import matmul_speed
+from cadence.report.document import write_report
+from cadence.training.prepare import load_run_data
+from cadence.training.progress import format_bytes
+from cadence.training.run_dir import atomic_write_json
+from cadence.verify.equivalence import Setup, compare_gradients, compare_losses
+
+PLAN_FILE = "plan.json"
+ESTIMATE_MARGIN = 1.15
+"""Candidates whose estimate is up to 15% over the budget are still worth measuring: the estimate's tolerance."""
+CONFIRM_TOP = 2
+"""Front-runners measured a second time before the decision."""
+RECOMPUTE_COST = {"none": 1.0, "selective": 1.1, "full": 1.35}
+OFFLOAD_COST = {"none": 1.0, "activations": 1.3, "optimizer": 1.5}
+"""Prior relative cost per token, used only to order which candidates to measure first, never to decide."""
+
+PLAN_TRAIN_FIELDS = (
+    "model", "model_config", "data", "text_field", "prompt_field", "completion_field", "seq_len", "micro_batch_size", "effective_batch_size", "precision", "activation_checkpointing",
+    "offload", "memory_budget", "max_grad_norm", "lr", "weight_decay", "adam_beta1", "adam_beta2", "lr_schedule",
+    "warmup_steps", "min_lr_ratio", "seed", "device", "out",
+)
+"""The train flags `cadence plan` accepts. A given micro-batch, precision, recompute or offload constrains the search
+to that value; the training hyper-parameters are those of the loss comparison."""
+
+
+@dataclass(kw_only=True)
+class PlanOptions:
+    """How much measuring a plan does."""
+
+    trial_steps: int = 4
+    """Optimizer steps per measured trial: one warm-up, one measured for memory, the rest timed."""
+    max_trials: int = 10
+    """Candidates measured at most; 0 measures every candidate (an exhaustive sweep)."""
+    quality_steps: int = 6
+    """Optimizer steps of the loss comparison against fp32."""
+
+
+class PlanFailed(RuntimeError):
+    """No candidate fits the budget (the CLI exits with status 1 and this message)."""
+
+
+@dataclass(kw_only=True)
+class Candidate:
+    id: str
+    setup: TrialSetup
+    estimate: MemoryEstimate
+    status: str = "not measured"
+    measured: TrialResult | None = None
+
+    @property
+    def group(self) -> tuple[str, str, str]:
+        return (self.setup.precision, self.setup.activation_checkpointing, self.setup.offload)
+
+
+def divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def validate_plan(config: TrainConfig, options: PlanOptions) -> None:
+    """Every problem of a plan request, each naming its flag."""
+    problems: list[Problem] = []
+    if config.effective_batch_size is None:
+        problems.append(Problem(where="--effective-batch-size", message="is required: the batch the plan keeps fixed"))
+    if config.memory_budget is None:
+        problems.append(Problem(where="--memory-budget", message="is required, e.g. 512MiB or 2GiB"))
+    if config.micro_batch_size == "auto":
+        problems.append(Problem(where="--micro-batch-size", message="auto is what a plan decides; give a number "
+                                                                     "to constrain the plan, or leave it out"))
+    for name, minimum in (("trial_steps", 3), ("max_trials", 0), ("quality_steps", 1)):
+        if getattr(options, name) < minimum:
+            problems.append(Problem(where="--" + name.replace("_", "-"),
+                                    message=f"must be at least {minimum}, got {getattr(options, name)}"))
+    try:
+        validate(config)
+    except UsageError as err:
+        problems += err.problems
+    if problems:
+        raise UsageError(problems)
+
+
+def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
+                     notes: list[str], model: PlanModel | None = None) -> list[Candidate]:
+    model = model or plan_model(config)
+    effective = int(config.effective_batch_size or 0)
+    micro_sizes = [int(config.micro_batch_size)] if "micro_batch_size" in constrained else divisors(effective)
+    if "precision" in constrained:
+        precisions = [config.precision]
+    else:
+        speeds = {name: matmul_speed(name, device) for name in PRECISIONS if precision_problem(name, device) is None}
+        fastest = max(speeds.values())
+        precisions = [name for name, speed in speeds.items() if speed >= SLOW_PRECISION * fastest]
+        for name in sorted(set(speeds) - set(precisions)):
+            notes.append(f"{name} was left out: its matrix multiplies run at {speeds[name] / fastest:.0%} of the "
+                         f"fastest precision's on this {device.type} (measured), so it cannot win on throughput")
+    recomputes = [config.activation_checkpointing] if "activation_checkpointing" in constrained else list(
+        CHECKPOINTING_MODES)
+    if "offload" in constrained:
+        offloads = [config.offload]
+    elif device.type == "cuda":
+        offloads = list(OFFLOAD_MODES)
+    else:
+        offloads = ["none"]
+        notes.append("offload (activations or optimizer) saves nothing on a CPU-only machine: host memory is the "
+                     "device memory. Offload candidates were left out rather than measured as if they helped.")
+    candidates = []
+    for precision in precisions:
+        for recompute in recomputes:
+            for offload in offloads:
+                for micro in micro_sizes:
+                    setup = TrialSetup(micro_batch_size=micro, grad_accum_steps=effective // micro,
+                                       precision=precision, activation_checkpointing=recompute, offload=offload)
+                    estimate = model.estimate(
+                        micro_batch_size=micro, seq_len=seq_len, precision=precision, checkpointing=recompute,
+                        offload=offload, device_type=device.type, grad_accum_steps=setup.grad_accum_steps,
+                    )
+                    candidates.append(Candidate(id=f"c{len(candidates) + 1:02d}", setup=setup, estimate=estimate))
+    return candidates
+
+
+SLOW_PRECISION = 0.2
+"""A precision whose matmuls run below a fifth of the fastest one's is not a candidate: that is an emulated precision
+(fp16 on most CPUs runs at ~1% of bf16), not a close call. Closer calls are measured: a model is more than matmuls
+(fp32 matmuls at a third of bf16's AMX speed still train at 0.7x of bf16 on gpt-tiny)."""
+
+
+def precision_prior(device: torch.device) -> dict[str, float]:
+    """CPUs without bf16/fp16 matrix units run fp32 fastest; GPUs with tensor cores run bf16 and fp16 fastest."""
+    if device.type == "cuda":
+        return {"bf16": 1.0, "fp16": 1.0, "fp32": 2.0}
+    return {"fp32": 1.0, "bf16": 1.5, "fp16": 2.0}
+
+
+def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, device: torch.device) -> list[Candidate]:
+    """Per group, the largest micro-batch the estimate admits, groups in prior order (cheapest first)."""
+    if max_trials == 0:
+        return list(candidates)
+    prior = precision_prior(device)
+    leaders: dict[tuple[str, str, str], Candidate] = {}
+    for candidate in candidates:
+        if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
+            continue
+        best = leaders.get(candidate.group)
+        if best is None or candidate.setup.micro_batch_size > best.setup.micro_batch_size:
+            leaders[candidate.group] = candidate
+    ordered = sorted(leaders.values(), key=lambda c: prior[c.setup.precision]
+                     * RECOMPUTE_COST[c.setup.activation_checkpointing] * OFFLOAD_COST[c.setup.offload])
+    return ordered[:max_trials]
+
+
+def epoch_tokens(data: DataSplits) -> int:
+    train = data.train
+    if isinstance(train, PackedSequences):
+        return len(train) * train.max_length
+    return sum(len(example.input_ids) for example in train)
+
+
+def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str], stream: IO[str] | None = None,
+              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Diagnose, measure, decide, check; write OUT/plan.json (and its report) and return the plan."""
+    stream = stream or sys.stderr
+    say = log or (lambda text: print(text, file=stream, flush=True))
+    if "micro_batch_size" not in constrained:  # the plan decides it; the default 8 must not constrain validation
+        config = dataclasses.replace(config, micro_batch_size=1, grad_accum_steps=None)
+    validate_plan(config, options)
+    started = time.perf_counter()
+    device = resolve_device(config.device)
+    model = plan_model(config)
+    seq_len = config.seq_len or model.context_length
+    if seq_len > model.context_length:
+        raise UsageError.single("--seq-len", f"{seq_len} is above {config.model}'s context length of "
+                                             f"{model.context_length}")
+    # The same data path as train (a model's tokenizer, hf: datasets).
+    out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    data, token_cache = load_run_data(dataclasses.replace(config, val_fraction=0.0), seq_len, model.hf, out)
+    budget = int(config.memory_budget_bytes() or 0)
+    effective = int(config.effective_batch_size or 0)
+    if config.out is None and out.exists():
+        raise UsageError.single("--out", f"default {out} already exists; give --out")
+    notes: list[str] = []
+
+    baseline = model.estimate(micro_batch_size=effective, seq_len=seq_len, precision="fp32", checkpointing="none",
+                              device_type=device.type)
+    say(f"plan: {config.model}, effective batch {effective} x {seq_len} tokens, budget {format_bytes(budget)} "
+        f"on {device}\ndiagnosis: the whole batch at once in fp32 needs about {format_bytes(baseline.peak_bytes)}: "
+        f"{baseline.dominant}")
+    candidates = build_candidates(config, constrained, device, seq_len, notes, model)
+    for candidate in candidates:
+        if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
+            candidate.status = "over budget (estimate)"
+    queue = choose_trials(candidates, budget, options.max_trials, device)
+    trials_left = len(candidates) if options.max_trials == 0 else options.max_trials
+    measured: list[Candidate] = []
+    while queue and trials_left > 0:
+        candidate = queue.pop(0)
+        trials_left -= 1
+        _measure(candidate, config, data, device, seq_len, budget, options, say)
+        measured.append(candidate)
+        if options.max_trials and not candidate.measured.fits:  # type: ignore[union-attr]
+            smaller = _next_smaller(candidates, candidate)  # the estimate was optimistic: step down in this group
+            if smaller is not None and smaller.measured is None and smaller not in queue:
+                queue.insert(0, smaller)
+    feasible = [c for c in measured if c.measured and c.measured.fits and c.measured.tokens_per_s]
+    if len(feasible) > 1 and options.max_trials:
+        # Noise only ever slows a trial down (another process, a page fault), so a second round of the front-runners
+        # keeps each one's faster measurement: a decision between close candidates should not be a coin toss.
+        for candidate in sorted(feasible, key=lambda c: -c.measured.tokens_per_s)[:CONFIRM_TOP]:  # type: ignore
+            first = candidate.measured
+            _measure(candidate, config, data, device, seq_len, budget, options, say, label="confirm")
+            if first and candidate.measured and (candidate.measured.tokens_per_s or 0) < (first.tokens_per_s or 0):
+                candidate.measured = dataclasses.replace(candidate.measured, tokens_per_s=first.tokens_per_s,
+                                                         step_time_s=first.step_time_s)
+    if not feasible:
+        smallest = min((c for c in measured if c.measured and c.measured.peak_bytes), default=None,
+                       key=lambda c: c.measured.peak_bytes)  # type: ignore[union-attr]
+        detail = (f"; the smallest measured peak was {format_bytes(smallest.measured.peak_bytes)} "  # type: ignore
+                  f"({_describe(smallest.setup)})") if smallest else ""
+        raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}. Try a larger --memory-budget, "
+                         f"a smaller --seq-len or a smaller model.")
+    chosen = max(feasible, key=lambda c: c.measured.tokens_per_s)  # type: ignore[union-attr]
+    say(f"choice: {chosen.id} {_describe(chosen.setup)} at {chosen.measured.tokens_per_s:,.0f} tokens/s, "  # type: ignore
+        f"peak {format_bytes(chosen.measured.peak_bytes)}")  # type: ignore[union-attr]
+    quality = _quality_check(config, chosen, data, device, seq_len, budget, options, model)
+    say(f"quality: gradient relative error {quality['gradient']['relative_error']:.2e} "
+        f"({'pass' if quality['gradient']['passed'] else 'FAIL'}), loss within "
+        f"{quality['loss']['max_relative_difference']:.2%} of fp32 ({'pass' if quality['loss']['passed'] else 'FAIL'})")
+    plan = _plan_document(config, data, device, seq_len, budget, baseline, candidates, chosen, quality, notes,
+                          epoch_tokens(data), time.perf_counter() - started, model)
+    if token_cache is not None:
+        shutil.rmtree(token_cache, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / PLAN_FILE, plan)
+    _write_report(out, say)
+    say(f"plan written to {out / PLAN_FILE}; train with: cadence train --plan {out / PLAN_FILE}")
+    return plan
+
+
+def _measure(candidate: Candidate, config: TrainConfig, data: DataSplits, device: torch.device, seq_len: int,
+             budget: int, options: PlanOptions, say: Callable[[str], None], label: str = "trial") -> None:
+    result = run_trial(config, candidate.setup, device=device, seq_len=seq_len, data=data,
+                       steps=options.trial_steps, budget_bytes=budget)
+    candidate.measured = result
+    candidate.status = "measured" if result.error is None else f"measured: {result.error}"
+    rate = f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s else "-"
+    say(f"  {label} {candidate.id} {_describe(candidate.setup)}: peak {format_bytes(result.peak_bytes)} "
+        f"(estimate {format_bytes(candidate.estimate.peak_bytes)}), {rate}, {'fits' if result.fits else 'DOES NOT FIT'}")
+
+
+def _next_smaller(candidates: list[Candidate], candidate: Candidate) -> Candidate | None:
+    smaller = [c for c in candidates if c.group == candidate.group
+               and c.setup.micro_batch_size < candidate.setup.micro_batch_size]
+    return max(smaller, key=lambda c: c.setup.micro_batch_size, default=None)
+
+
+def _quality_check(config: TrainConfig, chosen: Candidate, data: DataSplits, device: torch.device, seq_len: int,
+                   budget: int, options: PlanOptions, model: PlanModel) -> dict[str, Any]:
+    setup = chosen.setup
+    window = next(iter(iter_windows(iterate_micro_batches(data.train, setup.micro_batch_size, config.seed, 0),
+                                    setup.grad_accum_steps, micro_batch_size=setup.micro_batch_size)))
+
+    def model_factory() -> torch.nn.Module:
+        return model.build().to(device)
+
+    gradient = compare_gradients(model_factory, window, Setup(
+        micro_batch_size=setup.micro_batch_size, precision=setup.precision,
+        activation_checkpointing=setup.activation_checkpointing, offload=setup.offload))
+    steps = max(3, options.quality_steps)
+    chosen_run = run_trial(config, setup, device=device, seq_len=seq_len, data=data, steps=steps, budget_bytes=budget)
+    reference_setup = dataclasses.replace(setup, precision="fp32")
+    reference_run = run_trial(config, reference_setup, device=device, seq_len=seq_len, data=data, steps=steps,
+                              budget_bytes=budget)
+    loss = compare_losses(chosen_run.losses, reference_run.losses, setup.precision)
+    return {"gradient": gradient.as_dict(), "loss": {**loss.as_dict(), "reference": reference_run.losses,
+                                                     "reference_setup": _describe(reference_setup)}}
+
+
+def _describe(setup: TrialSetup) -> str:
+    return (f"micro {setup.micro_batch_size} x accum {setup.grad_accum_steps}, {setup.precision}, "
+            f"recompute {setup.activation_checkpointing}, offload {setup.offload}")
+
+
+def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, seq_len: int, budget: int,
+                   baseline: MemoryEstimate, candidates: list[Candidate], chosen: Candidate, quality: dict[str, Any],
+                   notes: list[str], tokens_per_epoch: int, duration: float, model: PlanModel) -> dict[str, Any]:
+    def row(candidate: Candidate) -> dict[str, Any]:
+        result = candidate.measured
+        measured = None
+        if result is not None:
+            rate = result.tokens_per_s
+            measured = {
+                "peak_bytes": result.peak_bytes, "fits": result.fits, "tokens_per_s": rate,
+                "step_time_s": result.step_time_s,
+                "seconds_per_epoch": tokens_per_epoch / rate if rate else None,
+                "hours_per_billion_tokens": 1e9 / rate / 3600 if rate else None,
+                "error": result.error,
+            }
+        return {"id": candidate.id, **candidate.setup.as_dict(), "estimated_peak_bytes": candidate.estimate.peak_bytes,
+                "estimated_by_category": candidate.estimate.by_category,
+                "fits_estimate": candidate.estimate.peak_bytes <= budget, "status": candidate.status,
+                "measured": measured}
+
+    rate = chosen.measured.tokens_per_s if chosen.measured else None
+    return {
+        "version": 1,
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "duration_s": duration,
+        "model": config.model,
+        "model_config": list(config.model_config) if config.model_config else None,
+        "parameters": model.num_parameters,
+        "seq_len": seq_len,
+        "data": data.description,
+        "tokens_per_epoch": tokens_per_epoch,
+        "device": str(device),
+        "effective_batch_size": config.effective_batch_size,
+        "world_size": 1,
+        "memory_budget_bytes": budget,
+        "diagnosis": {
+            "baseline": {"micro_batch_size": config.effective_batch_size, "grad_accum_steps": 1, "precision": "fp32",
+                         "activation_checkpointing": "none", "offload": "none"},
+            "estimate": {"peak_bytes": baseline.peak_bytes, "by_category": baseline.by_category,
+                         "peak_phase": baseline.peak_phase},
+            "dominant": max(baseline.by_category, key=lambda k: baseline.by_category[k]
+                            if k != "offloaded_to_host" else -1),
+            "explanation": baseline.dominant,
+        },
+        "candidates": [row(c) for c in candidates],
+        "choice": {"id": chosen.id, **chosen.setup.as_dict(),
+                   "reason": f"highest measured throughput ({rate:,.0f} tokens/s) among the measured candidates "
+                             f"whose measured peak is within the budget; every candidate has the same effective "
+                             f"batch of {config.effective_batch_size}"},
+        "quality": quality,
+        "notes": notes + [f"estimates: {n}" for n in baseline.notes],
+        "training": {key: value for key, value in config.to_json_dict().items()
+                     if key in ("lr", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "seed")},
+    }
+
+
+def _write_report(out: Path, say: Callable[[str], None]) -> None:
+    for path in write_report(plan_report(out), out):
+        if path.suffix == ".html":
+            say(f"report: {path}")
+
+
+# ---------------------------------------------------------------------------------------------------- train --plan
+DECISION_FIELDS = ("micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing", "offload")
+
+
+def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
+    """The configuration with the plan's decision; a given flag that contradicts the plan is a usage error."""
+    path = config.plan
+    assert path is not None
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+        choice = plan["choice"]
+        decided = {name: choice[name] for name in DECISION_FIELDS}
+        decided.update(model=plan["model"], seq_len=plan["seq_len"], effective_batch_size=None)
+        if plan.get("model_config"):  # a Hugging Face model's --model-config overrides
+            decided["model_config"] = list(plan["model_config"])
+    except FileNotFoundError:
+        raise UsageError.single("--plan", f"{path} does not exist") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError.single("--plan", f"{path} is not a cadence plan.json ({err})") from None
+    problems = []
+    for name, value in decided.items():
+        if name in given and value is not None and getattr(config, name) != value:
+            problems.append(Problem(where="--" + name.replace("_", "-"),
+                                    message=f"{getattr(config, name)!r} contradicts the plan's {value!r} ({path})"))
+    if "effective_batch_size" in given and config.effective_batch_size != plan.get("effective_batch_size"):
+        problems.append(Problem(where="--effective-batch-size", message=f"{config.effective_batch_size} contradicts "
+                                f"the plan's {plan.get('effective_batch_size')} ({path})"))
+    if problems:
+        raise UsageError(problems)
+    return dataclasses.replace(config, **decided)

@@ -1,0 +1,155 @@
+"""The report of a plan (``cadence report PLAN_DIR``): diagnosis, candidates, the choice and its quality check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cadence.report import render as plots
+from cadence.report.document import fmt_bytes, fmt_hms, fmt_num, plot_block, read_json_object, times
+from cadence.report.render import Block, Bullets, Heading, Paragraph, Report, Table
+
+PLAN_FILE = "plan.json"
+
+
+def plan_report(root: Path) -> Report:
+    """The report of a plan: diagnosis, candidates (estimated and measured), the choice, its quality, the notes."""
+    plan = read_json_object(root / PLAN_FILE)
+    candidates = [c for c in plan.get("candidates") or [] if isinstance(c, dict)]
+    choice = plan.get("choice") if isinstance(plan.get("choice"), dict) else None
+    chosen_id = choice.get("id") if choice else None
+    chosen = next((c for c in candidates if c.get("id") == chosen_id), None)
+    budget = plan.get("memory_budget_bytes") if plots.finite(plan.get("memory_budget_bytes")) else None
+    blocks: list[Block] = [Heading(text="Setup"), Bullets(items=_plan_setup(plan))]
+    blocks += _diagnosis(plan.get("diagnosis") or {}, chosen, budget)
+    blocks += [Heading(text="Candidates"), _candidate_table(candidates, chosen_id)]
+    if candidates:
+        blocks.append(plot_block("report-memory.png", "Peak memory per candidate: estimated (blue; faint when not "
+                            "measured) and measured (green; hatched when over the budget); dashed line: the budget.",
+                            plots.memory_figure(candidates, budget=budget, chosen=chosen_id)))
+    if any(plots.finite((c.get("measured") or {}).get("tokens_per_s")) for c in candidates):
+        blocks.append(plot_block("report-throughput.png", "Measured throughput of each measured candidate; the chosen "
+                            "one in purple.", plots.throughput_plan_figure(candidates, chosen=chosen_id)))
+    blocks += [Heading(text="Choice"), *_choice(choice)]
+    blocks += [Heading(text="Quality check"), *_quality(plan.get("quality"))]
+    notes = [str(note) for note in plan.get("notes") or []]
+    blocks += [Heading(text="Notes"), Bullets(items=notes) if notes else Paragraph(text="None.")]
+    title = f"Plan report: {plan.get('model', '?')}" + (f" within {fmt_bytes(budget)}" if budget else "")
+    return Report(title=title, blocks=blocks)
+
+
+def _config_text(item: dict[str, Any]) -> str:
+    return (f"{item.get('micro_batch_size', '?')} micro-batch x {item.get('grad_accum_steps', '?')} accumulation, "
+            f"{item.get('precision', '?')}, recompute {item.get('activation_checkpointing', 'none')}, "
+            f"offload {item.get('offload', 'none')}")
+
+
+def _plan_setup(plan: dict[str, Any]) -> list[str]:
+    get = plan.get
+    params = get("parameters")
+    items = [
+        f"**Model:** {get('model', '?')}" + (f", {params:,} parameters" if isinstance(params, int) else ""),
+        f"**Device:** {get('device', '?')}, {get('world_size', 1)} process(es); **sequence length:** "
+        f"{get('seq_len', '?')} tokens",
+        f"**Effective batch:** {get('effective_batch_size', '?')} sequences; **memory budget:** "
+        f"{fmt_bytes(get('memory_budget_bytes'))} per process",
+        f"**Data:** {get('data') or 'built-in corpus'}"
+        + (f" ({get('tokens_per_epoch'):,} tokens per epoch)" if isinstance(get("tokens_per_epoch"), int) else ""),
+        f"**Planned:** {get('created', '?')}, in {fmt_hms(get('duration_s'))}",
+    ]
+    if get("version") not in (None, 1):
+        items.append(f"**Note:** plan.json version {get('version')}; this report reads version 1 and may miss fields")
+    return items
+
+
+def _diagnosis(diagnosis: dict[str, Any], chosen: dict[str, Any] | None, budget: float | None) -> list[Block]:
+    baseline = diagnosis.get("baseline") or {}
+    estimate = diagnosis.get("estimate") or {}
+    peak, categories = estimate.get("peak_bytes"), estimate.get("by_category") or {}
+    verdict = f" during {estimate['peak_phase']}" if estimate.get("peak_phase") else ""
+    if plots.finite(peak) and budget:
+        verdict += f", {peak / budget:.1f}x the budget" + (" (fits)" if peak <= budget else " (does not fit)")
+    blocks: list[Block] = [Heading(text="Diagnosis"), Paragraph(
+        text=f"**Baseline:** {_config_text(baseline)}: estimated peak **{fmt_bytes(peak)}**{verdict}; dominant: "
+             f"**{diagnosis.get('dominant', '?')}**.")]
+    on_device = {k: v for k, v in categories.items() if k not in plots.HOST_CATEGORIES and plots.finite(v)}
+    total = sum(on_device.values()) or 1
+    if categories:
+        blocks.append(Table(header=["category", "estimated", "share of the peak"], rows=[
+            [name.replace("_", " "), fmt_bytes(value),
+             f"{100 * value / total:.0f}%" if name in on_device else "host memory, not in the peak"]
+            for name, value in categories.items()]))
+    if diagnosis.get("explanation"):
+        blocks.append(Paragraph(text=str(diagnosis["explanation"])))
+    bars = [("baseline", categories)]
+    if chosen and chosen.get("estimated_by_category"):
+        bars.append((f"chosen ({chosen.get('id')})", chosen["estimated_by_category"]))
+    if categories:
+        blocks.append(plot_block("report-diagnosis.png", "Estimated peak memory by category: the baseline"
+                            + (" and the chosen candidate" if len(bars) > 1 else "") + "; dashed line: the budget.",
+                            plots.breakdown_figure(bars, budget=budget)))
+    return blocks
+
+
+def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None) -> Table | Paragraph:
+    if not candidates:
+        return Paragraph(text="The plan holds no candidates.")
+    rows, marked = [], None
+    for index, cand in enumerate(candidates):
+        measured = cand.get("measured") or {}
+        if measured:
+            fits = {True: "yes (measured)", False: "no (measured)"}.get(measured.get("fits"), "?")
+        else:
+            fits = {True: "yes (estimate)", False: "no (estimate)"}.get(cand.get("fits_estimate"), "?")
+        name = str(cand.get("id", "?"))
+        if name == chosen_id:
+            name, marked = f"**{name} (chosen)**", index
+        rows.append([name, f"{cand.get('micro_batch_size', '?')} x {cand.get('grad_accum_steps', '?')}",
+                     str(cand.get("precision", "?")), str(cand.get("activation_checkpointing", "none")),
+                     str(cand.get("offload", "none")), fmt_bytes(cand.get("estimated_peak_bytes")),
+                     fmt_bytes(measured.get("peak_bytes")), fits, fmt_num(measured.get("tokens_per_s"), ",.0f"),
+                     fmt_hms(measured.get("seconds_per_epoch")),
+                     fmt_hms(times(measured.get("hours_per_billion_tokens"), 3600)),
+                     str(cand.get("status", "?")) + (f": {measured['error']}" if measured.get("error") else "")])
+    header = ["candidate", "micro x accum", "precision", "recompute", "offload", "estimated peak", "measured peak",
+              "fits", "tokens/s", "time per epoch", "time per 1B tokens", "status"]
+    return Table(header=header, rows=rows, marked_row=marked)
+
+
+def _choice(choice: dict[str, Any] | None) -> list[Block]:
+    if not choice:
+        return [Paragraph(text="**No candidate was chosen:** see each candidate's status and the notes.")]
+    flags = (f"--micro-batch-size {choice.get('micro_batch_size')} --grad-accum-steps {choice.get('grad_accum_steps')} "
+             f"--precision {choice.get('precision')} --activation-checkpointing "
+             f"{choice.get('activation_checkpointing', 'none')} --offload {choice.get('offload', 'none')}")
+    return [Paragraph(text=f"**Chosen: {choice.get('id', '?')}**: {_config_text(choice)}."),
+            Paragraph(text=f"**Reason:** {choice.get('reason', 'not given')}"),
+            Paragraph(text=f"To train with it: `cadence train ... {flags}`")]
+
+
+def _passed(value: Any) -> str:
+    return {True: "PASS", False: "FAIL"}.get(value, "not checked")
+
+
+def _quality(quality: Any) -> list[Block]:
+    """Pass/fail of the gradient and loss checks against the reference, with their figures."""
+    blocks: list[Block] = []
+    quality = quality if isinstance(quality, dict) else {}
+    grad = quality.get("gradient")
+    if isinstance(grad, dict):
+        blocks.append(Paragraph(
+            text=f"**Gradient: {_passed(grad.get('passed'))}**: relative error "
+                 f"{fmt_num(grad.get('relative_error'), '.2e')} (tolerance {fmt_num(grad.get('tolerance'), '.0e')}), "
+                 f"cosine {fmt_num(grad.get('cosine'), '.7f')}, against the reference ({grad.get('reference', '?')})."))
+    loss = quality.get("loss")
+    if isinstance(loss, dict):
+        blocks.append(Paragraph(
+            text=f"**Loss over {loss.get('steps', '?')} steps: {_passed(loss.get('passed'))}**: largest relative "
+                 f"difference {fmt_num(times(loss.get('max_relative_difference'), 100), '.2f')}% (tolerance "
+                 f"{fmt_num(times(loss.get('tolerance'), 100), '.2f')}%)"
+                 + (f", against {loss['reference_setup']}." if loss.get("reference_setup") else ".")))
+        if loss.get("chosen") and loss.get("reference"):
+            blocks.append(plot_block("report-quality.png", "Loss of the chosen configuration and of the reference over "
+                                "the same first steps.", plots.quality_figure(loss["chosen"], loss["reference"])))
+    return blocks or [Paragraph(text="No quality check was recorded.")]
+

@@ -1,0 +1,56 @@
+"""FLOPs: what a model needs per token, and what the device can do (measured, not looked up)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cadence.engine.precision import Precision
+from cadence.models import GPTConfig
+
+
+def model_flops_per_token(config: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token by PaLM's appendix B: 6N + 12 L H Q T.
+
+    N counts the weights every token multiplies through: the blocks and the LM head (tied to the token embedding,
+    so the embedding matrix counts once, as the head's matmul); the position embedding is a lookup, not a matmul,
+    and is left out. 12 L H Q T is attention's score and value matmuls (forward and backward) at context T.
+    Recompute adds hardware FLOPs, not model FLOPs: MFU stays comparable across recompute modes.
+    """
+    c = config
+    per_block = 12 * c.n_embd * c.n_embd + 13 * c.n_embd  # qkv + proj + 2 x mlp (4x) weights, biases, 2 norms
+    weights = c.n_layer * per_block + c.vocab_size * c.n_embd + 2 * c.n_embd
+    attention = 12 * c.n_layer * c.n_head * c.head_dim * seq_len
+    return 6.0 * weights + attention
+
+
+def matmul_speed(precision: str, device: torch.device, size: int = 384, repeats: int = 8) -> float:
+    """Multiply-adds per second of a square matmul under ``precision``'s autocast: best of three timed rounds."""
+
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(device)
+    b = torch.randn(size, size, generator=generator).to(device)
+    autocast = Precision(precision, device).autocast  # type: ignore[arg-type]
+    with autocast():
+        a @ b  # warm-up: kernel selection, autocast's weight cast
+    best = float("inf")
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        with autocast():
+            for _ in range(repeats):
+                a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return repeats * size**3 / best
+
+
+def measured_peak_flops(precision: str, device: torch.device) -> tuple[float, str]:
+    """Peak FLOP/s of this device in ``precision``: a short large-matmul benchmark (2 FLOPs per multiply-add)."""
+    size = 4096 if device.type == "cuda" else 1024
+    repeats = 20 if device.type == "cuda" else 4
+    flops = 2.0 * matmul_speed(precision, device, size=size, repeats=repeats)
+    return flops, f"measured: {precision} matmul {size}x{size} on {device.type}, best of 3 rounds"

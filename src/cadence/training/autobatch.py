@@ -1,0 +1,94 @@
+"""``--micro-batch-size auto``: on out-of-memory, halve the micro-batch and retry the same window.
+
+The window (the samples of one optimizer step) never changes, only how it is cut into micro-batches: halving the
+micro-batch doubles the accumulation, so the effective batch and, by the engine's window-target normalisation, the
+gradient stay exactly the same. The failed attempt's partial gradients are dropped by the engine before the retry.
+
+After ``grow_after`` good steps at a reduced size the controller tries twice the size again (never above the size
+it started with); a growth that runs out of memory falls back and waits twice as long before the next try, so a
+size that does not fit is not retried every few steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cadence.engine.step import Engine, StepResult
+from cadence.engine.windows import Window, resplit_window
+
+
+class MicroBatchTooLarge(RuntimeError):
+    """Even a micro-batch of one sequence runs out of memory."""
+
+
+class MicroBatchController:
+    """Chooses the micro-batch size of each window; see the module docstring."""
+
+    def __init__(self, *, start: int, grow_after: int, log: Callable[[str], None] = print) -> None:
+        self.start = start
+        self.current = start
+        self.grow_after = grow_after
+        self._wait = grow_after
+        self._good_steps = 0
+        self._growing = False
+        self.log = log
+        self.halvings = 0
+        """Out-of-memory retries so far."""
+
+    def step(self, engine: Engine, window: Window, **step_kwargs: Any) -> tuple[StepResult, int]:
+        """Run ``window`` through ``engine`` at the current size, halving on out-of-memory; (result, retries)."""
+        retries = 0
+        while True:
+            attempt = window if self.current >= _largest_micro_batch(window) else resplit_window(
+                window, self.current, counter=engine.counter
+            )
+            try:
+                result = engine.step(attempt, **step_kwargs)
+            except torch.OutOfMemoryError as err:
+                # Under several processes every rank gets here in the same micro-batch (the engine's out-of-memory
+                # agreement), so every rank's controller takes the same decisions and the ranks stay in step.
+                self._after_oom(engine, err, window)
+                retries += 1
+                continue
+            self._after_success()
+            return result, retries
+
+    def _after_oom(self, engine: Engine, err: torch.OutOfMemoryError, window: Window) -> None:
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the failed attempt's cached blocks back before the smaller retry
+        if self.current == 1:
+            raise MicroBatchTooLarge(
+                f"out of memory even at micro-batch 1 ({str(err).splitlines()[0]}); the model, its gradients and "
+                f"optimizer state do not fit: try --activation-checkpointing full, --offload optimizer, bf16, or a "
+                f"larger --memory-budget"
+            ) from err
+        smaller = max(1, self.current // 2)
+        accumulation = -(-window.samples // smaller)
+        self.log(
+            f"out of memory at micro-batch {self.current}: retrying the window as {smaller} x {accumulation} "
+            f"(same {window.samples} samples)"
+        )
+        if self._growing:  # the size we grew to does not fit: wait longer before trying it again
+            self._wait *= 2
+            self._growing = False
+        self.current = smaller
+        self.halvings += 1
+        self._good_steps = 0
+
+    def _after_success(self) -> None:
+        self._growing = False
+        if self.current >= self.start:
+            return
+        self._good_steps += 1
+        if self._good_steps >= self._wait:
+            self.current = min(self.start, self.current * 2)
+            self._good_steps = 0
+            self._growing = True
+            self.log(f"{self._wait} good steps: trying micro-batch {self.current} again")
+
+
+def _largest_micro_batch(window: Window) -> int:
+    return max(int(batch["labels"].shape[0]) for batch in window.micro_batches)

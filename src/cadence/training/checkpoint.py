@@ -1,0 +1,210 @@
+"""Checkpoints: every piece of state a run needs, written atomically into checkpoints/step-N/, and read back.
+
+A checkpoint is assembled in a hidden temporary folder, every file fsynced, a manifest of SHA-256 checksums written
+last, and the folder renamed into place only then (rename is atomic within a filesystem): a crash mid-write leaves
+either no step-N folder or a whole one. Reading verifies the manifest, so a folder damaged afterwards (a disk error,
+a partial copy) is detected and the previous checkpoint is used instead, with a warning.
+
+Nothing in a checkpoint is pickled: the training state is JSON plus safetensors (``state_file``), so a checkpoint
+from someone else can damage a run at worst, never run code. The manifest guards against damage, not tampering
+(anyone who edits a file can recompute its checksum); the pickle-free format is what guards against tampering.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from cadence.training.run_dir import CHECKPOINTS_DIR, WEIGHTS_FILE, atomic_write_json, save_weights
+from cadence.training.state_file import StateFileError, read_state, state_file_names, write_state
+
+STATE_STEM = "training_state"
+STATE_FILES = state_file_names(STATE_STEM)
+INFO_FILE = "checkpoint.json"
+MANIFEST_FILE = "manifest.json"
+CHECKPOINT_FILES = (WEIGHTS_FILE, *STATE_FILES, INFO_FILE)
+"""Every file of a checkpoint; the manifest must vouch for each of them."""
+LEGACY_PICKLE_FILE = "training_state.pt"
+"""What cadence before the pickle-free format wrote: never loaded, since unpickling it could run code."""
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator a training step can touch."""
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    step: int,
+    weights: Mapping[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    engine_state: dict[str, Any],
+    data_position: dict[str, int],
+    info: dict[str, Any],
+    keep: int = 0,
+    partial_window: dict[str, Any] | None = None,
+) -> Path:
+    """Write checkpoints/step-{step}/ (weights, optimizer, scheduler, precision, counters, RNG, data position);
+    with ``keep`` > 0, delete all but the newest ``keep`` checkpoints afterwards."""
+    root = run_dir / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step}."))
+    try:
+        save_weights(weights, staging / WEIGHTS_FILE)
+        state = {
+            "optimizer": optimizer_state,
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+            "engine": engine_state,
+            "data_position": data_position,
+            "rng": rng_state(),
+            # --checkpoint-mid-window: the gradients of the micro-batches already done in the interrupted window
+            "partial_window": partial_window,
+        }
+        write_state(staging, STATE_STEM, state)
+        atomic_write_json(staging / INFO_FILE, {"step": step, **info})
+        # The manifest is written last: a folder with a valid manifest was complete when it was written.
+        manifest = {name: _sha256(staging / name) for name in CHECKPOINT_FILES}
+        atomic_write_json(staging / MANIFEST_FILE, {"step": step, "sha256": manifest})
+        if final.exists():  # the same step written again (a final save after a periodic one): replace it whole
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if keep > 0:
+        for old in checkpoint_dirs(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The step-N folders of a run, oldest first (hidden staging folders of interrupted writes are not included)."""
+    root = run_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [path for _, path in sorted(found)]
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """Why ``path`` is not a whole, intact checkpoint (None when it is)."""
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return "no manifest (the write did not finish)"
+    if (path / LEGACY_PICKLE_FILE).exists():
+        return (f"{LEGACY_PICKLE_FILE} is a pickle from an older cadence; loading it could run code, so it is not "
+                f"read (start a new run, or resume with the cadence that wrote it)")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        checksums = manifest["sha256"]
+        if not isinstance(checksums, dict):
+            return "unreadable manifest (no checksum table)"
+        for name in CHECKPOINT_FILES:
+            if name not in checksums:
+                return f"the manifest does not vouch for {name}"
+            if not (path / name).is_file():
+                return f"{name} is missing"
+            if _sha256(path / name) != checksums[name]:
+                return f"{name} does not match its checksum"
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        return f"unreadable manifest ({err})"
+    return None
+
+
+@dataclass(kw_only=True)
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    weights: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    info: dict[str, Any]
+
+
+def latest_checkpoint(run_dir: Path) -> LoadedCheckpoint | None:
+    """The newest checkpoint that verifies; damaged newer ones are skipped with a warning. None when there is none."""
+    path = newest_intact_checkpoint(run_dir)
+    return None if path is None else load_checkpoint(path)
+
+
+def newest_intact_checkpoint(run_dir: Path) -> Path | None:
+    """The newest step-N folder whose files match their manifest (damaged newer ones are skipped with a warning)."""
+    for path in reversed(checkpoint_dirs(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        warnings.warn(f"checkpoint {path} is damaged ({problem}); using the one before it", stacklevel=2)
+    return None
+
+
+def load_checkpoint(path: Path) -> LoadedCheckpoint:
+    """Read one checkpoint folder (verify it first: ``newest_intact_checkpoint``); JSON and safetensors only.
+
+    Raises ``CheckpointUnreadable`` when a file that matched its checksum still does not parse (a manifest recomputed
+    over edited files)."""
+    try:
+        info = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
+        state = read_state(path, STATE_STEM)
+        weights = load_file(str(path / WEIGHTS_FILE))
+        if not isinstance(info, dict) or not isinstance(state, dict):
+            raise StateFileError("checkpoint.json and the training state must each hold an object")
+        step = int(info["step"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, SafetensorError) as err:
+        raise CheckpointUnreadable(f"{path}: unreadable checkpoint ({err})") from err
+    return LoadedCheckpoint(path=path, step=step, weights=weights, state=state, info=info)
+
+
+class CheckpointUnreadable(ValueError):
+    """A checkpoint's files verify against its manifest but do not parse as a cadence checkpoint."""
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the rename itself durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,75 @@
+"""The objects one training run is made of, built from a prepared configuration: the model (with recompute, then
+wrapped by DDP or sharded by FSDP2), the optimizer (possibly offloaded), the LR schedule and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cadence.config import TrainConfig
+from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
+from cadence.engine.schedules import build_lr_scheduler
+from cadence.engine.step import Engine
+from cadence.memory.offload import OffloadedOptimizer
+from cadence.memory.recompute import apply_activation_checkpointing
+from cadence.models import build_model
+from cadence.training.prepare import Prepared
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices and embeddings only (decaying biases and norm gains only hurts);
+    with ``--offload optimizer`` its state and update live on the CPU."""
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for param in model.parameters():  # parameters() yields a tied weight once
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    options = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2)}
+    if config.offload == "optimizer":
+        return OffloadedOptimizer(groups, optimizer_class=torch.optim.AdamW, **options)
+    return torch.optim.AdamW(groups, **options)  # type: ignore[arg-type]
+
+
+@dataclass(kw_only=True)
+class Components:
+    """The objects one training run is made of."""
+
+    model: torch.nn.Module
+    """What the engine runs: the user's model, or DDP around it, or the model sharded in place by FSDP2."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    engine: Engine
+    ranks: Ranks = SINGLE
+
+
+def build_components(prep: Prepared) -> Components:
+    """Model (with recompute), optimizer (possibly offloaded), schedule and engine, as the configuration says."""
+    config = prep.config
+    torch.manual_seed(config.seed)
+    model = (prep.hf.model if prep.hf else build_model(config.model)).to(prep.device)
+    apply_activation_checkpointing(model, config.activation_checkpointing)  # type: ignore[arg-type]
+    # Wrapped before the optimizer is built: FSDP2 replaces the parameters with their shards.
+    model = wrap_model(model, prep.ranks, prep.device)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_lr_scheduler(
+        optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,  # type: ignore[arg-type]
+        max_steps=config.max_steps, min_lr_ratio=config.min_lr_ratio,
+    )
+    budget = prep.memory_budget_bytes
+    if budget is not None and prep.device.type == "cuda":
+        # A real cap: the caching allocator raises torch.OutOfMemoryError past it, exactly like a smaller GPU.
+        total = torch.cuda.get_device_properties(prep.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), prep.device)
+    engine = Engine(
+        model, optimizer, scheduler=scheduler, precision=config.precision,  # type: ignore[arg-type]
+        max_grad_norm=config.max_grad_norm, offload_activations=config.offload == "activations",
+        memory_budget_bytes=budget if prep.device.type == "cpu" else None,
+        collective=ProcessGroupCollective(prep.ranks, prep.device) if prep.ranks.launched else None,
+        # --micro-batch-size auto retries out-of-memory windows: with several ranks, all must retry together.
+        agree_on_out_of_memory=config.auto_micro_batch,
+    )
+    return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, ranks=prep.ranks)

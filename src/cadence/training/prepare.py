@@ -1,0 +1,120 @@
+"""Everything checked and loaded before a run writes anything: the configuration, the model's context, the data.
+
+Bad input (configuration AND data files) is found here, before the run directory is created, so it never leaves
+anything half-written.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from cadence.config import TrainConfig, resolve_device, validate
+from cadence.data import DataSplits, load_data
+from cadence.data.hf import is_hf_data, load_hf_data
+from cadence.distributed.ranks import SINGLE, Ranks, broadcast_from_main, rank_device
+from cadence.errors import UsageError
+from cadence.models import MODEL_NAMES, model_context_length
+from cadence.models.hf import HFModel, build_hf_model, parse_model_overrides
+
+
+@dataclass(kw_only=True)
+class Prepared:
+    """A validated configuration with its data loaded: everything needed before anything is written."""
+
+    config: TrainConfig
+    device: torch.device
+    seq_len: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    effective_batch_size: int
+    world_size: int
+    data: DataSplits
+    out: Path
+    memory_budget_bytes: int | None
+    hf: HFModel | None = None
+    """The Hugging Face model (built, seeded) when --model is hf:TYPE or a directory."""
+    token_cache: Path | None = None
+    """A temporary tokenisation cache that the run directory adopts once it exists (adopt_token_cache)."""
+    ranks: Ranks = SINGLE
+    """This process among the run's processes (one, unless torchrun started several)."""
+
+
+def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Prepared:
+    """Validate the configuration, build a Hugging Face model (if asked) and load the data; raises UsageError naming
+    every problem. Writes nothing into --out. Every rank of a distributed run calls it (all hold the data)."""
+    world_size = ranks.world_size
+    # The default directory is named by the clock: rank 0's name for all, or ranks a second apart would disagree.
+    default_out = broadcast_from_main(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"), ranks)
+    validate(config, world_size=world_size, launched=ranks.launched)
+    out = config.out or default_out
+    if config.out is None and out.exists():
+        raise UsageError.single("--out", f"default {out} already exists; give --out")
+    hf = None
+    if config.model not in MODEL_NAMES:
+        torch.manual_seed(config.seed)
+        hf = build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])))
+        for note in hf.notes:
+            warnings.warn(note, stacklevel=2)
+    context = hf.context_length if hf else model_context_length(config.model)
+    seq_len = config.seq_len or context
+    if seq_len > context:
+        raise UsageError.single("--seq-len", f"{seq_len} is above {config.model}'s context length of {context}")
+    data, token_cache = load_run_data(config, seq_len, hf, out)
+    micro = config.resolved_micro_batch_size(world_size)
+    grad_accum_steps = config.resolved_grad_accum_steps(world_size)
+    effective = micro * grad_accum_steps * world_size
+    if config.last_window == "drop" and len(data.train) < effective:
+        raise UsageError.single(
+            "--last-window",
+            f"drop leaves nothing to train on: the training split has {len(data.train)} sequences, fewer than one "
+            f"window of {effective}; use --last-window step or a smaller --effective-batch-size",
+        )
+    return Prepared(
+        config=config, device=rank_device(resolve_device(config.device), ranks), seq_len=seq_len, micro_batch_size=micro,
+        grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
+        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, token_cache=token_cache, ranks=ranks,
+    )
+
+
+TOKEN_CACHE_DIR = "cache"
+
+
+def load_run_data(config: TrainConfig, seq_len: int, hf: HFModel | None, out: Path) -> tuple[DataSplits, Path | None]:
+    """Byte-level sources through cadence.data; datasets sources, or any source with a model's own tokenizer,
+    through cadence.data.hf, whose tokenisation is cached in OUT/cache (a resume reuses it)."""
+    tokenizer = hf.tokenizer if hf else None
+    source = config.data
+    if source is None or not (is_hf_data(str(source)) or tokenizer is not None):
+        if tokenizer is not None:
+            raise UsageError.single("--data", "a model with its own tokenizer needs a .jsonl, .parquet, .csv, .json or "
+                                              "hf:PATH dataset (packing text is byte-level)")
+        return load_data(source, seq_len, config.val_fraction), None
+    cache = out / TOKEN_CACHE_DIR
+    # A fresh run must not write into --out before every check has passed: tokenise into a temporary folder and
+    # let the run adopt it (adopt_token_cache) once its directory exists.
+    temporary = None if cache.is_dir() else Path(tempfile.mkdtemp(prefix="cadence-tokens-"))
+    data = load_hf_data(str(source), seq_len=seq_len, tokenizer=tokenizer, text_field=config.text_field,
+                        prompt_field=config.prompt_field, completion_field=config.completion_field,
+                        val_fraction=config.val_fraction, cache_dir=temporary or cache)
+    return data, temporary
+
+
+def adopt_token_cache(prep: Prepared) -> None:
+    """Move the temporary tokenisation cache into the run directory, which exists now (see load_run_data)."""
+    if prep.token_cache is None:
+        return
+    if not prep.ranks.is_main:  # rank 0 keeps its copy in the run directory; the others' are the same tokens
+        shutil.rmtree(prep.token_cache, ignore_errors=True)
+        return
+    target = prep.out / TOKEN_CACHE_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    for item in prep.token_cache.glob("tokenized-*"):
+        shutil.move(str(item), target / item.name)
+    shutil.rmtree(prep.token_cache, ignore_errors=True)

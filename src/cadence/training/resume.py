@@ -1,0 +1,164 @@
+"""Resume and preemption: continue a run exactly where its last checkpoint left it, and stop cleanly on a signal.
+
+A resumed run is indistinguishable from one that never stopped: the model, optimizer, scheduler, loss scaler,
+counters and random generators come back from the checkpoint, the data order is the same per-epoch permutation
+(seeded by --seed and the epoch) with the windows already done skipped, and metrics.jsonl loses the rows written
+after the checkpoint (they are written again, identically).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from cadence.distributed.ranks import broadcast_from_main, load_full_state, optimizer_state_format, unwrap
+from cadence.engine.step import PartialWindow
+from cadence.errors import Problem, UsageError
+from cadence.training.checkpoint import (
+    CheckpointUnreadable,
+    checkpoint_dirs,
+    load_checkpoint,
+    newest_intact_checkpoint,
+    restore_rng_state,
+    verify_checkpoint,
+)
+from cadence.training.run_dir import CHECKPOINTS_DIR, METRICS_FILE, atomic_write_bytes
+
+MATH_FIELDS = (
+    "model", "data", "seq_len", "effective_batch_size", "seed", "precision", "lr", "weight_decay", "adam_beta1",
+    "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "max_steps", "max_grad_norm", "last_window",
+    "val_fraction",
+)
+"""What must match between the checkpoint's run and the resumed one: each changes the math or the data order.
+The micro-batch split, recompute and offload may change (they give the same gradient); so may logging."""
+
+
+@dataclass(kw_only=True)
+class ResumePoint:
+    checkpoint: Path
+    step: int
+    epoch: int
+    windows_done_in_epoch: int
+    kept_rows: list[dict[str, Any]]
+    partial: PartialWindow | None = None
+    """Set when the checkpoint was written mid-window: the window to continue, its gradients already restored."""
+    partial_micro_batch_size: int | None = None
+
+
+def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Problem]:
+    """The math-changing fields that differ, each named by its flag."""
+    problems = []
+    for name in MATH_FIELDS:
+        if name in saved and saved.get(name) != current.get(name):
+            problems.append(Problem(where="--" + name.replace("_", "-"),
+                                    message=f"{current.get(name)!r} differs from the checkpoint's {saved.get(name)!r}; "
+                                            f"resuming would change the math (start a new --out instead)"))
+    return problems
+
+
+def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any) -> ResumePoint | None:
+    """Load the newest intact checkpoint of ``run_dir`` into ``parts`` (trainer.Components); None if there is none.
+
+    Raises UsageError when the configuration changes the math. Call before the run writer opens metrics.jsonl.
+    Under several processes every rank calls it and all load the checkpoint rank 0 chose; rank 0 alone tidies the
+    run directory.
+    """
+    main = parts.ranks.is_main
+    if main:
+        for staging in (run_dir / CHECKPOINTS_DIR).glob(".step-*"):  # a write cut short by a kill: never renamed in
+            shutil.rmtree(staging, ignore_errors=True)
+    # All ranks decide together: rank 0's choice, even if a file changed between two ranks' checks.
+    path = broadcast_from_main(newest_intact_checkpoint(run_dir) if main else None, parts.ranks)
+    if path is None:
+        found = checkpoint_dirs(run_dir)
+        if found:
+            # Checkpoints exist but none can be used: starting over would silently throw the run away.
+            raise UsageError([Problem(where="--resume", message=(
+                f"no usable checkpoint in {run_dir / CHECKPOINTS_DIR}; "
+                + "; ".join(f"{p.name}: {verify_checkpoint(p)}" for p in found)
+                + " (nothing was changed; start a new --out to train from scratch)"))])
+        if main:
+            _truncate_metrics(run_dir, windows=0)  # a run killed before its first checkpoint starts over
+        return None
+    try:
+        checkpoint = load_checkpoint(path)
+    except CheckpointUnreadable as err:
+        raise UsageError([Problem(where="--resume", message=f"{err} (nothing was changed)")]) from err
+    problems = incompatibilities(checkpoint.info.get("resolved_config", {}), resolved_config)
+    saved_format = checkpoint.info.get("optimizer_format", "by-index")
+    if saved_format != optimizer_state_format(parts.ranks):
+        problems.append(Problem(where="--strategy", message=(
+            "the checkpoint's optimizer state was saved " + ("under" if saved_format == "by-name" else "without")
+            + " --strategy fsdp; resume with the strategy it was saved with")))
+    if problems:
+        raise UsageError(problems)
+    state = checkpoint.state
+    load_full_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"])
+    if state["scheduler"] is not None:
+        parts.scheduler.load_state_dict(state["scheduler"])
+    parts.engine.load_state_dict(state["engine"])
+    restore_rng_state(state["rng"])
+    position = state["data_position"]
+    kept = _truncate_metrics(run_dir, windows=int(state["engine"]["windows"])) if main else []
+    point = ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=int(position["epoch"]),
+                        windows_done_in_epoch=int(position["window_in_epoch"]), kept_rows=kept)
+    partial = state.get("partial_window")
+    if partial:
+        # The interrupted window's accumulated gradients go back exactly where they were.
+        for name, parameter in unwrap(parts.model).named_parameters():
+            if name in partial["grads"]:
+                parameter.grad = partial["grads"][name].to(parameter.device, parameter.dtype)
+        point.partial = PartialWindow(micro_batches_done=int(partial["micro_batches_done"]),
+                                      loss_sum=float(partial["loss_sum"]))
+        point.partial_micro_batch_size = int(partial["micro_batch_size"])
+    return point
+
+
+def _truncate_metrics(run_dir: Path, *, windows: int) -> list[dict[str, Any]]:
+    """Keep the metrics rows of the first ``windows`` windows (rows after the checkpoint are written again)."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the kill
+            break
+        if int(row.get("window", 0)) > windows:
+            break
+        kept.append(row)
+    atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in kept).encode("utf-8"))
+    return kept
+
+
+class StopOnSignal:
+    """SIGTERM / SIGINT ask the loop to stop after the current window (it checkpoints and exits 0); the handler is
+    removed at the first signal, so a second one acts at once (terminates / interrupts)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, number: int, frame: FrameType | None) -> None:
+        self.requested = signal.Signals(number).name
+        signal.signal(number, signal.SIG_DFL if number == signal.SIGTERM else signal.default_int_handler)
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set from the main thread
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)

@@ -1,0 +1,147 @@
+"""The run directory (docs/ARCHITECTURE.md, "The run directory"): config.json, metrics.jsonl, summary.json, model.safetensors, TensorBoard.
+
+Files that are written once are written atomically (temporary file, fsync, rename), so a crash never leaves a
+half-written config, summary or weights file. metrics.jsonl is appended and flushed one line per optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+WEIGHTS_FILE = "model.safetensors"
+CHECKPOINTS_DIR = "checkpoints"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` so that ``path`` holds either the old content or all of the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; run files are meant to be read by others
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(_finite(obj), indent=2, sort_keys=False) + "\n").encode("utf-8"))
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no inf/nan: non-finite floats become null rather than invalid JSON that other tools reject."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def weights_for_safetensors(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's state_dict with every name kept, as contiguous CPU copies.
+
+    safetensors refuses tensors that share storage (tied embeddings do); copying keeps the names exactly as the
+    model has them, so ``model.load_state_dict(load_file(...))`` works without knowing about the tie.
+    """
+    return {name: tensor.detach().to("cpu").clone().contiguous() for name, tensor in weights.items()}
+
+
+def save_weights(weights: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``weights`` is a state_dict (the whole model's: under FSDP2 the caller gathers it first)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(weights_for_safetensors(weights), str(tmp), metadata=metadata)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+class RunWriter:
+    """Writes one run directory. Created only after every input has been validated, so bad input writes nothing."""
+
+    def __init__(self, root: Path, *, tensorboard: bool = True) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(root / METRICS_FILE, "a", encoding="utf-8")
+        self._tb: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(root / TENSORBOARD_DIR))
+
+    def write_config(self, resolved: dict[str, Any]) -> None:
+        atomic_write_json(self.root / CONFIG_FILE, resolved)
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(_finite(row)) + "\n")
+        self._metrics.flush()
+        if self._tb is not None:
+            step = int(row["step"])
+            for key in ("loss", "grad_norm", "lr", "loss_scale", "tokens_per_s", "step_time_s", "val_loss"):
+                value = row.get(key)
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss", value, step)
+            if row.get("peak_memory_bytes"):
+                self._tb.add_scalar("train/peak_memory_mib", row["peak_memory_bytes"] / 2**20, step)
+            if row.get("skipped"):
+                self._tb.add_scalar("train/skipped", 1, step)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write_json(self.root / SUMMARY_FILE, summary)
+
+    def save_model(self, weights: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+        save_weights(weights, self.root / WEIGHTS_FILE, metadata)
+
+    def close(self) -> None:
+        self._metrics.close()
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+
+
+class NoWriter(RunWriter):
+    """What ranks other than 0 write: nothing (rank 0 alone writes the run directory)."""
+
+    def __init__(self) -> None:  # no directory, no files
+        pass
+
+    def write_config(self, resolved: dict[str, Any]) -> None:
+        pass
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        pass
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def save_model(self, weights: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl."""
+    with open(run_dir / METRICS_FILE, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]

@@ -1,0 +1,393 @@
+"""Several processes for real: `cadence train --nproc-per-node 2` starts 2 gloo ranks with torchrun's launcher.
+
+Acceptance (issue 7): world 2 x micro 2 x accum 4 gives the losses and weights of one process at 2 x 8 and at
+16 x 1, on prompt/completion data where the two ranks hold different target counts in every window; FSDP2 gives
+DDP's losses; one gradient all-reduce per optimizer step; a rank that dies stops the others within 60 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import relative_l2, write_jsonl
+from safetensors.torch import load_file
+
+from cadence.cli import main
+from cadence.data import load_data
+from cadence.engine.windows import epoch_windows
+from cadence.training.run_dir import read_metrics
+
+STEPS = 6
+COMMON = ["--seq-len", "32", "--max-steps", str(STEPS), "--lr", "3e-3", "--warmup-steps", "2", "--val-fraction", "0",
+          "--checkpoint-every", "3"]
+TESTS = Path(__file__).resolve().parent
+
+
+def cadence(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """The cadence command in a fresh process (the launcher starts its ranks as further processes)."""
+    return subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def train_two_ranks(out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    result = cadence("train", "--nproc-per-node", "2", "--data", str(data), "--micro-batch-size", "2",
+                     "--grad-accum-steps", "4", "--out", str(out), *COMMON, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def train_one_process(out: Path, data: Path, micro: int, accum: int, *extra: str) -> None:
+    assert main(["train", "--data", str(data), "--micro-batch-size", str(micro), "--grad-accum-steps", str(accum),
+                 "--out", str(out), *COMMON, *extra]) == 0
+
+
+def run_rank_script(name: str, out: Path) -> dict:
+    """A script of tests/distributed/ on 2 gloo ranks under torchrun itself; returns the JSON rank 0 wrote."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(TESTS / name), str(out)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same 6 steps of effective batch 16 as DDP 2x2x4, FSDP2 2x2x4, and one process at 2x8 and 16x1."""
+    root = tmp_path_factory.mktemp("distributed")
+    data = write_jsonl(root / "examples.jsonl")
+    found = {"data": data, "root": root}
+    found["ddp"] = root / "ddp"
+    found["ddp_log"] = Path(root / "ddp.log")
+    found["ddp_log"].write_text(train_two_ranks(found["ddp"], data).stderr)
+    train_two_ranks(root / "fsdp", data, "--strategy", "fsdp")
+    found["fsdp"] = root / "fsdp"
+    for micro, accum in ((2, 8), (16, 1)):
+        found[f"{micro}x{accum}"] = root / f"one-{micro}x{accum}"
+        train_one_process(found[f"{micro}x{accum}"], data, micro, accum)
+    return found
+
+
+def test_two_ranks_give_the_one_process_losses_and_weights(runs: dict[str, Path]) -> None:
+    ddp = read_metrics(runs["ddp"])
+    assert [row["step"] for row in ddp] == list(range(1, STEPS + 1))
+    ddp_weights = load_file(str(runs["ddp"] / "model.safetensors"))
+    for name in ("2x8", "16x1"):
+        rows = read_metrics(runs[name])
+        for mine, theirs in zip(ddp, rows, strict=True):
+            # Global counts: the all-reduced target count normalises every rank's loss.
+            assert (mine["targets"], mine["samples"], mine["tokens"]) == (
+                theirs["targets"], theirs["samples"], theirs["tokens"])
+            assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"], (name, mine["step"])
+            assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-12)
+        assert relative_l2(ddp_weights, load_file(str(runs[name] / "model.safetensors"))) < 1e-4, name
+    assert len({row["targets"] for row in ddp}) > 1  # the windows really differ in length
+
+
+def test_the_two_ranks_hold_different_target_counts_in_every_window(runs: dict[str, Path]) -> None:
+    """What makes the test above sharp: a per-rank normalisation would get each of these windows wrong."""
+    train = load_data(runs["data"], 32, 0.0).train
+    per_rank = [[window.targets for epoch in (0, 1)  # 48 examples: 3 windows of 16 per epoch
+                 for window in epoch_windows(train, micro_batch_size=2, grad_accum_steps=4, seed=0, epoch=epoch,
+                                             world_size=2, rank=rank)]
+                for rank in (0, 1)]
+    assert len(per_rank[0]) == STEPS
+    assert all(a != b for a, b in zip(*per_rank)), per_rank
+    totals = [row["targets"] for row in read_metrics(runs["ddp"])]
+    assert [a + b for a, b in zip(*per_rank)] == totals
+
+
+def test_effective_batch_counts_the_processes(runs: dict[str, Path]) -> None:
+    config = json.loads((runs["ddp"] / "config.json").read_text())
+    assert (config["world_size"], config["effective_batch_size"], config["strategy"]) == (2, 16, "ddp")
+    log = runs["ddp_log"].read_text()
+    assert "effective batch = 2 micro-batch x 4 accumulation x 2 process(es) = 16 sequences" in log
+    assert log.count("effective batch =") == 1  # rank 0 alone prints
+    summary = json.loads((runs["ddp"] / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["peak_memory_of"] == "the busiest rank"
+
+
+def test_fsdp2_gives_the_ddp_losses(runs: dict[str, Path]) -> None:
+    fsdp, ddp = read_metrics(runs["fsdp"]), read_metrics(runs["ddp"])
+    for mine, theirs in zip(fsdp, ddp, strict=True):
+        assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"], mine["step"]
+    # The gathered full state dict: the user's parameter names, the DDP run's values.
+    fsdp_weights = load_file(str(runs["fsdp"] / "model.safetensors"))
+    assert relative_l2(fsdp_weights, load_file(str(runs["ddp"] / "model.safetensors"))) < 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_under_two_ranks_equals_the_uninterrupted_run(runs: dict[str, Path], strategy: str) -> None:
+    """Cut the run back to its step-3 checkpoint and resume it with 2 ranks: the last 3 steps come out the same."""
+    run = runs["root"] / f"resumed-{strategy}"
+    shutil.copytree(runs[strategy], run)
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    (run / "model.safetensors").unlink()
+    extra = ["--strategy", "fsdp"] if strategy == "fsdp" else []
+    result = cadence("train", "--nproc-per-node", "2", "--data", str(runs["data"]), "--micro-batch-size", "2",
+                     "--grad-accum-steps", "4", "--out", str(run), "--resume", *COMMON, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stderr and "(step 3)" in result.stderr
+    resumed, original = read_metrics(run), read_metrics(runs[strategy])
+    assert [row["loss"] for row in resumed] == pytest.approx([row["loss"] for row in original], rel=1e-6)
+    assert relative_l2(load_file(str(run / "model.safetensors")),
+                       load_file(str(runs[strategy] / "model.safetensors"))) < 1e-6
+
+
+def test_a_one_process_checkpoint_resumes_on_two_ranks(runs: dict[str, Path]) -> None:
+    """The windows are the same for any split of the effective batch, so a run may move to more processes."""
+    run = runs["root"] / "one-to-two"
+    shutil.copytree(runs["2x8"], run)
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    train_two_ranks(run, runs["data"], "--resume")
+    assert [row["loss"] for row in read_metrics(run)] == pytest.approx(
+        [row["loss"] for row in read_metrics(runs["2x8"])], rel=1e-5)
+
+
+def test_one_gradient_all_reduce_per_optimizer_step(tmp_path: Path) -> None:
+    """A DDP communication hook counts the all-reduces: none during the first 3 micro-batches of a window, one with
+    the last (the tiny model's gradients fit one bucket)."""
+    counts = run_rank_script("count_allreduce.py", tmp_path / "count.json")
+    assert counts["optimizer_steps"] == 3
+    assert counts["all_reduces"] == 3
+    assert counts["windows_at_call"] == [0, 1, 2]  # each during its own window
+    # Before micro-batch i of window w, exactly w all-reduces have happened: none inside a window's first three.
+    assert counts["before_micro_batch"] == [[i, w] for w in range(3) for i in range(4)]
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of the launcher's worker processes (from /proc: the ranks' torchrun variables)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        variables = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+        if parent == launcher and b"LOCAL_RANK" in variables:
+            found[int(variables[b"LOCAL_RANK"])] = int(entry.name)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc (Linux)")
+def test_a_rank_that_dies_stops_the_others_with_a_clear_message(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "examples.jsonl")
+    out = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "cadence", "train", "--nproc-per-node", "2", "--data", str(data), "--seq-len", "32",
+         "--micro-batch-size", "2", "--grad-accum-steps", "4", "--max-steps", "100000", "--val-fraction", "0",
+         "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        pids = _rank_pids(launcher.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = launcher.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    print(f"all ranks gone {elapsed:.1f} s after rank 1 was killed")
+    assert launcher.returncode == 1, stderr[-3000:]
+    assert elapsed < 60
+    assert "rank 1 was killed by SIGKILL" in stderr, stderr[-3000:]
+    for pid in pids.values():  # no rank is left behind
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_gradients_of_padding_micro_batches_are_zero() -> None:
+    """The short last window's padding runs a forward and backward for the collectives and adds nothing."""
+    from helpers import tiny_model
+
+    from cadence.engine.step import token_cross_entropy_sum
+    from cadence.engine.windows import padding_micro_batch
+
+    model = tiny_model()
+    loss = token_cross_entropy_sum(model, padding_micro_batch())
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+def test_launcher_arguments_and_failure_lines() -> None:
+    from cadence.distributed.launch import arguments_without_nproc, describe_failures
+
+    assert arguments_without_nproc(["--nproc-per-node", "2", "--lr", "1", "--nproc-per-node=4", "--resume"]) == [
+        "--lr", "1", "--resume"]
+    assert describe_failures({0: -signal.SIGTERM, 1: -signal.SIGKILL}) == "rank 1 was killed by SIGKILL"
+    assert describe_failures({0: 1, 1: 1}) == ("rank 0 exited with status 1 (its message is above), "
+                                               "rank 1 exited with status 1 (its message is above)")
+    assert describe_failures({1: -signal.SIGTERM}) == "rank 1 was killed by SIGTERM"
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_at_a_window_boundary_with_a_checkpoint(tmp_path: Path) -> None:
+    """Preemption: the launcher passes SIGTERM on; the ranks agree on the window to stop after, save, exit 0; the
+    resumed run ends where an uninterrupted one does."""
+    data = write_jsonl(tmp_path / "examples.jsonl")
+    out = tmp_path / "run"
+    args = ["--data", str(data), "--seq-len", "32", "--max-steps", "60", "--lr", "3e-3", "--val-fraction", "0",
+            "--micro-batch-size", "2", "--grad-accum-steps", "4"]
+    launcher = subprocess.Popen([sys.executable, "-m", "cadence", "train", "--nproc-per-node", "2", *args,
+                                 "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "stopped by SIGTERM after step" in stderr
+    stopped_at = len(read_metrics(out))
+    assert stopped_at < 60 and (out / "checkpoints" / f"step-{stopped_at}").is_dir()
+    train_two_ranks_args = ["train", "--nproc-per-node", "2", *args, "--out", str(out), "--resume"]
+    assert cadence(*train_two_ranks_args).returncode == 0
+    reference = tmp_path / "reference"
+    assert cadence("train", "--nproc-per-node", "2", *args, "--out", str(reference)).returncode == 0
+    # Exact: the checkpoint holds the whole state, and gloo sums the same two gradients in the same order.
+    assert [row["loss"] for row in read_metrics(out)] == [row["loss"] for row in read_metrics(reference)]
+    assert relative_l2(load_file(str(out / "model.safetensors")),
+                       load_file(str(reference / "model.safetensors"))) == 0.0
+
+
+def test_auto_micro_batch_under_two_ranks_halves_on_every_rank_together(tmp_path: Path) -> None:
+    """Budget 30 MiB per rank fits micro-batch 4 but not 8 (gpt-tiny, seq 64): both ranks retry the window at 4,
+    together, and train exactly like one process at 4 x 8."""
+    common = ["--seq-len", "64", "--max-steps", "5", "--val-fraction", "0"]
+    auto = tmp_path / "auto"
+    result = cadence("train", "--nproc-per-node", "2", *common, "--micro-batch-size", "auto",
+                     "--effective-batch-size", "32", "--grad-accum-steps", "2", "--memory-budget", "30MiB",
+                     "--auto-grow-after", "2", "--out", str(auto))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "out of memory at micro-batch 8: retrying the window as 4 x 4" in result.stderr
+    fixed = tmp_path / "fixed"
+    assert main(["train", *common, "--micro-batch-size", "4", "--grad-accum-steps", "8", "--out", str(fixed)]) == 0
+    auto_rows, fixed_rows = read_metrics(auto), read_metrics(fixed)
+    assert auto_rows[0]["oom_retries"] == 1 and [row["micro_steps"] for row in auto_rows] == [4] * 5
+    assert any(row["oom_retries"] == 1 for row in auto_rows[1:]), "it tried growing back to 8"
+    for got, want in zip(auto_rows, fixed_rows, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    summary = json.loads((auto / "summary.json").read_text())
+    assert summary["final_micro_batch_size"] == 4 and summary["peak_memory_bytes"] <= 30 * 2**20
+
+
+def test_an_out_of_memory_on_one_rank_makes_every_rank_retry_the_window(tmp_path: Path) -> None:
+    """Rank 1 alone runs out of memory above micro-batch 2: without the engine's agreement rank 0 would go on into
+    the all-reduce and wait for it (until the collective timeout); with it both retry at 2 and stay identical."""
+    seen = run_rank_script("oom_agreement.py", tmp_path / "agreement.json")
+    assert seen["retries"] == [1, 0, 0] and seen["final_micro_batch_size"] == 2 and seen["steps"] == 3
+    assert seen["weight_checksums"][0] == seen["weight_checksums"][1]
+
+
+LLAMA = ["--model", "hf:llama", "--model-config", "hidden_size=64", "--model-config", "num_hidden_layers=2",
+         "--model-config", "num_attention_heads=4", "--model-config", "intermediate_size=128",
+         "--model-config", "vocab_size=256"]
+
+
+def test_hugging_face_model_under_fsdp2_validates_and_saves_like_one_process(tmp_path: Path) -> None:
+    """A transformers llama sharded per decoder layer: the same training and validation losses as one process
+    (the validation micro-batches are shared out over the ranks, padded), and --save-hf writes the gathered weights."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    data = write_jsonl(tmp_path / "examples.jsonl")
+    common = [*LLAMA, "--data", str(data), "--seq-len", "32", "--max-steps", "4", "--lr", "3e-3",
+              "--val-fraction", "0.1", "--eval-every", "2"]
+    sharded, saved = tmp_path / "fsdp", tmp_path / "saved-hf"
+    result = cadence("train", "--nproc-per-node", "2", "--strategy", "fsdp", *common, "--micro-batch-size", "2",
+                     "--grad-accum-steps", "2", "--save-hf", str(saved), "--out", str(sharded))
+    assert result.returncode == 0, result.stderr[-3000:]
+    single = tmp_path / "single"
+    assert main(["train", *common, "--micro-batch-size", "2", "--grad-accum-steps", "4", "--out", str(single)]) == 0
+    rows, reference = read_metrics(sharded), read_metrics(single)
+    assert sum(row.get("val_loss") is not None for row in reference) == 2  # steps 2 and 4
+    for got, want in zip(rows, reference, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert (got.get("val_loss") is None) == (want.get("val_loss") is None)
+        if want.get("val_loss") is not None:
+            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(saved))
+    weights = load_file(str(sharded / "model.safetensors"))
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_cuda_ranks_with_nccl_match_one_process_in_bf16(tmp_path: Path, strategy: str) -> None:
+    """The CUDA path: nccl, one GPU per rank (all GPUs, at most 2; FSDP2 also runs as a single rank), bf16 autocast."""
+    ranks = min(2, torch.cuda.device_count())
+    data = write_jsonl(tmp_path / "examples.jsonl")
+    common = ["--data", str(data), "--device", "cuda", "--precision", "bf16", "--seq-len", "32", "--max-steps", "4",
+              "--val-fraction", "0", "--lr", "3e-3"]
+    launched = tmp_path / "launched"
+    result = cadence("train", "--nproc-per-node", str(ranks), "--strategy", strategy, *common, "--micro-batch-size",
+                     "2", "--grad-accum-steps", str(8 // ranks), "--out", str(launched))
+    assert result.returncode == 0, result.stderr[-3000:]
+    single = tmp_path / "single"
+    assert main(["train", *common, "--micro-batch-size", "2", "--grad-accum-steps", "8", "--out", str(single)]) == 0
+    for got, want in zip(read_metrics(launched), read_metrics(single), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)  # bf16: summation order moves the rounding
+        assert got["peak_memory_bytes"] > 0
+
+
+def test_commands_other_than_train_refuse_to_run_under_torchrun(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Each rank would write the same plan or profile directory at once: only train knows how to share the work."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)  # what torchrun gives each rank
+    assert main(["plan", "--memory-budget", "1GiB", "--effective-batch-size", "8"]) == 2
+    assert "cadence plan runs in one process" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_verify_on_two_ranks_gives_the_big_batch_gradient(tmp_path: Path, strategy: str) -> None:
+    """cadence verify with the configuration really distributed: each rank runs its share of the window through
+    DDP or FSDP2; the synchronised gradient (and the weights after 2 steps) match one process's whole batch."""
+    data = write_jsonl(tmp_path / "examples.jsonl")
+    result = cadence("verify", "--nproc-per-node", "2", "--strategy", strategy, "--data", str(data), "--seq-len", "32",
+                     "--micro-batch-size", "2", "--grad-accum-steps", "4", "--steps", "2", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    payload = json.loads(result.stdout)  # rank 0 alone prints
+    assert payload["passed"] and payload["world_size"] == 2 and payload["effective_batch_size"] == 16
+    assert payload["grad_accum_steps"] == 4 and payload["relative_error"] < 1e-5
+    assert payload["parameters_after_steps"]["relative_distance"] < 1e-4
+
+
+def test_bad_data_found_by_the_ranks_is_reported_once_and_nothing_is_written(tmp_path: Path) -> None:
+    """The flags pass the launcher's check; the malformed line is found by every rank while loading, and rank 0
+    alone reports it (the ranks agree first, so none goes on alone)."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "a", "completion": "bc"}\n{oops\n')
+    out = tmp_path / "run"
+    result = cadence("train", "--nproc-per-node", "2", "--data", str(data), "--seq-len", "32", "--max-steps", "2",
+                     "--out", str(out))
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("cadence:")]
+    assert len(errors) == 1 and errors[0].startswith(f"cadence: error: {data}:2: not valid JSON"), errors
+    assert not out.exists()

@@ -1,0 +1,64 @@
+"""Helpers shared by the tests: a tiny GPT, sample text and variable-length prompt/completion data.
+
+Test modules import them from here (``from helpers import tiny_model``; pytest puts tests/ on the path), never from
+conftest.py or from another test module; conftest.py only turns some of them into fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from cadence.data import TokenDataset, make_example
+from cadence.models import GPT, GPTConfig
+
+TINY = GPTConfig(vocab_size=256, context_length=40, n_layer=2, n_head=2, n_embd=32)
+
+
+def tiny_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(TINY)
+
+
+def sample_text(num_bytes: int = 4000) -> bytes:
+    rng = random.Random(1)
+    words = ["window", "micro", "batch", "scale", "clip", "step", "token", "loss", "grad", "norm", "def", "return"]
+    text = " ".join(rng.choice(words) for _ in range(num_bytes // 4))
+    return text.encode()[:num_bytes]
+
+
+def prompt_completion_dataset(count: int = 40, seed: int = 3) -> TokenDataset:
+    """Variable-length examples whose target counts differ by 10x or more (2 .. 28 targets)."""
+    rng = random.Random(seed)
+    examples = []
+    for index in range(count):
+        prompt_len = rng.randint(1, 8)
+        completion_len = 2 if index % 3 == 0 else rng.randint(20, 28)  # short and long completions mixed
+        tokens = [rng.randrange(256) for _ in range(prompt_len + completion_len)]
+        labels = [tokens[i + 1] if i + 1 >= prompt_len else -100 for i in range(len(tokens) - 1)]
+        examples.append(make_example(tokens[:-1], labels))
+    return TokenDataset(examples)
+
+
+def write_jsonl(path: Path) -> Path:
+    """48 prompt/completion lines whose completions differ in target count by more than 10x."""
+    rng = random.Random(7)
+    words = ["alpha", "beta", "gamma", "delta", "step", "scale"]
+    lines = []
+    for index in range(48):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) + ":"
+        # completions of 2 bytes and of 25-30 bytes: target counts differ by more than 10x
+        completion = "ok" if index % 3 == 0 else "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(25, 30)))
+        lines.append(json.dumps({"prompt": prompt, "completion": completion}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    diff = torch.cat([(a[k] - b[k]).flatten() for k in sorted(a)])
+    base = torch.cat([b[k].flatten() for k in sorted(b)])
+    return float(diff.norm() / base.norm())

@@ -1,0 +1,143 @@
+"""The analytic estimate for Hugging Face decoders (llama-style and gpt2-style blocks, from their ModelShape): within
+15% of the measured peak on tiny configs, and it moves the right way with micro-batch, recompute, precision and
+grouped-query attention."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cadence.config import TrainConfig
+from cadence.engine.step import Engine
+from cadence.memory.estimate import ESTIMATE_CATEGORIES, MemoryEstimate
+from cadence.memory.estimate_hf import block_style, estimate_hf_step_memory
+from cadence.memory.measure import MeasuredMemory, measure_step
+from cadence.memory.recompute import apply_activation_checkpointing
+from cadence.models.hf import HFModel, ModelShape, build_hf_model
+from cadence.training.components import build_optimizer
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MiB = 2**20
+LLAMA = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 176, "vocab_size": 256, "max_position_embeddings": 256}
+GPT2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 256, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # dropout masks are not modelled
+TABLE = [  # (spec, overrides, micro-batch, seq_len)
+    ("hf:llama", LLAMA, 4, 128),
+    ("hf:llama", {**LLAMA, "hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 352}, 8, 64),
+    ("hf:gpt2", GPT2, 4, 128),
+    ("hf:gpt2", {**GPT2, "n_embd": 128, "n_layer": 3}, 8, 64),
+]
+
+
+def make_window(batch: int, seq: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (batch, seq), generator=generator)
+    return [{"input_ids": ids, "labels": torch.randint(0, 256, (batch, seq), generator=generator)}]
+
+
+def build(spec: str, overrides: dict) -> HFModel:
+    torch.manual_seed(0)
+    return build_hf_model(spec, overrides)
+
+
+def estimate(hf: HFModel, **options: object) -> MemoryEstimate:
+    settings: dict[str, object] = {"micro_batch_size": 4, "seq_len": 64, "precision": "fp32", "checkpointing": "none",
+                                   **options}
+    return estimate_hf_step_memory(hf.shape, model_type=hf.config.model_type, **settings)  # type: ignore[arg-type]
+
+
+def measure(spec: str, overrides: dict, batch: int, seq: int, precision: str, checkpointing: str
+            ) -> tuple[MemoryEstimate, MeasuredMemory]:
+    hf = build(spec, overrides)
+    apply_activation_checkpointing(hf.model, checkpointing)  # type: ignore[arg-type]
+    optimizer = build_optimizer(hf.model, TrainConfig())
+    Engine(hf.model, optimizer, precision="fp32", max_grad_norm=1.0).step(make_window(batch, seq, seed=0))
+    engine = Engine(hf.model, optimizer, precision=precision, max_grad_norm=1.0)  # type: ignore[arg-type]
+    window = make_window(batch, seq)
+    measured = measure_step(hf.model, optimizer, lambda: engine.step(window), "cpu")
+    return estimate(hf, micro_batch_size=batch, seq_len=seq, precision=precision, checkpointing=checkpointing), measured
+
+
+def relative_error(predicted: int, measured: int) -> float:
+    return (predicted - measured) / measured
+
+
+@pytest.mark.slow
+def test_hf_estimate_is_within_15_percent_of_the_measured_peak() -> None:
+    rows = []
+    for spec, overrides, batch, seq in TABLE:
+        for checkpointing in ("none", "full"):
+            for precision in ("fp32", "bf16"):
+                predicted, measured = measure(spec, overrides, batch, seq, precision, checkpointing)
+                label = f"{spec[3:]} d{overrides.get('hidden_size', overrides.get('n_embd'))} {batch}x{seq}"
+                rows.append((label, precision, checkpointing, predicted, measured))
+    print(f"\n{'model':20} {'prec':5} {'ckpt':5} {'est MiB':>8} {'meas MiB':>8} {'error':>7}   "
+          f"{'act est':>7} {'act meas':>8} {'error':>7}   peak in")
+    for label, precision, checkpointing, predicted, measured in rows:
+        peak_error = relative_error(predicted.peak_bytes, measured.peak_bytes)
+        act_error = relative_error(predicted.activation_bytes, measured.activation_peak_bytes)
+        print(f"{label:20} {precision:5} {checkpointing:5} {predicted.peak_bytes / MiB:8.2f} "
+              f"{measured.peak_bytes / MiB:8.2f} {peak_error:+7.1%}   {predicted.activation_bytes / MiB:7.2f} "
+              f"{measured.activation_peak_bytes / MiB:8.2f} {act_error:+7.1%}   {predicted.peak_phase}")
+    for label, precision, checkpointing, predicted, measured in rows:
+        assert abs(relative_error(predicted.peak_bytes, measured.peak_bytes)) <= 0.15, (label, precision,
+                                                                                        checkpointing)
+
+
+@pytest.mark.parametrize(("spec", "overrides", "precision", "checkpointing"), [
+    ("hf:llama", LLAMA, "fp32", "none"), ("hf:llama", LLAMA, "bf16", "full"),
+    ("hf:gpt2", GPT2, "bf16", "none"), ("hf:gpt2", GPT2, "fp32", "full"),
+])
+def test_hf_estimate_matches_a_quick_measurement(spec, overrides, precision, checkpointing) -> None:
+    predicted, measured = measure(spec, overrides, 4, 64, precision, checkpointing)
+    assert abs(relative_error(predicted.peak_bytes, measured.peak_bytes)) <= 0.15
+
+
+@pytest.fixture(scope="module")
+def llama() -> HFModel:
+    return build("hf:llama", LLAMA)
+
+
+def test_categories_sum_to_the_peak_and_count_the_parameters(llama: HFModel) -> None:
+    result = estimate(llama)
+    assert set(result.by_category) == set(ESTIMATE_CATEGORIES)
+    assert sum(result.by_category.values()) == result.peak_bytes
+    assert result.by_category["parameters"] == 4 * llama.shape.num_parameters
+    assert result.by_category["optimizer_state"] == 8 * llama.shape.num_parameters
+
+
+def test_estimate_moves_the_right_way(llama: HFModel) -> None:
+    activations = [estimate(llama, micro_batch_size=b).activation_bytes for b in (1, 2, 4, 8)]
+    assert activations == sorted(activations) and activations[-1] > 4 * activations[0]
+    for precision in ("fp32", "bf16"):
+        none = estimate(llama, precision=precision, micro_batch_size=8)
+        full = estimate(llama, precision=precision, micro_batch_size=8, checkpointing="full")
+        assert full.activation_bytes < none.activation_bytes and full.peak_bytes < none.peak_bytes
+    assert estimate(llama, precision="bf16").activation_bytes < estimate(llama).activation_bytes
+    # Grouped-query attention: fewer kv heads, smaller k and v.
+    mha = dataclasses.replace(llama.shape, num_kv_heads=llama.shape.num_heads)
+    gqa_act = estimate(llama).activation_bytes
+    mha_act = estimate_hf_step_memory(mha, model_type="llama", micro_batch_size=4, seq_len=64, precision="fp32",
+                                      checkpointing="none").activation_bytes
+    assert mha_act > gqa_act
+    # Accumulation holds the gradients during the second forward.
+    assert estimate(llama, grad_accum_steps=2).peak_bytes >= estimate(llama).peak_bytes
+
+
+def test_block_styles_and_bad_input(llama: HFModel) -> None:
+    assert block_style("gpt2") == "gpt2" and block_style("qwen2") == "llama" and block_style("mistral") == "llama"
+    with pytest.raises(ValueError, match="context length"):
+        estimate(llama, seq_len=10_000)
+    with pytest.raises(ValueError, match="precision"):
+        estimate(llama, precision="fp8")
+    shapeless = ModelShape(num_layers=2, hidden_size=64, num_heads=None, num_kv_heads=None, head_dim=None,
+                           intermediate_size=None, vocab_size=256, context_length=64, num_parameters=1,
+                           tied_embeddings=True)
+    with pytest.raises(ValueError, match="heads"):
+        estimate_hf_step_memory(shapeless, model_type="mamba", micro_batch_size=1, seq_len=8, precision="fp32",
+                                checkpointing="none")

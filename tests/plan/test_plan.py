@@ -1,0 +1,120 @@
+"""cadence plan: candidates, measured trials, a decision within the budget, its quality check, and train --plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import sample_text
+
+from cadence.cli import main
+from cadence.config import TrainConfig
+from cadence.plan.planner import PlanOptions, build_candidates, choose_trials, divisors
+from cadence.training.run_dir import read_metrics
+
+
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "text.txt"
+    path.write_bytes(sample_text(200 * 32 + 1))
+    return path
+
+
+def test_divisors():
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_candidates_cover_every_split_and_respect_constraints():
+    notes: list[str] = []
+    config = TrainConfig(effective_batch_size=8, memory_budget="64MiB", precision="bf16")
+    candidates = build_candidates(config, {"precision"}, torch.device("cpu"), 64, notes)
+    assert {(c.setup.micro_batch_size, c.setup.grad_accum_steps) for c in candidates} == {(1, 8), (2, 4), (4, 2),
+                                                                                            (8, 1)}
+    assert {c.setup.precision for c in candidates} == {"bf16"}
+    assert {c.setup.activation_checkpointing for c in candidates} == {"none", "selective", "full"}
+    assert any("offload" in note and "saves nothing" in note for note in notes)
+    assert all(c.setup.micro_batch_size * c.setup.grad_accum_steps == 8 for c in candidates)
+
+
+def test_trials_take_the_largest_estimated_fit_per_group():
+    config = TrainConfig(effective_batch_size=32, memory_budget="64MiB", precision="fp32")
+    candidates = build_candidates(config, {"precision"}, torch.device("cpu"), 256, [])
+    budget = 64 * 2**20
+    chosen = choose_trials(candidates, budget, 10, torch.device("cpu"))
+    assert len(chosen) == 3  # one per recompute mode
+    for trial in chosen:
+        group = [c for c in candidates if c.group == trial.group and c.estimate.peak_bytes <= budget * 1.15]
+        assert trial.setup.micro_batch_size == max(c.setup.micro_batch_size for c in group)
+    assert chosen[0].setup.activation_checkpointing == "none"  # cheapest prior first
+    assert len(choose_trials(candidates, budget, 0, torch.device("cpu"))) == len(candidates)
+
+
+def run_plan(tmp_path: Path, *extra: str) -> tuple[int, Path]:
+    out = tmp_path / "plan"
+    code = main(["plan", "--data", str(text_file(tmp_path)), "--seq-len", "32", "--effective-batch-size", "8",
+                 "--memory-budget", "24MiB", "--trial-steps", "3", "--quality-steps", "3", "--out", str(out), *extra])
+    return code, out
+
+
+def test_plan_end_to_end_and_train_with_it(tmp_path):
+    code, out = run_plan(tmp_path, "--precision", "fp32")
+    assert code == 0
+    plan = json.loads((out / "plan.json").read_text())
+    chosen = next(c for c in plan["candidates"] if c["id"] == plan["choice"]["id"])
+    assert chosen["measured"]["fits"] and chosen["measured"]["peak_bytes"] <= plan["memory_budget_bytes"]
+    measured = [c for c in plan["candidates"] if c["measured"] and c["measured"]["fits"]]
+    assert chosen["measured"]["tokens_per_s"] == max(c["measured"]["tokens_per_s"] for c in measured)
+    assert plan["quality"]["gradient"]["passed"] and plan["quality"]["gradient"]["relative_error"] < 1e-5
+    assert plan["quality"]["loss"]["passed"]
+    assert plan["diagnosis"]["dominant"] in plan["diagnosis"]["estimate"]["by_category"]
+    assert (out / "report.html").exists() and (out / "report.md").exists()
+
+    run = tmp_path / "run"
+    assert main(["train", "--plan", str(out / "plan.json"), "--data", str(text_file(tmp_path)), "--max-steps", "2",
+                 "--out", str(run)]) == 0
+    config = json.loads((run / "config.json").read_text())
+    for key in ("micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing", "offload"):
+        assert config[key] == plan["choice"][key]
+    assert config["effective_batch_size"] == 8
+    assert len(read_metrics(run)) == 2
+
+
+def test_train_flag_contradicting_the_plan_is_a_usage_error(tmp_path, capsys):
+    code, out = run_plan(tmp_path, "--precision", "fp32", "--activation-checkpointing", "none")
+    assert code == 0
+    plan = json.loads((out / "plan.json").read_text())
+    other = "full" if plan["choice"]["activation_checkpointing"] != "full" else "none"
+    code = main(["train", "--plan", str(out / "plan.json"), "--activation-checkpointing", other,
+                 "--out", str(tmp_path / "run")])
+    assert code == 2
+    assert "--activation-checkpointing" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_nothing_fits_fails_with_the_smallest_measured_peak(tmp_path, capsys):
+    code, _ = run_plan(tmp_path, "--precision", "fp32", "--activation-checkpointing", "full",
+                       "--memory-budget", "2MiB", "--max-trials", "2")
+    assert code == 1
+    assert "no configuration fits in 2.0 MiB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["plan", "--memory-budget", "64MiB"], "--effective-batch-size"),
+    (["plan", "--effective-batch-size", "8"], "--memory-budget"),
+    (["plan", "--effective-batch-size", "8", "--memory-budget", "64MiB", "--trial-steps", "1"], "--trial-steps"),
+    (["plan", "--effective-batch-size", "8", "--memory-budget", "lots"], "--memory-budget"),
+    (["plan", "--effective-batch-size", "8", "--memory-budget", "1GiB", "--micro-batch-size", "auto"],
+     "--micro-batch-size"),
+    (["train", "--plan", "missing.json"], "--plan"),
+])
+def test_plan_bad_input(argv, flag, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+
+
+def test_plan_options_defaults_are_sane():
+    options = PlanOptions()
+    assert options.trial_steps >= 3 and options.max_trials >= 1 and options.quality_steps >= 1

@@ -1,0 +1,103 @@
+"""Profiling: phases that add up to the step, the verdicts, a valid Chrome trace, and no cost when off."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from helpers import sample_text, tiny_model
+
+from cadence import Engine, iter_windows
+from cadence.cli import main
+from cadence.data import iterate_micro_batches, pack_bytes
+from cadence.engine.step import NO_PHASE
+from cadence.profiling.profiler import PHASES, ProfileSettings, StepProfiler, verdict
+
+
+def slow(items, seconds: float):
+    for item in items:
+        time.sleep(seconds)  # a deliberately slow dataset: the accelerator (here the CPU) waits for it
+        yield item
+
+
+def profile_own_loop(tmp_path, *, delay: float = 0.0, active: int = 4):
+    dataset = pack_bytes(sample_text(200 * 32 + 1), 32)
+    model = tiny_model()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), max_grad_norm=1.0)
+    settings = ProfileSettings(active=active, tokens_per_step=16 * 32, model_flops_per_token=1e5, peak_flops=1e11)
+    micro_batches = iterate_micro_batches(dataset, 8, 0, 0)
+    with StepProfiler(engine, out=tmp_path / "profile", settings=settings) as profiler:
+        for window in iter_windows(slow(micro_batches, delay) if delay else micro_batches, 2):
+            engine.step(window)
+            with profiler.phase("logging_checkpointing"):
+                pass
+            profiler.step()
+            if profiler.done:
+                break
+    assert engine.phases is None  # detached when done: no cost afterwards
+    return profiler.result
+
+
+def test_python_api_phases_add_up_to_the_step(tmp_path):
+    result = profile_own_loop(tmp_path)
+    assert set(PHASES) <= set(result["phases"])
+    assert abs(result["phase_shares_sum"] - 1.0) <= 0.05
+    assert len(result["step_times_s"]) == 4
+    for name in ("forward", "backward", "optimizer_step"):
+        assert result["phases"][name]["mean_s"] > 0
+    assert result["phase_peak_memory_bytes"]["backward"] > 0
+    assert result["top_operators"] and result["top_operators"][0]["self_time_s"] > 0
+    assert (tmp_path / "profile" / "profile.json").exists()
+    assert (tmp_path / "profile" / "report.html").exists()  # the same report as `cadence profile`
+
+
+def test_slow_dataset_is_data_bound(tmp_path):
+    result = profile_own_loop(tmp_path, delay=0.05)  # 2 micro-batches x 50 ms of waiting per step
+    assert result["verdict"]["kind"] == "data-bound"
+    assert "waiting for data" in result["verdict"]["figure"]
+
+
+def test_builtin_default_on_cpu_is_compute_bound_and_trace_is_valid(tmp_path):
+    out = tmp_path / "profile"
+    assert main(["profile", "--steps", "3", "--out", str(out)]) == 0
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["verdict"]["kind"] == "compute-bound"
+    assert abs(profile["phase_shares_sum"] - 1.0) <= 0.05
+    assert profile["tokens_per_s"] > 0 and 0 < profile["mfu"] < 1.5
+    trace = json.loads((out / "trace.json").read_text())  # valid Chrome trace JSON
+    names = {event.get("name") for event in trace["traceEvents"]}
+    for phase in ("forward", "backward", "unscale_clip", "optimizer_step", "zero_grad_scheduler"):
+        assert f"cadence.{phase}" in names
+    assert (out / "report.md").exists() and (out / "report.html").exists()
+
+
+def result_with(shares: dict[str, float], world: int = 1, peak: int | None = None) -> dict:
+    phases = {name: {"share": shares.get(name, 0.0), "mean_s": 0.0} for name in (*PHASES, "other")}
+    return {"phases": phases, "world_size": world, "peak_memory_bytes": peak, "mfu": 0.3}
+
+
+@pytest.mark.parametrize("shares, world, peak, limit, kind", [
+    ({"data_wait": 0.3, "forward": 0.3, "backward": 0.4}, 1, None, None, "data-bound"),
+    ({"gradient_sync": 0.3, "forward": 0.3, "backward": 0.4}, 2, None, None, "communication-bound"),
+    ({"forward": 0.4, "backward": 0.6}, 1, 95, 100, "memory-bound"),
+    ({"optimizer_step": 0.3, "forward": 0.3, "backward": 0.4}, 1, None, None, "optimizer-bound"),
+    ({"forward": 0.35, "backward": 0.6}, 1, 50, 100, "compute-bound"),
+])
+def test_verdict_rules(shares, world, peak, limit, kind):
+    found = verdict(result_with(shares, world, peak), limit)
+    assert found["kind"] == kind and found["figure"] and found["advice"]
+
+
+def test_no_profiler_means_the_shared_no_op():
+    model = tiny_model()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert engine.phases is None and engine._phase("forward") is NO_PHASE
+
+
+def test_profile_bad_input(tmp_path, capsys):
+    assert main(["profile", "--steps", "0", "--out", str(tmp_path / "p")]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert main(["profile", "--max-steps", "3"]) == 2  # not a profile flag: it would do nothing
+    assert "--max-steps" in capsys.readouterr().err

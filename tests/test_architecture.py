@@ -1,0 +1,131 @@
+"""The package's shape: imports only go down the layers, no import cycle, no import of another module's private name.
+
+The layers, lowest first (docs/ARCHITECTURE.md explains each). A module may import from its own package and from any
+lower layer, never from a higher one or from a package of the same layer. Function-level imports count: hiding an
+upward import inside a function hides a cycle, it does not remove it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cadence"
+
+LAYERS: list[set[str]] = [
+    {"errors", "formatting"},
+    {"data", "models"},
+    {"memory"},
+    {"engine"},
+    {"config"},
+    {"distributed"},
+    {"training"},
+    {"report"},
+    {"audit", "verify", "profiling"},
+    {"plan"},
+    {"rebuild"},
+    {"cli"},
+    {"__main__", "__init__", "windows"},
+]
+ROOT_METADATA = {"__version__"}
+"""What any module may take from the root package itself (``from cadence import __version__``)."""
+LAYER_OF = {unit: index for index, units in enumerate(LAYERS) for unit in units}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str:
+    """The top-level unit of a cadence module: its subpackage, or the module itself ('cadence' itself is __init__)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module, imported names) for every cadence import in ``path``, at any depth."""
+    found = []
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names if alias.name.startswith("cadence")]
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, target] if target else base)
+            if target == "cadence" or target.startswith("cadence."):
+                names = [alias.name for alias in node.names]
+                # `from cadence.engine import step` imports a module, not a name
+                modules = [n for n in names if (PACKAGE.parent / (target + "." + n).replace(".", "/")).with_suffix(
+                    ".py").exists() or (PACKAGE.parent / (target + "." + n).replace(".", "/")).is_dir()]
+                found += [(node.lineno, f"{target}.{n}", []) for n in modules]
+                rest = [n for n in names if n not in modules]
+                if rest:
+                    found.append((node.lineno, target, rest))
+    return found
+
+
+def _all_modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def test_every_subpackage_and_module_has_a_layer():
+    units = {_unit(name) for name in _all_modules()}
+    assert units - set(LAYER_OF) == set(), "add the new unit to LAYERS (and to docs/ARCHITECTURE.md)"
+
+
+def test_imports_only_go_down_the_layers():
+    upward = []
+    for name, path in _all_modules().items():
+        for line, target, names in _imports(path):
+            source_unit, target_unit = _unit(name), _unit(target)
+            if source_unit == target_unit or target == "cadence" and set(names) <= ROOT_METADATA:
+                continue
+            if LAYER_OF[target_unit] >= LAYER_OF[source_unit]:
+                upward.append(f"{path.relative_to(PACKAGE)}:{line} imports {target}")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_between_modules():
+    modules = _all_modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for _, target, _ in _imports(path):
+            # importing cadence.a.b runs cadence/a/__init__ too, unless the importer is inside cadence.a (then that
+            # __init__ is already running: a submodule importing its sibling is no cycle)
+            parts = target.split(".")
+            for depth in range(2, len(parts) + 1):
+                prefix = ".".join(parts[:depth])
+                if prefix in modules and prefix != name and not name.startswith(prefix + "."):
+                    graph[name].add(prefix)
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]) if nxt in trail else f"{node} -> {nxt}")
+            elif nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for node in sorted(modules):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_module_imports_another_modules_private_name():
+    private = []
+    for name, path in _all_modules().items():
+        for line, target, names in _imports(path):
+            if target == name:
+                continue
+            private += [f"{path.relative_to(PACKAGE)}:{line} imports {target}.{n}" for n in names
+                        if n.startswith("_") and not n.startswith("__")]
+    assert not private, "private names imported:\n" + "\n".join(private)

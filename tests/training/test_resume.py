@@ -1,0 +1,280 @@
+"""Exact resume, preemption and divergence: nothing committed to disk is lost, and a resumed run is the same run."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import pickle
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import sample_text
+from safetensors.torch import load_file
+
+from cadence.cli import main
+from cadence.training.checkpoint import checkpoint_dirs, load_checkpoint, verify_checkpoint
+from cadence.training.run_dir import read_metrics
+
+CADENCE = str(Path(sys.executable).with_name("cadence"))
+
+
+def data_file(tmp_path: Path) -> Path:
+    path = tmp_path / "text.txt"
+    path.write_bytes(sample_text(400 * 32 + 1))
+    return path
+
+
+def args(data: Path, out: Path, *extra: str, steps: int = 8) -> list[str]:
+    return ["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "4", "--grad-accum-steps", "2",
+            "--max-steps", str(steps), "--val-fraction", "0", "--checkpoint-every", "2", "--out", str(out), *extra]
+
+
+def same_run(a: Path, b: Path) -> None:
+    rows_a, rows_b = read_metrics(a), read_metrics(b)
+    assert [(r["step"], r["window"], r["loss"], r["lr"]) for r in rows_a] == \
+        [(r["step"], r["window"], r["loss"], r["lr"]) for r in rows_b]
+    weights_a, weights_b = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)  # bitwise
+
+
+def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "whole")) == 0
+    assert main(args(data, tmp_path / "cut")) == 0
+    for late in checkpoint_dirs(tmp_path / "cut")[1:]:  # as if killed right after step 2
+        shutil.rmtree(late)
+    assert main(args(data, tmp_path / "cut", "--resume")) == 0
+    same_run(tmp_path / "cut", tmp_path / "whole")
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 8
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "whole")) == 0
+    assert main(args(data, tmp_path / "cut", steps=8)) == 0
+    newest = checkpoint_dirs(tmp_path / "cut")[-1]
+    weights = newest / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 0xFF
+    weights.write_bytes(bytes(blob))
+    assert verify_checkpoint(newest) is not None
+    with pytest.warns(UserWarning, match="damaged"):
+        assert main(args(data, tmp_path / "cut", "--resume")) == 0
+    same_run(tmp_path / "cut", tmp_path / "whole")
+
+
+def test_resume_refuses_a_configuration_that_changes_the_math(tmp_path, capsys):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "run", steps=4)) == 0
+    assert main(args(data, tmp_path / "run", "--resume", "--lr", "0.01", steps=4)) == 2
+    assert "--lr" in capsys.readouterr().err
+
+
+def test_resume_with_another_split_continues_the_same_math(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "whole")) == 0
+    assert main(args(data, tmp_path / "cut", steps=8)) == 0
+    for late in checkpoint_dirs(tmp_path / "cut")[1:]:
+        shutil.rmtree(late)
+    resumed = args(data, tmp_path / "cut", "--resume")
+    resumed[resumed.index("--micro-batch-size") + 1], resumed[resumed.index("--grad-accum-steps") + 1] = "1", "8"
+    assert main(resumed) == 0
+    for got, want in zip(read_metrics(tmp_path / "cut"), read_metrics(tmp_path / "whole")):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "whole", steps=3)) == 0
+    assert main(args(data, tmp_path / "new", "--resume", steps=3)) == 0
+    same_run(tmp_path / "new", tmp_path / "whole")
+
+
+def test_keep_checkpoints(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "run", "--keep-checkpoints", "2", steps=8)) == 0
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-6", "step-8"]
+
+
+def test_divergence_stops_after_max_skipped_steps(tmp_path, capsys):
+    data = data_file(tmp_path)
+    code = main(args(data, tmp_path / "run", "--lr", "1e30", "--max-skipped-steps", "3", steps=20))
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "3 optimizer steps in a row were skipped" in err and "non-finite gradients" in err
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["skipped"] and rows[-3]["skipped"]
+
+
+def spawn(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([CADENCE, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_path):
+    data = data_file(tmp_path)
+    whole = args(data, tmp_path / "whole", steps=40)
+    whole[whole.index("--checkpoint-every") + 1] = "1"
+    assert main(whole) == 0
+    cut = [*whole[:-1], str(tmp_path / "cut")]
+    rng = random.Random(5)
+    kills = during_write = 0
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    for attempt in range(30):
+        rows_before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        process = spawn([*cut, "--resume"] if attempt else cut)
+        started = time.monotonic()
+        # Kill once the run has made 1 to 5 new steps (each followed by a checkpoint with fsync), a random moment
+        # after a step's row: counted in steps, not seconds, so that a faster machine still gets its kills.
+        wanted = rows_before + rng.randint(1, 5)
+        while process.poll() is None and (len(metrics.read_text().splitlines()) if metrics.exists() else 0) < wanted:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.04))
+        if process.poll() is None and kills < 6:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            kills += 1
+            # a hidden staging folder left behind means this kill landed inside a checkpoint write
+            during_write += bool(list((tmp_path / "cut" / "checkpoints").glob(".step-*")))
+            continue
+        assert process.wait(timeout=120) == 0, process.stderr.read() if process.stderr else ""
+        if (tmp_path / "cut" / "summary.json").exists() and time.monotonic() > started:
+            break
+    assert kills >= 5
+    print(f"{kills} kills, {during_write} of them during a checkpoint write")
+    same_run(tmp_path / "cut", tmp_path / "whole")
+    assert not list((tmp_path / "cut" / "checkpoints").glob(".step-*"))
+    for path in checkpoint_dirs(tmp_path / "cut"):
+        assert verify_checkpoint(path) is None, path
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_window_checkpoints_and_exits_0(tmp_path):
+    data = data_file(tmp_path)
+    whole = args(data, tmp_path / "whole", steps=60)
+    assert main(whole) == 0
+    cut = [*whole[:-1], str(tmp_path / "cut")]
+    cut[cut.index("--checkpoint-every") + 1] = "1000"  # only the signal makes a checkpoint
+    process = spawn(cut)
+    while not (tmp_path / "cut" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "cut"):
+        time.sleep(0.05)
+        assert process.poll() is None
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    assert "stopped by SIGTERM" in process.stderr.read()
+    done = read_metrics(tmp_path / "cut")[-1]["step"]
+    assert 1 <= done < 60 and [p.name for p in checkpoint_dirs(tmp_path / "cut")] == [f"step-{done}"]
+    assert main([*cut, "--resume"]) == 0
+    same_run(tmp_path / "cut", tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_sigterm_mid_window_keeps_the_accumulated_gradients(tmp_path):
+    data = data_file(tmp_path)
+    base = ["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "1", "--grad-accum-steps", "16",
+            "--max-steps", "12", "--val-fraction", "0", "--checkpoint-mid-window"]
+    assert main([*base, "--out", str(tmp_path / "whole")]) == 0
+    rng = random.Random(3)
+    for attempt in range(4):
+        out = tmp_path / f"cut{attempt}"
+        process = spawn([*base, "--out", str(out)])
+        while not (out / "metrics.jsonl").exists() or not read_metrics(out):
+            time.sleep(0.02)
+            assert process.poll() is None
+        time.sleep(rng.uniform(0.0, 0.2))  # somewhere inside a window of 16 micro-batches
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        (checkpoint,) = checkpoint_dirs(out)
+        state = load_checkpoint(checkpoint).state
+        partial = state["partial_window"]
+        assert main([*base, "--out", str(out), "--resume"]) == 0
+        same_run(out, tmp_path / "whole")  # bitwise, whether or not the signal landed mid-window
+        if partial is not None:
+            assert 1 <= partial["micro_batches_done"] < 16 and partial["grads"]
+            return
+    pytest.fail("no SIGTERM landed inside a window in 4 tries")
+
+
+def test_mid_window_checkpoints_need_a_fixed_micro_batch(tmp_path, capsys):
+    code = main(["train", "--micro-batch-size", "auto", "--effective-batch-size", "8", "--checkpoint-mid-window",
+                 "--out", str(tmp_path / "run")])
+    assert code == 2 and "--checkpoint-mid-window" in capsys.readouterr().err
+
+
+def _reseal(checkpoint: Path) -> None:
+    """Recompute the manifest over the files as they are now: what anyone who tampers with a checkpoint can do."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in checkpoint.iterdir()
+                          if p.name != "manifest.json"}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+class _RunsCode:
+    """Unpickling this runs ``touch MARKER``: a planted training state."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (subprocess.call, (["touch", str(self.marker)],))
+
+
+def test_a_planted_pickle_in_a_checkpoint_never_runs(tmp_path, capsys):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "run", steps=2)) == 0
+    (checkpoint,) = checkpoint_dirs(tmp_path / "run")
+    marker = tmp_path / "pwned"
+    # The layout cadence used to write: the state as a pickle, with a manifest that vouches for it.
+    with open(checkpoint / "training_state.pt", "wb") as handle:
+        pickle.dump({"optimizer": _RunsCode(marker)}, handle)
+    _reseal(checkpoint)
+    code = main(args(data, tmp_path / "run", "--resume", steps=4))
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    assert code == 2 and "--resume" in err and "training_state.pt" in err and "could run code" in err
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]  # the run was not restarted over itself
+
+
+def test_an_edited_training_state_with_a_resealed_manifest_is_refused(tmp_path, capsys):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "run", steps=2)) == 0
+    (checkpoint,) = checkpoint_dirs(tmp_path / "run")
+    (checkpoint / "training_state.json").write_text(
+        json.dumps({"format": "cadence-state/1", "state": {"__reduce__": ["os.system", ["touch pwned"]]}}))
+    _reseal(checkpoint)
+    assert main(args(data, tmp_path / "run", "--resume", steps=4)) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "unknown marker" in err and "Traceback" not in err
+
+
+def test_no_module_of_cadence_unpickles():
+    """The class, not the example: no torch.load without weights_only=True, no pickle module, no allow_pickle."""
+    source = Path(__file__).resolve().parents[2] / "src" / "cadence"
+    offenders = []
+    for path in source.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.relative_to(source)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names] + ([node.module] if isinstance(node, ast.ImportFrom)
+                                                                 and node.module else [])
+                offenders += [f"{where}: imports {n}" for n in names if n.split(".")[0] in
+                              {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                keywords = {k.arg: k.value for k in node.keywords}
+                safe = isinstance(keywords.get("weights_only"), ast.Constant) and keywords["weights_only"].value is True
+                if node.func.attr == "load" and ast.unparse(node.func.value) == "torch" and not safe:
+                    offenders.append(f"{where}: torch.load without weights_only=True")
+                pickles = keywords.get("allow_pickle")
+                if pickles is not None and not (isinstance(pickles, ast.Constant) and pickles.value is False):
+                    offenders.append(f"{where}: allow_pickle")
+    assert offenders == []
