@@ -11,6 +11,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cadence"
 
 LAYERS: list[set[str]] = [
@@ -129,3 +131,35 @@ def test_no_module_imports_another_modules_private_name():
             private += [f"{path.relative_to(PACKAGE)}:{line} imports {target}.{n}" for n in names
                         if n.startswith("_") and not n.startswith("__")]
     assert not private, "private names imported:\n" + "\n".join(private)
+
+
+def _function(path: Path, qualified: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    scope: list[ast.stmt] = tree.body
+    *owners, name = qualified.split(".")
+    for owner in owners:
+        scope = next(node for node in scope if isinstance(node, ast.ClassDef) and node.name == owner).body
+    return next(node for node in scope if isinstance(node, ast.FunctionDef) and node.name == name)
+
+
+def _depth(node: ast.AST, level: int = 0) -> int:
+    """How many compound statements deep the body goes (the function's own body is level 0)."""
+    blocks = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.AsyncFor, ast.AsyncWith, ast.Match)
+    deepest = level
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        deepest = max(deepest, _depth(child, level + 1 if isinstance(child, blocks) else level))
+    return deepest
+
+
+@pytest.mark.parametrize("module, function", [
+    ("training/loop.py", "train"),
+    ("engine/step.py", "Engine.step"),
+])
+def test_the_step_chain_and_the_training_loop_each_fit_one_screen(module: str, function: str) -> None:
+    """Readable top to bottom: about 60 lines (docstring included) and at most 4 blocks deep."""
+    node = _function(PACKAGE / module, function)
+    lines = node.end_lineno - node.lineno + 1
+    assert lines <= 60, f"{function} is {lines} lines"
+    assert _depth(node) <= 4, f"{function} nests {_depth(node)} blocks deep"

@@ -23,13 +23,13 @@ from cadence.config import DEVICE_CHOICES, TrainConfig, flag, read_field_docs, r
 from cadence.config.sources import build_config, given_keys
 from cadence.distributed.launch import arguments_without_nproc, launch
 from cadence.distributed.ranks import SINGLE, start, stop, torchrun_ranks
-from cadence.errors import UsageError
-from cadence.plan.planner import PLAN_TRAIN_FIELDS, PlanFailed, PlanOptions, apply_plan, make_plan
+from cadence.errors import CadenceFailure, UsageError
+from cadence.plan.planner import PLAN_TRAIN_FIELDS, PlanOptions, apply_plan, make_plan
 from cadence.profiling.compare import write_comparison
 from cadence.profiling.profiler import PROFILE_TRAIN_FIELDS, ProfileOptions, run_profile
 from cadence.rebuild import build_report
-from cadence.training.loop import TrainingFailed, train
-from cadence.verify.check import VERIFY_TRAIN_FIELDS, VerifyFailed, VerifyOptions, run_verify
+from cadence.training.loop import train
+from cadence.verify.check import VERIFY_TRAIN_FIELDS, VerifyOptions, run_verify
 
 
 @click.group(
@@ -161,10 +161,11 @@ def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_
                   sync_every_micro_step=config.sync_every_micro_step, timeout_s=timeout)
     try:
         run(ranks)
-    except (UsageError, TrainingFailed, VerifyFailed) as err:
-        # Bad input, a failed verification and agreed failures (divergence) are found by every rank at the same
-        # point: all can leave the group together. Any other failure may be one rank's alone: nothing to wait for.
-        if not isinstance(err, TrainingFailed) or err.agreed:
+    except CadenceFailure as err:
+        # Bad input (the ranks agree on it before raising), a failed verification and agreed failures (divergence)
+        # are reached by every rank at the same point: all can leave the group together. Any other failure may be
+        # one rank's alone: nothing to wait for.
+        if isinstance(err, UsageError) or err.every_rank_agrees:
             stop(ranks)
         raise
     stop(ranks)
@@ -272,8 +273,6 @@ def _click_problem(err: click.ClickException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cadence`` console script; returns the exit status."""
-
-
     arguments = argv if argv is not None else sys.argv[1:]
     found = torchrun_ranks()
     # Under torchrun: rank 0 reports what every rank found; another rank speaks only for itself, naming its rank.
@@ -298,24 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as err:  # unknown flag, bad type, missing value
         print(f"cadence: error: {_click_problem(err)}", file=sys.stderr)
         return 2
-    except UsageError as err:
-        # Every rank checks the same input: rank 0 speaks for all, unless a problem was this rank's alone.
-        own = getattr(err, "rank_specific", False)
-        if not rank or own:
-            for problem in err.problems:
-                print(f"{prefix if own else 'cadence: '}error: {problem}", file=sys.stderr)
-        return 2
-    except TrainingFailed as err:
-        if not (err.agreed and rank):
-            print(f"{prefix}training failed: {err}", file=sys.stderr)
-        return 1
-    except PlanFailed as err:
-        print(f"cadence: plan failed: {err}", file=sys.stderr)
-        return 1
-    except VerifyFailed as err:
-        if not rank:  # every rank compared the same gradients
-            print(f"cadence: verify failed: {err}", file=sys.stderr)
-        return 1
+    except CadenceFailure as err:
+        # Several ranks: a failure they all reached is said once, by rank 0; a rank's own failure by that rank.
+        if rank is None or err.every_rank_agrees:
+            speaker = None if rank else "cadence: "
+        else:
+            speaker = prefix
+        for line in err.lines() if speaker else []:
+            print(speaker + line, file=sys.stderr)
+        return err.exit_status
     except Exception as err:  # last: the specific failures above come first
         if rank is None or not _is_collective_failure(err):
             raise

@@ -94,7 +94,8 @@ def _is_torch(filename: str) -> bool:
 
 
 def is_audit_file(filename: str) -> bool:
-    return filename.startswith(_HERE) and os.path.basename(filename).startswith("audit")
+    """A frame of the audit package itself (never the user's loop)."""
+    return filename.startswith(_HERE)
 
 
 def _is_internal(filename: str) -> bool:

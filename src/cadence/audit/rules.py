@@ -378,10 +378,10 @@ class Analyzer:
         if self._bws and not crashed:
             self._hit("CAD020", self._bws[0][1])
         cadence = self.cadence
-        cadence.engine.windows = len(self._lengths)
+        cadence.windows = len(self._lengths)
         cadence.window_lengths = dict(sorted(Counter(self._lengths).items()))
         if self._precisions:
-            cadence.engine.precision = "+".join(sorted(self._precisions))
+            cadence.precision = "+".join(sorted(self._precisions))
         findings = []
         for (rule_id, loc), count in self._hits.items():
             implied_by = _IMPLIED_BY.get(rule_id)

@@ -86,7 +86,7 @@ def estimate_step_memory(
 
     ``grad_accum_steps`` > 1 adds the fp32 gradients, held from the second micro-batch on, to the forward's peak;
     beyond 2 only the window's token ids grow (on cpu, where the whole window sits in the same memory). The
-    optimizer is the one :func:`cadence.training.loop.build_optimizer` makes (AdamW, matrices and biases in two groups).
+    optimizer is the one :func:`cadence.training.components.build_optimizer` makes (AdamW, matrices and biases in two groups).
     """
     problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
                               context_length=config.context_length, precision=precision,

@@ -31,7 +31,7 @@ from cadence.data import DataSplits, iterate_micro_batches
 from cadence.data.text import PackedSequences
 from cadence.engine.precision import PRECISIONS, precision_problem
 from cadence.engine.windows import iter_windows
-from cadence.errors import Problem, UsageError
+from cadence.errors import CadenceFailure, Problem, UsageError
 from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.recompute import CHECKPOINTING_MODES
@@ -75,8 +75,10 @@ class PlanOptions:
     """Optimizer steps of the loss comparison against fp32."""
 
 
-class PlanFailed(RuntimeError):
+class PlanFailed(CadenceFailure):
     """No candidate fits the budget (the CLI exits with status 1 and this message)."""
+
+    label = "plan failed"
 
 
 @dataclass(kw_only=True)

@@ -33,7 +33,7 @@ from cadence.distributed.ranks import (
 )
 from cadence.engine.step import StepResult, WindowInterrupted
 from cadence.engine.windows import epoch_windows, padding_micro_batch
-from cadence.errors import UsageError
+from cadence.errors import CadenceFailure, UsageError
 from cadence.models.hf import save_hf
 from cadence.training.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.training.checkpoint import save_checkpoint
@@ -44,15 +44,13 @@ from cadence.training.resume import StopOnSignal, restore
 from cadence.training.run_dir import NoWriter, RunWriter
 
 
-class TrainingFailed(RuntimeError):
+class TrainingFailed(CadenceFailure):
     """Training could not continue (not a usage problem): the CLI exits with status 1 and this message.
 
-    ``agreed``: every rank reached the same decision (divergence), so rank 0 alone reports it; otherwise the
-    failing rank reports it with its rank."""
+    ``every_rank_agrees``: every rank reached the same decision (divergence), so rank 0 alone reports it; otherwise
+    the failing rank reports it with its rank."""
 
-    def __init__(self, message: str, *, agreed: bool = False) -> None:
-        super().__init__(message)
-        self.agreed = agreed
+    label = "training failed"
 
 
 @dataclass(kw_only=True)
@@ -180,7 +178,7 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
                         break
                     except MicroBatchTooLarge as err:
                         # With several ranks every rank got here together (the engine agrees on out-of-memory).
-                        raise TrainingFailed(str(err), agreed=True) from err
+                        raise TrainingFailed(str(err), every_rank_agrees=True) from err
                     except torch.OutOfMemoryError as err:
                         raise TrainingFailed(
                             f"out of memory at micro-batch {prep.micro_batch_size} ({str(err).splitlines()[0]}); "
@@ -206,7 +204,7 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
                         raise TrainingFailed(
                             f"{consecutive_skips} optimizer steps in a row were skipped (last reason: "
                             f"{result.skip_reason}); the run has diverged. Lower --lr or use bf16/fp32. The last "
-                            f"good checkpoint is kept.", agreed=True,
+                            f"good checkpoint is kept.", every_rank_agrees=True,
                         )
                     # A signal may reach some ranks only: all stop at the same window boundary, or one would wait
                     # in the next window's all-reduce for a rank that left (one tiny collective per window).
@@ -286,8 +284,8 @@ def _prepare_on_every_rank(config: TrainConfig, ranks: Ranks) -> Prepared:
     main_failed = broadcast_from_main(error is not None, ranks)
     anyone_failed = any_rank(error is not None, ranks)
     if error is not None:
-        error.rank_specific = not main_failed  # type: ignore[attr-defined]
-        raise error
+        # Rank 0's problem is every rank's (they all check the same input); another rank's alone is its own to say.
+        raise UsageError(error.problems, every_rank_agrees=main_failed) from None
     if anyone_failed:
         raise UsageError.single("another rank", "found a problem with the input (its message is above)")
     return prep

@@ -33,7 +33,7 @@ from cadence.distributed.ranks import (
 )
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.engine.windows import IGNORE_INDEX, Batch, Window, iter_windows, make_window, resplit_window, window_share
-from cadence.errors import UsageError
+from cadence.errors import CadenceFailure, UsageError
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import build_model
 from cadence.training.components import build_optimizer
@@ -298,8 +298,11 @@ class VerifyOptions:
     """Also train K optimizer steps with the configuration and with the reference, and compare the parameters."""
 
 
-class VerifyFailed(RuntimeError):
-    """The configuration does not match the big batch (the CLI exits with status 1)."""
+class VerifyFailed(CadenceFailure):
+    """The configuration does not match the big batch (the CLI exits with status 1). Every rank compared the same
+    gradients, so rank 0 alone reports it."""
+
+    label = "verify failed"
 
 
 def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ranks: Ranks = SINGLE) -> VerifyResult:
@@ -332,5 +335,6 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ra
     if ranks.is_main:
         print(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result), flush=True)
     if not result.passed:
-        raise VerifyFailed("the configuration does not train like the big batch (see the findings above)")
+        raise VerifyFailed("the configuration does not train like the big batch (see the findings above)",
+                           every_rank_agrees=True)
     return result
