@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,6 +49,22 @@ def empty_dir(tmp: Path) -> list[str]:
     (tmp / "emptydir" / ".git").mkdir(parents=True)
     _write(tmp / "emptydir" / ".git", "HEAD", "ref: refs/heads/main\n")  # hidden files are not text to train on
     return ["--data", str(tmp / "emptydir"), *FAST]
+
+
+def fifo(flag: str, name: str) -> Builder:
+    """A named pipe with no writer: reading it would block forever."""
+    def build(tmp: Path) -> list[str]:
+        os.mkfifo(tmp / name)
+        return [flag, str(tmp / name), *FAST]
+    return build
+
+
+def link_to_dev_zero(flag: str, name: str) -> Builder:
+    """A link to /dev/zero: reading it would never end."""
+    def build(tmp: Path) -> list[str]:
+        (tmp / name).symlink_to("/dev/zero")
+        return [flag, str(tmp / name), *FAST]
+    return build
 
 
 # (id, builder, substring that names the flag or file in stderr; "{tmp}" is replaced by tmp_path)
@@ -131,6 +148,18 @@ CASES: list[tuple[str, Builder, str]] = [
     ("data-jsonl-not-object", data_file("list.jsonl", '["text", "hello"]\n'), "list.jsonl:1"),
     ("data-jsonl-text-and-prompt",
      data_file("both.jsonl", '{"text": "abc", "prompt": "a", "completion": "bc"}\n'), "both.jsonl:1"),
+    ("data-jsonl-nested-too-deeply",
+     data_file("deep.jsonl", '{"text": "fine text"}\n' + "[" * 100_000 + "]" * 100_000 + "\n"), "deep.jsonl:2"),
+    ("data-jsonl-lone-surrogate",
+     data_file("surrogate.jsonl", '{"text": "fine text"}\n{"prompt": "a", "completion": "b \\ud800 c"}\n'),
+     "surrogate.jsonl:2"),
+    ("data-named-pipe", fifo("--data", "pipe.txt"), "named pipe"),
+    ("data-jsonl-named-pipe", fifo("--data", "pipe.jsonl"), "named pipe"),
+    ("data-link-to-dev-zero", link_to_dev_zero("--data", "zero.txt"), "character device"),
+    ("out-name-not-utf8", lambda tmp: ["--out", str(tmp / "run-\udcff"), *FAST], "--out"),
+    ("model-config-negative-size",
+     flags("--model", "hf:llama", "--model-config", "max_position_embeddings=-5", "--model-config", "hidden_size=32"),
+     "--model-config"),
     # ---------------------------------------------------------------- --config
     ("config-missing", lambda tmp: ["--config", str(tmp / "nope.toml"), *FAST], "--config"),
     ("config-invalid-toml", config_file("lr = \n[[[\n"), "--config"),
@@ -140,6 +169,8 @@ CASES: list[tuple[str, Builder, str]] = [
     ("config-bool-for-int", config_file("max_steps = true\n"), "max_steps"),
     ("config-is-directory", lambda tmp: ["--config", str(tmp), *FAST], "--config"),
     ("config-valid-but-bad-value", config_file("lr = -0.5\n"), "--lr"),
+    ("config-named-pipe", fifo("--config", "pipe.toml"), "--config"),
+    ("config-link-to-dev-zero", link_to_dev_zero("--config", "zero.toml"), "--config"),
 ]
 
 
@@ -274,3 +305,18 @@ def test_seed_too_large_for_torch(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_click_type_error_has_the_where_message_form(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["train", "--out", str(tmp_path / "run"), *FAST, "--lr", "abc"]) == 2
     assert capsys.readouterr().err.startswith(f"{ERROR_PREFIX} --lr: ")
+
+
+@pytest.mark.parametrize("content", ["a,b\n1,2\n", "text\n" + "\n" * 3])
+def test_a_failed_datasets_load_leaves_no_temporary_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], content: str
+) -> None:
+    """The tokenisation cache is made in a temporary folder before --out exists; every failure path removes it."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where tempfile.mkdtemp puts folders
+    data = _write(tmp_path, "table.csv", content)
+    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(data), *FAST]) == 2
+    assert capsys.readouterr().err.startswith("cadence: error:")
+    assert list(scratch.iterdir()) == []
+    assert not (tmp_path / "run").exists()

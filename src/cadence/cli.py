@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         print("cadence: aborted", file=sys.stderr)
         return 130
     except click.ClickException as err:  # unknown flag, bad type, missing value
-        print(f"cadence: error: {_click_problem(err)}", file=sys.stderr)
+        _say(f"cadence: error: {_click_problem(err)}")
         return 2
     except CadenceFailure as err:
         # Several ranks: a failure they all reached is said once, by rank 0; a rank's own failure by that rank.
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             speaker = prefix
         for line in err.lines() if speaker else []:
-            print(speaker + line, file=sys.stderr)
+            _say(speaker + line)
         return err.exit_status
     except Exception as err:  # last: the specific failures above come first
         if rank is None or not _is_collective_failure(err):
@@ -313,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
               f"died or hung, see its message", file=sys.stderr)
         return 1
     return 0
+
+
+def _say(line: str) -> None:
+    """One line on stderr. A path the user gave may hold bytes that are not UTF-8 (undecodable argv bytes arrive as
+    surrogates): they are shown escaped rather than ending in an encoding traceback."""
+    print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
 
 
 def _is_collective_failure(err: BaseException) -> bool:

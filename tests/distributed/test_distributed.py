@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -391,3 +392,31 @@ def test_bad_data_found_by_the_ranks_is_reported_once_and_nothing_is_written(tmp
     errors = [line for line in result.stderr.splitlines() if line.startswith("cadence:")]
     assert len(errors) == 1 and errors[0].startswith(f"cadence: error: {data}:2: not valid JSON"), errors
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_as_two_nodes_train_like_two_local_ranks(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Several machines, as torchrun runs them: one agent per node meeting at a c10d rendezvous (here both on this
+    machine, on loopback). World size 2 across the two agents gives the single-agent 2-rank run's losses, and only
+    the process with global rank 0 writes the run directory, whichever agent it landed on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "two-nodes"
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "-m", "cadence", "train", "--data", str(runs["data"]), "--micro-batch-size", "2", "--grad-accum-steps", "4",
+         "--out", str(out), *COMMON],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    ) for node in (0, 1)]
+    results = [agent.communicate(timeout=300) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], [err[-2000:] for _, err in results]
+    config = json.loads((out / "config.json").read_text())
+    assert config["world_size"] == 2 and config["effective_batch_size"] == 16
+    two_nodes, one_node = read_metrics(out), read_metrics(runs["ddp"])
+    assert [(r["step"], r["targets"]) for r in two_nodes] == [(r["step"], r["targets"]) for r in one_node]
+    for mine, theirs in zip(two_nodes, one_node, strict=True):
+        assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"]
+    # One process (global rank 0) speaks for the run: the start line is printed once across both agents.
+    assert sum(err.count("effective batch = ") for _, err in results) == 1

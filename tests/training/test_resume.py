@@ -20,7 +20,7 @@ from helpers import sample_text
 from safetensors.torch import load_file
 
 from cadence.cli import main
-from cadence.training.checkpoint import checkpoint_dirs, load_checkpoint, verify_checkpoint
+from cadence.training.checkpoint import checkpoint_dirs, load_checkpoint, prune_checkpoints, verify_checkpoint
 from cadence.training.run_dir import read_metrics
 
 CADENCE = str(Path(sys.executable).with_name("cadence"))
@@ -58,7 +58,7 @@ def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 8
 
 
-def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
     data = data_file(tmp_path)
     assert main(args(data, tmp_path / "whole")) == 0
     assert main(args(data, tmp_path / "cut", steps=8)) == 0
@@ -68,8 +68,9 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path):
     blob[-1] ^= 0xFF
     weights.write_bytes(bytes(blob))
     assert verify_checkpoint(newest) is not None
-    with pytest.warns(UserWarning, match="damaged"):
-        assert main(args(data, tmp_path / "cut", "--resume")) == 0
+    assert main(args(data, tmp_path / "cut", "--resume")) == 0
+    notice = [line for line in capsys.readouterr().err.splitlines() if "is damaged" in line]
+    assert len(notice) == 1 and notice[0].startswith("cadence: warning: checkpoint") and "step-8" in notice[0]
     same_run(tmp_path / "cut", tmp_path / "whole")
 
 
@@ -98,6 +99,31 @@ def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
     assert main(args(data, tmp_path / "whole", steps=3)) == 0
     assert main(args(data, tmp_path / "new", "--resume", steps=3)) == 0
     same_run(tmp_path / "new", tmp_path / "whole")
+
+
+def test_resume_drops_a_torn_last_metrics_line(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "whole")) == 0
+    assert main(args(data, tmp_path / "cut")) == 0
+    for late in checkpoint_dirs(tmp_path / "cut")[1:]:
+        shutil.rmtree(late)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 9, "wind')  # killed mid-write
+    assert main(args(data, tmp_path / "cut", "--resume")) == 0
+    same_run(tmp_path / "cut", tmp_path / "whole")
+
+
+def test_resume_refuses_a_bad_metrics_line_that_is_not_the_torn_last_one(tmp_path, capsys):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "cut", steps=4)) == 0
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join([lines[0], "not json\n", *lines[1:]]))
+    before = metrics.read_text()
+    assert main(args(data, tmp_path / "cut", "--resume", steps=6)) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "metrics.jsonl:2 is not valid JSON" in err and "Traceback" not in err
+    assert metrics.read_text() == before  # nothing was changed
 
 
 def test_keep_checkpoints(tmp_path):
@@ -278,3 +304,48 @@ def test_no_module_of_cadence_unpickles():
                 if pickles is not None and not (isinstance(pickles, ast.Constant) and pickles.value is False):
                     offenders.append(f"{where}: allow_pickle")
     assert offenders == []
+
+
+def _damage(checkpoint: Path) -> None:
+    weights = checkpoint / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 0xFF
+    weights.write_bytes(bytes(blob))
+
+
+def test_pruning_keeps_intact_checkpoints_not_the_highest_steps(tmp_path):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "whole")) == 0
+    assert main(args(data, tmp_path / "run")) == 0
+    _damage(checkpoint_dirs(tmp_path / "run")[-1])  # step-8
+    deleted = prune_checkpoints(tmp_path / "run", keep=1)
+    assert [p.name for p in deleted] == ["step-2", "step-4"]
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-6", "step-8"]  # the damaged one is left
+    assert main(args(data, tmp_path / "run", "--resume", "--keep-checkpoints", "1")) == 0
+    same_run(tmp_path / "run", tmp_path / "whole")
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-8"]  # rewritten whole, the old ones pruned
+
+
+def test_a_resume_that_finds_only_damaged_checkpoints_stops(tmp_path, capsys):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "run", steps=4)) == 0
+    for checkpoint in checkpoint_dirs(tmp_path / "run"):
+        _damage(checkpoint)
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    assert main(args(data, tmp_path / "run", "--resume", steps=4)) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "no usable checkpoint" in err and "step-2" in err and "step-4" in err
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == metrics  # nothing restarted over the run
+
+
+@pytest.mark.parametrize("manifest", [{}, {"step": 2, "sha256": {}}, {"step": 2, "sha256": []}, "[[[["])
+def test_a_manifest_that_vouches_for_less_than_every_file_is_damage(tmp_path, manifest):
+    data = data_file(tmp_path)
+    assert main(args(data, tmp_path / "run", steps=2)) == 0
+    (checkpoint,) = checkpoint_dirs(tmp_path / "run")
+    text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+    (checkpoint / "manifest.json").write_text(text)
+    assert verify_checkpoint(checkpoint) is not None
+    real = json.loads(text) if not isinstance(manifest, str) else None
+    if real is not None and real.get("sha256") == {}:
+        assert "does not vouch for" in verify_checkpoint(checkpoint)

@@ -12,6 +12,7 @@ from typing import Any, get_type_hints
 from cadence.config.schema import TrainConfig
 from cadence.config.validate import validate
 from cadence.errors import Problem, UsageError
+from cadence.input_files import read_regular_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -19,17 +20,23 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
+CONFIG_LIMIT_BYTES = 1 << 20
+"""A configuration file is a few dozen lines; anything past 1 MiB is not one (a link to /dev/zero, a wrong file)."""
+
+
+def _parse_toml(content: bytes, path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(content.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise UsageError.single("--config", f"{path} is not valid TOML: {err}") from None
+
+
 def load_toml(path: Path) -> dict[str, Any]:
     """Read a TOML config, checking keys and value types against TrainConfig; every problem is reported."""
     where = f"--config {path}"
-    if not path.exists():
-        raise UsageError.single("--config", f"{path} does not exist")
     if path.is_dir():
         raise UsageError.single("--config", f"{path} is a directory, expected a .toml file")
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise UsageError.single("--config", f"{path} is not valid TOML: {err}") from None
+    raw = _parse_toml(read_regular_file(path, where="--config", limit=CONFIG_LIMIT_BYTES), path)
     hints = get_type_hints(TrainConfig)
     values: dict[str, Any] = {}
     problems: list[Problem] = []
@@ -125,8 +132,8 @@ def build_config(*, toml_path: Path | None, flags: dict[str, Any]) -> TrainConfi
 def _good_toml_values(path: Path) -> dict[str, Any]:
     """The keys of a TOML file that parse and have the right type (empty if the file is not TOML at all)."""
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        raw = _parse_toml(read_regular_file(path, where="--config", limit=CONFIG_LIMIT_BYTES), path)
+    except UsageError:
         return {}
     hints = get_type_hints(TrainConfig)
     converted = {key: _convert(value, hints[key]) for key, value in raw.items() if key in hints}

@@ -167,6 +167,11 @@ def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]
 
 def _out_problem(out: Path) -> str | None:
     """Why the run directory cannot be created there, or None. Checked up front so nothing is half-written."""
+    try:
+        os.fsencode(out).decode("utf-8")
+    except UnicodeDecodeError:
+        # The run's files record the path and TensorBoard insists on UTF-8 names: refuse before anything is created.
+        return f"{os.fsencode(out)!r} is not a UTF-8 name; choose a name in UTF-8"
     if out.exists():
         if not out.is_dir():
             return f"{out} is a file; give a directory to create"

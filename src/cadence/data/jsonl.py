@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cadence.data.batching import IGNORE_INDEX, Example, make_example
 from cadence.errors import Problem, UsageError
+from cadence.input_files import read_regular_file, regular_file_problem
 
 MAX_REPORTED_PROBLEMS = 20
 """Bad lines listed one by one; beyond this, a single "and N more" line keeps the output readable."""
@@ -20,6 +21,15 @@ _FORMATS = 'each line must be a JSON object with a "text" string, or "prompt" an
 
 class _LineError(Exception):
     """A problem with one line; carries the message for its :class:`Problem`."""
+
+
+def _utf8(value: str, key: str) -> bytes:
+    """A JSON string as UTF-8 bytes. JSON can spell a lone surrogate (``"\\ud800"``), which is no Unicode text."""
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(value[error.start])
+        raise _LineError(f'"{key}" holds a lone surrogate (\\u{code:04x}), which is not valid Unicode text') from None
 
 
 def _parse_line(line: bytes, seq_len: int) -> tuple[Example, bool]:
@@ -32,6 +42,8 @@ def _parse_line(line: bytes, seq_len: int) -> tuple[Example, bool]:
         record = json.loads(text_line)
     except json.JSONDecodeError as error:
         raise _LineError(f"not valid JSON: {error.msg} at column {error.colno}") from None
+    except RecursionError:
+        raise _LineError("nested too deeply to be an example (JSON arrays or objects thousands of levels deep)") from None
     if not isinstance(record, dict):
         raise _LineError(f"expected a JSON object, got {type(record).__name__}; {_FORMATS}")
 
@@ -47,7 +59,7 @@ def _parse_line(line: bytes, seq_len: int) -> tuple[Example, bool]:
             raise _LineError(f'"text" must be a string, got {type(text).__name__}')
         if not text:
             raise _LineError('"text" is empty; it needs at least 2 bytes (one input and one target)')
-        tokens = text.encode("utf-8")
+        tokens = _utf8(text, "text")
         if len(tokens) < 2:
             raise _LineError(f'"text" has {len(tokens)} byte; it needs at least 2 (one input and one target)')
         truncated = len(tokens) > limit
@@ -63,7 +75,7 @@ def _parse_line(line: bytes, seq_len: int) -> tuple[Example, bool]:
                 raise _LineError(f'"{key}" must be a string, got {type(value).__name__}')
         if not completion:
             raise _LineError('"completion" is empty; the loss is on the completion, so it needs at least one byte')
-        prompt_bytes, completion_bytes = prompt.encode("utf-8"), completion.encode("utf-8")
+        prompt_bytes, completion_bytes = _utf8(prompt, "prompt"), _utf8(completion, "completion")
         full = prompt_bytes + completion_bytes
         if len(full) < 2:
             raise _LineError(
@@ -96,15 +108,15 @@ def read_jsonl(path: Path, seq_len: int) -> tuple[list[Example], int]:
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if not path.is_file():
-        what = "is not a file" if path.exists() else "does not exist"
-        raise UsageError.single("--data", f"{path} {what}; give a .jsonl file with one JSON object per line")
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise UsageError.single("--data", f"{problem}; give a .jsonl file with one JSON object per line")
     examples: list[Example] = []
     problems: list[Problem] = []
     truncated = 0
     # Binary split on b"\n" (not text mode) so a bad byte on one line is reported on that line, not for the file.
     # A UTF-8 byte order mark (some Windows editors write one) is not part of the first record.
-    content = path.read_bytes().removeprefix(codecs.BOM_UTF8)
+    content = read_regular_file(path, where="--data").removeprefix(codecs.BOM_UTF8)
     for lineno, line in enumerate(content.split(b"\n"), start=1):
         if not line.strip():
             continue

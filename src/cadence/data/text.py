@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import torch
 
 from cadence.data.batching import Example, TokenDataset
-from cadence.errors import UsageError
+from cadence.errors import Problem, UsageError
+from cadence.input_files import os_error_message, read_regular_file
 
 
 def pack_bytes(data: bytes, seq_len: int) -> TokenDataset:
@@ -72,8 +74,8 @@ def _is_hidden(relative: Path) -> bool:
 
 
 def _read_utf8(path: Path) -> bytes | None:
-    """The file's bytes if they decode as UTF-8, else None (a binary file)."""
-    content = path.read_bytes()
+    """The file's bytes if they decode as UTF-8, else None (a binary file). An unreadable file is a UsageError."""
+    content = read_regular_file(path, where="--data")
     try:
         content.decode("utf-8")
     except UnicodeDecodeError:
@@ -82,15 +84,32 @@ def _read_utf8(path: Path) -> bytes | None:
 
 
 def _directory_files(root: Path) -> list[Path]:
-    """Regular files under ``root``, recursively, hidden ones excluded, sorted by '/'-separated relative path."""
+    """Regular files under ``root``, recursively, hidden ones excluded, sorted by '/'-separated relative path.
+
+    Named pipes, devices and sockets are not text to train on and are passed over, like hidden files; a directory or
+    file that cannot be read is a UsageError naming it (all of them at once), never silently left out."""
     found: list[tuple[str, Path]] = []
-    for directory, subdirs, files in os.walk(root):
-        subdirs[:] = [name for name in subdirs if not name.startswith(".")]
+    problems: list[Problem] = []
+
+    def unreadable(err: OSError) -> None:
+        problems.append(Problem(where="--data", message=os_error_message(Path(err.filename or root), err)))
+
+    for directory, subdirs, files in os.walk(root, onerror=unreadable):
+        subdirs[:] = sorted(name for name in subdirs if not name.startswith("."))
         for name in files:
             path = Path(directory) / name
             relative = path.relative_to(root)
-            if not _is_hidden(relative) and path.is_file():
+            if _is_hidden(relative):
+                continue
+            try:
+                mode = os.stat(path).st_mode
+            except OSError as err:
+                problems.append(Problem(where="--data", message=os_error_message(path, err)))
+                continue
+            if stat.S_ISREG(mode):
                 found.append((relative.as_posix(), path))
+    if problems:
+        raise UsageError(problems)
     # A fixed order (not the file system's) makes the packed data identical on every machine.
     found.sort(key=lambda item: item[0])
     return [path for _, path in found]
@@ -111,7 +130,7 @@ def read_text_source(path: Path) -> bytes:
                 "--data", f"directory {path} has no non-empty UTF-8 text files (binary and hidden files are skipped)"
             )
         return b"\n".join(parts)
-    content = path.read_bytes()
+    content = read_regular_file(path, where="--data")
     if not content:
         raise UsageError.single("--data", f"{path} is empty; it needs text to train on")
     try:

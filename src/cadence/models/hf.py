@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -163,11 +164,26 @@ def _valid_keys(config: PretrainedConfig) -> set[str]:
     return {key for key in keys if not key.startswith("_")} - _RESERVED_KEYS
 
 
+_SIZE_KEY = re.compile(r"^(num_|n_)|(_size|_dim|_embd|_positions|_embeddings|_heads|_layers|_layer|_head|_ctx)$")
+"""Config keys that are counts or sizes (hidden_size, num_hidden_layers, max_position_embeddings, n_embd, ...)."""
+
+
+def _check_override_values(config: PretrainedConfig, overrides: dict[str, Any]) -> None:
+    """transformers accepts a negative or fractional size and fails later, deep inside a layer (or never): a size
+    the family defines as a positive whole number must be given as one."""
+    for key, value in overrides.items():
+        default = getattr(config, key, None)
+        is_size = _SIZE_KEY.search(key) and isinstance(default, int) and not isinstance(default, bool) and default > 0
+        if is_size and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise UsageError.single("--model-config", f"{key}={value!r}: must be a whole number of at least 1")
+
+
 def _check_override_keys(config: PretrainedConfig, overrides: dict[str, Any], model_type: str) -> None:
     """transformers accepts unknown config kwargs silently (they become attributes nothing reads): refuse them."""
     valid = _valid_keys(config)
     unknown = [key for key in overrides if key not in valid]
     if not unknown:
+        _check_override_values(config, overrides)
         return
     key = unknown[0]
     close = difflib.get_close_matches(key, sorted(valid), n=4, cutoff=0.5)

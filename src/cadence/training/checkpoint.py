@@ -18,9 +18,9 @@ import os
 import random
 import re
 import shutil
+import sys
 import tempfile
-import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,9 +113,31 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if keep > 0:
-        for old in checkpoint_dirs(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(run_dir, keep=keep, known_intact=final)
     return final
+
+
+def prune_checkpoints(run_dir: Path, *, keep: int, known_intact: Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep`` INTACT checkpoints; return what was deleted.
+
+    A damaged checkpoint is never one of the kept: after a resume fell back from a damaged newest checkpoint, keeping
+    "the highest steps" would keep the damaged one and delete every good one. Damaged checkpoints newer than the
+    oldest kept one are left for the user to look at; everything older than it goes. ``known_intact`` (the folder
+    just written) is not hashed again."""
+    kept: list[Path] = []
+    found = checkpoint_dirs(run_dir)
+    for path in reversed(found):
+        if len(kept) == keep:
+            break
+        if path == known_intact or verify_checkpoint(path) is None:
+            kept.append(path)
+    if len(kept) < keep:
+        return []  # fewer intact checkpoints than asked to keep: nothing is old enough to go
+    oldest_kept = found.index(kept[-1])
+    deleted = found[:oldest_kept]
+    for old in deleted:
+        shutil.rmtree(old, ignore_errors=True)
+    return deleted
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -167,14 +189,20 @@ def latest_checkpoint(run_dir: Path) -> LoadedCheckpoint | None:
     return None if path is None else load_checkpoint(path)
 
 
-def newest_intact_checkpoint(run_dir: Path) -> Path | None:
-    """The newest step-N folder whose files match their manifest (damaged newer ones are skipped with a warning)."""
+def newest_intact_checkpoint(run_dir: Path, *, notice: Callable[[str], None] | None = None) -> Path | None:
+    """The newest step-N folder whose files match their manifest. Each damaged newer one is skipped and told to
+    ``notice`` (default: a ``cadence: warning:`` line on stderr)."""
+    say = notice or _warning_line
     for path in reversed(checkpoint_dirs(run_dir)):
         problem = verify_checkpoint(path)
         if problem is None:
             return path
-        warnings.warn(f"checkpoint {path} is damaged ({problem}); using the one before it", stacklevel=2)
+        say(f"checkpoint {path} is damaged ({problem}); trying the one before it")
     return None
+
+
+def _warning_line(message: str) -> None:
+    print(f"cadence: warning: {message}", file=sys.stderr, flush=True)
 
 
 def load_checkpoint(path: Path) -> LoadedCheckpoint:

@@ -6,9 +6,11 @@ anything half-written.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -71,11 +73,12 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Prepared:
     grad_accum_steps = config.resolved_grad_accum_steps(world_size)
     effective = micro * grad_accum_steps * world_size
     if config.last_window == "drop" and len(data.train) < effective:
-        raise UsageError.single(
-            "--last-window",
-            f"drop leaves nothing to train on: the training split has {len(data.train)} sequences, fewer than one "
-            f"window of {effective}; use --last-window step or a smaller --effective-batch-size",
-        )
+        with removed_on_failure(token_cache):
+            raise UsageError.single(
+                "--last-window",
+                f"drop leaves nothing to train on: the training split has {len(data.train)} sequences, fewer than one "
+                f"window of {effective}; use --last-window step or a smaller --effective-batch-size",
+            )
     return Prepared(
         config=config, device=rank_device(resolve_device(config.device), ranks), seq_len=seq_len, micro_batch_size=micro,
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
@@ -100,10 +103,23 @@ def load_run_data(config: TrainConfig, seq_len: int, hf: HFModel | None, out: Pa
     # A fresh run must not write into --out before every check has passed: tokenise into a temporary folder and
     # let the run adopt it (adopt_token_cache) once its directory exists.
     temporary = None if cache.is_dir() else Path(tempfile.mkdtemp(prefix="cadence-tokens-"))
-    data = load_hf_data(str(source), seq_len=seq_len, tokenizer=tokenizer, text_field=config.text_field,
-                        prompt_field=config.prompt_field, completion_field=config.completion_field,
-                        val_fraction=config.val_fraction, cache_dir=temporary or cache)
+    with removed_on_failure(temporary):
+        data = load_hf_data(str(source), seq_len=seq_len, tokenizer=tokenizer, text_field=config.text_field,
+                            prompt_field=config.prompt_field, completion_field=config.completion_field,
+                            val_fraction=config.val_fraction, cache_dir=temporary or cache)
     return data, temporary
+
+
+@contextlib.contextmanager
+def removed_on_failure(folder: Path | None) -> Iterator[None]:
+    """Delete ``folder`` (a temporary tokenisation cache) if the block raises, whatever it raises: a failed load
+    must not leave a copy of the data behind."""
+    try:
+        yield
+    except BaseException:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def adopt_token_cache(prep: Prepared) -> None:
