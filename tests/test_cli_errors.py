@@ -320,3 +320,18 @@ def test_a_failed_datasets_load_leaves_no_temporary_tokens(
     assert capsys.readouterr().err.startswith("cadence: error:")
     assert list(scratch.iterdir()) == []
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_into_a_directory_that_is_not_a_run_is_refused_and_left_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    for name in ("config.json", "notes.txt"):  # a config.json that is not cadence's
+        (out / name).write_text('{"lr": "mine"}')
+    (out / "model.safetensors").write_bytes(b"precious")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    status = main(["train", "--out", str(out), "--resume", *FAST])
+    assert status == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert "--out" in capsys.readouterr().err

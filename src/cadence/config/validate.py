@@ -3,6 +3,7 @@ flag; also the helpers validation shares with the CLI (sizes, devices)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -108,6 +109,10 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
         problem = _out_problem(config.out)
         if problem:
             bad("out", problem)
+    elif config.out is not None:
+        problem = _resume_problem(config.out)
+        if problem:
+            bad("out", problem)
     if config.resume and config.out is None:
         bad("resume", "needs --out: the run directory to continue")
     at_least("keep_checkpoints", 0)
@@ -163,6 +168,32 @@ def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]
             bad("effective_batch_size", f"{effective} contradicts --grad-accum-steps {accum} x --micro-batch-size "
                                         f"{micro} x {world_size} process(es); give one of the two")
     return problems
+
+
+def _is_cadence_config(path: Path) -> bool:
+    """Whether ``path`` is a config.json that cadence train wrote (a JSON object with its resolved batch fields)."""
+    try:
+        if not path.is_file() or path.stat().st_size > (1 << 20):
+            return False
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(value, dict) and {"effective_batch_size", "grad_accum_steps", "world_size"} <= set(value)
+
+
+def _resume_problem(out: Path) -> str | None:
+    """--resume writes into an existing directory: refuse one that holds files but is not a cadence run, so that
+    a mistyped --out never overwrites someone's config.json or model.safetensors."""
+    try:
+        entries = {entry.name for entry in out.iterdir()}
+    except OSError as err:
+        return f"{out} cannot be read: {err.strerror or err}"
+    is_run = (_is_cadence_config(out / "config.json") or (out / "metrics.jsonl").is_file()
+              or (out / "checkpoints").is_dir())
+    if not entries or is_run:
+        return None  # empty (a fresh start) or a run
+    return (f"{out} holds files but is not a cadence run directory (no config.json written by cadence, no "
+            f"metrics.jsonl, no checkpoints/); --resume would write into it. Give the run's directory, or a new --out")
 
 
 def _out_problem(out: Path) -> str | None:
