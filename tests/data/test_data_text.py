@@ -135,3 +135,18 @@ def test_load_data_jsonl_and_bad_suffix(tmp_path: Path) -> None:
         load_data(tmp_path / "nope.jsonl", seq_len=8, val_fraction=0.0)
     where, message = where_and_message(error)
     assert where == "--data" and "does not exist" in message
+
+
+def test_the_fingerprint_is_the_content_not_the_path(tmp_path, monkeypatch):
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"some training text, long enough for a few sequences. " * 4)
+    by_absolute = load_data(text, 16, 0.0).fingerprint
+    monkeypatch.chdir(tmp_path)
+    assert load_data(Path("t.txt"), 16, 0.0).fingerprint == by_absolute  # another spelling, the same data
+    text.write_bytes(b"other training text, long enough for a few sequences. " * 4)
+    assert load_data(Path("t.txt"), 16, 0.0).fingerprint != by_absolute  # the same name, other data
+    jsonl = tmp_path / "e.jsonl"
+    jsonl.write_text('{"text": "one example"}\n')
+    first = load_data(jsonl, 16, 0.0).fingerprint
+    jsonl.write_text('{"text": "one exampld"}\n')
+    assert load_data(jsonl, 16, 0.0).fingerprint != first

@@ -5,6 +5,7 @@ Tokens are bytes (0..255), so every source works with the byte-level built-in GP
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,9 @@ class DataSplits:
     """One line saying where the data came from and how much there is, for logs and reports."""
     truncated: int
     """Examples cut to ``--seq-len`` (JSONL only; packed text is never truncated)."""
+    fingerprint: str
+    """``sha256:...`` of the source's content (not of its path): a resume compares it, so that rewritten data, or
+    other data under the same name, is never mixed into a run, while the same file named another way is accepted."""
 
 
 def split_validation(examples: TokenDataset, val_fraction: float) -> tuple[TokenDataset, TokenDataset | None]:
@@ -64,26 +68,48 @@ def split_validation(examples: TokenDataset, val_fraction: float) -> tuple[Token
 
 def _load_examples(
     data: Path | None, seq_len: int, max_corpus_bytes: int | None
-) -> tuple[TokenDataset, str, int]:
-    """Read the source named by ``--data``: (examples, description, number truncated)."""
+) -> tuple[TokenDataset, str, int, str]:
+    """Read the source named by ``--data``: (examples, description, number truncated, content fingerprint)."""
     if data is None:
         raw = corpus_bytes(max_corpus_bytes)
         examples = pack_bytes(raw, seq_len)
-        return examples, f"{corpus_description()}, {len(raw):,} bytes, {len(examples)} sequences of {seq_len}", 0
+        return (examples, f"{corpus_description()}, {len(raw):,} bytes, {len(examples)} sequences of {seq_len}", 0,
+                bytes_fingerprint(raw))
     if not data.exists():
         raise UsageError.single("--data", f"{data} does not exist; give {_ALLOWED_DATA}")
     if data.is_dir() or data.suffix.lower() == ".txt":
         raw = read_text_source(data)
         examples = pack_bytes(raw, seq_len)
         kind = "directory" if data.is_dir() else "text file"
-        return examples, f"{kind} {data}, {len(raw):,} bytes, {len(examples)} sequences of {seq_len}", 0
+        return (examples, f"{kind} {data}, {len(raw):,} bytes, {len(examples)} sequences of {seq_len}", 0,
+                bytes_fingerprint(raw))
     if data.suffix.lower() == ".jsonl":
         read, truncated = read_jsonl(data, seq_len)
         examples = TokenDataset(read)
         note = f", {truncated} truncated to {seq_len + 1} bytes" if truncated else ""
-        return examples, f"JSONL file {data}, {len(examples)} examples{note}", truncated
+        return examples, f"JSONL file {data}, {len(examples)} examples{note}", truncated, files_fingerprint(data)
     suffix = data.suffix or "no suffix"
     raise UsageError.single("--data", f"{data} has {suffix!r}; --data takes {_ALLOWED_DATA}")
+
+
+def bytes_fingerprint(content: bytes) -> str:
+    """``sha256:HEX`` of a source's bytes."""
+    return "sha256:" + hashlib.sha256(content).hexdigest()
+
+
+def files_fingerprint(path: Path) -> str:
+    """``sha256:HEX`` over a file's bytes, or over every regular file of a directory (relative path, then bytes,
+    in path order): the content, whatever the path is called."""
+    digest = hashlib.sha256()
+    files = sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix()) \
+        if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            digest.update(file.relative_to(path).as_posix().encode("utf-8", "surrogateescape") + b"\0")
+        with open(file, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
 
 
 def load_data(
@@ -98,17 +124,19 @@ def load_data(
     their own length (cut to ``seq_len``) and are padded per micro-batch by :func:`collate`.
     ``max_corpus_bytes`` limits only the built-in corpus (tests and quick runs do not need all of it).
     """
-    examples, description, truncated = _load_examples(data, seq_len, max_corpus_bytes)
+    examples, description, truncated, fingerprint = _load_examples(data, seq_len, max_corpus_bytes)
     train, val = split_validation(examples, val_fraction)
     if val is not None:
         description += f"; {len(train)} train / {len(val)} validation"
-    return DataSplits(train=train, val=val, description=description, truncated=truncated)
+    return DataSplits(train=train, val=val, description=description, truncated=truncated, fingerprint=fingerprint)
 
 
 __all__ = [
     "IGNORE_INDEX",
     "PAD_TOKEN_ID",
     "DataSplits",
+    "bytes_fingerprint",
+    "files_fingerprint",
     "Example",
     "TokenDataset",
     "collate",

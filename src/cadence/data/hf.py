@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from cadence.data import DataSplits, split_validation
+from cadence.data import DataSplits, files_fingerprint, split_validation
 from cadence.data.batching import IGNORE_INDEX, Example, TokenDataset
 from cadence.errors import UsageError
 
@@ -421,7 +421,8 @@ def _splits(source: _Source, results: dict[str, _Tokenized], tok: Tokenizer, seq
         description += f"; {skipped} rows skipped (empty, or no target left)"
     if hits:
         description += "; tokenised examples from the cache"
-    return DataSplits(train=train, val=val, description=description, truncated=truncated)
+    return DataSplits(train=train, val=val, description=description, truncated=truncated,
+                      fingerprint=files_fingerprint(source.path))
 
 
 __all__ = [
