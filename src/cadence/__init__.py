@@ -21,6 +21,7 @@ from cadence.engine import (  # noqa: E402
     iter_windows,
     lr_factor,
     make_window,
+    shift_hf_labels,
     token_cross_entropy_sum,
 )
 from cadence.errors import Problem, UsageError  # noqa: E402
@@ -40,5 +41,6 @@ __all__ = [
     "iter_windows",
     "lr_factor",
     "make_window",
+    "shift_hf_labels",
     "token_cross_entropy_sum",
 ]

@@ -15,10 +15,11 @@ from cadence.engine.windows import (
     epoch_windows,
     iter_windows,
     make_window,
+    shift_hf_labels,
 )
 
 __all__ = [
     "IGNORE_INDEX", "LR_SCHEDULES", "PRECISIONS", "Batch", "Engine", "LossFn", "PartialWindow", "Precision",
     "PrecisionName", "SingleProcess", "StepResult", "Window", "build_lr_scheduler", "count_targets", "count_tokens",
-    "epoch_windows", "iter_windows", "lr_factor", "make_window", "token_cross_entropy_sum",
+    "epoch_windows", "iter_windows", "lr_factor", "make_window", "shift_hf_labels", "token_cross_entropy_sum",
 ]

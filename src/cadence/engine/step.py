@@ -20,9 +20,9 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +37,44 @@ LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 
 
 def token_cross_entropy_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy summed over targets (labels != -100) of a causal LM that returns logits [B, T, V]."""
-    logits = model(batch["input_ids"])
+    """Next-token cross-entropy summed over targets (labels != -100) of a causal LM that returns logits [B, T, V].
+
+    cadence's convention: ``labels[t]`` is the target of position t (the token after ``input_ids[t]``); for Hugging
+    Face style labels (equal to ``input_ids``) build the windows with ``hf_labels=True``. When the batch has an
+    ``attention_mask`` it is passed to the model, with ``position_ids`` counted from each row's first real token
+    (as ``transformers`` does when generating), so that left padding gives every example the positions it has
+    alone; ``position_ids`` in the batch are passed as they are."""
+    logits = model(batch["input_ids"], **_attention_inputs(batch))
     if not isinstance(logits, torch.Tensor):  # Hugging Face style outputs
         logits = logits.logits
     # The loss is computed in fp32 even under autocast: a sum over thousands of targets in bf16 loses digits.
     return F.cross_entropy(
         logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def _attention_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    """The keyword inputs a padded batch needs beyond ``input_ids``: none for cadence's right-padded batches."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return {key: batch[key] for key in ("position_ids",) if key in batch}
+    positions = batch.get("position_ids")
+    if positions is None:
+        # Left padding: without this, an absolute-position model (gpt2) would see a padded row's tokens at the
+        # positions after its pads, not at 0, 1, 2... (padded positions get 1: they are masked out anyway).
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    return {"attention_mask": mask, "position_ids": positions}
+
+
+def looks_like_hf_labels(batch: Batch) -> bool:
+    """Whether ``labels`` equal ``input_ids`` at every target (at least 8 of them): the Hugging Face convention,
+    which cadence's loss would read as "predict the current token". Real next-token labels never match all of them."""
+    labels, inputs = batch["labels"], batch["input_ids"]
+    if labels.shape != inputs.shape:
+        return False
+    targets = labels != IGNORE_INDEX
+    count = int(targets.sum())
+    return count >= 8 and bool((labels[targets] == inputs[targets]).all())
 
 
 class Collective(Protocol):
@@ -128,6 +158,7 @@ class Engine:
         offload_activations: bool = False,
         memory_budget_bytes: int | None = None,
         agree_on_out_of_memory: bool = False,
+        hf_labels: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -145,6 +176,10 @@ class Engine:
         self.agree_on_out_of_memory = agree_on_out_of_memory and self.collective.world_size > 1
         """Several processes retrying out-of-memory windows (--micro-batch-size auto): after each micro-batch's
         forward and after its backward, all ranks learn whether any ran out of memory, and all raise together."""
+        self.hf_labels = hf_labels
+        """Windows given as plain lists hold Hugging Face style labels (equal to ``input_ids``): shift them."""
+        self._labels_checked = hf_labels or loss_fn is not token_cross_entropy_sum
+        """The first window's labels are checked once for the Hugging Face convention (see ``step``)."""
         self.phases: PhaseRecorder | None = None
         """Set by cadence.profiling.profiler while a profile runs; None (no annotations, no cost) otherwise."""
         self.steps = 0
@@ -175,9 +210,10 @@ class Engine:
         if self.phases is not None:
             self.phases.step_started()  # the time since the previous step ended was spent waiting for this window
         if not isinstance(window, Window):
-            window = make_window(window, counter=self.counter)
+            window = make_window(window, counter=self.counter, hf_labels=self.hf_labels)
+        if not self._labels_checked:
+            self._check_label_convention(window)
         started = time.perf_counter()
-        world = self.collective.world_size
         lr = float(self.optimizer.param_groups[0]["lr"])
         loss_scale = self.precision.loss_scale
         self.model.train()
@@ -185,104 +221,161 @@ class Engine:
         with self.memory.measure(
             model=self.model, optimizer=self.optimizer, enabled=measure_memory, segmented=True
         ):
-            # Sync point: every process must know the WHOLE window's target count before its first backward.
-            with self._phase("gradient_sync"):
-                totals = self.collective.all_reduce_sum(
-                    torch.tensor([window.targets, window.tokens, window.samples], dtype=torch.float64)
-                )
-            window_targets, tokens, samples = (int(v) for v in totals.tolist())
-            if window_targets == 0:
-                return self._skip_empty_window(window, started, lr, loss_scale, tokens, samples)
-
-            loss_sum = torch.full((), resume.loss_sum if resume else 0.0, dtype=torch.float64, device=self.device)
-            last = len(window.micro_batches) - 1
-            try:
-                for index, micro_batch in enumerate(window.micro_batches):
-                    if resume is not None and index < resume.micro_batches_done:
-                        continue  # their gradients were restored from the checkpoint
-                    if on_micro_batch is not None:
-                        on_micro_batch(index)
-                    batch = _to_device(micro_batch, self.device)
-                    agreement = _OutOfMemoryAgreement(self.collective, enabled=self.agree_on_out_of_memory)
-                    # guarded: a micro-batch above --memory-budget raises out-of-memory, like a real CUDA OOM.
-                    with agreement, self.memory.segment(guarded=True):
-                        # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.
-                        with self.collective.gradient_sync(self.model, enabled=index == last):
-                            with self._phase("forward"), self.precision.autocast(), self._saved_tensors_context():
-                                micro_loss_sum = self.loss_fn(self.model, batch)
-                            agreement.passed("forward")  # before any backward hook can start an all-reduce
-                            # Dividing by the window's targets (not the micro-batch's) makes the accumulated
-                            # gradient the one-big-batch gradient; x world undoes DDP's average over processes.
-                            with self._phase("backward"):
-                                self.precision.backward(micro_loss_sum * (world / window_targets))
-                    agreement.passed("backward")
-                    loss_sum += micro_loss_sum.detach().to(torch.float64)
-                    del micro_loss_sum, batch  # free the graph's last references before the next micro-batch
-                    if stop_requested is not None and index < last and stop_requested():
-                        raise WindowInterrupted(micro_batches_done=index + 1, loss_sum=float(loss_sum))
-            except WindowInterrupted:
-                raise  # the accumulated gradients are the point: keep them for the checkpoint
-            except BaseException:
-                # Out of memory (or interrupted) mid-window: drop the partial gradients so that a retry of the same
-                # window, at any micro-batch size, starts from exactly the state before it. Nothing was counted.
-                self.optimizer.zero_grad(set_to_none=True)
-                raise
-
-            self.windows += 1
-            with self.memory.segment():
-                with self._phase("unscale_clip"):
-                    grad_norm = self.precision.unscale_and_clip(
-                        self.optimizer, self.model.parameters(), self.max_grad_norm
-                    )
-                with self._phase("optimizer_step"):
-                    if self.skip_nonfinite and not self.precision.has_scaler and not math.isfinite(grad_norm):
-                        did_step, reason = False, "non-finite gradients"
-                    else:
-                        did_step = self.precision.step(self.optimizer)  # fp16: skipped when the scaler found inf
-                        reason = None if did_step else "fp16 overflow"
-                with self._phase("zero_grad_scheduler"):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    if did_step and self.scheduler is not None:
-                        self.scheduler.step()  # only after a real step: a skipped step must not move the schedule
-            if did_step:
-                self.steps += 1
-            else:
-                self.skipped_steps += 1
-
-            with self._phase("gradient_sync"):
-                window_loss = float(self.collective.all_reduce_sum(loss_sum.reshape(1).cpu())[0]) / window_targets
+            counts = self._window_counts(window)
+            if counts.targets == 0:
+                return self._skip_empty_window(window, started, lr, loss_scale, counts)
+            loss_sum = self.accumulate(
+                window, counts.targets, on_micro_batch=on_micro_batch, stop_requested=stop_requested, resume=resume
+            )
+            self.windows += 1  # only now: a window that failed or was interrupted part-way is not counted
+            grad_norm, skip_reason = self.apply_gradients()
+            window_loss = self._window_loss(loss_sum, counts.targets)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # honest step time: wait for the optimizer's kernels
+        return self._result(
+            window, started, lr, loss_scale, counts,
+            skip_reason=skip_reason, loss=window_loss, grad_norm=grad_norm, peak_memory_bytes=self.memory.peak_bytes,
+        )
+
+    def _check_label_convention(self, window: Window) -> None:
+        """Once, on the first window: refuse Hugging Face style labels given to cadence's next-token loss. Trained
+        as they are, they would teach the model to copy its input, silently (one host sync, on the first step only)."""
+        self._labels_checked = True
+        batch = window.micro_batches[0]
+        if isinstance(batch, Mapping) and "labels" in batch and "input_ids" in batch and looks_like_hf_labels(batch):
+            raise ValueError(
+                "the labels equal input_ids at every target: a Hugging Face style batch (the model shifts labels "
+                "itself). cadence's loss reads labels[t] as the token after input_ids[t]; build the windows with "
+                "iter_windows(..., hf_labels=True) or make_window(..., hf_labels=True), or give "
+                "Engine(..., hf_labels=True) plain lists of micro-batches")
+
+    def _window_counts(self, window: Window) -> _WindowCounts:
+        """The window's targets, tokens and samples, summed over all processes (one small all-reduce)."""
+        # Sync point: every process must know the WHOLE window's target count before its first backward.
+        with self._region("gradient_sync"):
+            totals = self.collective.all_reduce_sum(
+                torch.tensor([window.targets, window.tokens, window.samples], dtype=torch.float64)
+            )
+        return _WindowCounts(*(int(v) for v in totals.tolist()))
+
+    def accumulate(
+        self,
+        window: Window,
+        window_targets: int,
+        *,
+        on_micro_batch: Callable[[int], None] | None = None,
+        stop_requested: Callable[[], bool] | None = None,
+        resume: PartialWindow | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward every micro-batch of ``window``, the gradients adding up in the parameters and
+        synchronising only on the last micro-batch; return the window's loss sum (a float64 scalar on the device:
+        no host sync per micro-batch).
+
+        ``window_targets`` is the whole window's target count over all processes. ``on_micro_batch``,
+        ``stop_requested`` and ``resume`` are ``step``'s. On any failure but WindowInterrupted the partial gradients
+        are dropped, so that a retry of the window starts from the state before it.
+        """
+        loss_sum = torch.full((), resume.loss_sum if resume else 0.0, dtype=torch.float64, device=self.device)
+        world = self.collective.world_size
+        last = len(window.micro_batches) - 1
+        try:
+            for index, micro_batch in enumerate(window.micro_batches):
+                if resume is not None and index < resume.micro_batches_done:
+                    continue  # their gradients were restored from the checkpoint
+                self._report_progress(on_micro_batch, index)
+                batch = _to_device(micro_batch, self.device)
+                # guarded: a micro-batch above --memory-budget raises out-of-memory, like a real CUDA OOM.
+                with self._out_of_memory_agreement() as agreement, self._region(segment=True, guarded=True):
+                    # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.
+                    with self.collective.gradient_sync(self.model, enabled=index == last):
+                        with self._region("forward"), self.precision.autocast(), self._saved_tensors_context():
+                            micro_loss_sum = self.loss_fn(self.model, batch)
+                        agreement.passed("forward")  # before any backward hook can start an all-reduce
+                        # Dividing by the window's targets (not the micro-batch's) makes the accumulated
+                        # gradient the one-big-batch gradient; x world undoes DDP's average over processes.
+                        with self._region("backward"):
+                            self.precision.backward(micro_loss_sum * (world / window_targets))
+                agreement.passed("backward")
+                loss_sum += micro_loss_sum.detach().to(torch.float64)
+                del micro_loss_sum, batch  # free the graph's last references before the next micro-batch
+                self._stop_if_requested(stop_requested, index=index, last=last, loss_sum=loss_sum)
+        except WindowInterrupted:
+            raise  # the accumulated gradients are the point: keep them for the checkpoint
+        except BaseException:
+            # Out of memory (or interrupted) mid-window: drop the partial gradients so that a retry of the same
+            # window, at any micro-batch size, starts from exactly the state before it. Nothing was counted.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        return loss_sum
+
+    def apply_gradients(self) -> tuple[float, str | None]:
+        """Unscale (fp16 only), clip the total gradient norm (once), step the optimizer (skipped on fp16 inf/nan or,
+        with ``skip_nonfinite``, a non-finite norm), update the scaler, zero the gradients and advance the schedule
+        only after a real step; count the step as taken or skipped.
+
+        Returns the total gradient norm before clipping, and why the optimizer did not step (None: it stepped).
+        """
+        with self._region(segment=True):
+            with self._region("unscale_clip"):
+                grad_norm = self.precision.unscale_and_clip(
+                    self.optimizer, self.model.parameters(), self.max_grad_norm
+                )
+            with self._region("optimizer_step"):
+                if self.skip_nonfinite and not self.precision.has_scaler and not math.isfinite(grad_norm):
+                    did_step, reason = False, "non-finite gradients"
+                else:
+                    did_step = self.precision.step(self.optimizer)  # fp16: skipped when the scaler found inf
+                    reason = None if did_step else "fp16 overflow"
+            with self._region("zero_grad_scheduler"):
+                self.optimizer.zero_grad(set_to_none=True)
+                if did_step and self.scheduler is not None:
+                    self.scheduler.step()  # only after a real step: a skipped step must not move the schedule
+        if did_step:
+            self.steps += 1
+        else:
+            self.skipped_steps += 1
+        return grad_norm, reason
+
+    def _window_loss(self, loss_sum: torch.Tensor, window_targets: int) -> float:
+        """The window's token-mean loss over all processes: the step's one host sync of the loss."""
+        with self._region("gradient_sync"):
+            return float(self.collective.all_reduce_sum(loss_sum.reshape(1).cpu())[0]) / window_targets
+
+    def _result(
+        self,
+        window: Window,
+        started: float,
+        lr: float,
+        loss_scale: float | None,
+        counts: _WindowCounts,
+        *,
+        skip_reason: str | None,
+        loss: float | None = None,
+        grad_norm: float | None = None,
+        peak_memory_bytes: int | None = None,
+    ) -> StepResult:
+        """The one place a StepResult is made. ``skip_reason`` is None exactly when the optimizer stepped; a grad norm
+        that is not finite is reported as None."""
         return StepResult(
             step=self.steps,
             window=self.windows,
-            skipped=not did_step,
-            skip_reason=reason,
-            loss=window_loss,
-            grad_norm=grad_norm if math.isfinite(grad_norm) else None,
+            skipped=skip_reason is not None,
+            skip_reason=skip_reason,
+            loss=loss,
+            grad_norm=grad_norm if grad_norm is not None and math.isfinite(grad_norm) else None,
             lr=lr,
             loss_scale=loss_scale,
             micro_steps=len(window.micro_batches),
             micro_batch_size=max(self.counter.samples(b) for b in window.micro_batches),
-            samples=samples,
-            tokens=tokens,
-            targets=window_targets,
+            samples=counts.samples,
+            tokens=counts.tokens,
+            targets=counts.targets,
             step_time_s=time.perf_counter() - started,
-            peak_memory_bytes=self.memory.peak_bytes,
+            peak_memory_bytes=peak_memory_bytes,
         )
 
-    def _phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
-        """A profiling range around one phase of the step; a shared no-op when profiling is off (no cost)."""
-        return NO_PHASE if self.phases is None else self.phases.phase(name)
-
-    def _saved_tensors_context(self) -> contextlib.AbstractContextManager[Any]:
-        """Where autograd keeps what the forward saves for backward: device memory, or host memory when offloaded."""
-        if not self.offload_activations:
-            return contextlib.nullcontext()
-        return activation_offload(self.device)
-
     def _skip_empty_window(
-        self, window: Window, started: float, lr: float, loss_scale: float | None, tokens: int, samples: int
+        self, window: Window, started: float, lr: float, loss_scale: float | None, counts: _WindowCounts
     ) -> StepResult:
         """A window without a single target has no loss to average: skip it, never divide by zero."""
         self.windows += 1
@@ -290,12 +383,51 @@ class Engine:
             f"window {self.windows} has no loss-bearing targets (every label is -100); skipped", stacklevel=3
         )
         self.skipped_steps += 1
-        return StepResult(
-            step=self.steps, window=self.windows, skipped=True, skip_reason="no targets", loss=None,
-            grad_norm=None, lr=lr, loss_scale=loss_scale, micro_steps=len(window.micro_batches),
-            micro_batch_size=max(self.counter.samples(b) for b in window.micro_batches), samples=samples,
-            tokens=tokens, targets=0, step_time_s=time.perf_counter() - started, peak_memory_bytes=None,
-        )
+        return self._result(window, started, lr, loss_scale, counts, skip_reason="no targets")
+
+    # ------------------------------------------------------------------------------------------------ step parts
+    def _region(
+        self, phase: str | None = None, *, segment: bool = False, guarded: bool = False
+    ) -> contextlib.AbstractContextManager[Any]:
+        """One part of the step as the profiler and the memory meter see it: the profiling phase ``phase`` (timed
+        only while a profile runs) inside a memory segment when ``segment`` (``guarded``: a peak above the memory
+        budget raises out-of-memory). Neither wanted: the shared no-op NO_PHASE (no cost)."""
+        timed = NO_PHASE if phase is None else self._phase(phase)
+        if not segment:
+            return timed
+        if timed is NO_PHASE:
+            return self.memory.segment(guarded=guarded)
+        return _nested(self.memory.segment(guarded=guarded), timed)
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """A profiling range around one phase of the step; a shared no-op when profiling is off (no cost)."""
+        return NO_PHASE if self.phases is None else self.phases.phase(name)
+
+    def _out_of_memory_agreement(self) -> _OutOfMemoryAgreement:
+        """Around one micro-batch, and at each of its ``passed`` points, all ranks learn whether any ran out of memory
+        (see _OutOfMemoryAgreement; a no-op unless ``agree_on_out_of_memory``)."""
+        return _OutOfMemoryAgreement(self.collective, enabled=self.agree_on_out_of_memory)
+
+    @staticmethod
+    def _report_progress(on_micro_batch: Callable[[int], None] | None, index: int) -> None:
+        """Tell the caller's progress display that micro-batch ``index`` starts, when it asked to be told."""
+        if on_micro_batch is not None:
+            on_micro_batch(index)
+
+    @staticmethod
+    def _stop_if_requested(
+        stop_requested: Callable[[], bool] | None, *, index: int, last: int, loss_sum: torch.Tensor
+    ) -> None:
+        """Between two micro-batches (never after the last), raise WindowInterrupted when the caller asks to stop,
+        leaving the gradients accumulated so far in place. Only a stop reads ``loss_sum`` back to the host."""
+        if stop_requested is not None and index < last and stop_requested():
+            raise WindowInterrupted(micro_batches_done=index + 1, loss_sum=float(loss_sum))
+
+    def _saved_tensors_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Where autograd keeps what the forward saves for backward: device memory, or host memory when offloaded."""
+        if not self.offload_activations:
+            return contextlib.nullcontext()
+        return activation_offload(self.device)
 
     # ------------------------------------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -342,6 +474,14 @@ class PartialWindow:
     micro_batches_done: int
     loss_sum: float
     """Their summed loss (float64), so the window's reported loss is exact after a resume."""
+
+
+class _WindowCounts(NamedTuple):
+    """A window's loss-bearing targets, tokens and samples, summed over all processes."""
+
+    targets: int
+    tokens: int
+    samples: int
 
 
 class WindowInterrupted(Exception):
@@ -394,3 +534,12 @@ class PhaseRecorder(Protocol):
 
 def _to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+@contextlib.contextmanager
+def _nested(
+    outer: contextlib.AbstractContextManager[Any], inner: contextlib.AbstractContextManager[Any]
+) -> Iterator[None]:
+    """``inner`` entered inside ``outer``, as one context manager."""
+    with outer, inner:
+        yield

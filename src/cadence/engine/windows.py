@@ -81,11 +81,35 @@ class WindowCounter:
     samples: Callable[[Batch], int] = count_samples
 
 
+def shift_hf_labels(batch: Batch) -> Batch:
+    """A Hugging Face style batch in cadence's convention.
+
+    cadence's ``labels[t]`` is the target of position t: the token AFTER ``input_ids[t]`` (collate and packing make
+    them so). A Hugging Face collator instead copies ``labels`` from ``input_ids`` (with -100 where no loss is wanted)
+    and the model shifts them inside its own loss. Given such a batch unchanged, cadence would train the model to copy
+    its current token. This returns the same batch with ``labels`` moved one position left (the last position then
+    has no target); every other key (``attention_mask``, ``position_ids``) is kept.
+
+    A position whose input is padding (``attention_mask`` 0) gets no target either. With left padding the last pad
+    would otherwise be asked to predict the row's first token from no context at all, a target transformers' own
+    loss does count: here each example has exactly the targets it has alone.
+    """
+    labels = batch["labels"]
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[..., :-1] = labels[..., 1:]
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        shifted = shifted.masked_fill(mask == 0, IGNORE_INDEX)
+    return {**batch, "labels": shifted}
+
+
 def make_window(micro_batches: Sequence[Batch], *, epoch: int = 0, short: bool = False,
-                counter: WindowCounter | None = None) -> Window:
-    """Wrap a list of micro-batches as a window, counting what it holds."""
+                counter: WindowCounter | None = None, hf_labels: bool = False) -> Window:
+    """Wrap a list of micro-batches as a window, counting what it holds. ``hf_labels``: the batches carry Hugging
+    Face style labels (equal to ``input_ids``), shifted here with :func:`shift_hf_labels` before anything counts
+    them."""
     counter = counter or WindowCounter()
-    batches = list(micro_batches)
+    batches = [shift_hf_labels(b) for b in micro_batches] if hf_labels else list(micro_batches)
     if not batches:
         raise ValueError("a window needs at least one micro-batch")
     return Window(
@@ -106,8 +130,13 @@ def iter_windows(
     last_window: LastWindow = "step",
     epoch: int = 0,
     counter: WindowCounter | None = None,
+    hf_labels: bool = False,
 ) -> Iterator[Window]:
     """Group one epoch's micro-batches into windows of ``grad_accum_steps``.
+
+    ``hf_labels=True`` for batches from a Hugging Face collator (``labels`` equal to ``input_ids``): each is shifted
+    into cadence's convention (:func:`shift_hf_labels`), so the targets are counted and the loss computed as
+    ``transformers`` would.
 
     The epoch's last window may be short: fewer micro-batches, or a smaller last micro-batch (``micro_batch_size``
     tells what full is). ``last_window="step"`` yields it, and because the engine divides by the window's OWN target
@@ -121,10 +150,10 @@ def iter_windows(
         if len(pending) == grad_accum_steps:
             short = micro_batch_size is not None and count_samples(pending[-1]) < micro_batch_size
             if not (short and last_window == "drop"):
-                yield make_window(pending, epoch=epoch, short=short, counter=counter)
+                yield make_window(pending, epoch=epoch, short=short, counter=counter, hf_labels=hf_labels)
             pending = []
     if pending and last_window == "step":
-        yield make_window(pending, epoch=epoch, short=True, counter=counter)
+        yield make_window(pending, epoch=epoch, short=True, counter=counter, hf_labels=hf_labels)
 
 
 def resplit_window(window: Window, micro_batch_size: int, *, counter: WindowCounter | None = None) -> Window:
