@@ -25,9 +25,11 @@ from bench_env import environment
 
 from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches, load_data
+from cadence.engine.precision import PrecisionName
 from cadence.engine.step import Engine
 from cadence.engine.windows import iter_windows
-from cadence.memory.recompute import apply_activation_checkpointing
+from cadence.memory.offload import OffloadMode
+from cadence.memory.recompute import CheckpointingMode, apply_activation_checkpointing
 from cadence.models import MODEL_CONFIGS, build_model
 from cadence.profiling.flops import measured_peak_flops, model_flops_per_token
 from cadence.training.components import build_optimizer
@@ -35,15 +37,15 @@ from cadence.training.components import build_optimizer
 RESULTS = Path(__file__).parent / "results"
 
 
-def run(model_name: str, *, micro: int, accum: int, seq_len: int, precision: str = "fp32", recompute: str = "none",
-        offload: str = "none", steps: int = 3, data=None) -> dict:
+def run(model_name: str, *, micro: int, accum: int, seq_len: int, precision: PrecisionName = "fp32",
+        recompute: CheckpointingMode = "none", offload: OffloadMode = "none", steps: int = 3, data=None) -> dict:
     """Step 1 warm-up, step 2 measured for memory, steps 3.. timed (median tokens/s)."""
     data = data or load_data(None, seq_len, 0.0, max_corpus_bytes=4_000_000)
     torch.manual_seed(0)
     model = build_model(model_name)
-    apply_activation_checkpointing(model, recompute)  # type: ignore[arg-type]
+    apply_activation_checkpointing(model, recompute)
     config = TrainConfig(offload=offload)
-    engine = Engine(model, build_optimizer(model, config), precision=precision, max_grad_norm=1.0,  # type: ignore
+    engine = Engine(model, build_optimizer(model, config), precision=precision, max_grad_norm=1.0,
                     offload_activations=offload == "activations")
     windows = iter_windows(iterate_micro_batches(data.train, micro, 0, 0), accum)
     peak, rates = None, []
@@ -74,8 +76,10 @@ def main() -> int:
               f"{big['peak_bytes'] / mib:.1f} MiB", flush=True)
 
     modes = []
-    for recompute in ("none", "selective", "full"):
-        for offload in ("none", "activations", "optimizer"):
+    recomputes: tuple[CheckpointingMode, ...] = ("none", "selective", "full")
+    offloads: tuple[OffloadMode, ...] = ("none", "activations", "optimizer")
+    for recompute in recomputes:
+        for offload in offloads:
             measured = run("gpt-small", micro=4, accum=2, seq_len=256, recompute=recompute, offload=offload,
                            steps=steps, data=data)
             modes.append({"recompute": recompute, "offload": offload, **measured})
@@ -84,7 +88,8 @@ def main() -> int:
 
     mfu = []
     for model_name in ("gpt-small",) if args.quick else ("gpt-small", "gpt-base"):
-        for precision in ("fp32", "bf16"):
+        precisions: tuple[PrecisionName, ...] = ("fp32", "bf16")
+        for precision in precisions:
             micro = 4 if model_name == "gpt-small" else 1
             measured = run(model_name, micro=micro, accum=2, seq_len=256, precision=precision, steps=steps, data=data)
             peak, source = measured_peak_flops(precision, torch.device("cpu"))

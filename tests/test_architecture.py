@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cadence"
 
 LAYERS: list[set[str]] = [
     {"errors", "formatting"},
+    {"input_files"},
     {"data", "models"},
     {"memory"},
     {"engine"},

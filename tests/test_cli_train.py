@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cadence.cli import main
+from cadence.training.run_dir import read_metrics
 
 METRIC_FIELDS = ("step", "micro_steps", "samples", "tokens", "loss", "grad_norm", "lr", "loss_scale", "skipped",
                  "step_time_s", "tokens_per_s", "peak_memory_bytes")
@@ -35,7 +36,7 @@ def _run(argv: list[str]) -> tuple[int, str, str]:
 
 
 def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return read_metrics(run)
 
 
 def _no_hidden_leftovers(root: Path) -> None:

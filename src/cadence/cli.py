@@ -19,7 +19,7 @@ import click
 
 from cadence import __version__
 from cadence.audit.run import run_script
-from cadence.config import DEVICE_CHOICES, TrainConfig, flag, read_field_docs, resolve_device
+from cadence.config import DEVICE_CHOICES, TrainConfig, flag, hint_types, read_field_docs, resolve_device
 from cadence.config.sources import build_config, given_keys
 from cadence.distributed.launch import arguments_without_nproc, launch
 from cadence.distributed.ranks import SINGLE, start, stop, torchrun_ranks
@@ -59,8 +59,9 @@ MICRO_BATCH_SIZE = _WholeNumberOrAuto()
 
 
 def _click_type(hint: Any) -> click.ParamType:
-    """int, float, str, Path and their ``| None`` forms (a missing flag is always None: "not given")."""
-    args = set(getattr(hint, "__args__", ())) or {hint}
+    """int, float, str (a Literal of choices too), Path and their ``| None`` forms (a missing flag is always None:
+    "not given")."""
+    args = hint_types(hint)
     if int in args and str in args:
         return MICRO_BATCH_SIZE
     if Path in args:
@@ -157,7 +158,7 @@ def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_
     # The flags are validated inside run (every problem named); until then, only sane values start the group.
     device = resolve_device(config.device) if config.device in DEVICE_CHOICES else resolve_device("cpu")
     timeout = config.collective_timeout if config.collective_timeout > 0 else 600.0
-    ranks = start(device_type=device.type, strategy=config.strategy,  # type: ignore[arg-type]
+    ranks = start(device_type=device.type, strategy=config.strategy,
                   sync_every_micro_step=config.sync_every_micro_step, timeout_s=timeout)
     try:
         run(ranks)
@@ -238,13 +239,15 @@ def verify_command(ctx: click.Context, config_file: Path | None, as_json: bool, 
 
 @app.command("audit", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--json", "as_json", is_flag=True, default=False, help="Print the audit report as JSON.")
+@click.option("--strict", is_flag=True, default=False,
+              help="Exit 1 on warnings too (performance-only findings), not only on errors (wrong math or schedule).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- python train.py [ARGS]")
-def audit_command(as_json: bool, command: tuple[str, ...]) -> None:
+def audit_command(as_json: bool, strict: bool, command: tuple[str, ...]) -> None:
     """Run your own training script with its step chain instrumented, and report the cadence it observed and every
     rule it broke (rule id, explanation, fix, file:line). Your output and exit status pass through; the exit status
-    is 1 when an error-level rule fired."""
-
-    raise click.exceptions.Exit(run_script(list(command), as_json=as_json))
+    is 1 when an error-level rule fired (the loop's gradient, update or LR schedule is wrong), and with --strict
+    also on a warning (performance only)."""
+    raise click.exceptions.Exit(run_script(list(command), as_json=as_json, strict=strict))
 
 
 @app.command("report")

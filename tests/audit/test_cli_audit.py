@@ -1,10 +1,14 @@
-"""`cadence audit -- python train.py`: the CLI passes the script's status through, or 1 on an error-level rule."""
+"""`cadence audit -- python train.py`: the CLI passes the script's status through, or 1 on an error-level rule (every
+rule that changes the math or the schedule), and with --strict on a warning too."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
+from cadence.audit.rules import RULES
 from cadence.cli import main
 
 CASES = Path(__file__).parent / "cases"
@@ -26,3 +30,34 @@ def test_good_loop_exits_0_and_json(capsys):
 def test_missing_script_is_a_usage_error(capsys):
     assert main(["audit", "--", "python", "no_such_script.py"]) == 2
     assert "SCRIPT" in capsys.readouterr().err
+
+
+# Each rule whose finding means the loop trains differently from one big batch (gradient, update or LR schedule),
+# or that torch itself rejects: a CI gate on `cadence audit` must fail on every one of them.
+MATH_OR_SCHEDULE = {"CAD001", "CAD002", "CAD003", "CAD004", "CAD005", "CAD006", "CAD007", "CAD008", "CAD009", "CAD010",
+                    "CAD011", "CAD013", "CAD014", "CAD017", "CAD018", "CAD019"}
+PERFORMANCE_ONLY = {"CAD015", "CAD016"}  # the gradient is right; communication is wasted
+
+
+def test_every_math_or_schedule_rule_is_an_error_and_only_performance_is_a_warning():
+    assert {rule.id for rule in RULES.values() if rule.level == "error"} == MATH_OR_SCHEDULE
+    assert {rule.id for rule in RULES.values() if rule.level == "warning"} == PERFORMANCE_ONLY
+
+
+@pytest.mark.parametrize("case", sorted(p.name for p in CASES.glob("bad_*.py")))
+def test_every_bad_case_that_changes_the_math_exits_1(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    expected = {word for word in (CASES / case).read_text().splitlines()[0].split() if word.startswith("CAD")}
+    status = main(["audit", "--", "python", str(CASES / case)])
+    capsys.readouterr()
+    if expected & MATH_OR_SCHEDULE:
+        assert status == 1, case
+    elif expected <= PERFORMANCE_ONLY | {"CAD012", "CAD020"}:
+        assert status == 0, case
+
+
+@pytest.mark.parametrize("case", ["bad_ddp_sync_every_micro_step.py", "bad_ddp_no_sync_after_forward.py"])
+def test_strict_fails_on_warnings_too(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "--", "python", str(CASES / case)]) == 0
+    assert main(["audit", "--strict", "--", "python", str(CASES / case)]) == 1
+    assert "warning" in capsys.readouterr().err
+    assert main(["audit", "--strict", "--", "python", str(CASES / "good_ddp_no_sync.py")]) == 0

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 
 from cadence.cli import main
-from cadence.config import FIELD_NAMES, TrainConfig, field_help, flag, validate
+from cadence.config import FIELD_NAMES, TrainConfig, field_help, flag, hint_types, validate
 from cadence.config.sources import build_config, load_toml
 from cadence.errors import UsageError
 
@@ -243,3 +244,26 @@ def test_train_help_lists_every_flag_and_exits_0(capsys: pytest.CaptureFixture[s
     assert not missing, f"--help does not list {missing}"
     assert "--config" in listed
     assert "Traceback" not in text
+
+
+# ---------------------------------------------------------------------------------------------------- choices
+def test_choice_fields_parse_as_strings_whatever_their_literal() -> None:
+    hints = get_type_hints(TrainConfig)
+    for name in ("precision", "activation_checkpointing", "offload", "lr_schedule", "last_window", "device",
+                 "strategy"):
+        assert hint_types(hints[name]) == {str}, name
+    assert hint_types(hints["micro_batch_size"]) == {int, str}
+    assert hint_types(hints["seq_len"]) == {int, type(None)}
+
+
+def test_a_value_outside_a_choice_is_read_then_named_by_validation(tmp_path: Path) -> None:
+    path = _toml(tmp_path, 'precision = "fp8"\nlr_schedule = "step"\n')
+    assert load_toml(path) == {"precision": "fp8", "lr_schedule": "step"}
+    config = build_config(toml_path=path, flags={"device": "tpu", "strategy": "zero"})
+    with pytest.raises(UsageError) as caught:
+        validate(config)
+    problems = {problem.where: problem.message for problem in caught.value.problems}
+    assert problems["--precision"] == "'fp8' is not one of fp32, bf16, fp16"
+    assert problems["--lr-schedule"] == "'step' is not one of constant, linear, cosine"
+    assert problems["--device"] == "'tpu' is not one of auto, cpu, cuda"
+    assert problems["--strategy"] == "'zero' is not one of ddp, fsdp"

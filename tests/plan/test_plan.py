@@ -12,7 +12,9 @@ from helpers import sample_text
 from cadence.cli import main
 from cadence.config import TrainConfig
 from cadence.plan.planner import PlanOptions, build_candidates, choose_trials, divisors
+from cadence.plan.trials import TrialSetup
 from cadence.training.run_dir import read_metrics
+from cadence.verify.equivalence import Setup
 
 
 def text_file(tmp_path: Path) -> Path:
@@ -118,3 +120,14 @@ def test_plan_bad_input(argv, flag, capsys, tmp_path, monkeypatch):
 def test_plan_options_defaults_are_sane():
     options = PlanOptions()
     assert options.trial_steps >= 3 and options.max_trials >= 1 and options.quality_steps >= 1
+
+
+def test_a_trial_setup_is_the_verify_setup_plus_its_accumulation() -> None:
+    setup = TrialSetup(micro_batch_size=2, grad_accum_steps=4, precision="bf16", activation_checkpointing="full",
+                       offload="none")
+    assert isinstance(setup, Setup)  # the quality check compares exactly the configuration the plan chose
+    assert setup.as_dict() == {"micro_batch_size": 2, "grad_accum_steps": 4, "precision": "bf16",
+                               "activation_checkpointing": "full", "offload": "none"}
+    assert list(setup.as_dict()) == ["micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing",
+                                     "offload"]  # plan.json's order
+    assert setup.describe() == "micro 2 x accum 4, bf16, recompute full, offload none"

@@ -13,15 +13,9 @@ import pytest
 from matplotlib.image import imread
 
 from cadence.errors import UsageError
-from cadence.profiling.report import (
-    PHASE_PLOT,
-    PHASES,
-    effective_batch,
-    fmt_seconds,
-    fmt_si,
-    phase_names,
-    profile_report,
-)
+from cadence.formatting import format_seconds as fmt_seconds
+from cadence.formatting import format_si as fmt_si
+from cadence.profiling.report import PHASE_PLOT, PHASES, effective_batch, phase_names, profile_report
 from cadence.rebuild import build_report
 from cadence.report.render import Plot, Table
 

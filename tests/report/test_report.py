@@ -15,9 +15,10 @@ from matplotlib.image import imread
 
 from cadence.cli import main
 from cadence.errors import UsageError
+from cadence.formatting import format_hms as fmt_hms
 from cadence.rebuild import build_report
 from cadence.report import render
-from cadence.report.document import fmt_hms
+from cadence.training.run_dir import read_metrics
 
 FIXTURE_PLAN = Path(__file__).resolve().parents[1] / "fixtures" / "plan" / "plan.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -61,7 +62,7 @@ def _assert_html_page(page: str) -> None:
 
 
 def _metrics_rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return read_metrics(run)
 
 
 # ----------------------------------------------------------------------------------------------------- run report

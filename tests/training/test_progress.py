@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 
-from cadence.training.progress import TrainProgress, format_bytes, format_duration
+from cadence.formatting import format_bytes, format_duration
+from cadence.training.progress import TrainProgress
 
 
 def row(step: int, **extra):

@@ -24,12 +24,12 @@ not user events and are not recorded. A *window* is the backward passes between 
 | CAD002 | error   | clip on a non-final micro-step (or with no backward yet)    | clip once, after last backward    |
 | CAD003 | error   | unscale_ on a non-final micro-step                          | unscale once, after last backward |
 | CAD004 | error   | unscale_ twice for one optimizer in one step (torch raises) | unscale each optimizer once       |
-| CAD005 | warning | scheduler stepped more than once per optimizer step         | scheduler.step() once per step    |
-| CAD006 | warning | scheduler stepped before the first optimizer step           | scheduler.step() after the step   |
-| CAD007 | warning | scheduler stepped after a step the GradScaler skipped       | only when the scale did not drop  |
+| CAD005 | error   | scheduler stepped more than once per optimizer step         | scheduler.step() once per step    |
+| CAD006 | error   | scheduler stepped before the first optimizer step           | scheduler.step() after the step   |
+| CAD007 | error   | scheduler stepped after a step the GradScaler skipped       | only when the scale did not drop  |
 | CAD008 | error   | zero_grad between backwards of a window, or before its step | zero_grad once, after the step    |
 | CAD009 | error   | optimizer.step with no backward since its previous step     | one step per window               |
-| CAD010 | warning | windows of different lengths (a short last one is fine)     | count from the window start       |
+| CAD010 | error   | windows of different lengths (a short last one is fine)     | count from the window start       |
 | CAD011 | error   | fp16 autocast without a GradScaler                          | GradScaler, or bf16               |
 | CAD012 | info    | GradScaler with bf16 autocast (harmless, unneeded)          | drop the scaler for bf16          |
 | CAD013 | error   | scaler.step without update before the next one (or end)     | update after each scaler.step     |
@@ -37,9 +37,13 @@ not user events and are not recorded. A *window* is the backward passes between 
 | CAD015 | warning | DDP all-reduce on a non-final micro-step (outside no_sync)  | no_sync around forward+backward   |
 | CAD016 | warning | DDP no_sync entered after the forward (around backward)     | no_sync before the forward        |
 | CAD017 | error   | DDP sync suppressed on the window's last micro-step         | last micro-step outside no_sync   |
-| CAD018 | warning | mean cross_entropy, micro-batch target counts >10% apart    | sum / window's target count       |
+| CAD018 | error   | mean cross_entropy, micro-batch target counts >10% apart    | sum / window's target count       |
 | CAD019 | error   | gradients not cleared after an optimizer step               | zero_grad after each step         |
 | CAD020 | info    | backwards after the last optimizer step were never stepped  | step (or drop) the last window    |
+
+Levels: **error** when the loop's gradient, update or LR schedule differs from one big batch's (CI gates on it:
+exit status 1); **warning** for performance only (the math is right: needless communication; exit 0 unless
+``--strict``); **info** for harmless findings.
 
 The line reported is the call that breaks the rule: the clip (CAD001/002), the unscale_ (003/004), the scheduler step
 (005-007), the zero_grad (008), the optimizer or scaler step (009, 010: the step closing the odd window, 013), the
@@ -74,13 +78,13 @@ from cadence.audit.rules import (
     ZERO_GRAD,
     Analyzer,
     AuditReport,
-    Finding,
     Loc,
     ObservedCadence,
+    RuleViolation,
     format_report,
 )
 
-__all__ = ["Audit", "AuditReport", "Finding", "ObservedCadence", "RULES", "format_report"]
+__all__ = ["Audit", "AuditReport", "ObservedCadence", "RULES", "RuleViolation", "format_report"]
 # The runner of `cadence audit -- python train.py` is in cadence.audit.run (run_script, audit_script).
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep

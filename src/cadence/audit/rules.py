@@ -30,6 +30,9 @@ BACKWARD, STEP, ZERO_GRAD, CLIP, SCALE, UNSCALE, UPDATE, SCHEDULER, AUTOCAST, EP
 Loc = tuple[str, int] | None
 
 ERROR, WARNING, INFO = "error", "warning", "info"
+"""The levels. ERROR: the loop computes a different gradient, update or LR schedule than one big batch would (or
+torch raises); ``cadence audit`` exits 1. WARNING: performance only (the math is right, e.g. needless
+communication); exit 0 unless ``--strict``. INFO: harmless, worth knowing."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,12 +57,12 @@ _RULE_LIST = [
          fix="unscale once per optimizer step, after the window's last backward"),
     Rule(id="CAD004", level=ERROR, what="scaler.unscale_ called twice for one optimizer in one step "
          "(torch raises)", fix="unscale each optimizer once, between the last backward and scaler.step"),
-    Rule(id="CAD005", level=WARNING, what="LR scheduler stepped more than once per optimizer step "
+    Rule(id="CAD005", level=ERROR, what="LR scheduler stepped more than once per optimizer step "
          "(per micro-batch): the schedule runs grad_accum_steps times too fast",
          fix="call scheduler.step() once, after the optimizer step of each window"),
-    Rule(id="CAD006", level=WARNING, what="LR scheduler stepped before the first optimizer step: the schedule's "
+    Rule(id="CAD006", level=ERROR, what="LR scheduler stepped before the first optimizer step: the schedule's "
          "first value is skipped (torch's own warning)", fix="call scheduler.step() after optimizer.step()"),
-    Rule(id="CAD007", level=WARNING, what="LR scheduler stepped after an fp16 step that the GradScaler skipped "
+    Rule(id="CAD007", level=ERROR, what="LR scheduler stepped after an fp16 step that the GradScaler skipped "
          "(inf/nan gradients): the schedule advances for a step that did not happen",
          fix="compare scaler.get_scale() before and after scaler.update(); step the scheduler only if it did not drop"),
     Rule(id="CAD008", level=ERROR, what="zero_grad inside the accumulation window: gradients of earlier "
@@ -68,7 +71,7 @@ _RULE_LIST = [
     Rule(id="CAD009", level=ERROR, what="optimizer.step with no backward since this optimizer's previous step: "
          "it applies stale or empty gradients (momentum and weight decay still move the weights)",
          fix="step once per window, after its backwards"),
-    Rule(id="CAD010", level=WARNING, what="accumulation windows of different lengths (a short one is only "
+    Rule(id="CAD010", level=ERROR, what="accumulation windows of different lengths (a short one is only "
          "expected at the end of an epoch or run): those steps weigh their micro-batches differently",
          fix="count micro-steps from the window start, e.g. `if (i + 1) % accum == 0 or last:`"),
     Rule(id="CAD011", level=ERROR, what="fp16 autocast without a GradScaler: small gradients underflow to zero "
@@ -84,11 +87,11 @@ _RULE_LIST = [
          "(forward and backward outside no_sync): wasted communication",
          fix="wrap the forward AND backward of every micro-step but the window's last in model.no_sync()"),
     Rule(id="CAD016", level=WARNING, what="DDP no_sync entered after the forward: DDP decides at forward time, "
-         "so this backward still all-reduces", fix="enter model.no_sync() before the forward, not around backward"),
+         "so this backward still all-reduces (the gradient is still right: wasted communication)", fix="enter model.no_sync() before the forward, not around backward"),
     Rule(id="CAD017", level=ERROR, what="DDP sync suppressed on the window's last micro-step: the optimizer "
          "steps on gradients that were never all-reduced (ranks drift apart)",
          fix="run the window's last forward and backward outside no_sync"),
-    Rule(id="CAD018", level=WARNING, what="loss is a mean-reduced cross_entropy while the micro-batches of a "
+    Rule(id="CAD018", level=ERROR, what="loss is a mean-reduced cross_entropy while the micro-batches of a "
          "window hold different target counts (>10% apart; heuristic): targets of short micro-batches weigh more "
          "than in one big batch", fix="sum the loss (reduction='sum') and divide by the window's total target count"),
     Rule(id="CAD019", level=ERROR, what="gradients not cleared after an optimizer step: the next window "
@@ -103,8 +106,11 @@ _IMPLIED_BY = {"CAD006": "CAD005", "CAD004": "CAD003"}
 
 
 @dataclass(frozen=True, kw_only=True)
-class Finding:
-    """One rule broken at one place of the user's code (``count`` times)."""
+class RuleViolation:
+    """One rule broken at one place of the user's code (``count`` times).
+
+    Not ``cadence.verify.check.Finding`` (a property of a model, its data or its loss that makes a configuration's
+    math differ from the big batch): this one is a call the audited loop made, at a file and line."""
 
     rule: str
     level: str
@@ -144,9 +150,9 @@ class ObservedCadence:
 
 @dataclass(kw_only=True)
 class AuditReport:
-    """Findings (sorted by place) and the observed cadence of one audited run."""
+    """The rules broken (``findings``, sorted by place) and the observed cadence of one audited run."""
 
-    findings: list[Finding]
+    findings: list[RuleViolation]
     cadence: ObservedCadence
     crashed: bool = False
     """The audited code raised; trailing unstepped backwards are then expected and not reported."""
@@ -154,6 +160,10 @@ class AuditReport:
     @property
     def has_errors(self) -> bool:
         return any(f.level == ERROR for f in self.findings)
+
+    @property
+    def has_warnings(self) -> bool:
+        return any(f.level == WARNING for f in self.findings)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (``cadence audit --json``)."""
@@ -388,8 +398,8 @@ class Analyzer:
             if implied_by is not None and (implied_by, loc) in self._hits:
                 continue
             rule = RULES[rule_id]
-            findings.append(Finding(rule=rule_id, level=rule.level, what=rule.what, fix=rule.fix,
-                                    file=loc[0] if loc else None, line=loc[1] if loc else None, count=count))
+            findings.append(RuleViolation(rule=rule_id, level=rule.level, what=rule.what, fix=rule.fix,
+                                          file=loc[0] if loc else None, line=loc[1] if loc else None, count=count))
         findings.sort(key=lambda f: (f.file or "", f.line or 0, f.rule))
         return AuditReport(findings=findings, cadence=cadence, crashed=crashed)
 

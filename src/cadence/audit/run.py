@@ -100,9 +100,10 @@ def audit_script(argv: list[str]) -> tuple[int, AuditReport]:
     return status, audit.report()
 
 
-def run_script(argv: list[str], *, as_json: bool = False, out: TextIO | None = None) -> int:
+def run_script(argv: list[str], *, as_json: bool = False, out: TextIO | None = None, strict: bool = False) -> int:
     """``cadence audit -- python train.py [args]``: run the script under the audit, print the report, return the
-    exit status: the script's own when it failed, else 1 when an error-level rule fired, else 0.
+    exit status: the script's own when it failed, else 1 when an error-level rule fired (or, with ``strict``, a
+    warning-level one), else 0.
 
     The report goes to ``out`` (default stderr, so the script's stdout stays its own); ``as_json`` prints
     ``report.as_dict()`` as JSON instead of the human text.
@@ -114,4 +115,4 @@ def run_script(argv: list[str], *, as_json: bool = False, out: TextIO | None = N
     stream.flush()
     if status != 0:
         return status
-    return 1 if report.has_errors else 0
+    return 1 if report.has_errors or (strict and report.has_warnings) else 0

@@ -5,16 +5,18 @@ from cadence.config.schema import (
     FIELD_NAMES,
     MAX_SEED,
     STRATEGIES,
+    DeviceName,
     Strategy,
     TrainConfig,
     field_help,
     flag,
+    hint_types,
     parse_size,
     read_field_docs,
 )
 from cadence.config.validate import distributed_problems, resolve_device, validate
 
 __all__ = [
-    "DEVICE_CHOICES", "FIELD_NAMES", "MAX_SEED", "STRATEGIES", "Strategy", "TrainConfig", "distributed_problems",
-    "field_help", "flag", "parse_size", "read_field_docs", "resolve_device", "validate",
+    "DEVICE_CHOICES", "FIELD_NAMES", "MAX_SEED", "STRATEGIES", "DeviceName", "Strategy", "TrainConfig",
+    "distributed_problems", "field_help", "flag", "hint_types", "parse_size", "read_field_docs", "resolve_device", "validate",
 ]

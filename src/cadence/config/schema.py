@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
+from cadence.engine.precision import PrecisionName
+from cadence.engine.schedules import LRScheduleName
+from cadence.engine.windows import LastWindow
+from cadence.memory.offload import OffloadMode
+from cadence.memory.recompute import CheckpointingMode
+
+DeviceName = Literal["auto", "cpu", "cuda"]
+DEVICE_CHOICES: tuple[DeviceName, ...] = ("auto", "cpu", "cuda")
 Strategy = Literal["ddp", "fsdp"]
 STRATEGIES: tuple[Strategy, ...] = ("ddp", "fsdp")
 MAX_SEED = 2**64 - 1
@@ -26,7 +34,10 @@ def flag(name: str) -> str:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Everything ``cadence train`` needs. Field docstrings are the CLI help."""
+    """Everything ``cadence train`` needs. Field docstrings are the CLI help.
+
+    A choice field is typed with its Literal (``precision: PrecisionName``) for readers and type checkers; its value
+    comes from the command line or a TOML file at run time, so ``validate`` still checks it and names the flag."""
 
     model: str = "gpt-tiny"
     """Built-in model (gpt-tiny ~1M parameters, gpt-small ~10M, gpt-base ~85M); hf:TYPE, a Hugging Face causal LM
@@ -46,7 +57,7 @@ class TrainConfig:
     """Column of a datasets source holding the completion (the loss is on it)."""
     seq_len: int | None = None
     """Tokens per sequence (bytes); default: the model's context length."""
-    micro_batch_size: int | str = 8
+    micro_batch_size: int | Literal["auto"] = 8
     """Sequences per forward/backward pass (what must fit in memory), or auto: start at --effective-batch-size /
     (--grad-accum-steps x processes), halve it (doubling accumulation, same math) whenever a window runs out of
     memory, and try growing back after --auto-grow-after good steps."""
@@ -54,12 +65,12 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step; default 1, or derived from --effective-batch-size."""
     effective_batch_size: int | None = None
     """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps."""
-    precision: str = "fp32"
+    precision: PrecisionName = "fp32"
     """Compute precision: fp32, bf16 (autocast, no loss scaling) or fp16 (autocast with a GradScaler)."""
-    activation_checkpointing: str = "none"
+    activation_checkpointing: CheckpointingMode = "none"
     """Recompute activations in backward: none, full (each block keeps only its input) or selective (keep matmul and
     attention outputs, recompute norms, GELU and adds)."""
-    offload: str = "none"
+    offload: OffloadMode = "none"
     """none, activations (saved tensors in host memory) or optimizer (optimizer state and update on the CPU). On a
     CPU-only machine both run but save nothing: host and device memory are the same."""
     memory_budget: str | None = None
@@ -77,7 +88,7 @@ class TrainConfig:
     """AdamW beta1."""
     adam_beta2: float = 0.95
     """AdamW beta2."""
-    lr_schedule: str = "cosine"
+    lr_schedule: LRScheduleName = "cosine"
     """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
     warmup_steps: int = 0
     """Optimizer steps of linear LR warmup."""
@@ -87,7 +98,7 @@ class TrainConfig:
     """Optimizer steps to train (skipped fp16 steps do not count)."""
     seed: int = 0
     """Seed for weights and data order."""
-    last_window: str = "step"
+    last_window: LastWindow = "step"
     """The short last window of an epoch: step (normalised by its own target count) or drop."""
     val_fraction: float = 0.05
     """Fraction of the data held out for validation (the last examples); 0 = no validation split."""
@@ -95,7 +106,7 @@ class TrainConfig:
     """Evaluate the validation loss every N optimizer steps and at the end; 0 = never."""
     eval_batches: int = 20
     """Validation micro-batches per evaluation (always the same ones, so evaluations compare)."""
-    device: str = "auto"
+    device: DeviceName = "auto"
     """auto (CUDA when available, else CPU), cpu or cuda."""
     out: Path | None = None
     """Run directory to create; default runs/<date>-<time>. An existing non-empty directory is refused."""
@@ -117,7 +128,7 @@ class TrainConfig:
     save_hf: Path | None = None
     """Also save the final model with save_pretrained into this directory (Hugging Face models), so that it loads in
     transformers unchanged."""
-    strategy: str = "ddp"
+    strategy: Strategy = "ddp"
     """With several processes (--nproc-per-node or torchrun): ddp (each rank holds the whole model; gradients are
     all-reduced once per window) or fsdp (FSDP2 fully_shard: parameters, gradients and optimizer state sharded over
     the ranks, gathered block by block)."""
@@ -163,6 +174,17 @@ class TrainConfig:
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def hint_types(hint: Any) -> set[Any]:
+    """The run-time types a field's type hint admits, for parsing a flag or a TOML value: ``int | None`` ->
+    {int, NoneType}; a Literal's choices count as their type (``PrecisionName`` -> {str}), because parsing takes any
+    string and ``validate`` then says which choices there are."""
+    members = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    found: set[Any] = set()
+    for member in members:
+        found |= {type(choice) for choice in get_args(member)} if get_origin(member) is Literal else {member}
+    return found
 
 
 def field_help(name: str, cls: type | None = None) -> str:

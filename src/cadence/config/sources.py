@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from cadence.config.schema import TrainConfig
+from cadence.config.schema import TrainConfig, hint_types
 from cadence.config.validate import validate
 from cadence.errors import Problem, UsageError
 from cadence.input_files import read_regular_file
@@ -58,7 +58,7 @@ _INVALID = object()
 
 
 def _type_name(hint: Any) -> str:
-    args = set(getattr(hint, "__args__", ())) or {hint}
+    args = hint_types(hint)
     for kind, name in ((bool, "true or false"), (Path, "path string"), (int, "integer"), (float, "number"),
                        (str, "string")):
         if kind in args:
@@ -68,7 +68,7 @@ def _type_name(hint: Any) -> str:
 
 def _convert(value: Any, hint: Any) -> Any:
     """A TOML value as the field's type, or _INVALID. Integers are accepted for float fields, not the reverse."""
-    args = set(getattr(hint, "__args__", ())) or {hint}
+    args = hint_types(hint)
     if any(getattr(arg, "__origin__", None) is list for arg in args):
         return value if isinstance(value, list) and all(isinstance(item, str) for item in value) else _INVALID
     if bool in args:

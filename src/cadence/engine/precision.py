@@ -114,7 +114,7 @@ class Precision:
             self._scaler.load_state_dict(state["scaler"])
 
 
-def precision_problem(name: str, device: torch.device) -> str | None:
+def precision_problem(name: PrecisionName, device: torch.device) -> str | None:
     """Why ``name`` cannot run on ``device`` (None if it can), found by actually running a tiny autocast step.
 
     A probe beats a table of capabilities: CPU builds, older GPUs (no bf16 before Ampere) and other backends differ,
@@ -126,7 +126,7 @@ def precision_problem(name: str, device: torch.device) -> str | None:
         return f"this GPU ({torch.cuda.get_device_name(device)}) has no bf16 support; use fp16 or fp32"
     try:
         layer = torch.nn.Linear(8, 8).to(device)
-        probe = Precision(name, device)  # type: ignore[arg-type]
+        probe = Precision(name, device)
         with probe.autocast():
             out = layer(torch.randn(2, 8, device=device))
         if out.dtype != _AUTOCAST_DTYPE[name]:

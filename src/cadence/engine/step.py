@@ -17,6 +17,8 @@ Rules it keeps (each has a test that fails when the rule is broken):
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import time
 import warnings
@@ -44,7 +46,7 @@ def token_cross_entropy_sum(model: torch.nn.Module, batch: Batch) -> torch.Tenso
     ``attention_mask`` it is passed to the model, with ``position_ids`` counted from each row's first real token
     (as ``transformers`` does when generating), so that left padding gives every example the positions it has
     alone; ``position_ids`` in the batch are passed as they are."""
-    logits = model(batch["input_ids"], **_attention_inputs(batch))
+    logits = model(batch["input_ids"], **_attention_inputs(model, batch))
     if not isinstance(logits, torch.Tensor):  # Hugging Face style outputs
         logits = logits.logits
     # The loss is computed in fp32 even under autocast: a sum over thousands of targets in bf16 loses digits.
@@ -53,17 +55,46 @@ def token_cross_entropy_sum(model: torch.nn.Module, batch: Batch) -> torch.Tenso
     )
 
 
-def _attention_inputs(batch: Batch) -> dict[str, torch.Tensor]:
-    """The keyword inputs a padded batch needs beyond ``input_ids``: none for cadence's right-padded batches."""
-    mask = batch.get("attention_mask")
+def _attention_inputs(model: torch.nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+    """The keyword inputs a padded batch needs beyond ``input_ids``, for a model whose forward takes them: none for
+    cadence's right-padded batches, nor for a model that only takes ``input_ids`` (the built-in GPT, which a right-
+    padded causal batch needs no mask for)."""
+    if "attention_mask" not in batch and "position_ids" not in batch:
+        return {}
+    accepted = _keyword_inputs(type(_innermost(model)))
+    mask = batch.get("attention_mask") if "attention_mask" in accepted else None
     if mask is None:
-        return {key: batch[key] for key in ("position_ids",) if key in batch}
+        return {key: batch[key] for key in ("position_ids",) if key in batch and key in accepted}
     positions = batch.get("position_ids")
     if positions is None:
         # Left padding: without this, an absolute-position model (gpt2) would see a padded row's tokens at the
         # positions after its pads, not at 0, 1, 2... (padded positions get 1: they are masked out anyway).
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     return {"attention_mask": mask, "position_ids": positions}
+
+
+def _innermost(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside DDP (``.module``) or torch.compile (``._orig_mod``) wrappers, whose forward
+    passes every keyword on."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+@functools.lru_cache(maxsize=64)
+def _keyword_inputs(module_type: type) -> frozenset[str]:
+    """The keyword inputs a module class's forward takes (``attention_mask``, ``position_ids`` when it takes
+    ``**kwargs``). Cached per class: the signature does not change, and this runs for every micro-batch."""
+    wanted = ("attention_mask", "position_ids")
+    try:
+        parameters = inspect.signature(module_type.forward).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset(wanted)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return frozenset(wanted)
+    return frozenset(p.name for p in parameters if p.name in wanted)
 
 
 def looks_like_hf_labels(batch: Batch) -> bool:
@@ -247,7 +278,8 @@ class Engine:
                 "the labels equal input_ids at every target: a Hugging Face style batch (the model shifts labels "
                 "itself). cadence's loss reads labels[t] as the token after input_ids[t]; build the windows with "
                 "iter_windows(..., hf_labels=True) or make_window(..., hf_labels=True), or give "
-                "Engine(..., hf_labels=True) plain lists of micro-batches")
+                "Engine(..., hf_labels=True) plain lists of micro-batches (if the model really is meant to predict "
+                "its current token, pass your own loss_fn)")
 
     def _window_counts(self, window: Window) -> _WindowCounts:
         """The window's targets, tokens and samples, summed over all processes (one small all-reduce)."""

@@ -23,11 +23,13 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from cadence.formatting import format_mib
+from cadence.memory.offload import OffloadMode
+from cadence.memory.recompute import CheckpointingMode
 from cadence.models.gpt import GPTConfig
 
 PrecisionName = Literal["fp32", "bf16", "fp16"]
-CheckpointingMode = Literal["none", "full", "selective"]
-OffloadMode = Literal["none", "activations", "optimizer"]
+"""cadence.engine.precision.PrecisionName, repeated here: the engine is a layer above memory."""
 
 ESTIMATE_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
 """Device categories of :attr:`MemoryEstimate.by_category`, in report order."""
@@ -66,8 +68,8 @@ class MemoryEstimate:
     def summary(self) -> str:
         """One line: the peak, where it happens, and its largest parts."""
         parts = sorted(((k, v) for k, v in self.by_category.items() if k in ESTIMATE_CATEGORIES), key=lambda kv: -kv[1])
-        shown = ", ".join(f"{name} {value / 2**20:.1f} MiB" for name, value in parts if value > 0)
-        return f"peak {self.peak_bytes / 2**20:.1f} MiB in the {self.peak_phase} ({shown})"
+        shown = ", ".join(f"{name} {format_mib(value)}" for name, value in parts if value > 0)
+        return f"peak {format_mib(self.peak_bytes)} in the {self.peak_phase} ({shown})"
 
 
 def estimate_step_memory(

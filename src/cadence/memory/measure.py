@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from cadence.formatting import format_mib
 from cadence.memory.meter import peak_of_allocation_events, quiet_native_stderr
 
 CATEGORIES: tuple[str, ...] = (
@@ -56,8 +57,9 @@ class MeasuredMemory:
     def summary(self) -> str:
         """One line: the peak and its largest parts."""
         parts = sorted(self.by_category_at_peak.items(), key=lambda kv: -kv[1])
-        shown = ", ".join(f"{name} {_mib(value)}" for name, value in parts if value > 0)
-        return f"peak {_mib(self.peak_bytes)} ({shown}); activations peak {_mib(self.activation_peak_bytes)}"
+        shown = ", ".join(f"{name} {format_mib(value)}" for name, value in parts if value > 0)
+        return (f"peak {format_mib(self.peak_bytes)} ({shown}); "
+                f"activations peak {format_mib(self.activation_peak_bytes)}")
 
 
 def measure_step(
@@ -96,7 +98,7 @@ def measure_step(
     if device.type == "cuda":
         # The caching allocator's own high-water mark is the ground truth for the total on a GPU.
         allocator_peak = int(torch.cuda.max_memory_allocated(device))
-        measured.notes.append(f"torch.cuda.max_memory_allocated: {_mib(allocator_peak)}")
+        measured.notes.append(f"torch.cuda.max_memory_allocated: {format_mib(allocator_peak)}")
     return measured
 
 
@@ -295,7 +297,3 @@ def _fallback(
         baseline_bytes=baseline,
         notes=[f"no category breakdown: the profiler memory timeline failed ({reason})"],
     )
-
-
-def _mib(value: int) -> str:
-    return f"{value / 2**20:.1f} MiB"

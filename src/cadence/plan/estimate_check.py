@@ -12,10 +12,11 @@ from typing import Any
 import torch
 
 from cadence.config import TrainConfig
+from cadence.engine.precision import PrecisionName
 from cadence.engine.step import Engine
 from cadence.memory.estimate import estimate_step_memory
 from cadence.memory.measure import MeasuredMemory, measure_step
-from cadence.memory.recompute import apply_activation_checkpointing
+from cadence.memory.recompute import CheckpointingMode, apply_activation_checkpointing
 from cadence.models import MODEL_CONFIGS, build_model
 from cadence.training.components import build_optimizer
 
@@ -37,14 +38,15 @@ def estimate_against_measurement(model_name: str, micro_batch_size: int, seq_len
     optimizer = build_optimizer(model, TrainConfig())
     window = random_window(seed=1)
     Engine(model, optimizer, precision="fp32", max_grad_norm=1.0).step(random_window(seed=0))
-    rows = []
-    for checkpointing in ("none", "full"):
-        apply_activation_checkpointing(model, checkpointing)  # type: ignore[arg-type]
-        for precision in ("fp32", "bf16"):
-            engine = Engine(model, optimizer, precision=precision, max_grad_norm=1.0)  # type: ignore[arg-type]
+    rows: list[tuple[str, str, Any, MeasuredMemory]] = []
+    checkpointings: tuple[CheckpointingMode, ...] = ("none", "full")
+    precisions: tuple[PrecisionName, ...] = ("fp32", "bf16")
+    for checkpointing in checkpointings:
+        apply_activation_checkpointing(model, checkpointing)
+        for precision in precisions:
+            engine = Engine(model, optimizer, precision=precision, max_grad_norm=1.0)
             measured = measure_step(model, optimizer, lambda engine=engine: engine.step(window), "cpu")
             predicted = estimate_step_memory(MODEL_CONFIGS[model_name], micro_batch_size=micro_batch_size,
-                                             seq_len=seq_len, precision=precision,  # type: ignore[arg-type]
-                                             checkpointing=checkpointing)  # type: ignore[arg-type]
+                                             seq_len=seq_len, precision=precision, checkpointing=checkpointing)
             rows.append((precision, checkpointing, predicted, measured))
     return rows

@@ -32,18 +32,18 @@ from cadence.data.text import PackedSequences
 from cadence.engine.precision import PRECISIONS, precision_problem
 from cadence.engine.windows import iter_windows
 from cadence.errors import CadenceFailure, Problem, UsageError
+from cadence.formatting import format_bytes
 from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.recompute import CHECKPOINTING_MODES
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
-from cadence.plan.trials import TrialResult, TrialSetup, run_trial
+from cadence.plan.trials import DECISION_FIELDS, TrialResult, TrialSetup, run_trial
 from cadence.profiling.flops import matmul_speed
 from cadence.report.document import write_report
 from cadence.training.prepare import load_run_data
-from cadence.training.progress import format_bytes
 from cadence.training.run_dir import atomic_write_json
-from cadence.verify.equivalence import Setup, compare_gradients, compare_losses
+from cadence.verify.equivalence import compare_gradients, compare_losses
 
 PLAN_FILE = "plan.json"
 ESTIMATE_MARGIN = 1.15
@@ -255,11 +255,11 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         smallest = min((c for c in measured if c.measured and c.measured.peak_bytes), default=None,
                        key=lambda c: c.measured.peak_bytes)  # type: ignore[union-attr]
         detail = (f"; the smallest measured peak was {format_bytes(smallest.measured.peak_bytes)} "  # type: ignore
-                  f"({_describe(smallest.setup)})") if smallest else ""
+                  f"({smallest.setup.describe()})") if smallest else ""
         raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}. Try a larger --memory-budget, "
                          f"a smaller --seq-len or a smaller model.")
     chosen = max(feasible, key=lambda c: c.measured.tokens_per_s)  # type: ignore[union-attr]
-    say(f"choice: {chosen.id} {_describe(chosen.setup)} at {chosen.measured.tokens_per_s:,.0f} tokens/s, "  # type: ignore
+    say(f"choice: {chosen.id} {chosen.setup.describe()} at {chosen.measured.tokens_per_s:,.0f} tokens/s, "  # type: ignore
         f"peak {format_bytes(chosen.measured.peak_bytes)}")  # type: ignore[union-attr]
     quality = _quality_check(config, chosen, data, device, seq_len, budget, options, model)
     say(f"quality: gradient relative error {quality['gradient']['relative_error']:.2e} "
@@ -283,7 +283,7 @@ def _measure(candidate: Candidate, config: TrainConfig, data: DataSplits, device
     candidate.measured = result
     candidate.status = "measured" if result.error is None else f"measured: {result.error}"
     rate = f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s else "-"
-    say(f"  {label} {candidate.id} {_describe(candidate.setup)}: peak {format_bytes(result.peak_bytes)} "
+    say(f"  {label} {candidate.id} {candidate.setup.describe()}: peak {format_bytes(result.peak_bytes)} "
         f"(estimate {format_bytes(candidate.estimate.peak_bytes)}), {rate}, {'fits' if result.fits else 'DOES NOT FIT'}")
 
 
@@ -302,9 +302,7 @@ def _quality_check(config: TrainConfig, chosen: Candidate, data: DataSplits, dev
     def model_factory() -> torch.nn.Module:
         return model.build().to(device)
 
-    gradient = compare_gradients(model_factory, window, Setup(
-        micro_batch_size=setup.micro_batch_size, precision=setup.precision,
-        activation_checkpointing=setup.activation_checkpointing, offload=setup.offload))
+    gradient = compare_gradients(model_factory, window, setup)
     steps = max(3, options.quality_steps)
     chosen_run = run_trial(config, setup, device=device, seq_len=seq_len, data=data, steps=steps, budget_bytes=budget)
     reference_setup = dataclasses.replace(setup, precision="fp32")
@@ -312,12 +310,7 @@ def _quality_check(config: TrainConfig, chosen: Candidate, data: DataSplits, dev
                               budget_bytes=budget)
     loss = compare_losses(chosen_run.losses, reference_run.losses, setup.precision)
     return {"gradient": gradient.as_dict(), "loss": {**loss.as_dict(), "reference": reference_run.losses,
-                                                     "reference_setup": _describe(reference_setup)}}
-
-
-def _describe(setup: TrialSetup) -> str:
-    return (f"micro {setup.micro_batch_size} x accum {setup.grad_accum_steps}, {setup.precision}, "
-            f"recompute {setup.activation_checkpointing}, offload {setup.offload}")
+                                                     "reference_setup": reference_setup.describe()}}
 
 
 def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, seq_len: int, budget: int,
@@ -383,7 +376,6 @@ def _write_report(out: Path, say: Callable[[str], None]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- train --plan
-DECISION_FIELDS = ("micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing", "offload")
 
 
 def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:

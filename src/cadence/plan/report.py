@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cadence.formatting import format_bytes, format_hms, format_number
 from cadence.report import render as plots
-from cadence.report.document import fmt_bytes, fmt_hms, fmt_num, plot_block, read_json_object, times
+from cadence.report.document import plot_block, read_json_object, times
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Report, Table
 
 PLAN_FILE = "plan.json"
@@ -34,7 +35,7 @@ def plan_report(root: Path) -> Report:
     blocks += [Heading(text="Quality check"), *_quality(plan.get("quality"))]
     notes = [str(note) for note in plan.get("notes") or []]
     blocks += [Heading(text="Notes"), Bullets(items=notes) if notes else Paragraph(text="None.")]
-    title = f"Plan report: {plan.get('model', '?')}" + (f" within {fmt_bytes(budget)}" if budget else "")
+    title = f"Plan report: {plan.get('model', '?')}" + (f" within {format_bytes(budget)}" if budget else "")
     return Report(title=title, blocks=blocks)
 
 
@@ -52,10 +53,10 @@ def _plan_setup(plan: dict[str, Any]) -> list[str]:
         f"**Device:** {get('device', '?')}, {get('world_size', 1)} process(es); **sequence length:** "
         f"{get('seq_len', '?')} tokens",
         f"**Effective batch:** {get('effective_batch_size', '?')} sequences; **memory budget:** "
-        f"{fmt_bytes(get('memory_budget_bytes'))} per process",
+        f"{format_bytes(get('memory_budget_bytes'))} per process",
         f"**Data:** {get('data') or 'built-in corpus'}"
         + (f" ({get('tokens_per_epoch'):,} tokens per epoch)" if isinstance(get("tokens_per_epoch"), int) else ""),
-        f"**Planned:** {get('created', '?')}, in {fmt_hms(get('duration_s'))}",
+        f"**Planned:** {get('created', '?')}, in {format_hms(get('duration_s'))}",
     ]
     if get("version") not in (None, 1):
         items.append(f"**Note:** plan.json version {get('version')}; this report reads version 1 and may miss fields")
@@ -70,13 +71,13 @@ def _diagnosis(diagnosis: dict[str, Any], chosen: dict[str, Any] | None, budget:
     if plots.finite(peak) and budget:
         verdict += f", {peak / budget:.1f}x the budget" + (" (fits)" if peak <= budget else " (does not fit)")
     blocks: list[Block] = [Heading(text="Diagnosis"), Paragraph(
-        text=f"**Baseline:** {_config_text(baseline)}: estimated peak **{fmt_bytes(peak)}**{verdict}; dominant: "
+        text=f"**Baseline:** {_config_text(baseline)}: estimated peak **{format_bytes(peak)}**{verdict}; dominant: "
              f"**{diagnosis.get('dominant', '?')}**.")]
     on_device = {k: v for k, v in categories.items() if k not in plots.HOST_CATEGORIES and plots.finite(v)}
     total = sum(on_device.values()) or 1
     if categories:
         blocks.append(Table(header=["category", "estimated", "share of the peak"], rows=[
-            [name.replace("_", " "), fmt_bytes(value),
+            [name.replace("_", " "), format_bytes(value),
              f"{100 * value / total:.0f}%" if name in on_device else "host memory, not in the peak"]
             for name, value in categories.items()]))
     if diagnosis.get("explanation"):
@@ -106,10 +107,11 @@ def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None) ->
             name, marked = f"**{name} (chosen)**", index
         rows.append([name, f"{cand.get('micro_batch_size', '?')} x {cand.get('grad_accum_steps', '?')}",
                      str(cand.get("precision", "?")), str(cand.get("activation_checkpointing", "none")),
-                     str(cand.get("offload", "none")), fmt_bytes(cand.get("estimated_peak_bytes")),
-                     fmt_bytes(measured.get("peak_bytes")), fits, fmt_num(measured.get("tokens_per_s"), ",.0f"),
-                     fmt_hms(measured.get("seconds_per_epoch")),
-                     fmt_hms(times(measured.get("hours_per_billion_tokens"), 3600)),
+                     str(cand.get("offload", "none")), format_bytes(cand.get("estimated_peak_bytes")),
+                     format_bytes(measured.get("peak_bytes")), fits,
+                     format_number(measured.get("tokens_per_s"), ",.0f"),
+                     format_hms(measured.get("seconds_per_epoch")),
+                     format_hms(times(measured.get("hours_per_billion_tokens"), 3600)),
                      str(cand.get("status", "?")) + (f": {measured['error']}" if measured.get("error") else "")])
     header = ["candidate", "micro x accum", "precision", "recompute", "offload", "estimated peak", "measured peak",
               "fits", "tokens/s", "time per epoch", "time per 1B tokens", "status"]
@@ -139,14 +141,16 @@ def _quality(quality: Any) -> list[Block]:
     if isinstance(grad, dict):
         blocks.append(Paragraph(
             text=f"**Gradient: {_passed(grad.get('passed'))}**: relative error "
-                 f"{fmt_num(grad.get('relative_error'), '.2e')} (tolerance {fmt_num(grad.get('tolerance'), '.0e')}), "
-                 f"cosine {fmt_num(grad.get('cosine'), '.7f')}, against the reference ({grad.get('reference', '?')})."))
+                 f"{format_number(grad.get('relative_error'), '.2e')} "
+                 f"(tolerance {format_number(grad.get('tolerance'), '.0e')}), "
+                 f"cosine {format_number(grad.get('cosine'), '.7f')}, "
+                 f"against the reference ({grad.get('reference', '?')})."))
     loss = quality.get("loss")
     if isinstance(loss, dict):
         blocks.append(Paragraph(
             text=f"**Loss over {loss.get('steps', '?')} steps: {_passed(loss.get('passed'))}**: largest relative "
-                 f"difference {fmt_num(times(loss.get('max_relative_difference'), 100), '.2f')}% (tolerance "
-                 f"{fmt_num(times(loss.get('tolerance'), 100), '.2f')}%)"
+                 f"difference {format_number(times(loss.get('max_relative_difference'), 100), '.2f')}% (tolerance "
+                 f"{format_number(times(loss.get('tolerance'), 100), '.2f')}%)"
                  + (f", against {loss['reference_setup']}." if loss.get("reference_setup") else ".")))
         if loss.get("chosen") and loss.get("reference"):
             blocks.append(plot_block("report-quality.png", "Loss of the chosen configuration and of the reference over "

@@ -22,23 +22,29 @@ from cadence.engine.windows import iter_windows
 from cadence.plan.models import fresh_hf
 from cadence.training.components import build_components
 from cadence.training.prepare import Prepared
+from cadence.verify.equivalence import Setup
 
 MIN_TRIAL_STEPS = 3
 """Warm-up, memory and at least one timed step."""
 
 
-@dataclass(kw_only=True, frozen=True)
-class TrialSetup:
-    """The decision variables of a plan."""
+DECISION_FIELDS = ("micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing", "offload")
+"""What a plan decides, in plan.json's order: a verify Setup and the accumulation that makes the effective batch."""
 
-    micro_batch_size: int
+
+@dataclass(kw_only=True, frozen=True)
+class TrialSetup(Setup):
+    """The decision variables of a plan: how a window is cut and computed (the verify Setup, so that the quality
+    check compares exactly this) plus how many micro-batches make the effective batch."""
+
     grad_accum_steps: int
-    precision: str
-    activation_checkpointing: str
-    offload: str
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {name: getattr(self, name) for name in DECISION_FIELDS}
+
+    def describe(self) -> str:
+        return (f"micro {self.micro_batch_size} x accum {self.grad_accum_steps}, {self.precision}, "
+                f"recompute {self.activation_checkpointing}, offload {self.offload}")
 
 
 @dataclass(kw_only=True)

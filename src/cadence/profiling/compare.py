@@ -19,11 +19,9 @@ from typing import Any, Literal, Sequence
 from matplotlib.figure import Figure
 
 from cadence.errors import UsageError
+from cadence.formatting import format_bytes, format_number, format_seconds, format_share, format_si
 from cadence.profiling.report import (
     draw_phase_bars,
-    fmt_seconds,
-    fmt_share,
-    fmt_si,
     mean_sd,
     mfu,
     phase_mean,
@@ -33,7 +31,6 @@ from cadence.profiling.report import (
     step_times,
 )
 from cadence.report import render as plots
-from cadence.report.document import fmt_bytes, fmt_num
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Plot, Report, Table, to_html, to_markdown
 from cadence.training.run_dir import atomic_write_bytes
 
@@ -62,8 +59,8 @@ class StepStats:
     sd_s: float | None
 
     def text(self) -> str:
-        sd = f" ± {fmt_seconds(self.sd_s)}" if self.sd_s is not None else ""
-        return f"{fmt_seconds(self.mean_s)}{sd} over {self.n} step{'s' if self.n != 1 else ''}"
+        sd = f" ± {format_seconds(self.sd_s)}" if self.sd_s is not None else ""
+        return f"{format_seconds(self.mean_s)}{sd} over {self.n} step{'s' if self.n != 1 else ''}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,8 +221,8 @@ def speed_statement(speed: SpeedVerdict) -> str:
         return f"**No difference beyond the noise** in step time ({noise}; {t}, needs |t| > {T_THRESHOLD:g})."
     assert speed.a.mean_s is not None and speed.b.mean_s is not None  # a t exists, so both means do
     change = speed.b.mean_s / speed.a.mean_s - 1 if speed.a.mean_s else math.nan
-    return (f"**B is {speed.kind} than A:** {fmt_seconds(speed.b.mean_s)} per step against A's "
-            f"{fmt_seconds(speed.a.mean_s)} ({100 * change:+.1f}%; {t}, beyond |t| > {T_THRESHOLD:g}; {noise}).")
+    return (f"**B is {speed.kind} than A:** {format_seconds(speed.b.mean_s)} per step against A's "
+            f"{format_seconds(speed.a.mean_s)} ({100 * change:+.1f}%; {t}, beyond |t| > {T_THRESHOLD:g}; {noise}).")
 
 
 def memory_statement(memory: MemoryVerdict) -> str:
@@ -234,7 +231,7 @@ def memory_statement(memory: MemoryVerdict) -> str:
         missing = " and ".join(n for n, v in (("A", memory.a_bytes), ("B", memory.b_bytes)) if v is None)
         return ("**Peak memory cannot be compared:** " + (f"{missing} recorded no peak memory." if missing
                                                             else "A's peak memory is 0 bytes."))
-    peaks = (f"{fmt_bytes(memory.b_bytes)} against A's {fmt_bytes(memory.a_bytes)} "
+    peaks = (f"{format_bytes(memory.b_bytes)} against A's {format_bytes(memory.a_bytes)} "
              f"({100 * (memory.relative or 0):+.1f}%")
     if memory.kind == "same":
         text = f"**Same peak memory** within {100 * MEMORY_THRESHOLD:g}%: B's {peaks})."
@@ -282,8 +279,8 @@ def comparison_report(comparison: Comparison, *, plot_name: str | None = None) -
                _totals_table(c, a_name, b_name)]
     peaks = [p.get("peak_flops") for p in (c.a, c.b)]
     if peaks[0] != peaks[1]:
-        blocks.append(Paragraph(text=f"MFU is against each profile's own peak ({fmt_si(peaks[0], 'FLOP/s')} for A, "
-                                     f"{fmt_si(peaks[1], 'FLOP/s')} for B), so its ratio is not the speed ratio."))
+        blocks.append(Paragraph(text=f"MFU is against each profile's own peak ({format_si(peaks[0], 'FLOP/s')} for A, "
+                                     f"{format_si(peaks[1], 'FLOP/s')} for B), so its ratio is not the speed ratio."))
     if plot_name:
         figure = comparison_figure(c, a_name, b_name)
         blocks.append(Plot(name=plot_name, title="Mean step time by phase", png=plots.png_bytes(figure),
@@ -297,7 +294,7 @@ def comparison_report(comparison: Comparison, *, plot_name: str | None = None) -
 def _phase_table(c: Comparison, a_name: str, b_name: str) -> Table:
     rows = []
     for phase in c.phases:
-        cells = [fmt_seconds(m) if m is not None else "not recorded" for m in (phase.mean_a_s, phase.mean_b_s)]
+        cells = [format_seconds(m) if m is not None else "not recorded" for m in (phase.mean_a_s, phase.mean_b_s)]
         rows.append([phase.name, *cells, _ratio(phase.mean_a_s, phase.mean_b_s)])
     return Table(header=["phase", f"A mean ({a_name})", f"B mean ({b_name})", "B/A"], rows=rows)
 
@@ -309,11 +306,11 @@ def _totals_table(c: Comparison, a_name: str, b_name: str) -> Table:
 
     mfus = mfu(c.a), mfu(c.b)
     rows = [["step time (mean ± sd)", c.speed.a.text(), c.speed.b.text(), _ratio(c.speed.a.mean_s, c.speed.b.mean_s)],
-            row("tokens per step", "tokens_per_step", lambda v: fmt_num(v, ",.0f")),
-            row("tokens/s", "tokens_per_s", lambda v: fmt_num(v, ",.0f")),
-            row("peak memory", "peak_memory_bytes", fmt_bytes),
-            ["MFU", fmt_share(mfus[0]), fmt_share(mfus[1]), _ratio(*mfus)],
-            row("peak FLOP/s (MFU denominator)", "peak_flops", lambda v: fmt_si(v, "FLOP/s"))]
+            row("tokens per step", "tokens_per_step", lambda v: format_number(v, ",.0f")),
+            row("tokens/s", "tokens_per_s", lambda v: format_number(v, ",.0f")),
+            row("peak memory", "peak_memory_bytes", format_bytes),
+            ["MFU", format_share(mfus[0]), format_share(mfus[1]), _ratio(*mfus)],
+            row("peak FLOP/s (MFU denominator)", "peak_flops", lambda v: format_si(v, "FLOP/s"))]
     return Table(header=["", f"A ({a_name})", f"B ({b_name})", "B/A"], rows=rows)
 
 

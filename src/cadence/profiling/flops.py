@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from cadence.engine.precision import Precision
+from cadence.engine.precision import Precision, PrecisionName
 from cadence.models import GPTConfig
 
 
@@ -25,13 +25,13 @@ def model_flops_per_token(config: GPTConfig, seq_len: int) -> float:
     return 6.0 * weights + attention
 
 
-def matmul_speed(precision: str, device: torch.device, size: int = 384, repeats: int = 8) -> float:
+def matmul_speed(precision: PrecisionName, device: torch.device, size: int = 384, repeats: int = 8) -> float:
     """Multiply-adds per second of a square matmul under ``precision``'s autocast: best of three timed rounds."""
 
     generator = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(device)
     b = torch.randn(size, size, generator=generator).to(device)
-    autocast = Precision(precision, device).autocast  # type: ignore[arg-type]
+    autocast = Precision(precision, device).autocast
     with autocast():
         a @ b  # warm-up: kernel selection, autocast's weight cast
     best = float("inf")
@@ -48,7 +48,7 @@ def matmul_speed(precision: str, device: torch.device, size: int = 384, repeats:
     return repeats * size**3 / best
 
 
-def measured_peak_flops(precision: str, device: torch.device) -> tuple[float, str]:
+def measured_peak_flops(precision: PrecisionName, device: torch.device) -> tuple[float, str]:
     """Peak FLOP/s of this device in ``precision``: a short large-matmul benchmark (2 FLOPs per multiply-add)."""
     size = 4096 if device.type == "cuda" else 1024
     repeats = 20 if device.type == "cuda" else 4

@@ -17,8 +17,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from cadence.errors import UsageError
+from cadence.formatting import format_bytes, format_number, format_seconds, format_share, format_si
 from cadence.report import render as plots
-from cadence.report.document import fmt_bytes, fmt_num, read_json_object
+from cadence.report.document import read_json_object
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Plot, Report, Table
 
 PHASE_PLOT = "report-phases.png"
@@ -124,27 +125,6 @@ def effective_batch(profile: dict[str, Any]) -> str:
     return f"{total if total is not None else '?'} = {micro} micro-batch x {accum} accumulation x {world} process(es)"
 
 
-def fmt_seconds(value: Any) -> str:
-    """A duration in ms below 10 s (phases are ms-sized), in s above; "-" when unknown."""
-    if not plots.finite(value):
-        return "-"
-    return f"{value * 1000:,.1f} ms" if abs(value) < 10 else f"{value:,.2f} s"
-
-
-def fmt_share(value: Any) -> str:
-    return f"{100 * value:.1f}%" if plots.finite(value) else "-"
-
-
-def fmt_si(value: Any, unit: str) -> str:
-    """``value`` with an SI prefix (8.31 MFLOP, 1.12 TFLOP/s): FLOP counts span fifteen orders of magnitude."""
-    if not plots.finite(value):
-        return "-"
-    for power, prefix in ((15, "P"), (12, "T"), (9, "G"), (6, "M"), (3, "k")):
-        if abs(value) >= 10**power:
-            return f"{value / 10**power:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
-
-
 def setup_items(profile: dict[str, Any]) -> list[str]:
     """Model, device, precision, batch and schedule: what the numbers of a profile are numbers of."""
     config = _dict(profile.get("config"))
@@ -158,7 +138,7 @@ def setup_items(profile: dict[str, Any]) -> list[str]:
         f"**precision:** {get('precision', '?')}; recompute {get('activation_checkpointing', 'none')}; "
         f"offload {get('offload', 'none')}",
         f"**Effective batch:** {effective_batch(profile)}"
-        + (f" = {fmt_num(tokens, ',.0f')} tokens per optimizer step" if plots.finite(tokens) else ""),
+        + (f" = {format_number(tokens, ',.0f')} tokens per optimizer step" if plots.finite(tokens) else ""),
         f"**Sequence length:** {get('seq_len', '?')} tokens",
         f"**Profiled:** {schedule.get('active', len(step_times(profile)))} active optimizer steps after "
         f"{schedule.get('wait', '?')} wait and {schedule.get('warmup', '?')} warm-up; {profile.get('created', '?')}",
@@ -250,9 +230,9 @@ def _verdict(verdict: dict[str, Any]) -> list[Block]:
 def _step_time(profile: dict[str, Any]) -> list[Block]:
     times = step_times(profile)
     mean, sd = mean_sd(times)
-    text = (f"**{fmt_seconds(mean)}** per optimizer step" + (f" ± {fmt_seconds(sd)}" if sd is not None else "")
-            + f" over {len(times)} active steps" + (f" (fastest {fmt_seconds(min(times))}, slowest "
-                                                    f"{fmt_seconds(max(times))})" if times else "")
+    text = (f"**{format_seconds(mean)}** per optimizer step" + (f" ± {format_seconds(sd)}" if sd is not None else "")
+            + f" over {len(times)} active steps" + (f" (fastest {format_seconds(min(times))}, slowest "
+                                                    f"{format_seconds(max(times))})" if times else "")
             + "; wall time, data wait included.")
     return [Heading(text="Step time"), Paragraph(text=text)]
 
@@ -262,15 +242,15 @@ def _phases(profile: dict[str, Any]) -> list[Block]:
     if not names:
         return [Heading(text="Phases"), Paragraph(text=f"{PROFILE_FILE} records no phases.")]
     peaks = _dict(profile.get("phase_peak_memory_bytes"))
-    rows = [[name, fmt_seconds(phase_mean(profile, name)), fmt_share(phase_share(profile, name)),
-             fmt_bytes(peaks.get(name))] for name in names]
+    rows = [[name, format_seconds(phase_mean(profile, name)), format_share(phase_share(profile, name)),
+             format_bytes(peaks.get(name))] for name in names]
     total = shares_sum(profile)
-    rows.append(["**step**", f"**{fmt_seconds(mean_sd(step_times(profile))[0])}**", f"**{fmt_share(total)}**",
-                 f"**{fmt_bytes(profile.get('peak_memory_bytes'))}**"])
+    rows.append(["**step**", f"**{format_seconds(mean_sd(step_times(profile))[0])}**", f"**{format_share(total)}**",
+                 f"**{format_bytes(profile.get('peak_memory_bytes'))}**"])
     blocks: list[Block] = [Heading(text="Phases"), Table(
         header=["phase", "mean time", "share of step wall time", "peak memory in the phase"], rows=rows)]
     if total is not None and abs(total - 1) > SHARE_TOLERANCE:
-        blocks.append(Paragraph(text=f"**Warning:** the phase shares add up to {fmt_share(total)}, not 100% "
+        blocks.append(Paragraph(text=f"**Warning:** the phase shares add up to {format_share(total)}, not 100% "
                                      f"(tolerance {100 * SHARE_TOLERANCE:.0f}%): some time was missed or counted "
                                      "twice, so read the shares with care."))
     if step_times(profile):
@@ -285,21 +265,21 @@ def _throughput(profile: dict[str, Any]) -> list[Block]:
     rate, flops, peak = get("tokens_per_s"), get("model_flops_per_token"), get("peak_flops")
     achieved = rate * flops if plots.finite(rate) and plots.finite(flops) else None
     items = [
-        f"**Throughput:** {fmt_num(rate, ',.0f')} tokens/s ({fmt_num(get('tokens_per_step'), ',.0f')} tokens per "
-        "optimizer step)",
-        f"**MFU:** {fmt_share(mfu(profile))} = tokens/s x model FLOPs per token / peak FLOP/s "
-        f"= {fmt_si(achieved, 'FLOP/s')} / {fmt_si(peak, 'FLOP/s')}",
-        f"**Model FLOPs per token:** {fmt_si(flops, 'FLOP')} ({get('flops_formula') or 'formula not recorded'})",
-        f"**Peak FLOP/s:** {fmt_si(peak, 'FLOP/s')} ({get('peak_flops_source') or 'source not recorded'})",
-        f"**Peak memory:** {fmt_bytes(get('peak_memory_bytes'))}"
+        f"**Throughput:** {format_number(rate, ',.0f')} tokens/s "
+        f"({format_number(get('tokens_per_step'), ',.0f')} tokens per optimizer step)",
+        f"**MFU:** {format_share(mfu(profile))} = tokens/s x model FLOPs per token / peak FLOP/s "
+        f"= {format_si(achieved, 'FLOP/s')} / {format_si(peak, 'FLOP/s')}",
+        f"**Model FLOPs per token:** {format_si(flops, 'FLOP')} ({get('flops_formula') or 'formula not recorded'})",
+        f"**Peak FLOP/s:** {format_si(peak, 'FLOP/s')} ({get('peak_flops_source') or 'source not recorded'})",
+        f"**Peak memory:** {format_bytes(get('peak_memory_bytes'))}"
         + (f" ({get('peak_memory_source')})" if get("peak_memory_source") else ""),
     ]
     return [Heading(text="Throughput and MFU"), Bullets(items=items)]
 
 
 def _operators(operators: Any) -> list[Block]:
-    rows = [[f"`{op.get('name', '?')}`", fmt_num(op.get("calls"), ",.0f"), fmt_seconds(op.get("self_time_s")),
-             fmt_seconds(op.get("total_time_s")), fmt_share(op.get("share"))]
+    rows = [[f"`{op.get('name', '?')}`", format_number(op.get("calls"), ",.0f"), format_seconds(op.get("self_time_s")),
+             format_seconds(op.get("total_time_s")), format_share(op.get("share"))]
             for op in operators or [] if isinstance(op, dict)]
     if not rows:
         return [Heading(text="Top operators"), Paragraph(text=f"{PROFILE_FILE} records no operators.")]
@@ -312,6 +292,6 @@ def _trace(root: Path, trace: Any) -> list[Block]:
     if not trace:
         return [Heading(text="Trace"), Paragraph(text="No trace file was recorded.")]
     path = root / str(trace)
-    size = f", {fmt_bytes(path.stat().st_size)}" if path.is_file() else ", **not found in this directory**"
+    size = f", {format_bytes(path.stat().st_size)}" if path.is_file() else ", **not found in this directory**"
     return [Heading(text="Trace"), Paragraph(
         text=f"Timeline of every operator and phase: `{trace}`{size}. Open it in {TRACE_VIEWERS}.")]

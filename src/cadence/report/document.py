@@ -1,4 +1,4 @@
-"""What every report shares: the files a report is written as, reading its JSON inputs, number formats, plot blocks.
+"""What every report shares: the files a report is written as, reading its JSON inputs, plot blocks.
 
 A report is one list of blocks (heading, paragraph, bullets, table, plot; see ``render``) built by whoever knows its
 subject: runs here, plans in ``cadence.plan.report``, profiles in ``cadence.profiling.report``. ``write_report`` turns
@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from cadence.errors import UsageError
+from cadence.formatting import finite
 from cadence.report import render as plots
 from cadence.report.render import Plot, Report, to_html, to_markdown
-from cadence.training.progress import format_bytes
 from cadence.training.run_dir import atomic_write_bytes
 
 REPORT_MD = "report.md"
@@ -57,27 +57,8 @@ def read_json_object(path: Path, where: str = WHERE) -> dict[str, Any]:
     return value
 
 
-# -------------------------------------------------------------------------------------------------- formatting
-def fmt_bytes(value: Any) -> str:
-    """Bytes as B/KiB/MiB/GiB with one decimal, as the progress line shows them; "-" when unknown."""
-    return format_bytes(int(value)) if plots.finite(value) else "-"
-
-
-def fmt_hms(seconds: Any) -> str:
-    """h:mm:ss (hours unbounded: 1e9 tokens can take days)."""
-    if not plots.finite(seconds):
-        return "-"
-    total = max(0, int(round(seconds)))
-    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
-
-
-def fmt_num(value: Any, spec: str = ".4f") -> str:
-    """A number in ``spec``, or "-" for the nulls that metrics write for missing or non-finite values."""
-    return format(value, spec) if plots.finite(value) else "-"
-
-
 def times(value: Any, factor: float) -> Any:
-    return value * factor if plots.finite(value) else None
+    return value * factor if finite(value) else None
 
 
 def plot_block(name: str, caption: str, figure: Any) -> Plot:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -23,6 +22,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from cadence.formatting import finite  # what can be plotted: a real, finite number
+
 Row = dict[str, Any]
 
 TRAIN, VALIDATION, SKIPPED, MEASURED, CHOSEN = "tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"
@@ -30,11 +31,6 @@ HOST_CATEGORIES = ("offloaded_to_host",)
 """Estimate categories that live in host memory: shown apart, never stacked into the device peak."""
 CATEGORY_COLORS = {"parameters": "tab:blue", "gradients": "tab:orange", "optimizer_state": "tab:green",
                    "activations": "tab:red", "temporaries": "tab:gray"}
-
-
-def finite(value: Any) -> bool:
-    """A real number that can be plotted (metrics write non-finite values as null; bools are not numbers here)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def png_bytes(fig: Figure) -> bytes:

@@ -2,43 +2,31 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from cadence.errors import UsageError
+from cadence.formatting import format_bytes, format_hms, format_number
 from cadence.report import render as plots
-from cadence.report.document import WHERE, fmt_bytes, fmt_hms, fmt_num, plot_block, read_json_object
+from cadence.report.document import WHERE, plot_block, read_json_object
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Report, Table
-from cadence.training.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from cadence.training.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, MetricsUnreadable, read_metrics
 
 LAST_ROWS = 10
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl rows. A run killed mid-write can leave a partial last line without its newline: it is dropped."""
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            if number == len(lines) and not text.endswith("\n"):
-                break
-            raise UsageError.single(WHERE, f"{path}:{number} is not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict) or "step" not in row:
-            raise UsageError.single(WHERE, f"{path}:{number} is not a metrics row (a JSON object with a step)")
-        rows.append(row)
-    return rows
+def _metrics_rows(root: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl rows (a torn last line of a killed run dropped); any other bad line is a UsageError."""
+    try:
+        return read_metrics(root)
+    except MetricsUnreadable as err:
+        raise UsageError.single(WHERE, str(err)) from None
 
 
 # --------------------------------------------------------------------------------------------------- run report
 def run_report(root: Path) -> Report:
     """The report of a training run: configuration, totals, plots per step and the last metrics rows."""
-    rows = _read_metrics(root / METRICS_FILE)
+    rows = _metrics_rows(root)
     config = read_json_object(root / CONFIG_FILE) if (root / CONFIG_FILE).is_file() else {}
     summary = read_json_object(root / SUMMARY_FILE) if (root / SUMMARY_FILE).is_file() else None
     blocks: list[Block] = [Heading(text="Configuration"), Bullets(items=_config_items(config))]
@@ -77,7 +65,7 @@ def _config_items(config: dict[str, Any]) -> list[str]:
         f"max steps {get('max_steps', '?')}",
     ]
     if get("memory_budget_bytes"):
-        items.append(f"**Memory budget:** {fmt_bytes(get('memory_budget_bytes'))}")
+        items.append(f"**Memory budget:** {format_bytes(get('memory_budget_bytes'))}")
     versions = get("versions")
     if isinstance(versions, dict):
         items.append("**Versions:** " + ", ".join(f"{name} {value}" for name, value in versions.items()))
@@ -101,15 +89,16 @@ def _total_items(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[st
         speed += " (memory-profiled steps excluded)"
     items = [
         f"**Steps:** {get('steps', '?')} optimizer steps, {get('skipped', 0)} skipped, {get('windows', '?')} windows",
-        f"**Tokens:** {fmt_num(get('tokens'), ',.0f')}" + (
-            f" ({fmt_num(get('targets'), ',.0f')} targets)" if get("targets") else ""),
-        f"**Wall time:** {fmt_hms(get('wall_time_s'))}" + (
+        f"**Tokens:** {format_number(get('tokens'), ',.0f')}" + (
+            f" ({format_number(get('targets'), ',.0f')} targets)" if get("targets") else ""),
+        f"**Wall time:** {format_hms(get('wall_time_s'))}" + (
             f" ({get('wall_time_s'):.1f} s)" if plots.finite(get("wall_time_s")) else "")
         + f"; **throughput:** {speed}",
-        f"**Peak memory:** {fmt_bytes(get('peak_memory_bytes'))}" + (
+        f"**Peak memory:** {format_bytes(get('peak_memory_bytes'))}" + (
             f" ({get('peak_memory_source')})" if get("peak_memory_source") else "") + (
-            f"; max RSS {fmt_bytes(get('max_rss_bytes'))}" if get("max_rss_bytes") else ""),
-        f"**Final loss:** {fmt_num(get('final_loss'))}; **final val loss:** {fmt_num(get('final_val_loss'))}",
+            f"; max RSS {format_bytes(get('max_rss_bytes'))}" if get("max_rss_bytes") else ""),
+        f"**Final loss:** {format_number(get('final_loss'))}; "
+        f"**final val loss:** {format_number(get('final_val_loss'))}",
     ]
     skipped = [row for row in rows if row.get("skipped")]
     if skipped:
@@ -151,11 +140,12 @@ def _last_rows(rows: list[dict[str, Any]]) -> Table:
     header += ["tokens", "tokens/s", "step time", "peak memory", "skipped"]
     table = []
     for row in rows[-LAST_ROWS:]:
-        cells = [str(row.get("step")), str(row.get("window", "-")), fmt_num(row.get("loss")),
-                 fmt_num(row.get("val_loss")), fmt_num(row.get("grad_norm"), ".3g"), fmt_num(row.get("lr"), ".3g")]
-        cells += [fmt_num(row.get("loss_scale"), "g")] if fp16 else []
-        cells += [fmt_num(row.get("tokens"), ",.0f"), fmt_num(row.get("tokens_per_s"), ",.0f"),
-                  f"{fmt_num(row.get('step_time_s'), '.3f')} s", fmt_bytes(row.get("peak_memory_bytes")),
+        cells = [str(row.get("step")), str(row.get("window", "-")), format_number(row.get("loss")),
+                 format_number(row.get("val_loss")), format_number(row.get("grad_norm"), ".3g"),
+                 format_number(row.get("lr"), ".3g")]
+        cells += [format_number(row.get("loss_scale"), "g")] if fp16 else []
+        cells += [format_number(row.get("tokens"), ",.0f"), format_number(row.get("tokens_per_s"), ",.0f"),
+                  f"{format_number(row.get('step_time_s'), '.3f')} s", format_bytes(row.get("peak_memory_bytes")),
                   f"**skipped** ({row.get('skip_reason') or '?'})" if row.get("skipped") else ""]
         table.append(cells)
     return Table(header=header, rows=table)

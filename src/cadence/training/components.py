@@ -51,12 +51,12 @@ def build_components(prep: Prepared) -> Components:
     config = prep.config
     torch.manual_seed(config.seed)
     model = (prep.hf.model if prep.hf else build_model(config.model)).to(prep.device)
-    apply_activation_checkpointing(model, config.activation_checkpointing)  # type: ignore[arg-type]
+    apply_activation_checkpointing(model, config.activation_checkpointing)
     # Wrapped before the optimizer is built: FSDP2 replaces the parameters with their shards.
     model = wrap_model(model, prep.ranks, prep.device)
     optimizer = build_optimizer(model, config)
     scheduler = build_lr_scheduler(
-        optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,  # type: ignore[arg-type]
+        optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
         max_steps=config.max_steps, min_lr_ratio=config.min_lr_ratio,
     )
     budget = prep.memory_budget_bytes
@@ -65,7 +65,7 @@ def build_components(prep: Prepared) -> Components:
         total = torch.cuda.get_device_properties(prep.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), prep.device)
     engine = Engine(
-        model, optimizer, scheduler=scheduler, precision=config.precision,  # type: ignore[arg-type]
+        model, optimizer, scheduler=scheduler, precision=config.precision,
         max_grad_norm=config.max_grad_norm, offload_activations=config.offload == "activations",
         memory_budget_bytes=budget if prep.device.type == "cpu" else None,
         collective=ProcessGroupCollective(prep.ranks, prep.device) if prep.ranks.launched else None,

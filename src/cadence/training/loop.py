@@ -12,8 +12,9 @@ import resource
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import torch
 
@@ -31,16 +32,18 @@ from cadence.distributed.ranks import (
     optimizer_state_format,
     unwrap,
 )
-from cadence.engine.step import StepResult, WindowInterrupted
-from cadence.engine.windows import epoch_windows, padding_micro_batch
+from cadence.engine.step import Engine, PartialWindow, StepResult, WindowInterrupted
+from cadence.engine.windows import Window, epoch_windows, padding_micro_batch
 from cadence.errors import CadenceFailure, UsageError
+from cadence.formatting import format_bytes
 from cadence.models.hf import save_hf
 from cadence.training.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.training.checkpoint import save_checkpoint
 from cadence.training.components import Components, build_components
+from cadence.training.lock import RunDirectoryLock
 from cadence.training.prepare import Prepared, adopt_token_cache, prepare
-from cadence.training.progress import TrainProgress, format_bytes
-from cadence.training.resume import StopOnSignal, restore
+from cadence.training.progress import TrainProgress
+from cadence.training.resume import ResumePoint, StopOnSignal, restore
 from cadence.training.run_dir import NoWriter, RunWriter
 
 
@@ -55,6 +58,8 @@ class TrainingFailed(CadenceFailure):
 
 @dataclass(kw_only=True)
 class _Totals:
+    """What the summary adds up over the whole run (a resumed run's earlier rows included)."""
+
     tokens: int = 0
     targets: int = 0
     samples: int = 0
@@ -96,180 +101,330 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
           ranks: Ranks = SINGLE) -> dict[str, Any]:
     """Train as configured; returns the summary (also written to summary.json).
 
-    Under torchrun every rank calls this with its ``ranks``; rank 0 alone prints and writes the run directory."""
+    Under torchrun every rank calls this with its ``ranks``; rank 0 alone prints and writes the run directory.
+    The shape of torchtune's recipes: set up (``TrainingRun``), then window after window the engine's step
+    (``run_window``) and what follows it (``after_step``), then the final save and summary (``finish``)."""
     stream = (stream or sys.stderr) if ranks.is_main else _Discard()
-    prep = _prepare_on_every_rank(config, ranks)
-    parts = build_components(prep)
-    engine = parts.engine
-    val_batches = _validation_batches(prep)
-    parameters = sum(p.numel() for p in parts.model.parameters())
-
-    resolved = _resolved_config(prep, parameters)
-    start = restore(prep.out, resolved, parts) if config.resume else None  # before the writer opens metrics.jsonl
-    writer = RunWriter(prep.out) if ranks.is_main else NoWriter()
-    adopt_token_cache(prep)
-    writer.write_config(resolved)
-    micro = "auto, starting at " + str(prep.micro_batch_size) if config.auto_micro_batch else prep.micro_batch_size
-    print(
-        f"cadence {__version__}: {config.model} ({parameters:,} parameters) on {prep.device}, {config.precision}, "
-        f"recompute {config.activation_checkpointing}, offload {config.offload}\n"
-        f"effective batch = {micro} micro-batch x {prep.grad_accum_steps} accumulation x "
-        f"{prep.world_size} process(es) = {prep.effective_batch_size} sequences of {prep.seq_len} tokens\n"
-        f"data: {prep.data.description}\nrun directory: {prep.out}",
-        file=stream, flush=True,
-    )
-    if prep.data.truncated:
-        print(f"note: {prep.data.truncated} examples were longer than --seq-len and were truncated", file=stream)
-
-    if start is not None:
-        print(f"resuming from {start.checkpoint} (step {start.step})", file=stream, flush=True)
-    started = time.perf_counter()
-    totals = _Totals()
-    for row in start.kept_rows if start else []:
-        totals.add_row(row)
-    consecutive_skips = 0
-    stopped_elsewhere = False
-    epoch, skip = (start.epoch, start.windows_done_in_epoch) if start else (0, 0)
-    partial = start.partial if start else None
-    if partial is not None and start.partial_micro_batch_size != prep.micro_batch_size:
-        raise UsageError.single("--micro-batch-size", f"{prep.micro_batch_size} differs from the "
-                                f"{start.partial_micro_batch_size} of the window the checkpoint interrupted")
-    stop = StopOnSignal()
-    saved_at = engine.windows if start else -1
-    progress = TrainProgress(total_steps=config.max_steps, grad_accum_steps=prep.grad_accum_steps,
-                             log_every=config.log_every, stream=stream, live=live)
-    controller = MicroBatchController(start=prep.micro_batch_size, grow_after=config.auto_grow_after,
-                                      log=lambda text: progress.message(f"auto micro-batch: {text}"))
-    budget_on_cpu = prep.memory_budget_bytes is not None and prep.device.type == "cpu"
+    run = TrainingRun(_prepare_on_every_rank(config, ranks), stream=stream, live=live)
     try:
-        with stop, progress, warnings.catch_warnings(record=True) as caught:
+        with run.stop, run.progress, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            while engine.steps < config.max_steps:
-                # This rank's share of each window (all of it with one process); the same windows for any split.
-                windows = epoch_windows(
-                    prep.data.train, micro_batch_size=prep.micro_batch_size, grad_accum_steps=prep.grad_accum_steps,
-                    seed=config.seed, epoch=epoch, world_size=ranks.world_size, rank=ranks.rank,
-                    last_window=config.last_window,  # type: ignore[arg-type]
-                )
-                # A resumed run skips the windows its checkpoint had done: same permutation, same windows after.
-                for window_in_epoch, window in enumerate(itertools.islice(windows, skip, None), start=skip + 1):
-                    # On CPU memory is measured by the profiler, which is as slow as a step: measure the first
-                    # steady-state window (the second: the first also allocates the optimizer state) only, unless
-                    # a budget is enforced, which needs every step measured.
-                    profiled = prep.device.type == "cpu" and (
-                        budget_on_cpu or engine.windows + 1 == min(2, config.max_steps)
-                    )
-                    step_options: dict[str, Any] = {
-                        "measure_memory": profiled,
-                        "on_micro_batch": lambda index: progress.micro_step(engine.steps, index + 1),
-                    }
-                    if config.checkpoint_mid_window:
-                        step_options["stop_requested"] = lambda: stop.requested is not None
-                    if partial is not None:  # continue the window a mid-window checkpoint interrupted
-                        step_options["resume"], partial = partial, None
-                    try:
-                        if config.auto_micro_batch:
-                            result, retries = controller.step(engine, window, **step_options)
-                        else:
-                            result, retries = engine.step(window, **step_options), 0
-                    except WindowInterrupted as interrupted:
-                        _save_mid_window(prep, parts, interrupted, epoch, window_in_epoch, resolved)
-                        saved_at = engine.windows
-                        break
-                    except MicroBatchTooLarge as err:
-                        # With several ranks every rank got here together (the engine agrees on out-of-memory).
-                        raise TrainingFailed(str(err), every_rank_agrees=True) from err
-                    except torch.OutOfMemoryError as err:
-                        raise TrainingFailed(
-                            f"out of memory at micro-batch {prep.micro_batch_size} ({str(err).splitlines()[0]}); "
-                            f"use --micro-batch-size auto, a smaller --micro-batch-size, or "
-                            f"--activation-checkpointing full"
-                        ) from err
-                    row = {**result.as_metrics(), "epoch": epoch, "oom_retries": retries}
-                    totals.oom_retries += retries
-                    for item in caught:
-                        progress.message(f"warning: {item.message}")
-                    caught.clear()
-                    totals.add(result, timed=not profiled)
-                    done = engine.steps >= config.max_steps
-                    if not result.skipped and val_batches and (done or engine.steps % config.eval_every == 0):
-                        totals.last_val = row["val_loss"] = engine.evaluate(val_batches)
-                    writer.log_step(row)
-                    progress.update(row)
-                    if not result.skipped:
-                        totals.last = row
-                    # Skips are decided from all-reduced gradients, so every rank counts the same ones.
-                    consecutive_skips = consecutive_skips + 1 if result.skipped else 0
-                    if consecutive_skips >= config.max_skipped_steps:
-                        raise TrainingFailed(
-                            f"{consecutive_skips} optimizer steps in a row were skipped (last reason: "
-                            f"{result.skip_reason}); the run has diverged. Lower --lr or use bf16/fp32. The last "
-                            f"good checkpoint is kept.", every_rank_agrees=True,
-                        )
-                    # A signal may reach some ranks only: all stop at the same window boundary, or one would wait
-                    # in the next window's all-reduce for a rank that left (one tiny collective per window).
-                    stopping = any_rank(stop.requested is not None, ranks)
-                    stopped_elsewhere = stopping and stop.requested is None
-                    periodic = config.checkpoint_every and engine.steps % config.checkpoint_every == 0
-                    # At a window boundary: periodically, at the end, and when a signal asked to stop.
-                    wanted = (periodic and not result.skipped) or (done and config.checkpoint_every) or stopping
-                    if wanted and saved_at != engine.windows:
-                        _checkpoint(prep, parts, data_position={"epoch": epoch, "window_in_epoch": window_in_epoch},
-                                    info={"loss": result.loss, "config": config.to_json_dict(),
-                                          "resolved_config": resolved})
-                        saved_at = engine.windows
-                    if done or stopping:
-                        break
-                else:
-                    epoch, skip = epoch + 1, 0  # the epoch's windows ran out before max_steps: the next epoch
-                    continue
-                break
+            for place in run.windows_across_epochs():
+                outcome = run.run_window(place)
+                # Stopped mid-window (its checkpoint is saved), --max-steps reached, or every rank agreed to stop.
+                if outcome is None or run.after_step(place, outcome, caught):
+                    break
+        run.close_metrics()
+        return run.finish()
     finally:
-        writer.close()
+        run.close()  # the metrics (if a failure left them open), then the run directory's lock
 
-    wall = time.perf_counter() - started
-    weights = full_model_state(parts.model, ranks)  # a collective under FSDP2: every rank takes part
-    writer.save_model(weights, metadata={"model": config.model, "step": str(engine.steps)})
-    if config.save_hf is not None and ranks.is_main:
-        save_hf(unwrap(parts.model), config.save_hf, prep.hf.tokenizer if prep.hf else None, weights=weights)
-    peak_memory = max_over_ranks(totals.peak_memory, ranks)
-    summary = {
-        "steps": engine.steps,
-        "skipped": engine.skipped_steps,
-        "windows": engine.windows,
-        "epochs": epoch + 1,
-        "tokens": totals.tokens,
-        "targets": totals.targets,
-        "samples": totals.samples,
-        "wall_time_s": wall,
-        # Throughput excludes profiler-slowed steps; when every step was measured (a CPU budget), it is all there is.
-        "tokens_per_s": (totals.timed_tokens / totals.timed_s if totals.timed_s > 0
-                         else totals.tokens / wall if wall > 0 else None),
-        "tokens_per_s_includes_profiler": totals.timed_s == 0,
-        "peak_memory_bytes": peak_memory,
-        "peak_memory_of": "the busiest rank" if ranks.world_size > 1 else "the process",
-        "peak_memory_source": _memory_source(prep.device, budget_on_cpu),
-        "max_rss_bytes": _max_rss_bytes(),
-        "final_loss": totals.last.get("loss"),
-        "final_val_loss": totals.last_val,
-        "effective_batch_size": prep.effective_batch_size,
-        "final_micro_batch_size": controller.current if config.auto_micro_batch else prep.micro_batch_size,
-        "oom_retries": totals.oom_retries,
-        "parameters": parameters,
-        "stopped_by": stop.requested or ("a signal to another rank" if stopped_elsewhere else None),
-        "resumed_from_step": start.step if start else None,
-    }
-    writer.write_summary(summary)
-    print(
-        f"done: {engine.steps} steps ({engine.skipped_steps} skipped), final loss {_fmt(summary['final_loss'])}, "
-        f"val loss {_fmt(totals.last_val)}, {_fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
-        f"peak memory {format_bytes(peak_memory)}, {wall:.1f} s -> {prep.out}",
-        file=stream, flush=True,
-    )
-    if summary["stopped_by"]:
-        print(f"stopped by {summary['stopped_by']} after step {engine.steps} (checkpoint saved); continue with "
-              f"--resume", file=stream, flush=True)
-    return summary
+
+class EpochWindow(NamedTuple):
+    """One window of the data order and where it sits: ``window_in_epoch`` counts from 1 within ``epoch``."""
+
+    epoch: int
+    window_in_epoch: int
+    window: Window
+
+
+class StepOutcome(NamedTuple):
+    """A window the engine finished: its result, the out-of-memory retries it took (--micro-batch-size auto), and
+    whether the profiler measured (and so slowed) it."""
+
+    result: StepResult
+    oom_retries: int
+    profiled: bool
+
+
+class TrainingRun:
+    """One training run and everything its loop mutates, built from the prepared configuration.
+
+    ``__init__`` sets up (components, resume point, run directory, console banner); ``windows_across_epochs`` yields
+    the windows to run, ``run_window`` runs one through the engine, ``after_step`` does what follows each optimizer
+    step, and ``finish`` saves the model and writes the summary. Every rank builds one and walks the same windows."""
+
+    def __init__(self, prep: Prepared, *, stream: IO[str], live: bool | None) -> None:
+        """Build the components, restore the --resume checkpoint (if any), open the run directory and announce."""
+        # One run at a time in a run directory: held before anything in it is read or written, until the end.
+        self.lock: RunDirectoryLock | None = _hold_run_directory(prep)
+        self.metrics_open = False
+        try:
+            self._set_up(prep, stream=stream, live=live)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, prep: Prepared, *, stream: IO[str], live: bool | None) -> None:
+        config = prep.config
+        self.prep, self.config, self.ranks, self.stream = prep, config, prep.ranks, stream
+        self.parts: Components = build_components(prep)
+        self.engine: Engine = self.parts.engine
+        self.val_batches: list[dict[str, torch.Tensor]] = _validation_batches(prep)
+        self.parameters: int = sum(p.numel() for p in self.parts.model.parameters())
+        self.resolved: dict[str, Any] = _resolved_config(prep, self.parameters)
+        # Before the writer opens metrics.jsonl.
+        self.start: ResumePoint | None = restore(prep.out, self.resolved, self.parts, prep.micro_batch_size) \
+            if config.resume else None
+        # Every check has passed: only now is anything in the run directory written.
+        self.writer: RunWriter = RunWriter(prep.out) if self.ranks.is_main else NoWriter()
+        self.metrics_open = True
+        adopt_token_cache(prep)
+        self.writer.write_config(self.resolved)
+        self._announce()
+        self.started: float = time.perf_counter()
+        self.totals = _Totals()
+        for row in self.start.kept_rows if self.start else []:
+            self.totals.add_row(row)
+        self.consecutive_skips: int = 0
+        self.stopped_elsewhere: bool = False
+        self.epoch: int = self.start.epoch if self.start else 0
+        """The epoch ``windows_across_epochs`` is in (the summary counts the epochs from it)."""
+        self.partial: PartialWindow | None = self.start.partial if self.start else None
+        """The window a mid-window checkpoint interrupted, continued by the first ``run_window``."""
+        self.stop = StopOnSignal()
+        self.saved_at: int = self.engine.windows if self.start else -1
+        """The window count at the last checkpoint, so that one window is never checkpointed twice."""
+        self.progress = TrainProgress(total_steps=config.max_steps, grad_accum_steps=prep.grad_accum_steps,
+                                      log_every=config.log_every, stream=stream, live=live)
+        self.controller = MicroBatchController(start=prep.micro_batch_size, grow_after=config.auto_grow_after,
+                                               log=lambda text: self.progress.message(f"auto micro-batch: {text}"))
+        self.budget_on_cpu: bool = prep.memory_budget_bytes is not None and prep.device.type == "cpu"
+
+    def close_metrics(self) -> None:
+        """Close metrics.jsonl and TensorBoard (once)."""
+        if self.metrics_open:
+            self.writer.close()
+            self.metrics_open = False
+
+    def close(self) -> None:
+        """Close the metrics if still open, then release the run directory; safe to call more than once."""
+        self.close_metrics()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _announce(self) -> None:
+        """The console banner: model, precision, batch arithmetic, data, run directory (and the resume point)."""
+        config, prep, stream = self.config, self.prep, self.stream
+        micro = "auto, starting at " + str(prep.micro_batch_size) if config.auto_micro_batch else prep.micro_batch_size
+        print(
+            f"cadence {__version__}: {config.model} ({self.parameters:,} parameters) on {prep.device}, "
+            f"{config.precision}, recompute {config.activation_checkpointing}, offload {config.offload}\n"
+            f"effective batch = {micro} micro-batch x {prep.grad_accum_steps} accumulation x "
+            f"{prep.world_size} process(es) = {prep.effective_batch_size} sequences of {prep.seq_len} tokens\n"
+            f"data: {prep.data.description}\nrun directory: {prep.out}",
+            file=stream, flush=True,
+        )
+        if prep.data.truncated:
+            print(f"note: {prep.data.truncated} examples were longer than --seq-len and were truncated", file=stream)
+        if self.start is not None:
+            print(f"resuming from {self.start.checkpoint} (step {self.start.step})", file=stream, flush=True)
+
+    def windows_across_epochs(self) -> Iterator[EpochWindow]:
+        """This rank's windows, epoch after epoch, while fewer than --max-steps optimizer steps are done."""
+        config, prep = self.config, self.prep
+        skip = self.start.windows_done_in_epoch if self.start else 0
+        while self.engine.steps < config.max_steps:
+            # This rank's share of each window (all of it with one process); the same windows for any split.
+            windows = epoch_windows(
+                prep.data.train, micro_batch_size=prep.micro_batch_size, grad_accum_steps=prep.grad_accum_steps,
+                seed=config.seed, epoch=self.epoch, world_size=self.ranks.world_size, rank=self.ranks.rank,
+                last_window=config.last_window,
+            )
+            # A resumed run skips the windows its checkpoint had done: same permutation, same windows after.
+            for window_in_epoch, window in enumerate(itertools.islice(windows, skip, None), start=skip + 1):
+                yield EpochWindow(self.epoch, window_in_epoch, window)
+            self.epoch, skip = self.epoch + 1, 0  # the epoch's windows ran out before max_steps: the next epoch
+
+    def run_window(self, place: EpochWindow) -> StepOutcome | None:
+        """One optimizer step over ``place``'s window (with --micro-batch-size auto, halving on out-of-memory);
+        None when a stop request interrupted it mid-window (--checkpoint-mid-window), after checkpointing it."""
+        config, engine, prep = self.config, self.engine, self.prep
+        # On CPU memory is measured by the profiler, which is as slow as a step: measure the first steady-state
+        # window (the second: the first also allocates the optimizer state) only, unless a budget is enforced,
+        # which needs every step measured.
+        profiled = prep.device.type == "cpu" and (self.budget_on_cpu or engine.windows + 1 == min(2, config.max_steps))
+        step_options: dict[str, Any] = {
+            "measure_memory": profiled,
+            "on_micro_batch": lambda index: self.progress.micro_step(engine.steps, index + 1),
+        }
+        if config.checkpoint_mid_window:
+            step_options["stop_requested"] = lambda: self.stop.requested is not None
+        if self.partial is not None:  # continue the window a mid-window checkpoint interrupted
+            step_options["resume"], self.partial = self.partial, None
+        try:
+            if config.auto_micro_batch:
+                result, retries = self.controller.step(engine, place.window, **step_options)
+            else:
+                result, retries = engine.step(place.window, **step_options), 0
+        except WindowInterrupted as interrupted:
+            self._checkpoint_mid_window(interrupted, place)
+            self.saved_at = engine.windows
+            return None
+        except MicroBatchTooLarge as err:
+            # With several ranks every rank got here together (the engine agrees on out-of-memory).
+            raise TrainingFailed(str(err), every_rank_agrees=True) from err
+        except torch.OutOfMemoryError as err:
+            raise TrainingFailed(
+                f"out of memory at micro-batch {prep.micro_batch_size} ({str(err).splitlines()[0]}); "
+                f"use --micro-batch-size auto, a smaller --micro-batch-size, or --activation-checkpointing full"
+            ) from err
+        return StepOutcome(result, retries, profiled)
+
+    def after_step(self, place: EpochWindow, outcome: StepOutcome, caught: list[warnings.WarningMessage]) -> bool:
+        """What follows an optimizer step, in the same order on every rank: the metrics row (with the evaluation when
+        due), the divergence stop, the agreement on a stop signal, the checkpoint when due. True when the run ends
+        after this window (--max-steps reached, or a signal reached some rank)."""
+        result, engine, totals = outcome.result, self.engine, self.totals
+        row = {**result.as_metrics(), "epoch": place.epoch, "oom_retries": outcome.oom_retries}
+        totals.oom_retries += outcome.oom_retries
+        for item in caught:
+            self.progress.message(f"warning: {item.message}")
+        caught.clear()
+        totals.add(result, timed=not outcome.profiled)
+        done = engine.steps >= self.config.max_steps
+        if not result.skipped and self.val_batches and (done or engine.steps % self.config.eval_every == 0):
+            totals.last_val = row["val_loss"] = engine.evaluate(self.val_batches)
+        self.writer.log_step(row)
+        self.progress.update(row)
+        if not result.skipped:
+            totals.last = row
+        self._stop_if_diverged(result)
+        stopping = self._agree_on_stop()
+        self._checkpoint_if_due(place, result, done=done, stopping=stopping)
+        return done or stopping
+
+    def _stop_if_diverged(self, result: StepResult) -> None:
+        """Raise TrainingFailed once --max-skipped-steps optimizer steps in a row were skipped."""
+        # Skips are decided from all-reduced gradients, so every rank counts the same ones.
+        self.consecutive_skips = self.consecutive_skips + 1 if result.skipped else 0
+        if self.consecutive_skips >= self.config.max_skipped_steps:
+            raise TrainingFailed(
+                f"{self.consecutive_skips} optimizer steps in a row were skipped (last reason: "
+                f"{result.skip_reason}); the run has diverged. Lower --lr or use bf16/fp32. The last "
+                f"good checkpoint is kept.", every_rank_agrees=True,
+            )
+
+    def _agree_on_stop(self) -> bool:
+        """Whether a stop signal reached any rank (the same answer on every rank)."""
+        # A signal may reach some ranks only: all stop at the same window boundary, or one would wait
+        # in the next window's all-reduce for a rank that left (one tiny collective per window).
+        stopping = any_rank(self.stop.requested is not None, self.ranks)
+        self.stopped_elsewhere = stopping and self.stop.requested is None
+        return stopping
+
+    def _checkpoint_if_due(self, place: EpochWindow, result: StepResult, *, done: bool, stopping: bool) -> None:
+        """Checkpoint after this window when it is due, unless this window is checkpointed already."""
+        config = self.config
+        periodic = config.checkpoint_every and self.engine.steps % config.checkpoint_every == 0
+        # At a window boundary: periodically, at the end, and when a signal asked to stop.
+        wanted = (periodic and not result.skipped) or (done and config.checkpoint_every) or stopping
+        if wanted and self.saved_at != self.engine.windows:
+            self._checkpoint(data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch},
+                             info={"loss": result.loss, "config": config.to_json_dict(),
+                                   "resolved_config": self.resolved})
+            self.saved_at = self.engine.windows
+
+    def _checkpoint(self, *, data_position: dict[str, int], info: dict[str, Any],
+                    partial_window: dict[str, Any] | None = None) -> None:
+        """Every rank gathers its part of the state (FSDP2 shards it); rank 0 writes the checkpoint."""
+        parts = self.parts
+        weights = full_model_state(parts.model, parts.ranks)
+        optimizer_state = full_optimizer_state(parts.model, parts.optimizer, parts.ranks)
+        if not parts.ranks.is_main:
+            return
+        save_checkpoint(
+            self.prep.out, step=parts.engine.steps, weights=weights, optimizer_state=optimizer_state,
+            scheduler=parts.scheduler, engine_state=parts.engine.state_dict(), data_position=data_position,
+            info={**info, "optimizer_format": optimizer_state_format(parts.ranks)},
+            keep=self.config.keep_checkpoints, partial_window=partial_window,
+        )
+
+    def _checkpoint_mid_window(self, interrupted: WindowInterrupted, place: EpochWindow) -> None:
+        """A checkpoint inside a window: the state before it, plus the gradients of the micro-batches it has done."""
+        grads = {name: p.grad.detach().to("cpu").clone() for name, p in unwrap(self.parts.model).named_parameters()
+                 if p.grad is not None}
+        self._checkpoint(
+            # This window is continued: the position is the window before it.
+            data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch - 1},
+            info={"loss": None, "config": self.config.to_json_dict(), "resolved_config": self.resolved,
+                  "mid_window": True},
+            partial_window={"micro_batches_done": interrupted.partial.micro_batches_done,
+                            "loss_sum": interrupted.partial.loss_sum, "micro_batch_size": self.prep.micro_batch_size,
+                            "grads": grads},
+        )
+
+    def finish(self) -> dict[str, Any]:
+        """Save the final weights (and --save-hf), write summary.json and print the closing lines; the summary."""
+        config, engine, prep, ranks = self.config, self.engine, self.prep, self.ranks
+        wall = time.perf_counter() - self.started
+        weights = full_model_state(self.parts.model, ranks)  # a collective under FSDP2: every rank takes part
+        self.writer.save_model(weights, metadata={"model": config.model, "step": str(engine.steps)})
+        if config.save_hf is not None and ranks.is_main:
+            save_hf(unwrap(self.parts.model), config.save_hf, prep.hf.tokenizer if prep.hf else None, weights=weights)
+        peak_memory = max_over_ranks(self.totals.peak_memory, ranks)
+        summary = self._summary(wall, peak_memory)
+        self.writer.write_summary(summary)
+        print(
+            f"done: {engine.steps} steps ({engine.skipped_steps} skipped), final loss {_fmt(summary['final_loss'])}, "
+            f"val loss {_fmt(self.totals.last_val)}, {_fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
+            f"peak memory {format_bytes(peak_memory)}, {wall:.1f} s -> {prep.out}",
+            file=self.stream, flush=True,
+        )
+        if summary["stopped_by"]:
+            print(f"stopped by {summary['stopped_by']} after step {engine.steps} (checkpoint saved); continue with "
+                  f"--resume", file=self.stream, flush=True)
+        return summary
+
+    def _summary(self, wall: float, peak_memory: int | None) -> dict[str, Any]:
+        """summary.json: the whole run's counts (a resumed run's included), throughput, memory and how it ended."""
+        config, engine, prep, totals = self.config, self.engine, self.prep, self.totals
+        return {
+            "steps": engine.steps,
+            "skipped": engine.skipped_steps,
+            "windows": engine.windows,
+            "epochs": self.epoch + 1,
+            "tokens": totals.tokens,
+            "targets": totals.targets,
+            "samples": totals.samples,
+            "wall_time_s": wall,
+            # Throughput excludes profiler-slowed steps; when every step was measured (a CPU budget), it is all
+            # there is.
+            "tokens_per_s": (totals.timed_tokens / totals.timed_s if totals.timed_s > 0
+                             else totals.tokens / wall if wall > 0 else None),
+            "tokens_per_s_includes_profiler": totals.timed_s == 0,
+            "peak_memory_bytes": peak_memory,
+            "peak_memory_of": "the busiest rank" if self.ranks.world_size > 1 else "the process",
+            "peak_memory_source": _memory_source(prep.device, self.budget_on_cpu),
+            "max_rss_bytes": _max_rss_bytes(),
+            "final_loss": totals.last.get("loss"),
+            "final_val_loss": totals.last_val,
+            "effective_batch_size": prep.effective_batch_size,
+            "final_micro_batch_size": self.controller.current if config.auto_micro_batch else prep.micro_batch_size,
+            "oom_retries": totals.oom_retries,
+            "parameters": self.parameters,
+            "stopped_by": self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere else None),
+            "resumed_from_step": self.start.step if self.start else None,
+        }
+
+
+def _hold_run_directory(prep: Prepared) -> RunDirectoryLock | None:
+    """Rank 0 (the one that writes) creates --out if needed and locks it; all ranks learn whether it could, so that
+    none goes on alone. Another run in the directory is a UsageError naming it."""
+    lock, error = None, None
+    if prep.ranks.is_main:
+        try:
+            prep.out.mkdir(parents=True, exist_ok=True)
+            lock = RunDirectoryLock(prep.out)
+            lock.acquire()
+        except UsageError as err:
+            lock, error = None, err
+        except OSError as err:
+            lock, error = None, UsageError.single("--out", f"cannot create {prep.out}: {err.strerror or err}")
+    if any_rank(error is not None, prep.ranks):
+        raise error or UsageError.single("--out", "rank 0 could not hold the run directory")
+    return lock
 
 
 def _prepare_on_every_rank(config: TrainConfig, ranks: Ranks) -> Prepared:
@@ -291,21 +446,6 @@ def _prepare_on_every_rank(config: TrainConfig, ranks: Ranks) -> Prepared:
     return prep
 
 
-def _checkpoint(prep: Prepared, parts: Components, *, data_position: dict[str, int], info: dict[str, Any],
-                partial_window: dict[str, Any] | None = None) -> None:
-    """Every rank gathers its part of the state (FSDP2 shards it); rank 0 writes the checkpoint."""
-    weights = full_model_state(parts.model, parts.ranks)
-    optimizer_state = full_optimizer_state(parts.model, parts.optimizer, parts.ranks)
-    if not parts.ranks.is_main:
-        return
-    save_checkpoint(
-        prep.out, step=parts.engine.steps, weights=weights, optimizer_state=optimizer_state,
-        scheduler=parts.scheduler, engine_state=parts.engine.state_dict(), data_position=data_position,
-        info={**info, "optimizer_format": optimizer_state_format(parts.ranks)}, keep=prep.config.keep_checkpoints,
-        partial_window=partial_window,
-    )
-
-
 class _Discard:
     """The output stream of ranks other than 0: they print nothing."""
 
@@ -317,21 +457,6 @@ class _Discard:
 
     def isatty(self) -> bool:
         return False
-
-
-def _save_mid_window(prep: Prepared, parts: Components, interrupted: WindowInterrupted, epoch: int,
-                     window_in_epoch: int, resolved: dict[str, Any]) -> None:
-    """A checkpoint inside a window: the state before it, plus the gradients of the micro-batches it has done."""
-    grads = {name: p.grad.detach().to("cpu").clone() for name, p in unwrap(parts.model).named_parameters()
-             if p.grad is not None}
-    _checkpoint(
-        prep, parts,
-        data_position={"epoch": epoch, "window_in_epoch": window_in_epoch - 1},  # this window is continued
-        info={"loss": None, "config": prep.config.to_json_dict(), "resolved_config": resolved, "mid_window": True},
-        partial_window={"micro_batches_done": interrupted.partial.micro_batches_done,
-                        "loss_sum": interrupted.partial.loss_sum, "micro_batch_size": prep.micro_batch_size,
-                        "grads": grads},
-    )
 
 
 def _validation_batches(prep: Prepared) -> list[dict[str, torch.Tensor]]:
@@ -367,6 +492,7 @@ def _resolved_config(prep: Prepared, parameters: int) -> dict[str, Any]:
         "resolved_device": str(prep.device),
         "model_parameters": parameters,
         "data_description": prep.data.description,
+        "data_fingerprint": prep.data.fingerprint,
         "train_sequences": len(prep.data.train),
         "val_sequences": 0 if prep.data.val is None else len(prep.data.val),
         "versions": {"cadence": __version__, "torch": torch.__version__, "python": platform.python_version()},

@@ -6,23 +6,7 @@ import sys
 import time
 from typing import IO, Any
 
-
-def format_bytes(value: int | None) -> str:
-    if value is None:
-        return "-"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"  # pragma: no cover
-
-
-def format_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+from cadence.formatting import format_bytes, format_duration
 
 
 class TrainProgress:

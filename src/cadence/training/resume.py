@@ -8,7 +8,7 @@ after the checkpoint (they are written again, identically).
 
 from __future__ import annotations
 
-import json
+import itertools
 import shutil
 import signal
 import threading
@@ -28,7 +28,7 @@ from cadence.training.checkpoint import (
     restore_rng_state,
     verify_checkpoint,
 )
-from cadence.training.run_dir import CHECKPOINTS_DIR, METRICS_FILE, atomic_write_bytes
+from cadence.training.run_dir import CHECKPOINTS_DIR, METRICS_FILE, MetricsUnreadable, read_metrics, rewrite_metrics
 
 MATH_FIELDS = (
     "model", "data", "seq_len", "effective_batch_size", "seed", "precision", "lr", "weight_decay", "adam_beta1",
@@ -62,14 +62,20 @@ def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Pr
     return problems
 
 
-def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any) -> ResumePoint | None:
+def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
+            micro_batch_size: int | None = None) -> ResumePoint | None:
     """Load the newest intact checkpoint of ``run_dir`` into ``parts`` (trainer.Components); None if there is none.
 
-    Raises UsageError when the configuration changes the math. Call before the run writer opens metrics.jsonl.
+    Raises UsageError when the configuration changes the math, or when ``micro_batch_size`` (the run's, if given)
+    differs from that of a window the checkpoint interrupted. Call before the run writer opens metrics.jsonl.
     Under several processes every rank calls it and all load the checkpoint rank 0 chose; rank 0 alone tidies the
     run directory.
     """
     main = parts.ranks.is_main
+    rows, unreadable = _metrics_rows(run_dir) if main else ([], None)
+    unreadable = broadcast_from_main(unreadable, parts.ranks)  # every rank stops, not rank 0 alone
+    if unreadable:
+        raise UsageError([Problem(where="--resume", message=unreadable)])
     if main:
         for staging in (run_dir / CHECKPOINTS_DIR).glob(".step-*"):  # a write cut short by a kill: never renamed in
             shutil.rmtree(staging, ignore_errors=True)
@@ -84,7 +90,7 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any) -> Resum
                 + "; ".join(f"{p.name}: {verify_checkpoint(p)}" for p in found)
                 + " (nothing was changed; start a new --out to train from scratch)"))])
         if main:
-            _truncate_metrics(run_dir, windows=0)  # a run killed before its first checkpoint starts over
+            _truncate_metrics(run_dir, rows, windows=0)  # a run killed before its first checkpoint starts over
         return None
     try:
         checkpoint = load_checkpoint(path)
@@ -96,19 +102,23 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any) -> Resum
         problems.append(Problem(where="--strategy", message=(
             "the checkpoint's optimizer state was saved " + ("under" if saved_format == "by-name" else "without")
             + " --strategy fsdp; resume with the strategy it was saved with")))
+    state = checkpoint.state
+    partial = state.get("partial_window")
+    if partial and micro_batch_size is not None and int(partial["micro_batch_size"]) != micro_batch_size:
+        problems.append(Problem(where="--micro-batch-size", message=(
+            f"{micro_batch_size} differs from the {int(partial['micro_batch_size'])} of the window the checkpoint "
+            f"interrupted")))
     if problems:
         raise UsageError(problems)
-    state = checkpoint.state
     load_full_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"])
     if state["scheduler"] is not None:
         parts.scheduler.load_state_dict(state["scheduler"])
     parts.engine.load_state_dict(state["engine"])
     restore_rng_state(state["rng"])
     position = state["data_position"]
-    kept = _truncate_metrics(run_dir, windows=int(state["engine"]["windows"])) if main else []
+    kept = _truncate_metrics(run_dir, rows, windows=int(state["engine"]["windows"])) if main else []
     point = ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=int(position["epoch"]),
                         windows_done_in_epoch=int(position["window_in_epoch"]), kept_rows=kept)
-    partial = state.get("partial_window")
     if partial:
         # The interrupted window's accumulated gradients go back exactly where they were.
         for name, parameter in unwrap(parts.model).named_parameters():
@@ -120,21 +130,23 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any) -> Resum
     return point
 
 
-def _truncate_metrics(run_dir: Path, *, windows: int) -> list[dict[str, Any]]:
+def _metrics_rows(run_dir: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """The run's metrics rows (none when it has no metrics.jsonl yet), or why they cannot be read: only a torn last
+    line, cut short by the kill, is dropped; any other bad line stops the resume before anything is changed."""
+    if not (run_dir / METRICS_FILE).is_file():
+        return [], None
+    try:
+        return read_metrics(run_dir), None
+    except MetricsUnreadable as err:
+        return [], f"{err}; only a torn last line (a run killed mid-write) is dropped (nothing was changed)"
+
+
+def _truncate_metrics(run_dir: Path, rows: list[dict[str, Any]], *, windows: int) -> list[dict[str, Any]]:
     """Keep the metrics rows of the first ``windows`` windows (rows after the checkpoint are written again)."""
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
+    if not (run_dir / METRICS_FILE).is_file():
         return []
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by the kill
-            break
-        if int(row.get("window", 0)) > windows:
-            break
-        kept.append(row)
-    atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in kept).encode("utf-8"))
+    kept = list(itertools.takewhile(lambda row: int(row.get("window", 0)) <= windows, rows))
+    rewrite_metrics(run_dir, kept)
     return kept
 
 

@@ -141,7 +141,42 @@ class NoWriter(RunWriter):
         pass
 
 
+class MetricsUnreadable(ValueError):
+    """A line of metrics.jsonl that is not a metrics row (and not the torn last line of a killed run)."""
+
+    def __init__(self, path: Path, line: int, reason: str) -> None:
+        super().__init__(f"{path}:{line} {reason}")
+        self.path = path
+        self.line = line
+        self.reason = reason
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The rows of a run's metrics.jsonl."""
-    with open(run_dir / METRICS_FILE, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    """The rows of a run's metrics.jsonl, in order: the one reader of that file.
+
+    A run killed mid-write can leave a torn last line (no newline, not valid JSON): the step it was writing did not
+    finish, so that line is dropped. Any other line that is not a metrics row (a JSON object with a ``step``) raises
+    :class:`MetricsUnreadable` naming the file and the line number. Blank lines are skipped.
+    """
+    path = run_dir / METRICS_FILE
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # torn by a kill mid-write
+            raise MetricsUnreadable(path, number, f"is not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict) or "step" not in row:
+            raise MetricsUnreadable(path, number, "is not a metrics row (a JSON object with a step)")
+        rows.append(row)
+    return rows
+
+
+def rewrite_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace a run's metrics.jsonl with ``rows``, atomically (a resume drops the rows after its checkpoint)."""
+    atomic_write_bytes(run_dir / METRICS_FILE, "".join(json.dumps(row) + "\n" for row in rows).encode("utf-8"))

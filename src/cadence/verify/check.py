@@ -48,6 +48,10 @@ moves AdamW's normalised updates by up to a few percent of the update, far less 
 
 @dataclass(kw_only=True)
 class Finding:
+    """Why a configuration cannot train like the big batch (a BatchNorm, a mean-reduced loss, padding in the loss),
+    or what verify changed to compare at all (dropout off), with its fix. Not ``cadence.audit``'s RuleViolation (a
+    rule of the step chain that a training loop broke at a line of its code)."""
+
     code: str
     level: str
     """error (makes the configuration differ from the big batch), warning or info."""
@@ -235,11 +239,11 @@ def _compare_after_steps(build: Callable[[], torch.nn.Module], windows: Sequence
     def train(run_setup: Setup, user_loss: LossFn, run_ranks: Ranks) -> dict[str, torch.Tensor]:
 
         model = build()
-        apply_activation_checkpointing(model, run_setup.activation_checkpointing)  # type: ignore[arg-type]
+        apply_activation_checkpointing(model, run_setup.activation_checkpointing)
         names = [name for name, _ in model.named_parameters()]
         device = next(model.parameters()).device
         model = wrap_model(model, run_ranks, device)
-        engine = Engine(model, make_optimizer(model), precision=run_setup.precision,  # type: ignore[arg-type]
+        engine = Engine(model, make_optimizer(model), precision=run_setup.precision,
                         max_grad_norm=1.0, loss_fn=user_loss,
                         collective=ProcessGroupCollective(run_ranks, device) if run_ranks.launched else None)
         for window in windows[:steps]:

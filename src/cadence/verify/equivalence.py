@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
+from cadence.engine.precision import PrecisionName
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.engine.windows import Window, resplit_window, window_share
-from cadence.memory.offload import OffloadedOptimizer
-from cadence.memory.recompute import apply_activation_checkpointing
+from cadence.memory.offload import OffloadedOptimizer, OffloadMode
+from cadence.memory.recompute import CheckpointingMode, apply_activation_checkpointing
 
 GRADIENT_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 """Relative L2 error of the window gradient against the fp32 reference that passes, per precision. fp32: rounding
@@ -37,12 +38,12 @@ LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 3e-2}
 
 @dataclass(kw_only=True, frozen=True)
 class Setup:
-    """How one window is cut and computed."""
+    """How one window is cut and computed (``cadence.plan.trials.TrialSetup`` adds the accumulation of a plan)."""
 
     micro_batch_size: int
-    precision: str = "fp32"
-    activation_checkpointing: str = "none"
-    offload: str = "none"
+    precision: PrecisionName = "fp32"
+    activation_checkpointing: CheckpointingMode = "none"
+    offload: OffloadMode = "none"
 
     def describe(self) -> str:
         return (f"micro {self.micro_batch_size}, {self.precision}, recompute {self.activation_checkpointing}, "
@@ -90,7 +91,7 @@ def parameter_gradients(
     Under torchrun (``ranks``) each rank runs its share of the window through DDP or FSDP2, and the gradient is the
     synchronised one every rank's optimizer receives."""
     model = build_model()
-    apply_activation_checkpointing(model, setup.activation_checkpointing)  # type: ignore[arg-type]
+    apply_activation_checkpointing(model, setup.activation_checkpointing)
     names = [name for name, _ in model.named_parameters()]
     device = next(model.parameters()).device
     model = wrap_model(model, ranks, device)
@@ -100,7 +101,7 @@ def parameter_gradients(
         # The offloaded optimizer hands its inner optimizer CPU copies of the gradients: record those.
         optimizer = OffloadedOptimizer(model.parameters(), optimizer_class=_GradientRecorder)
         recorder = optimizer.inner  # type: ignore[assignment]
-    engine = Engine(model, optimizer, precision=setup.precision, max_grad_norm=0.0,  # type: ignore[arg-type]
+    engine = Engine(model, optimizer, precision=setup.precision, max_grad_norm=0.0,
                     offload_activations=setup.offload == "activations", loss_fn=loss_fn,
                     collective=ProcessGroupCollective(ranks, device) if ranks.launched else None)
     split = (window_share(window, setup.micro_batch_size, world_size=ranks.world_size, rank=ranks.rank)
@@ -150,7 +151,8 @@ class LossComparison:
         return dataclasses.asdict(self)
 
 
-def compare_losses(chosen: list[float | None], reference: list[float | None], precision: str) -> LossComparison:
+def compare_losses(chosen: list[float | None], reference: list[float | None],
+                   precision: PrecisionName) -> LossComparison:
     """Per-step losses of the same windows under two configurations; skipped steps (None) are not compared."""
     pairs = [(a, b) for a, b in zip(chosen, reference) if a is not None and b is not None]
     worst = max((abs(a - b) / abs(b) for a, b in pairs), default=math.inf)

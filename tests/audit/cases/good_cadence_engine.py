@@ -24,8 +24,8 @@ engine = Engine(model, optimizer, scheduler=scheduler, precision="fp16", max_gra
 micro_batches = []
 for n in [6, 3, 6, 2, 5, 6, 4, 6]:
     ids = torch.randint(0, 16, (2, 6))
-    labels = ids.clone()
-    labels[:, n:] = -100
+    labels = torch.roll(ids, -1, dims=1)  # cadence's convention: the target of position t is the token after it
+    labels[:, n - 1:] = -100
     micro_batches.append({"input_ids": ids, "labels": labels})
 for window in iter_windows(micro_batches, 3):
     engine.step(window)

@@ -1,0 +1,47 @@
+"""read_metrics: the one reader of metrics.jsonl. Only a torn last line (a run killed mid-write) is forgiven."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cadence.training.run_dir import MetricsUnreadable, read_metrics, rewrite_metrics
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "metrics.jsonl").write_text(text)
+    return tmp_path
+
+
+def test_rows_in_order_blank_lines_skipped(tmp_path: Path) -> None:
+    assert read_metrics(_write(tmp_path, '{"step": 1}\n\n{"step": 2, "loss": 3.5}\n')) == [
+        {"step": 1}, {"step": 2, "loss": 3.5}]
+
+
+def test_a_torn_last_line_is_dropped(tmp_path: Path) -> None:
+    assert read_metrics(_write(tmp_path, '{"step": 1}\n{"step": 2, "lo')) == [{"step": 1}]
+
+
+def test_an_unterminated_last_line_that_parses_is_a_row(tmp_path: Path) -> None:
+    assert read_metrics(_write(tmp_path, '{"step": 1}\n{"step": 2}')) == [{"step": 1}, {"step": 2}]
+
+
+@pytest.mark.parametrize("text, line, reason", [
+    ('{"step": 1}\nnot json\n{"step": 3}\n', 2, "is not valid JSON"),
+    ('{"step": 1}\n{"step": 2, "lo\n', 2, "is not valid JSON"),  # complete line (it has its newline): not torn
+    ('{"step": 1}\n[1, 2]\n', 2, "is not a metrics row"),
+    ('{"loss": 1.0}\n', 1, "is not a metrics row"),
+])
+def test_any_other_bad_line_names_the_file_and_line(tmp_path: Path, text: str, line: int, reason: str) -> None:
+    with pytest.raises(MetricsUnreadable) as caught:
+        read_metrics(_write(tmp_path, text))
+    assert caught.value.line == line and f"metrics.jsonl:{line} {reason}" in str(caught.value)
+    assert caught.value.path == tmp_path / "metrics.jsonl"
+
+
+def test_rewrite_then_read(tmp_path: Path) -> None:
+    rewrite_metrics(tmp_path, [{"step": 1, "window": 1}, {"step": 2, "window": 2}])
+    assert read_metrics(tmp_path) == [{"step": 1, "window": 1}, {"step": 2, "window": 2}]
+    rewrite_metrics(tmp_path, [])
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
