@@ -31,12 +31,16 @@ from cadence.training.checkpoint import (
 from cadence.training.run_dir import CHECKPOINTS_DIR, METRICS_FILE, MetricsUnreadable, read_metrics, rewrite_metrics
 
 MATH_FIELDS = (
-    "model", "data", "seq_len", "effective_batch_size", "seed", "precision", "lr", "weight_decay", "adam_beta1",
-    "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "max_steps", "max_grad_norm", "last_window",
-    "val_fraction",
+    "model", "data_fingerprint", "seq_len", "effective_batch_size", "seed", "precision", "lr", "weight_decay",
+    "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "max_steps", "max_grad_norm",
+    "last_window", "val_fraction",
 )
 """What must match between the checkpoint's run and the resumed one: each changes the math or the data order.
-The micro-batch split, recompute and offload may change (they give the same gradient); so may logging."""
+The micro-batch split, recompute and offload may change (they give the same gradient); so may logging. The data is
+compared by its content's fingerprint, not by the spelling of its path: the same file named another way (a relative
+path from elsewhere, an absolute path, a link) resumes; other content under the same name is refused."""
+
+_FLAG_OF = {"data_fingerprint": "--data"}
 
 
 @dataclass(kw_only=True)
@@ -55,10 +59,16 @@ def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Pr
     """The math-changing fields that differ, each named by its flag."""
     problems = []
     for name in MATH_FIELDS:
-        if name in saved and saved.get(name) != current.get(name):
-            problems.append(Problem(where="--" + name.replace("_", "-"),
-                                    message=f"{current.get(name)!r} differs from the checkpoint's {saved.get(name)!r}; "
-                                            f"resuming would change the math (start a new --out instead)"))
+        if name not in saved or saved.get(name) == current.get(name):
+            continue
+        if name == "data_fingerprint":
+            message = (f"{current.get('data') or 'the built-in corpus'} does not hold the data the checkpoint was "
+                       f"trained on (content {str(current.get(name))[:19]}... vs {str(saved.get(name))[:19]}...); "
+                       f"resuming would mix other data into the run (start a new --out instead)")
+        else:
+            message = (f"{current.get(name)!r} differs from the checkpoint's {saved.get(name)!r}; resuming would "
+                       f"change the math (start a new --out instead)")
+        problems.append(Problem(where=_FLAG_OF.get(name, "--" + name.replace("_", "-")), message=message))
     return problems
 
 
@@ -92,6 +102,12 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
         if main:
             _truncate_metrics(run_dir, rows, windows=0)  # a run killed before its first checkpoint starts over
         return None
+    # A checkpoint without the history before it: the summary would count only the steps after the resume. Every
+    # rank learns rank 0's finding, so that all stop together.
+    if broadcast_from_main(main and not (run_dir / METRICS_FILE).is_file(), parts.ranks):
+        raise UsageError([Problem(where="--resume", message=(
+            f"{run_dir / METRICS_FILE} is missing although {path.name} exists: the run's earlier steps would be lost "
+            f"from its totals. Put the file back, or start a new --out (nothing was changed)"))])
     try:
         checkpoint = load_checkpoint(path)
     except CheckpointUnreadable as err:

@@ -1,0 +1,123 @@
+"""The run directory is the user's data (issue 17 item 2): one run at a time, the data compared by content, and a
+refused resume writes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import sample_text
+
+from cadence.cli import main
+from cadence.errors import UsageError
+from cadence.training.checkpoint import checkpoint_dirs
+from cadence.training.lock import RunDirectoryLock
+from cadence.training.run_dir import read_metrics
+from cadence.training.state_file import read_state, write_state
+
+CADENCE = str(Path(sys.executable).with_name("cadence"))
+
+
+def data_file(tmp_path: Path, name: str = "text.txt", seed_bytes: bytes = b"") -> Path:
+    path = tmp_path / name
+    path.write_bytes(seed_bytes + sample_text(400 * 32 + 1)[len(seed_bytes):])
+    return path
+
+
+def args(data: Path | str, out: Path, *extra: str, steps: int = 4) -> list[str]:
+    return ["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "4", "--grad-accum-steps", "2",
+            "--max-steps", str(steps), "--val-fraction", "0", "--checkpoint-every", "2", "--out", str(out), *extra]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_second_lock_on_the_same_directory_is_refused_naming_the_holder(tmp_path):
+    with RunDirectoryLock(tmp_path):
+        with pytest.raises(UsageError) as refused:
+            RunDirectoryLock(tmp_path).acquire()
+    message = str(refused.value)
+    assert "--out" in message and "in use by another cadence run" in message and f"pid {os.getpid()}" in message
+    with RunDirectoryLock(tmp_path):  # released on exit: the next run gets it
+        pass
+
+
+def test_a_second_run_on_a_busy_directory_is_refused_and_a_killed_one_leaves_no_stale_lock(tmp_path, capsys):
+    data, out = data_file(tmp_path), tmp_path / "run"
+    first = subprocess.Popen([CADENCE, *args(data, out, steps=400)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        while not (out / "metrics.jsonl").exists() or not read_metrics(out):
+            assert first.poll() is None, first.stderr.read()
+            time.sleep(0.05)
+        before = snapshot(out)
+        assert main(args(data, out, "--resume", steps=400)) == 2
+        err = capsys.readouterr().err
+        assert f"pid {first.pid}" in err and "in use by another cadence run" in err and "--out" in err
+        assert all(snapshot(out).get(name) == content for name, content in before.items()
+                   if name != "metrics.jsonl")  # the refused run changed nothing
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    # SIGKILL: the OS released the lock; the run resumes from its last checkpoint.
+    assert main(args(data, out, "--resume", steps=400)) == 0
+    assert read_metrics(out)[-1]["step"] == 400
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no lock file or other leftover
+
+
+def test_resume_compares_the_data_by_content_not_by_path(tmp_path, monkeypatch, capsys):
+    data, out = data_file(tmp_path), tmp_path / "run"
+    assert main(args(data, out)) == 0
+    shutil.rmtree(checkpoint_dirs(out)[-1])  # as if killed after step 2
+    # The same file given another way: a relative path from another working directory.
+    monkeypatch.chdir(tmp_path)
+    assert main(args(Path("text.txt"), out, "--resume")) == 0
+    shutil.rmtree(checkpoint_dirs(out)[-1])
+    # The same name with other content: refused, naming --data, and nothing written.
+    data.write_bytes(b"different " + data.read_bytes()[10:])
+    before = snapshot(out)
+    assert main(args(data, out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "--data" in err and "does not hold the data the checkpoint was trained on" in err
+    assert snapshot(out) == before
+
+
+def test_a_refused_mid_window_resume_writes_nothing(tmp_path, capsys):
+    data, out = data_file(tmp_path), tmp_path / "run"
+    assert main(args(data, out)) == 0
+    checkpoint = checkpoint_dirs(out)[-1]
+    # Make the newest checkpoint one written mid-window (micro-batch 4), resealed as a real one is.
+    state = read_state(checkpoint, "training_state")
+    state["partial_window"] = {"micro_batches_done": 1, "loss_sum": 1.0, "micro_batch_size": 4, "grads": {}}
+    write_state(checkpoint, "training_state", state)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["sha256"] = {name: hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
+                          for name in manifest["sha256"]}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(out)
+    other_split = args(data, out, "--resume")
+    other_split[other_split.index("--micro-batch-size") + 1], other_split[other_split.index("--grad-accum-steps") + 1] \
+        = "2", "4"
+    assert main(other_split) == 2
+    assert "--micro-batch-size" in capsys.readouterr().err
+    assert snapshot(out) == before  # config.json, metrics.jsonl, checkpoints: all as they were
+
+
+def test_a_missing_metrics_file_is_reported_not_silently_restarted(tmp_path, capsys):
+    data, out = data_file(tmp_path), tmp_path / "run"
+    assert main(args(data, out)) == 0
+    (out / "metrics.jsonl").unlink()
+    before = snapshot(out)
+    assert main(args(data, out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "metrics.jsonl is missing" in err
+    assert snapshot(out) == before
