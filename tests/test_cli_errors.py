@@ -8,6 +8,7 @@ name them. ``<tmp_path>/run`` is the ``--out`` of every row and must not exist a
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -335,3 +336,34 @@ def test_resume_into_a_directory_that_is_not_a_run_is_refused_and_left_untouched
     assert status == 2
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert "--out" in capsys.readouterr().err
+
+
+SETPRIV = shutil.which("setpriv")
+
+
+@pytest.mark.skipif(SETPRIV is None or os.geteuid() != 0, reason="needs util-linux setpriv, as root")
+@pytest.mark.parametrize("unreadable", ["file", "directory"])
+def test_unreadable_parts_of_a_data_directory_are_named_not_skipped(tmp_path: Path, unreadable: str) -> None:
+    """Root reads every file, so the run drops the capabilities that let it (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+    then a mode-000 file or directory is as unreadable to it as to any user."""
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "ok.txt").write_bytes(TEXT)
+    (data / "sub" / "more.txt").write_bytes(TEXT)
+    secret = data / "secret.txt" if unreadable == "file" else data / "sub"
+    if unreadable == "file":
+        secret.write_bytes(TEXT)
+    secret.chmod(0o000)
+    try:
+        result = subprocess.run(
+            [SETPRIV, "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search",
+             sys.executable, "-c", "import sys; from cadence.cli import main; sys.exit(main(sys.argv[1:]))",
+             "train", "--data", str(data), "--out", str(tmp_path / "run"), *FAST],
+            capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        secret.chmod(0o755)
+    assert result.returncode == 2, result.stderr
+    lines = _check_error_output(result.stderr, result.stdout, "--data")
+    assert any(str(secret) in line and "permission denied" in line for line in lines), result.stderr
+    assert not (tmp_path / "run").exists()

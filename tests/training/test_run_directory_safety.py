@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -121,3 +122,31 @@ def test_a_missing_metrics_file_is_reported_not_silently_restarted(tmp_path, cap
     err = capsys.readouterr().err
     assert "--resume" in err and "metrics.jsonl is missing" in err
     assert snapshot(out) == before
+
+
+def _limited(limit_bytes: int):
+    """A child process whose files cannot grow past ``limit_bytes`` (RLIMIT_FSIZE): a write past it fails with
+    EFBIG, as a full disk fails with ENOSPC. SIGXFSZ is ignored so that the error reaches Python."""
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return apply
+
+
+@pytest.mark.parametrize("what, extra", [("checkpoint step-2", ["--checkpoint-every", "2"]),
+                                         ("model.safetensors", ["--checkpoint-every", "0"])])
+def test_a_write_that_fails_for_want_of_space_is_one_line_and_leaves_no_debris(tmp_path, what, extra):
+    data, out = data_file(tmp_path), tmp_path / "run"
+    argv = args(data, out, steps=2)
+    argv[argv.index("--checkpoint-every"):argv.index("--checkpoint-every") + 2] = extra
+    # gpt-tiny's weights are 4.2 MB: config.json, metrics.jsonl and TensorBoard's events fit in 1 MiB, they do not.
+    result = subprocess.run([CADENCE, *argv], capture_output=True, text=True, timeout=300,
+                            preexec_fn=_limited(1 << 20))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("cadence: training failed:")]
+    assert "cannot write" in line and what in line
+    assert "File too large" in line and "--resume" in line
+    leftovers = [p.name for p in out.rglob(".*")]
+    assert leftovers == []  # no staging folder, no temporary weights file
+    assert not checkpoint_dirs(out)

@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from cadence.training.run_dir import CHECKPOINTS_DIR, WEIGHTS_FILE, atomic_write_json, save_weights
+from cadence.training.run_dir import CHECKPOINTS_DIR, WEIGHTS_FILE, atomic_write_json, save_weights, writing
 from cadence.training.state_file import StateFileError, read_state, state_file_names, write_state
 
 STATE_STEM = "training_state"
@@ -85,6 +85,29 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoints/step-{step}/ (weights, optimizer, scheduler, precision, counters, RNG, data position);
     with ``keep`` > 0, delete all but the newest ``keep`` checkpoints afterwards."""
+    with writing(f"checkpoint step-{step} in {run_dir / CHECKPOINTS_DIR}",
+                 then="the checkpoints before it are intact: free space, then --resume"):
+        final = _write_checkpoint(run_dir, step=step, weights=weights, optimizer_state=optimizer_state,
+                                  scheduler=scheduler, engine_state=engine_state, data_position=data_position,
+                                  info=info, partial_window=partial_window)
+    if keep > 0:
+        prune_checkpoints(run_dir, keep=keep, known_intact=final)
+    return final
+
+
+def _write_checkpoint(
+    run_dir: Path,
+    *,
+    step: int,
+    weights: Mapping[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    engine_state: dict[str, Any],
+    data_position: dict[str, int],
+    info: dict[str, Any],
+    partial_window: dict[str, Any] | None,
+) -> Path:
+    """Assemble the checkpoint in a hidden staging folder and rename it into place (removed whole on any failure)."""
     root = run_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
@@ -112,8 +135,6 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if keep > 0:
-        prune_checkpoints(run_dir, keep=keep, known_intact=final)
     return final
 
 

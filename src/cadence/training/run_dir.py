@@ -6,16 +6,20 @@ half-written config, summary or weights file. metrics.jsonl is appended and flus
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
+
+from cadence.errors import CadenceFailure
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -69,11 +73,34 @@ def save_weights(weights: Mapping[str, torch.Tensor], path: Path, metadata: dict
     """``weights`` is a state_dict (the whole model's: under FSDP2 the caller gathers it first)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(weights_for_safetensors(weights), str(tmp), metadata=metadata)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        save_file(weights_for_safetensors(weights), str(tmp), metadata=metadata)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not also leave half a weights file behind
+        raise
+
+
+class RunDirectoryWriteFailed(CadenceFailure):
+    """A file of the run directory could not be written: a full disk, a file size limit, a read-only mount. What was
+    already on disk is intact (every file is written whole or not at all), so the run can be resumed once the
+    cause is fixed."""
+
+    label = "training failed"
+
+
+@contextlib.contextmanager
+def writing(what: str, *, then: str = "") -> Iterator[None]:
+    """Turn an OS error while writing ``what`` into one line for the user (``then``: what to do about it)."""
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        # safetensors reports the OS error inside its own: "Error while serializing: I/O error: No space left ..."
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).rsplit("I/O error: ", 1)[-1]
+        raise RunDirectoryWriteFailed(f"cannot write {what}: {reason}" + (f"; {then}" if then else "")) from err
 
 
 class RunWriter:
@@ -90,11 +117,13 @@ class RunWriter:
             self._tb = SummaryWriter(log_dir=str(root / TENSORBOARD_DIR))
 
     def write_config(self, resolved: dict[str, Any]) -> None:
-        atomic_write_json(self.root / CONFIG_FILE, resolved)
+        with writing(str(self.root / CONFIG_FILE)):
+            atomic_write_json(self.root / CONFIG_FILE, resolved)
 
     def log_step(self, row: dict[str, Any]) -> None:
-        self._metrics.write(json.dumps(_finite(row)) + "\n")
-        self._metrics.flush()
+        with writing(str(self.root / METRICS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
+            self._metrics.write(json.dumps(_finite(row)) + "\n")
+            self._metrics.flush()
         if self._tb is not None:
             step = int(row["step"])
             for key in ("loss", "grad_norm", "lr", "loss_scale", "tokens_per_s", "step_time_s", "val_loss"):
@@ -107,10 +136,12 @@ class RunWriter:
                 self._tb.add_scalar("train/skipped", 1, step)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        atomic_write_json(self.root / SUMMARY_FILE, summary)
+        with writing(str(self.root / SUMMARY_FILE)):
+            atomic_write_json(self.root / SUMMARY_FILE, summary)
 
     def save_model(self, weights: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-        save_weights(weights, self.root / WEIGHTS_FILE, metadata)
+        with writing(str(self.root / WEIGHTS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
+            save_weights(weights, self.root / WEIGHTS_FILE, metadata)
 
     def close(self) -> None:
         self._metrics.close()
