@@ -1,7 +1,8 @@
-"""The training configuration: one typed dataclass, and validation that reports every problem at once.
+"""The training configuration: one typed ``kw_only`` dataclass whose field docstrings are the flags' --help.
 
 Each field's name is its TOML key; its flag is the name with dashes (``micro_batch_size`` -> ``--micro-batch-size``).
-Flags win over the TOML file, which wins over the defaults (config_sources.py).
+Flags win over the TOML file, which wins over the defaults (``cadence.config.sources``); ``cadence.config.validate``
+checks every field and reports every problem at once.
 """
 
 from __future__ import annotations

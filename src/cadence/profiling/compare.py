@@ -4,7 +4,7 @@ Step times vary from step to step (the OS, caches, the allocator), so two profil
 give the same mean. B is called faster or slower than A only when the difference of the mean step times is large
 against that noise: Welch's t statistic on the per-step times (which does not assume equal variances) must exceed
 ``T_THRESHOLD`` in absolute value. Peak memory is deterministic for a given configuration, so a plain relative
-threshold (``MEMORY_THRESHOLD``) decides "leaner". The comparison is rendered with report_plots' blocks, so its
+threshold (``MEMORY_THRESHOLD``) decides "leaner". The comparison is rendered with cadence.report.render's blocks, so its
 markdown and HTML say the same thing as the reports do.
 """
 

@@ -1,9 +1,9 @@
 """The report of a profile (``cadence report PROFILE_DIR``): where the step time goes, and what to try next.
 
 ``cadence profile`` writes profile.json (phases, step times, throughput, MFU, top operators and a bottleneck verdict)
-beside a Chrome trace. This module turns profile.json into the same block list that report.py builds for runs and
-plans, so report.py's writer renders it as report.md and a self-contained report.html. It also holds what the
-profile comparison (profile_compare.py) shares with it: reading profile.json, the phase order and colours, the
+beside a Chrome trace. This module turns profile.json into the same block list that the run and plan reports build,
+so ``cadence.report.document.write_report`` renders it as report.md and a self-contained report.html. It also holds
+what the profile comparison (``cadence.profiling.compare``) shares with it: reading profile.json, the phase order and colours, the
 per-phase numbers and the stacked phase bars.
 """
 

@@ -1,11 +1,12 @@
-"""How the run and plan reports (report.py) are drawn: the figures, and the blocks rendered as markdown and HTML.
+"""How reports (runs, plans, profiles) are drawn: the figures, and the blocks rendered as markdown and HTML.
 
 Figures use matplotlib's object API, no pyplot: pyplot keeps global state (a current figure, a process-wide backend)
 that would leak into a user's own plotting and is not safe to use from a library. A bare ``Figure`` attached to a
 ``FigureCanvasAgg`` needs no backend selection at all and is garbage-collected like any other object.
 
-Blocks are rendered here rather than in report.py so that each file stays one concern: report.py decides what a
-report says, this file how it looks.
+Blocks are rendered here rather than beside the reports so that each file stays one concern: the report modules
+(``cadence.report.runs``, ``cadence.plan.report``, ``cadence.profiling.report``) decide what a report says, this file
+how it looks.
 """
 
 from __future__ import annotations

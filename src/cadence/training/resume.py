@@ -74,7 +74,7 @@ def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Pr
 
 def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
             micro_batch_size: int | None = None) -> ResumePoint | None:
-    """Load the newest intact checkpoint of ``run_dir`` into ``parts`` (trainer.Components); None if there is none.
+    """Load the newest intact checkpoint of ``run_dir`` into ``parts`` (training.components.Components); None if there is none.
 
     Raises UsageError when the configuration changes the math, or when ``micro_batch_size`` (the run's, if given)
     differs from that of a window the checkpoint interrupted. Call before the run writer opens metrics.jsonl.
