@@ -33,6 +33,7 @@ from cadence.engine.precision import PRECISIONS, precision_problem
 from cadence.engine.windows import iter_windows
 from cadence.errors import CadenceFailure, Problem, UsageError
 from cadence.formatting import format_bytes
+from cadence.input_files import read_regular_file
 from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.recompute import CHECKPOINTING_MODES
@@ -382,16 +383,15 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
     """The configuration with the plan's decision; a given flag that contradicts the plan is a usage error."""
     path = config.plan
     assert path is not None
+    content = read_regular_file(path, where="--plan", limit=64 << 20)  # a pipe or a device is refused, not read
     try:
-        plan = json.loads(path.read_text(encoding="utf-8"))
+        plan = json.loads(content.decode("utf-8"))
         choice = plan["choice"]
         decided = {name: choice[name] for name in DECISION_FIELDS}
         decided.update(model=plan["model"], seq_len=plan["seq_len"], effective_batch_size=None)
         if plan.get("model_config"):  # a Hugging Face model's --model-config overrides
             decided["model_config"] = list(plan["model_config"])
-    except FileNotFoundError:
-        raise UsageError.single("--plan", f"{path} does not exist") from None
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise UsageError.single("--plan", f"{path} is not a cadence plan.json ({err})") from None
     problems = []
     for name, value in decided.items():

@@ -13,6 +13,7 @@ from typing import Any
 
 from cadence.errors import UsageError
 from cadence.formatting import finite
+from cadence.input_files import read_regular_file
 from cadence.report import render as plots
 from cadence.report.render import Plot, Report, to_html, to_markdown
 from cadence.training.run_dir import atomic_write_bytes
@@ -45,13 +46,17 @@ def write_report(report: Report, root: Path) -> list[Path]:
 
 # ----------------------------------------------------------------------------------------------------- reading
 def read_json_object(path: Path, where: str = WHERE) -> dict[str, Any]:
-    """A JSON file that must hold an object; any problem is a UsageError naming ``where``."""
+    """A JSON file that must hold an object; any problem is a UsageError naming ``where``. Read as the user's other
+    inputs are: a regular file only, at most 256 MiB (a named pipe or a link to a device is refused, not read)."""
+    content = read_regular_file(path, where=where, limit=256 << 20)
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
+        value = json.loads(content.decode("utf-8"))
+    except UnicodeDecodeError as err:
         raise UsageError.single(where, f"{path} cannot be read: {err}") from None
     except json.JSONDecodeError as err:
         raise UsageError.single(where, f"{path} is not valid JSON ({err.msg}, line {err.lineno})") from None
+    except RecursionError:
+        raise UsageError.single(where, f"{path} is not valid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise UsageError.single(where, f"{path} should hold a JSON object, not {type(value).__name__}")
     return value
