@@ -84,29 +84,26 @@ def save_checkpoint(
     partial_window: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoints/step-{step}/ (weights, optimizer, scheduler, precision, counters, RNG, data position);
-    with ``keep`` > 0, delete all but the newest ``keep`` checkpoints afterwards."""
+    with ``keep`` > 0, delete all but the newest ``keep`` intact checkpoints afterwards (``prune_checkpoints``)."""
+    state = {
+        "optimizer": optimizer_state,
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "engine": engine_state,
+        "data_position": data_position,
+        "rng": rng_state(),
+        # --checkpoint-mid-window: the gradients of the micro-batches already done in the interrupted window
+        "partial_window": partial_window,
+    }
     with writing(f"checkpoint step-{step} in {run_dir / CHECKPOINTS_DIR}",
                  then="the checkpoints before it are intact: free space, then --resume"):
-        final = _write_checkpoint(run_dir, step=step, weights=weights, optimizer_state=optimizer_state,
-                                  scheduler=scheduler, engine_state=engine_state, data_position=data_position,
-                                  info=info, partial_window=partial_window)
+        final = _write_atomically(run_dir, step=step, weights=weights, state=state, info=info)
     if keep > 0:
         prune_checkpoints(run_dir, keep=keep, known_intact=final)
     return final
 
 
-def _write_checkpoint(
-    run_dir: Path,
-    *,
-    step: int,
-    weights: Mapping[str, torch.Tensor],
-    optimizer_state: dict[str, Any],
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    engine_state: dict[str, Any],
-    data_position: dict[str, int],
-    info: dict[str, Any],
-    partial_window: dict[str, Any] | None,
-) -> Path:
+def _write_atomically(run_dir: Path, *, step: int, weights: Mapping[str, torch.Tensor], state: dict[str, Any],
+                      info: dict[str, Any]) -> Path:
     """Assemble the checkpoint in a hidden staging folder and rename it into place (removed whole on any failure)."""
     root = run_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -114,15 +111,6 @@ def _write_checkpoint(
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step}."))
     try:
         save_weights(weights, staging / WEIGHTS_FILE)
-        state = {
-            "optimizer": optimizer_state,
-            "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "engine": engine_state,
-            "data_position": data_position,
-            "rng": rng_state(),
-            # --checkpoint-mid-window: the gradients of the micro-batches already done in the interrupted window
-            "partial_window": partial_window,
-        }
         write_state(staging, STATE_STEM, state)
         atomic_write_json(staging / INFO_FILE, {"step": step, **info})
         # The manifest is written last: a folder with a valid manifest was complete when it was written.
@@ -136,6 +124,7 @@ def _write_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
+
 
 
 def prune_checkpoints(run_dir: Path, *, keep: int, known_intact: Path | None = None) -> list[Path]:
