@@ -20,7 +20,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,9 +82,11 @@ def save_checkpoint(
     info: dict[str, Any],
     keep: int = 0,
     partial_window: dict[str, Any] | None = None,
+    known_intact: Collection[Path] = (),
 ) -> Path:
     """Write checkpoints/step-{step}/ (weights, optimizer, scheduler, precision, counters, RNG, data position);
-    with ``keep`` > 0, delete all but the newest ``keep`` intact checkpoints afterwards (``prune_checkpoints``)."""
+    with ``keep`` > 0, delete all but the newest ``keep`` intact checkpoints afterwards (``prune_checkpoints``;
+    ``known_intact``: checkpoints the caller knows are intact, which it need not hash again)."""
     state = {
         "optimizer": optimizer_state,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
@@ -98,7 +100,7 @@ def save_checkpoint(
                  then="the checkpoints before it are intact: free space, then --resume"):
         final = _write_atomically(run_dir, step=step, weights=weights, state=state, info=info)
     if keep > 0:
-        prune_checkpoints(run_dir, keep=keep, known_intact=final)
+        prune_checkpoints(run_dir, keep=keep, known_intact={*known_intact, final})
     return final
 
 
@@ -127,19 +129,20 @@ def _write_atomically(run_dir: Path, *, step: int, weights: Mapping[str, torch.T
 
 
 
-def prune_checkpoints(run_dir: Path, *, keep: int, known_intact: Path | None = None) -> list[Path]:
+def prune_checkpoints(run_dir: Path, *, keep: int, known_intact: Collection[Path] = ()) -> list[Path]:
     """Delete all but the newest ``keep`` INTACT checkpoints; return what was deleted.
 
     A damaged checkpoint is never one of the kept: after a resume fell back from a damaged newest checkpoint, keeping
     "the highest steps" would keep the damaged one and delete every good one. Damaged checkpoints newer than the
-    oldest kept one are left for the user to look at; everything older than it goes. ``known_intact`` (the folder
-    just written) is not hashed again."""
+    oldest kept one are left for the user to look at; everything older than it goes. ``known_intact`` (the folders
+    this run wrote or resumed from) are not hashed again: with them, a save hashes no other checkpoint once the run
+    has written ``keep`` of its own."""
     kept: list[Path] = []
     found = checkpoint_dirs(run_dir)
     for path in reversed(found):
         if len(kept) == keep:
             break
-        if path == known_intact or verify_checkpoint(path) is None:
+        if path in known_intact or verify_checkpoint(path) is None:
             kept.append(path)
     if len(kept) < keep:
         return []  # fewer intact checkpoints than asked to keep: nothing is old enough to go

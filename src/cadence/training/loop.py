@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 import torch
@@ -183,6 +184,9 @@ class TrainingRun:
         self.partial: PartialWindow | None = self.start.partial if self.start else None
         """The window a mid-window checkpoint interrupted, continued by the first ``run_window``."""
         self.stop = StopOnSignal()
+        self.intact_checkpoints: set[Path] = {self.start.checkpoint} if self.start else set()
+        """Checkpoints known to be whole (written by this run, or verified to resume from): pruning skips hashing
+        them again."""
         self.saved_at: int = self.engine.windows if self.start else -1
         """The window count at the last checkpoint, so that one window is never checkpointed twice."""
         self.progress = TrainProgress(total_steps=config.max_steps, grad_accum_steps=prep.grad_accum_steps,
@@ -334,12 +338,13 @@ class TrainingRun:
         optimizer_state = full_optimizer_state(parts.model, parts.optimizer, parts.ranks)
         if not parts.ranks.is_main:
             return
-        save_checkpoint(
+        written = save_checkpoint(
             self.prep.out, step=parts.engine.steps, weights=weights, optimizer_state=optimizer_state,
             scheduler=parts.scheduler, engine_state=parts.engine.state_dict(), data_position=data_position,
             info={**info, "optimizer_format": optimizer_state_format(parts.ranks)},
-            keep=self.config.keep_checkpoints, partial_window=partial_window,
+            keep=self.config.keep_checkpoints, partial_window=partial_window, known_intact=self.intact_checkpoints,
         )
+        self.intact_checkpoints.add(written)
 
     def _checkpoint_mid_window(self, interrupted: WindowInterrupted, place: EpochWindow) -> None:
         """A checkpoint inside a window: the state before it, plus the gradients of the micro-batches it has done."""
