@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint clean bench bench-quick
+.PHONY: install demo test test-fast lint clean bench bench-quick bench-data
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -60,6 +60,15 @@ bench: $(BENCH_STAMP)
 # *_quick.json, so quick numbers cannot pass for the full run's.
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/overhead.py --quick
+
+# Issue 14: peak RSS/PSS of the whole process tree, start-up to the first step and wall time of `cadence train` on
+# 3 MB, 323 MB and 3 GB of text (3 GB only with the token store and 8 GiB free), 1k and 200k prompt/completion
+# examples, two ranks, and `cadence prepare-data` throughput; inputs are generated in a temporary directory and
+# deleted. Writes benchmarks/results/data_store.json (then run benchmarks/write_report.py). About 3 minutes on 2 cores
+# with the loader that reads everything into memory (the 3 GB case is then skipped), plus the 3 GB case's two runs
+# with the store; `.venv/bin/python benchmarks/data_store.py --quick` is a one-minute smoke run (data_store_quick.json).
+bench-data: $(STAMP)
+	$(BIN)/python benchmarks/data_store.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -50,6 +50,7 @@ class Section:
     render: Callable[[dict], list[str]]
     uses: tuple[str, ...] = ()  # libraries besides torch whose versions matter to the numbers
     in_make_bench: bool = False  # refreshed by every `make bench`; the others only by their own command
+    optional: bool = False  # left out of BENCHMARKS.md altogether (no "missing" row or section) while its JSON is absent
 
     def reproduce(self) -> str:
         return f"`{self.command}`" + (" (part of `make bench`)" if self.in_make_bench else "")
@@ -69,6 +70,8 @@ SECTIONS = (
             ".venv/bin/python benchmarks/phase_overhead.py", sections.render_phase_overhead),
     Section("audit_overhead.json", "Cost of `cadence audit` on a correct loop",
             ".venv/bin/python benchmarks/audit_overhead.py", sections.render_audit_overhead),
+    Section("data_store.json", "Data at scale: memory and start-up against the size of the data (issue 14)",
+            "make bench-data", lambda data: render_data_store(data), optional=True),  # defined further down
     Section("demo.json", "The demo", "make demo && .venv/bin/python benchmarks/record_demo.py", sections.render_demo),
 )
 VERSION_COLUMNS = ("python", "torch", "cadence", "accelerate", "lightning")
@@ -139,6 +142,8 @@ def render_header(results: dict[str, dict]) -> list[str]:
     rows = []
     for section in SECTIONS:
         data = results.get(section.file)
+        if data is None and section.optional:
+            continue
         if data is None:
             rows.append([f"`{section.file}`", "missing"] + [""] * (1 + len(VERSION_COLUMNS)))
             continue
@@ -179,8 +184,10 @@ def render(results_dir: Path = RESULTS) -> str:
     results = load_results(results_dir)
     lines = render_header(results)
     for section in SECTIONS:
-        lines += [f"## {section.title}", ""]
         data = results.get(section.file)
+        if data is None and section.optional:
+            continue
+        lines += [f"## {section.title}", ""]
         if data is None:
             lines += sections.para(f"Not measured: `benchmarks/results/{section.file}` is missing. Produce it with "
                                    f"{section.reproduce()}, then run `.venv/bin/python benchmarks/write_report.py`.")
@@ -189,6 +196,219 @@ def render(results_dir: Path = RESULTS) -> str:
                                f"Measured: {measured_at(data)}.")
         lines += section.render(data)
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+# ---------------------------------------------------------------------------------------- data store (issue 14)
+
+DATA_TOLERANCE = 300 * sections.MiB  # issue 14: peak RSS within 300 MB of the same run on the small input
+DATA_STARTUP_S = 3.0  # issue 14: the 200k-example JSONL's second start-up (store cached) under 3 s to the first step
+DATA_RANKS = 1.3  # issue 14: two ranks' summed RSS grows by less than 1.3x the one-process run's growth
+DATA_NOISE = 50 * sections.MiB  # a one-process growth under this is noise: two ranks are judged against this floor
+RUNS = ("first", "second")
+
+
+def _mb(value: float | None, sign: bool = False) -> str:
+    """MB (2**20 bytes, as benchmarks/data_store.py counts them) with thousands separators."""
+    return "-" if value is None else f"{value / sections.MiB:{'+' if sign else ''},.0f}"
+
+
+def _size(value: int | None) -> str:
+    """An input's size in MB: one decimal below 10 MB, so that a small input does not read as 0."""
+    return "-" if value is None else f"{value / sections.MiB:,.1f}" if value < 10 * sections.MiB else _mb(value)
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _measured(entry: dict | None, which: str) -> dict | None:
+    """The run ``which`` of a case when it ran and succeeded; None when skipped or failed."""
+    run = (entry or {}).get(which)
+    return run if run is not None and "error" not in run else None
+
+
+def _growth(entry: dict | None, base: dict | None, which: str, key: str = "peak_rss_bytes") -> int | None:
+    run, ref = _measured(entry, which), _measured(base, which)
+    return None if run is None or ref is None else run[key] - ref[key]
+
+
+def _why_not(entry: dict | None) -> str:
+    if entry is None:
+        return "not in the JSON"
+    if "skipped" in entry:
+        return entry["skipped"]
+    failed = [f"{w} run: {entry[w]['error']}" for w in RUNS if w in entry and "error" in entry[w]]
+    return "; ".join(failed) or "not measured"
+
+
+def data_store_targets(data: dict) -> list[tuple[str, bool | None, str]]:
+    """Issue 14's targets judged from data_store.json: (target, met / not met / None when not judged, figures).
+
+    The inputs are compared with the first (smallest) of their kind in the JSON, so a --quick JSON is judged on its
+    own sizes; each target must hold for the first run (empty --data-cache, building the store) and the second.
+    """
+    judged: list[tuple[str, bool | None, str]] = []
+    tolerance = _mb(DATA_TOLERANCE)
+    text = data.get("text", [])
+    for entry in text[1:]:
+        target = f"{entry['label']} text: peak RSS within {tolerance} MB of the {text[0]['label']} run"
+        growths = {w: _growth(entry, text[0], w) for w in RUNS}
+        if any(g is None for g in growths.values()):
+            missing = entry if any(_measured(entry, w) is None for w in RUNS) else text[0]
+            judged.append((target, None, f"not measured: {_why_not(missing)}"))
+            continue
+        figures = "; ".join(
+            f"{w} {_mb(g, True)} MB ({_mb(entry[w]['peak_rss_bytes'])} vs {_mb(text[0][w]['peak_rss_bytes'])} MB; "
+            f"PSS {_mb(_growth(entry, text[0], w, 'peak_pss_bytes'), True)} MB)" for w, g in growths.items())
+        judged.append((target, all(g <= DATA_TOLERANCE for g in growths.values()), figures))
+    jsonl = data.get("jsonl", [])
+    if len(jsonl) > 1:
+        base, large = jsonl[0], jsonl[-1]
+        second = _measured(large, "second")
+        target = f"{large['label']}-example JSONL: second start-up under {DATA_STARTUP_S:g} s to the first step"
+        if second is None or second.get("first_step_s") is None:
+            judged.append((target, None, f"not measured: {_why_not(large)}"))
+        else:
+            first = _measured(large, "first") or {}
+            judged.append((target, second["first_step_s"] < DATA_STARTUP_S,
+                           f"{_secs(second['first_step_s'])} s (first run {_secs(first.get('first_step_s'))} s; "
+                           f"{base['label']} examples: {_secs((_measured(base, 'second') or {}).get('first_step_s'))} "
+                           "s)"))
+        target = f"{large['label']}-example JSONL: peak RSS within {tolerance} MB of {base['label']} examples"
+        growths = {w: _growth(large, base, w) for w in RUNS}
+        if any(g is None for g in growths.values()):
+            judged.append((target, None, f"not measured: {_why_not(large)}"))
+        else:
+            figures = "; ".join(f"{w} {_mb(g, True)} MB (PSS {_mb(_growth(large, base, w, 'peak_pss_bytes'), True)} "
+                                "MB)" for w, g in growths.items())
+            judged.append((target, all(g <= DATA_TOLERANCE for g in growths.values()), figures))
+    ranks = data.get("ranks", {})
+    runs = ranks.get("runs", [])
+    processes = ranks.get("processes", 2)
+    target = (f"{processes} ranks: summed RSS grows by less than {DATA_RANKS:g}x the one-process growth "
+              f"(growth under {_mb(DATA_NOISE)} MB counts as {_mb(DATA_NOISE)} MB)")
+    by_label = {entry["label"]: entry for entry in text}
+    if len(runs) < 2:
+        judged.append((target, None, f"not measured: {ranks.get('skipped', 'not in the JSON')}"))
+    else:
+        base, large = runs[0], runs[-1]
+        one_base, one_large = by_label.get(base["label"]), by_label.get(large["label"])
+        figures, met = [], True
+        for w in RUNS:
+            many, one = _growth(large, base, w), _growth(one_large, one_base, w)
+            if many is None or one is None:
+                figures, met = [f"not measured: {_why_not(large if many is None else one_large)}"], None
+                break
+            many_pss, one_pss = _growth(large, base, w, "peak_pss_bytes"), _growth(one_large, one_base, w,
+                                                                                   "peak_pss_bytes")
+            ratio = f"{many / one:.2f}x" if one > 0 else "n/a"
+            pss_ratio = f"{many_pss / one_pss:.2f}x" if one_pss and one_pss > 0 else "n/a"
+            figures.append(f"{w} {ratio} ({large['label']} over {base['label']}: {processes} ranks "
+                           f"{_mb(many, True)} MB, one process {_mb(one, True)} MB; PSS {pss_ratio})")
+            met = met and many < DATA_RANKS * max(one, DATA_NOISE)
+        judged.append((target, met, "; ".join(figures)))
+    prepare = data.get("prepare_data", {})
+    target = "Tokenisation throughput of `cadence prepare-data`, first build vs cached"
+    if "skipped" in prepare or not prepare.get("runs"):
+        judged.append((target, None, f"not measured: {prepare.get('skipped', 'not in the JSON')}"))
+    else:
+        figures = []
+        for entry in prepare["runs"]:
+            rates = [f"{(_measured(entry, w) or {}).get('mb_per_s', '-')} MB/s {w}" for w in RUNS]
+            size = "" if entry["label"].endswith(" text") else f" ({_size(entry.get('bytes'))} MB)"
+            figures.append(f"{entry['label']}{size}: {', '.join(rates)}")
+        judged.append((target, None, "reported (no threshold): " + "; ".join(figures) + "; wall time including the "
+                       f"command's start-up ({_secs(prepare.get('help_s'))} s for `prepare-data --help`)"))
+    return judged
+
+
+def render_data_store(data: dict) -> list[str]:
+    """The data-store section: what ran, issue 14's targets judged (met / NOT met), then every run's figures."""
+    code = data.get("code", {})
+    commit = code["git_commit"][:10] if code.get("git_commit") else f"`{code.get('package')}` (not this checkout)"
+    modified = {True: ", with uncommitted changes under src/", False: ""}.get(code.get("src_modified"), "")
+    loader = ("the memory-mapped token store (`--data-cache`, a fresh one per first run, reused by the second)"
+              if data.get("store_supported") else
+              "the loader that reads every source into memory (`cadence train` had no `--data-cache`; the second run "
+              "repeats the first)")
+    lines = sections.para(
+        f"`cadence train {' '.join(data['train_flags'])} --data FILE --out DIR`, cadence {code.get('cadence')} at "
+        f"{commit}{modified}, measured {loader}. Inputs are generated from the standard library's .py source "
+        "(repeated to size; JSONL examples cut from it at random) and deleted afterwards. Memory is that of the whole "
+        "process tree (cadence, torchrun, every rank and worker), summed and sampled every "
+        f"{data['sample_interval_s'] * 1000:.0f} ms from /proc: peak RSS, and peak PSS, which splits a shared page "
+        "between the processes that map it (the honest total for a shared memory-mapped store); the kernel's per-"
+        "process peak (VmHWM, summed) cross-checks the sampling. Times are from the process start: to the banner "
+        "(data loaded) and to the first row of metrics.jsonl (the first optimizer step). MB = 2**20 bytes. Every "
+        "command line is in the JSON.")
+    lines += ["Targets (issue 14):", ""]
+    for target, met, figures in data_store_targets(data):
+        state = "reported" if met is None and figures.startswith("reported") else (
+            "not measured" if met is None else sections.verdict(met))
+        figures = figures.removeprefix("reported (no threshold): ").removeprefix("not measured: ")
+        lines.append(f"- {target}: **{state}**. {figures}")
+    lines.append("")
+
+    def rows(entries: list[dict], label: str, base: dict | None) -> list[list[str]]:
+        out = []
+        for entry in entries:
+            if "skipped" in entry:
+                out.append([label.format(**entry), "-", "skipped", entry["skipped"]] + [""] * 6)
+                continue
+            for w in RUNS:
+                run = entry.get(w, {})
+                if "error" in run:
+                    out.append([label.format(**entry), _size(entry.get("bytes")), w, f"FAILED: {run['error']}"]
+                               + [""] * 6)
+                    continue
+                growth = _growth(entry, base, w) if base is not None and entry is not base else None
+                out.append([label.format(**entry), _size(entry.get("bytes")), w, _secs(run.get("wall_s")),
+                            _secs(run.get("data_ready_s")), _secs(run.get("first_step_s")),
+                            _mb(run.get("peak_rss_bytes")), _mb(run.get("peak_pss_bytes")),
+                            _mb(growth, True) if growth is not None else "", _size(run.get("cache_bytes"))])
+        return out
+
+    header = ["data", "size MB", "run", "wall s", "data loaded s", "first step s", "peak RSS MB", "peak PSS MB",
+              "RSS growth MB", "store MB"]
+    text = data.get("text", [])
+    lines += sections.para("Text (one process); growth is against the first row's size, same run:")
+    lines += sections.table(header, rows(text, "{label} text", text[0] if text else None))
+    jsonl = data.get("jsonl", [])
+    if jsonl:
+        spread = (f"prompts {jsonl[0]['prompt_bytes'][0]}-{jsonl[0]['prompt_bytes'][1]} bytes, completions "
+                  f"{jsonl[0]['completion_bytes'][0]}-{jsonl[0]['completion_bytes'][1]} bytes, uniform")
+        lines += sections.para(f"Prompt/completion JSONL ({spread}; a prompt stays within --seq-len so every example "
+                               "keeps a target):")
+        lines += sections.table(header, rows(jsonl, "{examples:,} examples", jsonl[0]))
+    ranks = data.get("ranks", {})
+    if ranks.get("runs"):
+        lines += sections.para(f"Text with `--nproc-per-node {ranks['processes']}` (memory summed over the tree):")
+        lines += sections.table(header, rows(ranks["runs"], "{label} text", ranks["runs"][0]))
+    prepare = data.get("prepare_data", {})
+    if prepare.get("runs"):
+        lines += sections.para("`cadence prepare-data` (MB/s = input size / wall time, start-up included):")
+        prepare_rows = []
+        for entry in prepare["runs"]:
+            for w in RUNS:
+                run = entry.get(w)
+                if run is None:
+                    prepare_rows.append([entry["label"], _size(entry.get("bytes")), w, entry.get("skipped", "-"), "",
+                                         "", ""])
+                    continue
+                if "error" in run:
+                    prepare_rows.append([entry["label"], _size(entry.get("bytes")), w, f"FAILED: {run['error']}", "",
+                                         "", ""])
+                    continue
+                prepare_rows.append([entry["label"], _size(entry.get("bytes")), w, _secs(run.get("wall_s")),
+                                     f"{run['mb_per_s']:,.1f}", _mb(run.get("peak_rss_bytes")),
+                                     _size(run.get("cache_bytes"))])
+        lines += sections.table(["data", "size MB", "run", "wall s", "MB/s", "peak RSS MB", "store MB"], prepare_rows)
+    notes = list(data.get("notes", []))  # what was skipped is said in the targets above
+    if data.get("quick"):
+        notes.append("A --quick run: small sizes only, not the issue's.")
+    for note in notes:
+        lines += sections.para(note)
+    return lines
 
 
 def plot_overhead(data: dict, path: Path) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +12,19 @@ import torch
 from helpers import prompt_completion_dataset, sample_text
 
 from cadence.data import TokenDataset, pack_bytes
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_home() -> Iterator[None]:
+    """HOME for the test session (and every process it starts): the default token-store cache
+    (~/.cache/cadence/data) fills a throw-away folder, never the developer's own cache."""
+    saved = os.environ.get("HOME")
+    home = tempfile.mkdtemp(prefix="cadence-test-home-")
+    os.environ["HOME"] = home
+    yield
+    if saved is not None:
+        os.environ["HOME"] = saved
+    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture

@@ -312,14 +312,16 @@ def test_click_type_error_has_the_where_message_form(capsys: pytest.CaptureFixtu
 def test_a_failed_datasets_load_leaves_no_temporary_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], content: str
 ) -> None:
-    """The tokenisation cache is made in a temporary folder before --out exists; every failure path removes it."""
+    """A failed build leaves no store (not even a half one) in --data-cache and no temporary Arrow copies."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where tempfile.mkdtemp puts folders
     data = _write(tmp_path, "table.csv", content)
-    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(data), *FAST]) == 2
+    cache = tmp_path / "cache"
+    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(data), "--data-cache", str(cache), *FAST]) == 2
     assert capsys.readouterr().err.startswith("cadence: error:")
     assert list(scratch.iterdir()) == []
+    assert list((cache / "stores").iterdir()) == [] and list((cache / "sources").iterdir()) == []
     assert not (tmp_path / "run").exists()
 
 

@@ -29,6 +29,7 @@ from cadence.profiling.compare import write_comparison
 from cadence.profiling.profiler import PROFILE_TRAIN_FIELDS, ProfileOptions, run_profile
 from cadence.rebuild import build_report
 from cadence.training.loop import train
+from cadence.training.prepare_data import PREPARE_DATA_TRAIN_FIELDS, PrepareDataOptions, prepare_data
 from cadence.verify.check import VERIFY_TRAIN_FIELDS, VerifyOptions, run_verify
 
 
@@ -248,6 +249,18 @@ def audit_command(as_json: bool, strict: bool, command: tuple[str, ...]) -> None
     is 1 when an error-level rule fired (the loop's gradient, update or LR schedule is wrong), and with --strict
     also on a warning (performance only)."""
     raise click.exceptions.Exit(run_script(list(command), as_json=as_json, strict=strict))
+
+
+@app.command("prepare-data")
+@dataclass_options(TrainConfig, PREPARE_DATA_TRAIN_FIELDS)
+@dataclass_options(PrepareDataOptions)
+def prepare_data_command(**options: Any) -> None:
+    """Tokenise --data once into a memory-mapped token store (in --data-cache, or --out DIR) and print what it
+    holds: examples, tokens, targets and a length histogram. cadence train then opens it in milliseconds."""
+    own = {f.name for f in dataclasses.fields(PrepareDataOptions)}
+    prepare_options = PrepareDataOptions(**{k: v for k, v in options.items() if k in own and v is not None})
+    config = build_config(toml_path=None, flags={k: v for k, v in options.items() if k not in own})
+    prepare_data(config, prepare_options)
 
 
 @app.command("report")

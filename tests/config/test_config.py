@@ -231,7 +231,7 @@ def test_every_field_has_help_from_its_docstring() -> None:
         assert "\n" not in text and "  " not in text  # whitespace of multi-line docstrings is collapsed
     assert field_help("lr") == "Peak learning rate (AdamW)."
     assert field_help("data").startswith("Training data: omitted = the built-in corpus")
-    assert field_help("data").endswith('.parquet, .csv and .json files are read with datasets.')
+    assert field_help("data").endswith('a token store directory written by cadence prepare-data --out.')
     assert field_help("no_such_field") == ""
 
 

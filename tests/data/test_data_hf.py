@@ -7,13 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
 from cadence.data import IGNORE_INDEX, read_jsonl  # noqa: E402
 from cadence.data.hf import ByteTokenizer, HFTokenizer, as_tokenizer, is_hf_data, load_hf_data  # noqa: E402
+from cadence.data.store import STORE_VERSION  # noqa: E402
 from cadence.errors import UsageError  # noqa: E402
 
 TEXTS = ["the step chain", "micro batches and windows", "clip the norm once", "scale then step", "zero the grads"]
@@ -119,7 +119,8 @@ def test_files_load_and_agree(tmp_path: Path, fmt: str) -> None:
     assert is_hf_data(path) or fmt == "jsonl"  # .jsonl stays with the built-in reader unless a tokenizer needs this
     splits = load(path, cache_dir=tmp_path / "cache")
     assert as_lists(splits.train) == [(list(t.encode()[:-1]), list(t.encode()[1:])) for t in TEXTS]
-    assert (tmp_path / "cache" / "datasets").is_dir()  # datasets' Arrow copies go to our cache, not the home dir
+    # datasets' Arrow copies live in a temporary folder while tokenising: the token store is what is kept.
+    assert not (Path.home() / ".cache" / "huggingface").exists() and len(stores(tmp_path / "cache")) == 1
 
 
 def test_jsonl_bytes_match_the_builtin_reader(tmp_path: Path) -> None:
@@ -212,25 +213,34 @@ def test_bos_is_prepended_only_when_the_tokenizer_adds_it_itself(tmp_path: Path)
 
 
 # ------------------------------------------------------------------------------------------------ cache
+def stores(cache: Path) -> list[Path]:
+    return [p for p in (cache / "stores").iterdir() if not p.name.startswith(".")]
+
+
 def test_tokenisation_cache_hits_the_second_time(tmp_path: Path) -> None:
     path = write(tmp_path, "csv")
     cache = tmp_path / "cache"
     first_tok, second_tok = CountingTokenizer(), CountingTokenizer()
     first = load(path, tokenizer=first_tok, cache_dir=cache, val_fraction=0.2)
-    assert first_tok.calls and len(list(cache.glob("tokenized-*.pt"))) == 1
+    assert first_tok.calls and len(stores(cache)) == 1
     second = load(path, tokenizer=second_tok, cache_dir=cache, val_fraction=0.2)
     assert second_tok.calls == [] and "from the cache" in second.description
     assert as_lists(second.train) == as_lists(first.train) and as_lists(second.val) == as_lists(first.val)
-    # Any input that changes the tokens misses: another seq_len, another field, other file content.
+    # Another --seq-len reads the same store: examples are cut when read, not when stored.
     third_tok = CountingTokenizer()
-    load(path, tokenizer=third_tok, cache_dir=cache, seq_len=8)
-    assert third_tok.calls
+    short = load(path, tokenizer=third_tok, cache_dir=cache, seq_len=8)
+    assert third_tok.calls == [] and max(len(e.input_ids) for e in short.train) == 8 and short.truncated > 0
+    # Other field names, or other file content, miss.
+    fields_tok = CountingTokenizer()
+    load(path, tokenizer=fields_tok, cache_dir=cache, prompt_field="question")
+    assert fields_tok.calls
     path.write_text(path.read_text().replace("step", "STEP"))
-    os.utime(path, ns=(1, 1))  # a rewrite within the same second must still change the identity (size or mtime)
+    os.utime(path, ns=(1, 1))  # a rewrite within the same second must still change the identity (size or times)
     fourth_tok = CountingTokenizer()
     changed = load(path, tokenizer=fourth_tok, cache_dir=cache, val_fraction=0.2)
     assert fourth_tok.calls and as_lists(changed.train) != as_lists(first.train)
-    assert len(list(cache.glob("tokenized-*.pt"))) == 3
+    assert changed.fingerprint != first.fingerprint
+    assert len(stores(cache)) == 3
 
 
 def test_cache_keys_the_tokenizer(tmp_path: Path) -> None:
@@ -247,10 +257,11 @@ def test_cache_keys_the_tokenizer(tmp_path: Path) -> None:
 def test_damaged_cache_is_rebuilt(tmp_path: Path) -> None:
     path = write(tmp_path, "parquet")
     cache = tmp_path / "cache"
-    first = load(path, cache_dir=cache)
-    for file in cache.glob("tokenized-*.pt"):
-        file.write_bytes(b"not a torch file")
+    first = as_lists(load(path, cache_dir=cache).train)  # read before the damage below (it maps the same file)
+    (store,) = stores(cache)
+    tokens = store / "tokens.bin"
+    tokens.write_bytes(tokens.read_bytes()[:-3])  # shorter than store.json says: never trusted
     tok = CountingTokenizer()
     again = load(path, cache_dir=cache, tokenizer=tok)
-    assert tok.calls and as_lists(again.train) == as_lists(first.train)
-    assert torch.load(next(cache.glob("tokenized-*.pt")), weights_only=True)["version"] == 1
+    assert tok.calls and as_lists(again.train) == first
+    assert json.loads((store / "store.json").read_text())["version"] == STORE_VERSION

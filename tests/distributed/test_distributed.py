@@ -69,7 +69,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     found = {"data": data, "root": root}
     found["ddp"] = root / "ddp"
     found["ddp_log"] = Path(root / "ddp.log")
-    found["ddp_log"].write_text(train_two_ranks(found["ddp"], data).stderr)
+    # Its own token-store cache: the two ranks start together on an empty one (see the test of the shared store).
+    found["ddp_log"].write_text(train_two_ranks(found["ddp"], data, "--data-cache", str(root / "cache")).stderr)
     train_two_ranks(root / "fsdp", data, "--strategy", "fsdp")
     found["fsdp"] = root / "fsdp"
     for micro, accum in ((2, 8), (16, 1)):
@@ -92,6 +93,15 @@ def test_two_ranks_give_the_one_process_losses_and_weights(runs: dict[str, Path]
             assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-12)
         assert relative_l2(ddp_weights, load_file(str(runs[name] / "model.safetensors"))) < 1e-4, name
     assert len({row["targets"] for row in ddp}) > 1  # the windows really differ in length
+
+
+def test_the_two_ranks_read_one_token_store(runs: dict[str, Path]) -> None:
+    """Both ranks needed the store at once: one built it, the other waited and mapped the same files (the build
+    itself is counted in tests/data/test_store.py); nothing half-built is left."""
+    stores = list((runs["root"] / "cache" / "stores").iterdir())
+    assert len(stores) == 1 and (stores[0] / "store.json").is_file()
+    config = json.loads((runs["ddp"] / "config.json").read_text())
+    assert config["data_store"] == str(stores[0])
 
 
 def test_the_two_ranks_hold_different_target_counts_in_every_window(runs: dict[str, Path]) -> None:

@@ -76,7 +76,10 @@ def test_saved_dataset_trains_and_a_missing_field_is_named(tmp_path, capsys):
     rows = {"text": [f"example number {i} " * (1 + i % 4) for i in range(40)]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
     out = train(tmp_path, "run", "--data", f"hf:{tmp_path / 'ds'}", "--micro-batch-size", "4")
-    assert len(read_metrics(out)) == 3 and (out / "cache").is_dir()
+    assert len(read_metrics(out)) == 3
+    # The tokens are in the default token-store cache (conftest points HOME at a throw-away folder), not the run.
+    stored = json.loads((out / "config.json").read_text())["data_store"]
+    assert Path(stored).parent == Path.home() / ".cache" / "cadence" / "data" / "stores"
     code = main(["train", "--data", f"hf:{tmp_path / 'ds'}", "--text-field", "body", "--seq-len", "48",
                  "--out", str(tmp_path / "bad")])
     assert code == 2

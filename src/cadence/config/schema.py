@@ -49,7 +49,11 @@ class TrainConfig:
     data: Path | None = None
     """Training data: omitted = the built-in corpus (Python's standard library source); a .txt file or a directory
     is packed into --seq-len sequences; a .jsonl file holds {"text"} or {"prompt", "completion"} examples;
-    hf:PATH is a dataset saved by datasets' save_to_disk; .parquet, .csv and .json files are read with datasets."""
+    hf:PATH is a dataset saved by datasets' save_to_disk; .parquet, .csv and .json files are read with datasets; a
+    token store directory written by cadence prepare-data --out."""
+    data_cache: Path | None = None
+    """Directory of token stores: every source is tokenised once into a memory-mapped store there and reopened in
+    milliseconds while its content stays the same; default ~/.cache/cadence/data."""
     text_field: str = "text"
     """Column of a datasets source holding the text."""
     prompt_field: str = "prompt"

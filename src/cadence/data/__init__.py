@@ -1,13 +1,15 @@
-"""Data for training: the built-in corpus, text and JSONL sources, packing, padding and micro-batch order.
+"""Data for training: the built-in corpus, text and JSONL sources, the token store they are read through, packing,
+padding and micro-batch order.
 
-Tokens are bytes (0..255), so every source works with the byte-level built-in GPT (vocab size 256).
+Byte-level sources' tokens are bytes (0..255), so they work with the byte-level built-in GPT (vocab size 256);
+:mod:`cadence.data.hf` adds datasets sources and real tokenizers, through the same store.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from cadence.data.batching import (
     IGNORE_INDEX,
@@ -20,76 +22,83 @@ from cadence.data.batching import (
     make_example,
     micro_batch_indices,
 )
+from cadence.data.cache import Recipe, default_cache_dir, open_or_build
 from cadence.data.corpus import corpus_bytes, corpus_description, corpus_files, stdlib_root
 from cadence.data.jsonl import read_jsonl
+from cadence.data.sources import BYTES_TOKENIZER, corpus_recipe, jsonl_recipe, text_recipe
+from cadence.data.splits import DataSplits, split_validation, splits_from_store
+from cadence.data.store import META_FILE, PackedSequences, StoreDamaged, StoredExamples, TokenStore
 from cadence.data.text import pack_bytes, read_text_source
 from cadence.errors import UsageError
 
-_ALLOWED_DATA = "a .txt file, a directory of text files, or a .jsonl file (omit --data for the built-in corpus)"
+_ALLOWED_DATA = ("a .txt file, a directory of text files, a .jsonl file, or a token store from cadence prepare-data "
+                 "(omit --data for the built-in corpus)")
 
 
-@dataclass(frozen=True, kw_only=True)
-class DataSplits:
-    """Training and validation data, ready for :func:`iterate_micro_batches`."""
-
-    train: TokenDataset
-    """Examples trained on."""
-    val: TokenDataset | None
-    """Held-out examples (the last ones of the source), or None when ``--val-fraction`` is 0."""
-    description: str
-    """One line saying where the data came from and how much there is, for logs and reports."""
-    truncated: int
-    """Examples cut to ``--seq-len`` (JSONL only; packed text is never truncated)."""
-    fingerprint: str
-    """``sha256:...`` of the source's content (not of its path): a resume compares it, so that rewritten data, or
-    other data under the same name, is never mixed into a run, while the same file named another way is accepted."""
+def is_store(path: Path | None) -> bool:
+    """Whether ``--data`` names a token store directory (one with a store.json)."""
+    return path is not None and path.is_dir() and (path / META_FILE).is_file()
 
 
-def split_validation(examples: TokenDataset, val_fraction: float) -> tuple[TokenDataset, TokenDataset | None]:
-    """Hold out the last ``round(len * val_fraction)`` examples (at least 1 when ``val_fraction > 0``).
-
-    The tail (not a random sample) is held out so that, for packed text, validation text never overlaps the
-    training text, and the split does not depend on a seed.
-    """
-    if not 0.0 <= val_fraction < 1.0:
-        raise UsageError.single("--val-fraction", f"must be at least 0 and less than 1, got {val_fraction}")
-    if val_fraction == 0.0:
-        return examples, None
-    total = len(examples)
-    num_val = max(1, round(total * val_fraction))
-    if total - num_val < 1:
-        raise UsageError.single(
-            "--val-fraction",
-            f"holding out {num_val} of {total} examples for validation leaves none to train on; "
-            f"use a smaller --val-fraction (or 0), more data, or a smaller --seq-len",
-        )
-    return examples[: total - num_val], examples[total - num_val :]
+def open_prepared_store(path: Path, *, expected_tokenizer: str) -> TokenStore:
+    """A store given as ``--data``: it must be complete and tokenised the way the model reads tokens."""
+    try:
+        store = TokenStore.open(path)
+    except StoreDamaged as error:
+        raise UsageError.single("--data", str(error)) from None
+    if store.meta.get("tokenizer") != expected_tokenizer:
+        made = store.meta.get("tokenizer_name") or store.meta.get("tokenizer")
+        raise UsageError.single("--data", (
+            f"{path} was tokenised with {made}, but the model reads {expected_tokenizer.split(':')[0]} tokens; "
+            f"build the store with the same --model: cadence prepare-data --data SOURCE --model MODEL --out DIR"))
+    return store
 
 
-def _load_examples(
-    data: Path | None, seq_len: int, max_corpus_bytes: int | None
-) -> tuple[TokenDataset, str, int, str]:
-    """Read the source named by ``--data``: (examples, description, number truncated, content fingerprint)."""
+def byte_recipe(data: Path | None, *, progress: IO[str] | None = None, workers: int | None = None) -> Recipe:
+    """How the byte-level source ``--data`` becomes a store (None: the built-in corpus)."""
     if data is None:
-        raw = corpus_bytes(max_corpus_bytes)
-        examples = pack_bytes(raw, seq_len)
-        return (examples, f"{corpus_description()}, {len(raw):,} bytes, {len(examples)} sequences of {seq_len}", 0,
-                bytes_fingerprint(raw))
+        return corpus_recipe(progress)
     if not data.exists():
         raise UsageError.single("--data", f"{data} does not exist; give {_ALLOWED_DATA}")
     if data.is_dir() or data.suffix.lower() == ".txt":
-        raw = read_text_source(data)
-        examples = pack_bytes(raw, seq_len)
-        kind = "directory" if data.is_dir() else "text file"
-        return (examples, f"{kind} {data}, {len(raw):,} bytes, {len(examples)} sequences of {seq_len}", 0,
-                bytes_fingerprint(raw))
+        return text_recipe(data, progress)
     if data.suffix.lower() == ".jsonl":
-        read, truncated = read_jsonl(data, seq_len)
-        examples = TokenDataset(read)
-        note = f", {truncated} truncated to {seq_len + 1} bytes" if truncated else ""
-        return examples, f"JSONL file {data}, {len(examples)} examples{note}", truncated, files_fingerprint(data)
+        return jsonl_recipe(data, progress, workers=workers)
     suffix = data.suffix or "no suffix"
     raise UsageError.single("--data", f"{data} has {suffix!r}; --data takes {_ALLOWED_DATA}")
+
+
+def load_data(
+    data: Path | None,
+    seq_len: int,
+    val_fraction: float,
+    max_corpus_bytes: int | None = None,
+    *,
+    cache_dir: Path | None = None,
+    progress: IO[str] | None = None,
+    workers: int | None = None,
+) -> DataSplits:
+    """Load ``--data`` (None: the built-in corpus) into training and validation examples of at most ``seq_len``.
+
+    ``.txt`` files and directories are packed into sequences of exactly ``seq_len``; ``.jsonl`` examples keep
+    their own length (cut to ``seq_len``) and are padded per micro-batch by :func:`collate`; a directory holding a
+    store.json is a token store built by ``cadence prepare-data``. Every source is read through a token store in
+    ``cache_dir`` (tokenised once, then opened in milliseconds); ``cache_dir`` None builds a private store that
+    lives as long as the returned datasets. ``max_corpus_bytes`` limits only the built-in corpus (tests and quick
+    runs do not need all of it). ``progress``: where to show a long build's progress (None: nowhere).
+    """
+    if data is not None and is_store(data):
+        store = open_prepared_store(data, expected_tokenizer=BYTES_TOKENIZER)
+        return splits_from_store(store, seq_len=seq_len, val_fraction=val_fraction, from_cache=False)
+    recipe = byte_recipe(data, progress=progress, workers=workers)
+    opened = open_or_build(recipe, cache_dir)
+    source = None if data is None else f"{'directory' if data.is_dir() else 'text file'} {data}"
+    if data is not None and data.suffix.lower() == ".jsonl" and not data.is_dir():
+        source = f"JSONL file {data}"
+    return splits_from_store(opened.store, seq_len=seq_len, val_fraction=val_fraction,
+                             from_cache=not opened.built and cache_dir is not None,
+                             max_stream_tokens=max_corpus_bytes if data is None else None,
+                             source=source, lines_of=data)
 
 
 def bytes_fingerprint(content: bytes) -> str:
@@ -112,27 +121,18 @@ def files_fingerprint(path: Path) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def load_data(
-    data: Path | None,
-    seq_len: int,
-    val_fraction: float,
-    max_corpus_bytes: int | None = None,
-) -> DataSplits:
-    """Load ``--data`` (None: the built-in corpus) into training and validation examples of at most ``seq_len``.
-
-    ``.txt`` files and directories are packed into sequences of exactly ``seq_len``; ``.jsonl`` examples keep
-    their own length (cut to ``seq_len``) and are padded per micro-batch by :func:`collate`.
-    ``max_corpus_bytes`` limits only the built-in corpus (tests and quick runs do not need all of it).
-    """
-    examples, description, truncated, fingerprint = _load_examples(data, seq_len, max_corpus_bytes)
-    train, val = split_validation(examples, val_fraction)
-    if val is not None:
-        description += f"; {len(train)} train / {len(val)} validation"
-    return DataSplits(train=train, val=val, description=description, truncated=truncated, fingerprint=fingerprint)
-
-
 __all__ = [
+    "BYTES_TOKENIZER",
     "IGNORE_INDEX",
+    "PackedSequences",
+    "StoredExamples",
+    "TokenStore",
+    "byte_recipe",
+    "default_cache_dir",
+    "is_store",
+    "open_prepared_store",
+    "split_validation",
+    "splits_from_store",
     "PAD_TOKEN_ID",
     "DataSplits",
     "bytes_fingerprint",

@@ -143,5 +143,9 @@ def iterate_micro_batches(
     the same samples in each window. ``shuffle=False`` walks the dataset in index order (validation).
     """
     # Computed eagerly (not inside the generator) so that a bad micro_batch_size fails at the call, not later.
-    groups = micro_batch_indices(len(dataset), micro_batch_size, seed, epoch, shuffle)
-    return (collate([dataset[i] for i in group]) for group in groups)
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    order = epoch_order(len(dataset), seed, epoch) if shuffle else torch.arange(len(dataset))
+    # One int64 tensor for the epoch; each micro-batch's indices become Python ints only when it is collated.
+    return (collate([dataset[i] for i in order[start:start + micro_batch_size].tolist()])
+            for start in range(0, len(dataset), micro_batch_size))

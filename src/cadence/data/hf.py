@@ -6,8 +6,8 @@ empty or missing, or whose completion has no target left after truncation, are s
 have them, and one bad row in 100,000 should not stop a run).
 
 Tokens: :class:`ByteTokenizer` (bytes 0..255, what the built-in data uses) or :class:`HFTokenizer` over a
-transformers tokenizer. Tokenised examples can be cached under ``cache_dir``; the cache key covers the data files'
-identity, the tokenizer, ``seq_len`` and the field names, so a changed input never reuses a stale cache.
+transformers tokenizer. Rows are tokenised once into a token store (:mod:`cadence.data.cache`), keyed by the data's
+content, the tokenizer and the field names, so a changed input never reuses a stale store.
 ``datasets`` and ``transformers`` are optional dependencies, imported only when used.
 """
 
@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, runtime_checkable
 
-import torch
-
-from cadence.data import DataSplits, files_fingerprint, split_validation
-from cadence.data.batching import IGNORE_INDEX, Example, TokenDataset
+from cadence.data import files_fingerprint
+from cadence.data.cache import BuildResult, Recipe, open_or_build
+from cadence.data.progress import BuildProgress
+from cadence.data.splits import DataSplits, splits_from_store
+from cadence.data.store import StoreWriter
 from cadence.errors import UsageError
 
 HF_DATA_PREFIX = "hf:"
@@ -37,9 +36,6 @@ FILE_FORMATS: dict[str, str] = {".parquet": "parquet", ".csv": "csv", ".json": "
 
 VALIDATION_SPLITS = ("validation", "valid", "val", "test")
 """Splits of a saved DatasetDict used as the validation set, first found wins."""
-
-CACHE_VERSION = 1
-"""Bumped whenever the cached layout or the tokenisation rules change, so old caches are never misread."""
 
 _BATCH_ROWS = 1024  # rows tokenised per call: enough for a fast tokenizer's parallelism, little memory
 _ALLOWED = "hf:DIR (a datasets.save_to_disk directory), or a .parquet, .csv, .json or .jsonl file"
@@ -141,10 +137,11 @@ class _Source:
     format: str  # "saved" (save_to_disk) or a load_dataset builder name
 
     def identity(self) -> list[Any]:
-        """Path, size and modification time of every file: cheap, and any rewrite changes it."""
+        """Path, size, times and inode of every file: cheap, and any rewrite changes it."""
         files = sorted(p for p in self.path.rglob("*") if p.is_file()) if self.path.is_dir() else [self.path]
         stats = [(p.relative_to(self.path).as_posix() if self.path.is_dir() else "", p.stat()) for p in files]
-        return [str(self.path.resolve()), self.format, [(name, s.st_size, s.st_mtime_ns) for name, s in stats]]
+        return [str(self.path.resolve()), self.format,
+                [(name, s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino) for name, s in stats]]
 
     def describe(self) -> str:
         return f"{'saved dataset' if self.format == 'saved' else self.format + ' file'} {self.path}"
@@ -238,103 +235,79 @@ def _choose_fields(dataset: Any, text: str, prompt: str, completion: str) -> dic
 
 
 # ------------------------------------------------------------------------------------------------ tokenising
-@dataclass(kw_only=True)
-class _Tokenized:
-    examples: list[Example]
-    rows: int
-    truncated: int
-    skipped: int
-
-
-def _example(tokens: list[int], first_target: int) -> Example | None:
-    """Inputs ``tokens[:-1]``; position i predicts ``tokens[i + 1]``, a target only if ``i + 1 >= first_target``."""
-    labels = [tokens[i + 1] if i + 1 >= first_target else IGNORE_INDEX for i in range(len(tokens) - 1)]
-    if all(label == IGNORE_INDEX for label in labels):  # also true for fewer than 2 tokens
-        return None
-    return Example(input_ids=torch.tensor(tokens[:-1], dtype=torch.long), labels=torch.tensor(labels))
-
-
-def _encode(tokenizer: Tokenizer, texts: list[Any], max_length: int, allow_empty: bool) -> list[list[int] | None]:
+def _encode(tokenizer: Tokenizer, texts: list[Any], allow_empty: bool) -> list[list[int] | None]:
     """Encode the usable texts in one call; None for a missing (null) value, or an empty one unless allowed."""
     usable = [i for i, t in enumerate(texts) if isinstance(t, str) and (allow_empty or t)]
     result: list[list[int] | None] = [None] * len(texts)
     if usable:
-        for i, ids in zip(usable, tokenizer.encode_batch([texts[i] for i in usable], max_length)):
+        for i, ids in zip(usable, tokenizer.encode_batch([texts[i] for i in usable], None)):
             result[i] = ids
     return result
 
 
-def _tokenize(dataset: Any, fields: dict[str, str], tokenizer: Tokenizer, seq_len: int) -> _Tokenized:
-    limit = seq_len + 1  # seq_len inputs and their seq_len next-token targets
+def _tokenize_into(writer: StoreWriter, split: str, dataset: Any, fields: dict[str, str], tokenizer: Tokenizer,
+                   progress: BuildProgress) -> tuple[int, int]:
+    """Write every usable row of ``dataset`` as one example of ``split``, untruncated (the store serves every
+    ``--seq-len``); returns (rows, rows skipped because they were empty or had no target at all)."""
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    out = _Tokenized(examples=[], rows=0, truncated=0, skipped=0)
-    # One token past the limit: enough to know whether an example was cut, without tokenising all of it.
+    rows = skipped = 0
     for batch in dataset.select_columns(list(fields.values())).iter(batch_size=_BATCH_ROWS):
         if "--text-field" in fields:
             # Every token after the first is a target (with a BOS, the text's first token is predicted from it).
-            encoded = _encode(tokenizer, batch[fields["--text-field"]], limit + 1, allow_empty=False)
+            encoded = _encode(tokenizer, batch[fields["--text-field"]], allow_empty=False)
             pieces = [(bos + ids + eos, 1) if ids is not None else None for ids in encoded]
         else:  # an empty prompt is allowed (the completion alone), as in cadence.data.jsonl
-            prompts = _encode(tokenizer, batch[fields["--prompt-field"]], limit + 1, allow_empty=True)
-            completions = _encode(tokenizer, batch[fields["--completion-field"]], limit + 1, allow_empty=True)
+            prompts = _encode(tokenizer, batch[fields["--prompt-field"]], allow_empty=True)
+            completions = _encode(tokenizer, batch[fields["--completion-field"]], allow_empty=True)
             pieces = [(bos + p + c + eos, len(bos) + len(p)) if p is not None and c is not None else None
                       for p, c in zip(prompts, completions)]
         for piece in pieces:
-            out.rows += 1
-            example = _example(piece[0][:limit], max(piece[1], 1)) if piece is not None else None
-            if example is None:
-                out.skipped += 1
+            rows += 1
+            # Position i predicts token i + 1, a target from max(first, 1) on: at least one must exist.
+            if piece is None or len(piece[0]) - 1 < max(piece[1], 1):
+                skipped += 1
                 continue
-            out.truncated += len(piece[0]) > limit
-            out.examples.append(example)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ cache
-def _cache_key(key: dict[str, Any]) -> str:
-    return json.dumps(key, sort_keys=True)
-
-
-def _save_cache(path: Path, tokenized: _Tokenized, key: dict[str, Any]) -> None:
-    """Concatenated ids and labels plus offsets: one file, loaded without pickle (``weights_only=True``)."""
-    lengths = torch.tensor([len(e.input_ids) for e in tokenized.examples], dtype=torch.long)
-    payload = {
-        "version": CACHE_VERSION,
-        "key": _cache_key(key),
-        "input_ids": torch.cat([e.input_ids for e in tokenized.examples]),
-        "labels": torch.cat([e.labels for e in tokenized.examples]),
-        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-        "counts": torch.tensor([tokenized.rows, tokenized.truncated, tokenized.skipped], dtype=torch.long),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)  # atomic: a concurrent or interrupted run never sees half a cache
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _load_cache(path: Path, key: dict[str, Any]) -> _Tokenized | None:
-    """The cached examples, or None when there is no usable cache (missing, other version or key, unreadable)."""
-    if not path.is_file():
-        return None
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        if payload.get("version") != CACHE_VERSION or payload.get("key") != _cache_key(key):
-            return None
-        ids, labels, offsets = payload["input_ids"], payload["labels"], payload["offsets"].tolist()
-        rows, truncated, skipped = (int(v) for v in payload["counts"].tolist())
-    except Exception:  # noqa: BLE001 - a damaged cache is rebuilt, never fatal
-        return None
-    examples = [Example(input_ids=ids[a:b], labels=labels[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
-    return _Tokenized(examples=examples, rows=rows, truncated=truncated, skipped=skipped)
+            writer.add_example(split, piece[0], loss_start=max(piece[1], 1), row=rows)
+        progress.advance(len(pieces), len(pieces))
+    return rows, skipped
 
 
 # ------------------------------------------------------------------------------------------------ entry point
+def hf_recipe(spec: Path | str, *, tokenizer: Any | None, text_field: str = "text", prompt_field: str = "prompt",
+              completion_field: str = "completion", progress: IO[str] | None = None) -> Recipe:
+    """How a datasets source (``hf:DIR``, .parquet, .csv, .json, .jsonl) becomes a store with ``tokenizer``."""
+    source = _resolve(spec)
+    tok = as_tokenizer(tokenizer)
+
+    def build(writer: StoreWriter) -> BuildResult:
+        fingerprint = files_fingerprint(source.path)
+        counts: dict[str, dict[str, int]] = {}
+        with tempfile.TemporaryDirectory(prefix="cadence-data-") as arrow_cache:
+            # load_dataset's Arrow copies live only until the rows are tokenised: the store is what is kept.
+            splits = _open(source, Path(arrow_cache))
+            val_name = splits.get("val_name")
+            for role in ["train"] + (["val"] if val_name else []):
+                dataset = splits[role]
+                fields = _choose_fields(dataset, text_field, prompt_field, completion_field)
+                bar = BuildProgress(f"tokenising {source.describe()} ({role})", len(dataset), progress, unit="rows")
+                rows, skipped = _tokenize_into(writer, role, dataset, fields, tok, bar)
+                bar.close()
+                counts[role] = {"rows": rows, "skipped": skipped}
+                if role == "train" and rows == skipped:
+                    why = f" (all {rows} rows were empty or had no target)" if rows else ""
+                    raise UsageError.single("--data", f"{source.describe()} has no examples{why}")
+        return BuildResult(fingerprint=fingerprint, meta={
+            "description": source.describe(), "rows": counts["train"]["rows"],
+            "skipped_rows": {role: c["skipped"] for role, c in counts.items()}, "val_split": val_name,
+            "tokenizer_name": tok.name})
+
+    return Recipe(kind="examples", source=source.describe(), stat_identity=source.identity(), tokenizer=tok.identity,
+                  vocab_size=tok.vocab_size, options={"format": source.format,
+                                                      "fields": [text_field, prompt_field, completion_field]},
+                  build=build, source_bytes=sum(entry[1] for entry in source.identity()[2]))
+
+
 def load_hf_data(
     spec: Path | str,
     *,
@@ -345,87 +318,29 @@ def load_hf_data(
     completion_field: str = "completion",
     val_fraction: float,
     cache_dir: Path | None,
+    progress: IO[str] | None = None,
 ) -> DataSplits:
     """Load ``--data`` through ``datasets`` into tokenised training and validation examples.
 
     ``tokenizer``: None (bytes), a transformers tokenizer, or a :class:`Tokenizer`. A saved DatasetDict trains on
     "train" and validates on "validation"/"valid"/"val"/"test" when present (``val_fraction`` > 0 asks for
     validation; its value then does not matter); otherwise the last ``val_fraction`` of the examples is held out.
-    With ``cache_dir``, tokenised examples are stored there and reused while the data files, tokenizer, ``seq_len``
-    and field names stay the same.
+    The tokens go through a token store in ``cache_dir`` (see :mod:`cadence.data.cache`), reused while the data's
+    content, the tokenizer and the field names stay the same; ``cache_dir`` None keeps a private store.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if not 0.0 <= val_fraction < 1.0:
         raise UsageError.single("--val-fraction", f"must be at least 0 and less than 1, got {val_fraction}")
-    source = _resolve(spec)
-    tok = as_tokenizer(tokenizer)
-    base = {"version": CACHE_VERSION, "source": source.identity(), "tokenizer": tok.identity, "seq_len": seq_len,
-            "fields": [text_field, prompt_field, completion_field]}
-
-    def cached(split: str) -> tuple[Path | None, _Tokenized | None]:
-        if cache_dir is None:
-            return None, None
-        digest = hashlib.sha256(_cache_key({**base, "split": split}).encode()).hexdigest()[:24]
-        path = cache_dir / f"tokenized-{digest}.pt"
-        return path, _load_cache(path, {**base, "split": split})
-
-    results: dict[str, _Tokenized] = {}
-    hits, val_name = 0, None
-    # A file has one split: a cache hit answers before datasets reads (and converts) the file at all.
-    early = cached("train")[1] if source.format != "saved" else None
-    if early is not None:
-        results["train"], hits = early, 1
-    else:
-        with contextlib.ExitStack() as stack:
-            # load_dataset's Arrow copies are kept with the cache, or only until the examples are tokenised.
-            arrow_cache = cache_dir / "datasets" if cache_dir is not None else Path(
-                stack.enter_context(tempfile.TemporaryDirectory(prefix="cadence-data-")))
-            splits = _open(source, arrow_cache)
-            val_name = splits.get("val_name")
-            roles = [("train", "train")] + ([("val", val_name)] if val_name and val_fraction > 0 else [])
-            for role, split in roles:
-                path, found = cached(split)
-                if found is None:
-                    dataset = splits[role]
-                    found = _tokenize(dataset, _choose_fields(dataset, text_field, prompt_field, completion_field),
-                                      tok, seq_len)
-                    if path is not None and found.examples:
-                        _save_cache(path, found, {**base, "split": split})
-                else:
-                    hits += 1
-                results[role] = found
-    return _splits(source, results, tok, seq_len, val_fraction, val_name, hits)
-
-
-def _splits(source: _Source, results: dict[str, _Tokenized], tok: Tokenizer, seq_len: int, val_fraction: float,
-            val_name: str | None, hits: int) -> DataSplits:
-    """Training and validation datasets and the one-line description of where they came from."""
-    train_part = results["train"]
-    if not train_part.examples:
-        why = f" (all {train_part.rows} rows were empty or had no target)" if train_part.rows else ""
-        raise UsageError.single("--data", f"{source.describe()} has no examples{why}")
-    description = f"{source.describe()}, {len(train_part.examples)} examples, {tok.name} tokens"
-    if "val" in results:
-        train, val = TokenDataset(train_part.examples), TokenDataset(results["val"].examples) or None
-        description += f"; {len(train)} train / {len(results['val'].examples)} validation ({val_name} split)"
-    else:
-        train, val = split_validation(TokenDataset(train_part.examples), val_fraction)
-        if val is not None:
-            description += f"; {len(train)} train / {len(val)} validation (last {val_fraction:g})"
-    truncated = sum(part.truncated for part in results.values())
-    skipped = sum(part.skipped for part in results.values())
-    if truncated:
-        description += f"; {truncated} truncated to {seq_len + 1} tokens"
-    if skipped:
-        description += f"; {skipped} rows skipped (empty, or no target left)"
-    if hits:
-        description += "; tokenised examples from the cache"
-    return DataSplits(train=train, val=val, description=description, truncated=truncated,
-                      fingerprint=files_fingerprint(source.path))
+    recipe = hf_recipe(spec, tokenizer=tokenizer, text_field=text_field, prompt_field=prompt_field,
+                       completion_field=completion_field, progress=progress)
+    opened = open_or_build(recipe, cache_dir)
+    return splits_from_store(opened.store, seq_len=seq_len, val_fraction=val_fraction,
+                             from_cache=not opened.built and cache_dir is not None,
+                             source=_resolve(spec).describe())
 
 
 __all__ = [
-    "ByteTokenizer", "CACHE_VERSION", "FILE_FORMATS", "HFTokenizer", "HF_DATA_PREFIX", "Tokenizer",
-    "VALIDATION_SPLITS", "as_tokenizer", "is_hf_data", "load_hf_data",
+    "ByteTokenizer", "FILE_FORMATS", "HFTokenizer", "HF_DATA_PREFIX", "Tokenizer",
+    "VALIDATION_SPLITS", "as_tokenizer", "hf_recipe", "is_hf_data", "load_hf_data",
 ]

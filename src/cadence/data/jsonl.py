@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import codecs
 import json
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from cadence.data.batching import IGNORE_INDEX, Example, make_example
 from cadence.errors import Problem, UsageError
-from cadence.input_files import read_regular_file, regular_file_problem
+from cadence.input_files import read_regular_file, read_regular_file_chunks, regular_file_problem
 
 MAX_REPORTED_PROBLEMS = 20
 """Bad lines listed one by one; beyond this, a single "and N more" line keeps the output readable."""
@@ -19,7 +22,7 @@ MAX_REPORTED_PROBLEMS = 20
 _FORMATS = 'each line must be a JSON object with a "text" string, or "prompt" and "completion" strings'
 
 
-class _LineError(Exception):
+class LineError(Exception):
     """A problem with one line; carries the message for its :class:`Problem`."""
 
 
@@ -29,71 +32,126 @@ def _utf8(value: str, key: str) -> bytes:
         return value.encode("utf-8")
     except UnicodeEncodeError as error:
         code = ord(value[error.start])
-        raise _LineError(f'"{key}" holds a lone surrogate (\\u{code:04x}), which is not valid Unicode text') from None
+        raise LineError(f'"{key}" holds a lone surrogate (\\u{code:04x}), which is not valid Unicode text') from None
 
 
-def _parse_line(line: bytes, seq_len: int) -> tuple[Example, bool]:
-    """Turn one non-blank line into an example; returns (example, was_truncated) or raises :class:`_LineError`."""
+def parse_record(line: bytes) -> tuple[bytes, int]:
+    """One non-blank line as (its example's bytes, the position of its first target); raises :class:`LineError`.
+
+    ``{"text": t}``: every byte after the first is a target (first target 1). ``{"prompt": p, "completion": c}``:
+    the bytes of p + c, with the first target at ``len(p)``: position i predicts byte i + 1, a loss only on the
+    completion. Nothing here depends on ``--seq-len``: truncation happens when the example is read.
+    """
     try:
         text_line = line.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise _LineError(f"not valid UTF-8 (invalid byte at column {error.start + 1})") from None
+        raise LineError(f"not valid UTF-8 (invalid byte at column {error.start + 1})") from None
     try:
         record = json.loads(text_line)
     except json.JSONDecodeError as error:
-        raise _LineError(f"not valid JSON: {error.msg} at column {error.colno}") from None
+        raise LineError(f"not valid JSON: {error.msg} at column {error.colno}") from None
     except RecursionError:
-        raise _LineError("nested too deeply to be an example (JSON arrays or objects thousands of levels deep)") from None
+        raise LineError("nested too deeply to be an example (JSON arrays or objects thousands of levels deep)") from None
     if not isinstance(record, dict):
-        raise _LineError(f"expected a JSON object, got {type(record).__name__}; {_FORMATS}")
+        raise LineError(f"expected a JSON object, got {type(record).__name__}; {_FORMATS}")
 
     has_text = "text" in record
     has_pair = "prompt" in record or "completion" in record
     if has_text and has_pair:
         # Ambiguous: we would have to guess whether the loss belongs on everything or on the completion only.
-        raise _LineError(f'has both "text" and "prompt"/"completion"; {_FORMATS}')
-    limit = seq_len + 1
+        raise LineError(f'has both "text" and "prompt"/"completion"; {_FORMATS}')
     if has_text:
         text = record["text"]
         if not isinstance(text, str):
-            raise _LineError(f'"text" must be a string, got {type(text).__name__}')
+            raise LineError(f'"text" must be a string, got {type(text).__name__}')
         if not text:
-            raise _LineError('"text" is empty; it needs at least 2 bytes (one input and one target)')
+            raise LineError('"text" is empty; it needs at least 2 bytes (one input and one target)')
         tokens = _utf8(text, "text")
         if len(tokens) < 2:
-            raise _LineError(f'"text" has {len(tokens)} byte; it needs at least 2 (one input and one target)')
-        truncated = len(tokens) > limit
-        tokens = tokens[:limit]
-        return make_example(tokens[:-1], tokens[1:]), truncated
+            raise LineError(f'"text" has {len(tokens)} byte; it needs at least 2 (one input and one target)')
+        return tokens, 1
     if has_pair:
         missing = [key for key in ("prompt", "completion") if key not in record]
         if missing:
-            raise _LineError(f'has no "{missing[0]}"; {_FORMATS}')
+            raise LineError(f'has no "{missing[0]}"; {_FORMATS}')
         prompt, completion = record["prompt"], record["completion"]
         for key, value in (("prompt", prompt), ("completion", completion)):
             if not isinstance(value, str):
-                raise _LineError(f'"{key}" must be a string, got {type(value).__name__}')
+                raise LineError(f'"{key}" must be a string, got {type(value).__name__}')
         if not completion:
-            raise _LineError('"completion" is empty; the loss is on the completion, so it needs at least one byte')
+            raise LineError('"completion" is empty; the loss is on the completion, so it needs at least one byte')
         prompt_bytes, completion_bytes = _utf8(prompt, "prompt"), _utf8(completion, "completion")
         full = prompt_bytes + completion_bytes
         if len(full) < 2:
-            raise _LineError(
+            raise LineError(
                 f"prompt + completion have {len(full)} byte; an example needs at least 2 (one input and one target)"
             )
-        truncated = len(full) > limit
-        tokens = full[:limit]
-        # Position i predicts token i + 1; it carries a loss only if token i + 1 belongs to the completion.
-        start = len(prompt_bytes)
-        labels = [tokens[i + 1] if i + 1 >= start else IGNORE_INDEX for i in range(len(tokens) - 1)]
-        if all(label == IGNORE_INDEX for label in labels):
-            raise _LineError(
-                f"the completion has no target left after truncating to --seq-len {seq_len} + 1 bytes "
-                f"(the prompt alone has {len(prompt_bytes)} bytes); use a larger --seq-len or a shorter prompt"
-            )
-        return make_example(tokens[:-1], labels), truncated
+        return full, len(prompt_bytes)
     keys = ", ".join(repr(key) for key in list(record)[:5]) or "none"
-    raise _LineError(f"has neither \"text\" nor \"prompt\"+\"completion\" (keys: {keys}); {_FORMATS}")
+    raise LineError(f"has neither \"text\" nor \"prompt\"+\"completion\" (keys: {keys}); {_FORMATS}")
+
+
+def no_target_message(seq_len: int, prompt_bytes: int) -> str:
+    """Why a prompt/completion example is unusable at this ``--seq-len``."""
+    return (f"the completion has no target left after truncating to --seq-len {seq_len} + 1 bytes "
+            f"(the prompt alone has {prompt_bytes} bytes); use a larger --seq-len or a shorter prompt")
+
+
+def example_at(tokens: bytes, first_target: int, seq_len: int) -> Example | None:
+    """The example of ``tokens`` cut to ``seq_len + 1`` bytes; None when no target is left."""
+    kept = tokens[: seq_len + 1]
+    labels = [kept[i + 1] if i + 1 >= first_target else IGNORE_INDEX for i in range(len(kept) - 1)]
+    if all(label == IGNORE_INDEX for label in labels):
+        return None
+    return make_example(kept[:-1], labels)
+
+
+def problems_error(path: Path, problems: list[Problem], total: int) -> UsageError:
+    """Every bad line (the first ``MAX_REPORTED_PROBLEMS``, then one "and N more" line)."""
+    shown = problems[:MAX_REPORTED_PROBLEMS]
+    if total > MAX_REPORTED_PROBLEMS:
+        shown.append(Problem(where=str(path), message=f"and {total - MAX_REPORTED_PROBLEMS} more bad lines"))
+    return UsageError(shown)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RangeResult:
+    """What one worker found in its byte range of a JSONL file (its tokens and index rows are in part files)."""
+
+    newlines: int
+    """Line breaks in the range: where the next range's line numbers start."""
+    examples: int
+    tokens: int
+    problems: list[tuple[int, str]]
+    """(line within the range, 1-based; message), at most MAX_REPORTED_PROBLEMS + 1 of them."""
+    problem_count: int
+
+
+def parse_range(path: Path, start: int, end: int, part: Path) -> RangeResult:
+    """Parse the lines of ``path[start:end]`` (cut at line breaks) into ``part.tok`` (bytes) and ``part.idx``
+    (int64 rows: offset within the part, length, first target, line within the range)."""
+    content = b"".join(read_regular_file_chunks(path, where="--data", start=start, end=end))
+    tokens = bytearray()
+    rows: list[tuple[int, int, int, int]] = []
+    problems: list[tuple[int, str]] = []
+    count = 0
+    for lineno, line in enumerate(content.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            example, first_target = parse_record(line)
+        except LineError as error:
+            count += 1
+            if len(problems) <= MAX_REPORTED_PROBLEMS:
+                problems.append((lineno, str(error)))
+            continue
+        rows.append((len(tokens), len(example), first_target, lineno))
+        tokens += example
+    if not problems:
+        part.with_suffix(".tok").write_bytes(tokens)
+        np.asarray(rows, dtype="<i8").reshape(-1, 4).tofile(part.with_suffix(".idx"))
+    return RangeResult(newlines=content.count(b"\n"), examples=len(rows), tokens=len(tokens), problems=problems,
+                       problem_count=count)
 
 
 def read_jsonl(path: Path, seq_len: int) -> tuple[list[Example], int]:
@@ -121,18 +179,18 @@ def read_jsonl(path: Path, seq_len: int) -> tuple[list[Example], int]:
         if not line.strip():
             continue
         try:
-            example, was_truncated = _parse_line(line, seq_len)
-        except _LineError as error:
+            tokens, first_target = parse_record(line)
+        except LineError as error:
             problems.append(Problem(where=f"{path}:{lineno}", message=str(error)))
             continue
+        example = example_at(tokens, first_target, seq_len)
+        if example is None:
+            problems.append(Problem(where=f"{path}:{lineno}", message=no_target_message(seq_len, first_target)))
+            continue
         examples.append(example)
-        truncated += was_truncated
+        truncated += len(tokens) > seq_len + 1
     if problems:
-        shown = problems[:MAX_REPORTED_PROBLEMS]
-        if len(problems) > MAX_REPORTED_PROBLEMS:
-            hidden = len(problems) - MAX_REPORTED_PROBLEMS
-            shown.append(Problem(where=str(path), message=f"and {hidden} more bad lines"))
-        raise UsageError(shown)
+        raise problems_error(path, problems, len(problems))
     if not examples:
         raise UsageError.single("--data", f"{path} has no examples (it is empty or only blank lines)")
     return examples, truncated

@@ -6,9 +6,10 @@ import os
 import stat
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from cadence.data.batching import Example, TokenDataset
+from cadence.data.batching import TokenDataset
+from cadence.data.store import PackedSequences
 from cadence.errors import Problem, UsageError
 from cadence.input_files import os_error_message, read_regular_file
 
@@ -20,52 +21,21 @@ def pack_bytes(data: bytes, seq_len: int) -> TokenDataset:
     label of one is the first input of the next) and every byte after the first is a target exactly once. The
     final incomplete chunk is dropped: padding it would make one example unlike all others for a few bytes.
     """
+    return pack_tokens(np.frombuffer(bytes(data), dtype=np.uint8), seq_len)
+
+
+def pack_tokens(tokens: np.ndarray, seq_len: int) -> PackedSequences:
+    """:func:`pack_bytes` over a token array (a store's memory map): nothing is read until an example is."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     needed = seq_len + 1
-    if len(data) < needed:
+    if len(tokens) < needed:
         raise UsageError.single(
             "--data",
-            f"the text has {len(data)} bytes, but one sequence of --seq-len {seq_len} needs {needed} "
+            f"the text has {len(tokens)} bytes, but one sequence of --seq-len {seq_len} needs {needed} "
             f"(--seq-len + 1); use a smaller --seq-len or more text",
         )
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return PackedSequences(tokens, seq_len, range(0, (len(data) - 1) // seq_len))
-
-
-class PackedSequences(TokenDataset):
-    """Fixed-length sequences cut from one byte buffer, made into examples only when indexed.
-
-    The built-in corpus is ~30 MB: one Example object (two int64 tensors) per sequence would cost ~1 GB of RAM and
-    seconds to build, while a uint8 buffer and index arithmetic cost the text's size and nothing else.
-    """
-
-    def __init__(self, tokens: torch.Tensor, seq_len: int, chunks: range) -> None:
-        super().__init__(())
-        self._tokens = tokens
-        self._seq_len = seq_len
-        self._chunks = chunks
-
-    def __len__(self) -> int:
-        return len(self._chunks)
-
-    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
-        if isinstance(index, slice):
-            return PackedSequences(self._tokens, self._seq_len, self._chunks[index])
-        start = self._chunks[index] * self._seq_len
-        chunk = self._tokens[start : start + self._seq_len + 1].long()
-        return Example(input_ids=chunk[:-1], labels=chunk[1:])
-
-    def __iter__(self):  # type: ignore[no-untyped-def, override]
-        return (self[i] for i in range(len(self)))
-
-    @property
-    def num_targets(self) -> int:  # type: ignore[override]
-        return len(self) * self._seq_len
-
-    @property
-    def max_length(self) -> int:
-        return self._seq_len if len(self) else 0
+    return PackedSequences(tokens, seq_len)
 
 
 def _is_hidden(relative: Path) -> bool:
@@ -83,7 +53,7 @@ def _read_utf8(path: Path) -> bytes | None:
     return content
 
 
-def _directory_files(root: Path) -> list[Path]:
+def directory_files(root: Path) -> list[Path]:
     """Regular files under ``root``, recursively, hidden ones excluded, sorted by '/'-separated relative path.
 
     Named pipes, devices and sockets are not text to train on and are passed over, like hidden files; a directory or
@@ -124,7 +94,7 @@ def read_text_source(path: Path) -> bytes:
     if not path.exists():
         raise UsageError.single("--data", f"{path} does not exist; give a .txt file, a directory or a .jsonl file")
     if path.is_dir():
-        parts = [content for file in _directory_files(path) if (content := _read_utf8(file))]
+        parts = [content for file in directory_files(path) if (content := _read_utf8(file))]
         if not parts:
             raise UsageError.single(
                 "--data", f"directory {path} has no non-empty UTF-8 text files (binary and hidden files are skipped)"

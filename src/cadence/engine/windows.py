@@ -257,10 +257,12 @@ def epoch_windows(
     """
     if micro_batch_size < 1 or grad_accum_steps < 1 or world_size < 1 or not 0 <= rank < world_size:
         raise ValueError("micro_batch_size, grad_accum_steps and world_size must be >= 1, and 0 <= rank < world_size")
-    order = epoch_order(len(examples), seed, epoch).tolist()
+    # The permutation stays one int64 tensor (8 bytes per example, not a Python int each): with millions of
+    # examples it is the only per-example state in memory. Only the current window becomes a Python list.
+    order = epoch_order(len(examples), seed, epoch)
     per_window = micro_batch_size * grad_accum_steps * world_size
     for start in range(0, len(order), per_window):
-        window_ids = order[start:start + per_window]
+        window_ids = order[start:start + per_window].tolist()
         short = len(window_ids) < per_window
         if short and last_window == "drop":
             return

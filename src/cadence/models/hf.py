@@ -397,6 +397,15 @@ def _load_tokenizer(path: Path) -> Any | None:
         raise UsageError.single("--model", f"{path}: could not load its tokenizer: {_one_line(error)}") from None
 
 
+def model_tokenizer(spec: str) -> Any | None:
+    """The tokenizer ``--model`` reads its data with, without building the model: a model directory's own, or None
+    (byte tokens) for ``hf:TYPE`` and the built-in models."""
+    if spec.startswith(HF_PREFIX) or not Path(spec).is_dir():
+        return None
+    with quiet_transformers():
+        return _load_tokenizer(Path(spec))
+
+
 def build_hf_model(
     spec: str, overrides: dict[str, Any], *, max_parameters: int | None = DEFAULT_MAX_PARAMETERS
 ) -> HFModel:
@@ -463,5 +472,5 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
 
 __all__ = [
     "BYTE_VOCAB", "DEFAULT_MAX_PARAMETERS", "HFModel", "HF_PREFIX", "ModelShape", "build_hf_model", "is_hf_model",
-    "model_shape", "parse_model_overrides", "quiet_transformers", "save_hf",
+    "model_shape", "model_tokenizer", "parse_model_overrides", "quiet_transformers", "save_hf",
 ]

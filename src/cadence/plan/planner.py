@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -56,7 +55,7 @@ OFFLOAD_COST = {"none": 1.0, "activations": 1.3, "optimizer": 1.5}
 """Prior relative cost per token, used only to order which candidates to measure first, never to decide."""
 
 PLAN_TRAIN_FIELDS = (
-    "model", "model_config", "data", "text_field", "prompt_field", "completion_field", "seq_len", "micro_batch_size", "effective_batch_size", "precision", "activation_checkpointing",
+    "model", "model_config", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len", "micro_batch_size", "effective_batch_size", "precision", "activation_checkpointing",
     "offload", "memory_budget", "max_grad_norm", "lr", "weight_decay", "adam_beta1", "adam_beta2", "lr_schedule",
     "warmup_steps", "min_lr_ratio", "seed", "device", "out",
 )
@@ -214,7 +213,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
                                              f"{model.context_length}")
     # The same data path as train (a model's tokenizer, hf: datasets).
     out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    data, token_cache = load_run_data(dataclasses.replace(config, val_fraction=0.0), seq_len, model.hf, out)
+    data = load_run_data(dataclasses.replace(config, val_fraction=0.0), seq_len, model.hf)
     budget = int(config.memory_budget_bytes() or 0)
     effective = int(config.effective_batch_size or 0)
     if config.out is None and out.exists():
@@ -268,8 +267,6 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         f"{quality['loss']['max_relative_difference']:.2%} of fp32 ({'pass' if quality['loss']['passed'] else 'FAIL'})")
     plan = _plan_document(config, data, device, seq_len, budget, baseline, candidates, chosen, quality, notes,
                           epoch_tokens(data), time.perf_counter() - started, model)
-    if token_cache is not None:
-        shutil.rmtree(token_cache, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / PLAN_FILE, plan)
     _write_report(out, say)

@@ -14,9 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from cadence.errors import UsageError
 from cadence.formatting import format_bytes, format_number, format_seconds, format_share, format_si
@@ -33,6 +31,9 @@ from cadence.profiling.report import (
 from cadence.report import render as plots
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Plot, Report, Table, to_html, to_markdown
 from cadence.training.run_dir import atomic_write_bytes
+
+if TYPE_CHECKING:  # matplotlib itself is imported on the first plot (cadence.report.render.new_figure)
+    from matplotlib.figure import Figure
 
 T_THRESHOLD = 3.0
 """|Welch t| above which a step-time difference is real. A fixed 3 rather than a Student-t quantile (no scipy): for
@@ -316,7 +317,7 @@ def _totals_table(c: Comparison, a_name: str, b_name: str) -> Table:
 
 def comparison_figure(c: Comparison, a_name: str, b_name: str) -> Figure:
     """One horizontal bar per profile, stacked by phase in ms: the length is the mean step time."""
-    fig = Figure(figsize=(8.5, 2.8), dpi=100, layout="constrained")
+    fig = plots.new_figure((8.5, 2.8))
     ax = fig.add_subplot()
     ax.set(title="Mean step time by phase", xlabel="ms per optimizer step")
     ax.grid(True, alpha=0.3)

@@ -300,8 +300,8 @@ def load_profile(directory: Path) -> dict[str, Any]:
 
 
 PROFILE_TRAIN_FIELDS = (
-    "model", "data", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size", "precision",
-    "activation_checkpointing", "offload", "memory_budget", "max_grad_norm", "lr", "weight_decay", "adam_beta1",
+    "model", "data", "data_cache", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size",
+    "precision", "activation_checkpointing", "offload", "memory_budget", "max_grad_norm", "lr", "weight_decay", "adam_beta1",
     "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "seed", "device", "out", "plan",
 )
 """The train flags `cadence profile` accepts: what shapes a step. --memory-budget is the limit the memory-bound

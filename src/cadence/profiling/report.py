@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
-
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any, Sequence
 
 from cadence.errors import UsageError
 from cadence.formatting import format_bytes, format_number, format_seconds, format_share, format_si
 from cadence.report import render as plots
 from cadence.report.document import read_json_object
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Plot, Report, Table
+
+if TYPE_CHECKING:  # matplotlib itself is imported on the first plot (cadence.report.render.new_figure)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 PHASE_PLOT = "report-phases.png"
 PHASES = ("data_wait", "forward", "backward", "gradient_sync", "unscale_clip", "optimizer_step",
@@ -172,7 +173,7 @@ def draw_phase_bars(ax: Axes, bars: Sequence[tuple[str, dict[str, float]]], phas
 def phase_figure(profile: dict[str, Any]) -> Figure:
     """Top: the mean step split by phase (share of the wall time). Bottom: every active step, stacked in ms."""
     phases = phase_names(profile)
-    fig = Figure(figsize=(8.5, 5.6), dpi=100, layout="constrained")
+    fig = plots.new_figure((8.5, 5.6))
     top, bottom = fig.subplots(2, 1, height_ratios=[1, 2.6])
     top.set(title="Where the step time goes (mean over the active steps)", xlabel="share of the step wall time")
     top.grid(True, alpha=0.3)

@@ -42,7 +42,7 @@ from cadence.training.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.training.checkpoint import save_checkpoint
 from cadence.training.components import Components, build_components
 from cadence.training.lock import RunDirectoryLock
-from cadence.training.prepare import Prepared, adopt_token_cache, prepare
+from cadence.training.prepare import Prepared, prepare
 from cadence.training.progress import TrainProgress
 from cadence.training.resume import ResumePoint, StopOnSignal, restore
 from cadence.training.run_dir import NoWriter, RunWriter
@@ -170,7 +170,6 @@ class TrainingRun:
         # Every check has passed: only now is anything in the run directory written.
         self.writer: RunWriter = RunWriter(prep.out) if self.ranks.is_main else NoWriter()
         self.metrics_open = True
-        adopt_token_cache(prep)
         self.writer.write_config(self.resolved)
         self._announce()
         self.started: float = time.perf_counter()
@@ -498,6 +497,7 @@ def _resolved_config(prep: Prepared, parameters: int) -> dict[str, Any]:
         "model_parameters": parameters,
         "data_description": prep.data.description,
         "data_fingerprint": prep.data.fingerprint,
+        "data_store": str(prep.data.store) if prep.data.store else None,
         "train_sequences": len(prep.data.train),
         "val_sequences": 0 if prep.data.val is None else len(prep.data.val),
         "versions": {"cadence": __version__, "torch": torch.__version__, "python": platform.python_version()},

@@ -6,11 +6,8 @@ anything half-written.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
+import sys
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -18,8 +15,8 @@ from pathlib import Path
 import torch
 
 from cadence.config import TrainConfig, resolve_device, validate
-from cadence.data import DataSplits, load_data
-from cadence.data.hf import is_hf_data, load_hf_data
+from cadence.data import DataSplits, default_cache_dir, is_store, load_data, open_prepared_store, splits_from_store
+from cadence.data.hf import as_tokenizer, is_hf_data, load_hf_data
 from cadence.distributed.ranks import SINGLE, Ranks, broadcast_from_main, rank_device
 from cadence.errors import UsageError
 from cadence.models import MODEL_NAMES, model_context_length
@@ -42,8 +39,6 @@ class Prepared:
     memory_budget_bytes: int | None
     hf: HFModel | None = None
     """The Hugging Face model (built, seeded) when --model is hf:TYPE or a directory."""
-    token_cache: Path | None = None
-    """A temporary tokenisation cache that the run directory adopts once it exists (adopt_token_cache)."""
     ranks: Ranks = SINGLE
     """This process among the run's processes (one, unless torchrun started several)."""
 
@@ -68,69 +63,41 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Prepared:
     seq_len = config.seq_len or context
     if seq_len > context:
         raise UsageError.single("--seq-len", f"{seq_len} is above {config.model}'s context length of {context}")
-    data, token_cache = load_run_data(config, seq_len, hf, out)
+    data = load_run_data(config, seq_len, hf, ranks=ranks)
     micro = config.resolved_micro_batch_size(world_size)
     grad_accum_steps = config.resolved_grad_accum_steps(world_size)
     effective = micro * grad_accum_steps * world_size
     if config.last_window == "drop" and len(data.train) < effective:
-        with removed_on_failure(token_cache):
-            raise UsageError.single(
-                "--last-window",
-                f"drop leaves nothing to train on: the training split has {len(data.train)} sequences, fewer than one "
-                f"window of {effective}; use --last-window step or a smaller --effective-batch-size",
-            )
+        raise UsageError.single(
+            "--last-window",
+            f"drop leaves nothing to train on: the training split has {len(data.train)} sequences, fewer than one "
+            f"window of {effective}; use --last-window step or a smaller --effective-batch-size",
+        )
     return Prepared(
         config=config, device=rank_device(resolve_device(config.device), ranks), seq_len=seq_len, micro_batch_size=micro,
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
-        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, token_cache=token_cache, ranks=ranks,
+        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, ranks=ranks,
     )
 
 
-TOKEN_CACHE_DIR = "cache"
-
-
-def load_run_data(config: TrainConfig, seq_len: int, hf: HFModel | None, out: Path) -> tuple[DataSplits, Path | None]:
-    """Byte-level sources through cadence.data; datasets sources, or any source with a model's own tokenizer,
-    through cadence.data.hf, whose tokenisation is cached in OUT/cache (a resume reuses it)."""
+def load_run_data(config: TrainConfig, seq_len: int, hf: HFModel | None, *, ranks: Ranks = SINGLE) -> DataSplits:
+    """The run's data through the token store in --data-cache: byte-level sources through cadence.data, datasets
+    sources (or any source read with a model's own tokenizer) through cadence.data.hf. Every rank opens the same
+    store; the first to need it builds it while the others wait (cadence.data.cache)."""
     tokenizer = hf.tokenizer if hf else None
     source = config.data
+    cache_dir = config.data_cache or default_cache_dir()
+    # Only the main rank reports a long build; another rank that happens to build is just as correct, but silent.
+    progress = sys.stderr if ranks.is_main else None
+    if source is not None and is_store(source):
+        store = open_prepared_store(source, expected_tokenizer=as_tokenizer(tokenizer).identity)
+        return splits_from_store(store, seq_len=seq_len, val_fraction=config.val_fraction, from_cache=False,
+                                 source=f"token store {source} ({store.meta.get('description', '')})")
     if source is None or not (is_hf_data(str(source)) or tokenizer is not None):
         if tokenizer is not None:
             raise UsageError.single("--data", "a model with its own tokenizer needs a .jsonl, .parquet, .csv, .json or "
                                               "hf:PATH dataset (packing text is byte-level)")
-        return load_data(source, seq_len, config.val_fraction), None
-    cache = out / TOKEN_CACHE_DIR
-    # A fresh run must not write into --out before every check has passed: tokenise into a temporary folder and
-    # let the run adopt it (adopt_token_cache) once its directory exists.
-    temporary = None if cache.is_dir() else Path(tempfile.mkdtemp(prefix="cadence-tokens-"))
-    with removed_on_failure(temporary):
-        data = load_hf_data(str(source), seq_len=seq_len, tokenizer=tokenizer, text_field=config.text_field,
-                            prompt_field=config.prompt_field, completion_field=config.completion_field,
-                            val_fraction=config.val_fraction, cache_dir=temporary or cache)
-    return data, temporary
-
-
-@contextlib.contextmanager
-def removed_on_failure(folder: Path | None) -> Iterator[None]:
-    """Delete ``folder`` (a temporary tokenisation cache) if the block raises, whatever it raises: a failed load
-    must not leave a copy of the data behind."""
-    try:
-        yield
-    except BaseException:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise
-
-
-def adopt_token_cache(prep: Prepared) -> None:
-    """Move the temporary tokenisation cache into the run directory, which exists now (see load_run_data)."""
-    if prep.token_cache is None:
-        return
-    if not prep.ranks.is_main:  # rank 0 keeps its copy in the run directory; the others' are the same tokens
-        shutil.rmtree(prep.token_cache, ignore_errors=True)
-        return
-    target = prep.out / TOKEN_CACHE_DIR
-    target.mkdir(parents=True, exist_ok=True)
-    for item in prep.token_cache.glob("tokenized-*"):
-        shutil.move(str(item), target / item.name)
-    shutil.rmtree(prep.token_cache, ignore_errors=True)
+        return load_data(source, seq_len, config.val_fraction, cache_dir=cache_dir, progress=progress)
+    return load_hf_data(str(source), seq_len=seq_len, tokenizer=tokenizer, text_field=config.text_field,
+                        prompt_field=config.prompt_field, completion_field=config.completion_field,
+                        val_fraction=config.val_fraction, cache_dir=cache_dir, progress=progress)

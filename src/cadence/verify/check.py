@@ -288,7 +288,7 @@ def format_result(result: VerifyResult) -> str:
 
 # ---------------------------------------------------------------------------------------------------- the command
 VERIFY_TRAIN_FIELDS = (
-    "model", "data", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size", "precision",
+    "model", "data", "data_cache", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size", "precision",
     "activation_checkpointing", "offload", "lr", "seed", "device", "strategy",
 )
 """The train flags `cadence verify` accepts: what defines the configuration, and the LR of the --steps comparison."""

@@ -1,0 +1,219 @@
+"""The token-store cache: one store per (content, tokenizer, options), found again without reading the data.
+
+Layout of a cache directory (``--data-cache``, by default ``~/.cache/cadence/data``)::
+
+    stores/<key>/      a finished store; <key> hashes the content fingerprint, tokenizer and options
+    sources/<id>.json  which store a source had when its files had this path, size, mtime, ctime and inode
+    build.lock         held (flock) by the one process building; every other process waits on it, then opens
+
+Finding a store again costs a ``stat`` of the source's files, not a hash of its content: a 3 GB text opens in
+milliseconds. Any rewrite of a file changes its mtime, ctime or size, so the stat identity misses, the content is
+hashed again while the store is rebuilt, and the new fingerprint is what a resume compares against.
+
+Ranks of one machine share one store: the first to take the lock builds it, the others wait on the lock and then
+map the same files, so the operating system's page cache holds one copy for all. A build is written into
+``stores/.build-*`` and renamed into place when complete: a process killed mid-build (even by SIGKILL) leaves a
+``.build-*`` directory that no reader trusts and that the next build removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cadence.data.store import STORE_VERSION, StoreDamaged, StoreKind, StoreWriter, TokenStore, write_json_atomically
+from cadence.errors import UsageError
+
+STORES = "stores"
+SOURCES = "sources"
+LOCK_FILE = "build.lock"
+BUILD_PREFIX = ".build-"
+
+
+def default_cache_dir() -> Path:
+    """``~/.cache/cadence/data``: beside the caches of pip, torch and Hugging Face."""
+    return Path.home() / ".cache" / "cadence" / "data"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildResult:
+    """What a build function reports besides the tokens it wrote."""
+
+    fingerprint: str
+    """``sha256:...`` of the source's content."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Extra store.json fields (counts, descriptions)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """How to build one source's store, and what identifies it.
+
+    ``stat_identity`` must change whenever the content may have (paths, sizes, times, inodes of every file);
+    ``tokenizer`` and ``options`` whenever the same content would give other tokens."""
+
+    kind: StoreKind
+    source: str
+    """One line naming the source, for messages and store.json."""
+    stat_identity: list[Any]
+    tokenizer: str
+    vocab_size: int
+    options: dict[str, Any]
+    build: Callable[[StoreWriter], BuildResult]
+    source_bytes: int = 0
+    """The source's size on disk (for throughput figures)."""
+
+
+def _digest(content: Any) -> str:
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def store_key(recipe: Recipe, fingerprint: str) -> str:
+    return _digest([STORE_VERSION, recipe.kind, fingerprint, recipe.tokenizer, recipe.options])
+
+
+def _source_id(recipe: Recipe) -> str:
+    return _digest([STORE_VERSION, recipe.kind, recipe.stat_identity, recipe.tokenizer, recipe.options])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Opened:
+    store: TokenStore
+    built: bool
+    """True when this call tokenised the source (False: found in the cache)."""
+
+
+def open_or_build(recipe: Recipe, cache_dir: Path | None) -> Opened:
+    """The store of ``recipe`` from ``cache_dir``, built first (once, under the cache's lock) when missing.
+
+    ``cache_dir`` None: build into a temporary directory that is removed as soon as the store is mapped (the
+    mapping keeps the files alive until the process lets go of them), for library calls that want no cache."""
+    if cache_dir is None:
+        folder = Path(tempfile.mkdtemp(prefix="cadence-store-"))
+        try:
+            return Opened(store=_build(recipe, folder / "store"), built=True)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    _prepare(cache_dir)
+    source_file = cache_dir / SOURCES / f"{_source_id(recipe)}.json"
+    found = _known(cache_dir, source_file)
+    if found is not None:
+        return Opened(store=found, built=False)
+    with _build_lock(cache_dir):
+        found = _known(cache_dir, source_file)  # another process may have built it while this one waited
+        if found is not None:
+            return Opened(store=found, built=False)
+        for stale in (cache_dir / STORES).glob(f"{BUILD_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)  # a killed build's remains: nobody else builds while we hold it
+        building = cache_dir / STORES / f"{BUILD_PREFIX}{os.getpid()}"
+        try:
+            store = _build(recipe, building)
+            final = cache_dir / STORES / store_key(recipe, store.fingerprint)
+            if _open_quietly(final) is None:  # the same content may already be there under another source id
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(building, final)
+            else:
+                shutil.rmtree(building, ignore_errors=True)
+            write_json_atomically(source_file, {"store": final.name, "source": recipe.source,
+                                                "fingerprint": store.fingerprint})
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
+        return Opened(store=TokenStore.open(final), built=True)
+
+
+def _prepare(cache_dir: Path) -> None:
+    try:
+        (cache_dir / STORES).mkdir(parents=True, exist_ok=True)
+        (cache_dir / SOURCES).mkdir(exist_ok=True)
+    except OSError as error:
+        raise UsageError.single("--data-cache", f"{cache_dir} cannot be created: {(error.strerror or str(error)).lower()};"
+                                                f" give --data-cache a writable directory") from None
+    if not os.access(cache_dir, os.W_OK | os.X_OK):
+        raise UsageError.single("--data-cache", f"{cache_dir} is not writable; give --data-cache a writable directory")
+
+
+def _known(cache_dir: Path, source_file: Path) -> TokenStore | None:
+    """The store this source id points to, when both exist and the store is complete."""
+    try:
+        name = json.loads(source_file.read_text(encoding="utf-8"))["store"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(name, str) or "/" in name or name.startswith("."):
+        return None
+    return _open_quietly(cache_dir / STORES / name)
+
+
+def _open_quietly(path: Path) -> TokenStore | None:
+    try:
+        return TokenStore.open(path)
+    except StoreDamaged:
+        return None
+
+
+def _build(recipe: Recipe, directory: Path) -> TokenStore:
+    writer = StoreWriter(directory, kind=recipe.kind, vocab_size=recipe.vocab_size)
+    try:
+        result = recipe.build(writer)
+        writer.finish({**result.meta, "fingerprint": result.fingerprint, "source": recipe.source,
+                       "tokenizer": recipe.tokenizer, "options": recipe.options})
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return TokenStore.open(directory)
+
+
+@contextlib.contextmanager
+def _build_lock(cache_dir: Path) -> Iterator[None]:
+    """An exclusive flock on the cache's lock file. The kernel releases it when its holder dies, however it dies."""
+    with open(cache_dir / LOCK_FILE, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def write_store(recipe: Recipe, target: Path) -> TokenStore:
+    """Build ``recipe`` into ``target`` (``cadence prepare-data --out``), atomically: a sibling directory renamed
+    into place, so an interrupted build leaves no directory at ``target``."""
+    if target.exists():
+        raise UsageError.single("--out", f"{target} already exists; give a new directory for the token store")
+    building = target.with_name(f"{BUILD_PREFIX}{target.name}-{os.getpid()}")
+    for stale in target.parent.glob(f"{BUILD_PREFIX}{target.name}-*"):
+        if not _alive(stale.name.rsplit("-", 1)[-1]):  # a killed build of the same target: its remains go
+            shutil.rmtree(stale, ignore_errors=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _build(recipe, building)
+        os.rename(building, target)
+    except OSError as error:
+        shutil.rmtree(building, ignore_errors=True)
+        raise UsageError.single("--out", f"{target} cannot be written: {(error.strerror or str(error)).lower()}") \
+            from None
+    return TokenStore.open(target)
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ValueError:
+        return False
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+__all__ = ["BuildResult", "Opened", "Recipe", "default_cache_dir", "open_or_build", "store_key", "write_store"]

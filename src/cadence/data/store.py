@@ -1,0 +1,390 @@
+"""The token store: tokens in one flat memory-mapped file, examples as rows of an index, never as Python objects.
+
+A store is a directory::
+
+    store.json    what it holds: kind, token dtype, counts, the source's content fingerprint, tokenizer, options
+    tokens.bin    every token id, little-endian, in the smallest dtype the vocabulary fits (uint8, uint16, uint32)
+    train.idx     int64 rows (offset, length, loss_start, row) per example; "examples" stores only
+    val.idx       the same for a source's own validation split, when it has one
+
+Two kinds:
+
+- ``stream``: one long text (a .txt file, a directory, the built-in corpus). Examples are cut from it at training
+  time by arithmetic (:class:`PackedSequences`), so one store serves every ``--seq-len``.
+- ``examples``: one example per row of the source (JSONL, datasets). Example i is
+  ``tokens[offset : offset + length]`` untruncated; position j predicts token j + 1 and carries a loss only when
+  ``j + 1 >= loss_start``. Truncation to ``--seq-len`` happens when an example is read (:class:`StoredExamples`), so
+  again one store serves every ``--seq-len``. ``row`` is the source's line (JSONL) or row number, for messages.
+
+``store.json`` is written last, and a store only becomes visible by renaming its finished directory into place, so a
+build killed at any point leaves nothing that :meth:`TokenStore.open` accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from cadence.data.batching import IGNORE_INDEX, Example, TokenDataset
+
+STORE_FORMAT = "cadence-token-store"
+"""The ``format`` field of every store.json: how a directory given to ``--data`` is recognised as a store."""
+
+STORE_VERSION = 1
+"""Bumped whenever the layout or the meaning of a field changes, so that an old store is rebuilt, never misread."""
+
+META_FILE = "store.json"
+TOKENS_FILE = "tokens.bin"
+INDEX_COLUMNS = 4
+"""offset, length, loss_start, row."""
+
+StoreKind = Literal["stream", "examples"]
+
+
+class StoreDamaged(Exception):
+    """A store directory that is not a complete store of this version (a cache rebuilds it; ``--data`` refuses it)."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id below ``vocab_size``: bytes stay 1 byte per token, and a
+    50k-token BPE vocabulary takes 2 bytes per token instead of the 8 of int64."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    raise ValueError(f"a vocabulary of {vocab_size} ids does not fit 32 bits")
+
+
+def index_file(split: str) -> str:
+    return f"{split}.idx"
+
+
+# ------------------------------------------------------------------------------------------------ writing
+class StoreWriter:
+    """Appends tokens and index rows to a new store directory; :meth:`finish` writes store.json last.
+
+    Nothing is held in memory beyond a small buffer of index rows: the tokens go to disk as they come."""
+
+    _FLUSH_ROWS = 65_536
+
+    def __init__(self, directory: Path, *, kind: StoreKind, vocab_size: int) -> None:
+        directory.mkdir(parents=True, exist_ok=False)
+        self.directory = directory
+        self.kind = kind
+        self.vocab_size = vocab_size
+        self.dtype = token_dtype(vocab_size)
+        self.num_tokens = 0
+        self._tokens = open(directory / TOKENS_FILE, "wb")
+        self._pending: dict[str, list[tuple[int, int, int, int]]] = {}
+        self._indexes: dict[str, Any] = {}
+        self._rows: dict[str, int] = {}
+
+    # -- tokens
+    def write_tokens(self, ids: bytes | np.ndarray | Sequence[int]) -> int:
+        """Append token ids; returns the offset (in tokens) where they start."""
+        offset = self.num_tokens
+        if isinstance(ids, (bytes, bytearray, memoryview)):
+            if self.dtype != np.uint8:
+                ids = np.frombuffer(ids, dtype=np.uint8).astype(self.dtype)
+            else:
+                self._tokens.write(ids)
+                self.num_tokens += len(ids)
+                return offset
+        array = np.asarray(ids, dtype=self.dtype) if not isinstance(ids, np.ndarray) or ids.dtype != self.dtype \
+            else ids
+        self._tokens.write(array.tobytes())
+        self.num_tokens += len(array)
+        return offset
+
+    def truncate_tokens(self, num_tokens: int) -> None:
+        """Drop every token from ``num_tokens`` on (a directory's file turned out not to be text)."""
+        self._tokens.flush()
+        self._tokens.truncate(num_tokens * self.dtype.itemsize)
+        self._tokens.seek(num_tokens * self.dtype.itemsize)
+        self.num_tokens = num_tokens
+
+    def append_token_file(self, path: Path) -> int:
+        """Append the raw tokens of a part file written by a worker (same dtype); returns their first offset."""
+        offset = self.num_tokens
+        self._tokens.flush()
+        size = path.stat().st_size
+        with open(path, "rb") as part:
+            # sendfile copies inside the kernel: a part of hundreds of megabytes never passes through Python.
+            sent = 0
+            while sent < size:
+                done = os.sendfile(self._tokens.fileno(), part.fileno(), sent, size - sent)
+                if done == 0:
+                    break
+                sent += done
+        self._tokens.seek(0, os.SEEK_END)
+        self.num_tokens += size // self.dtype.itemsize
+        return offset
+
+    # -- examples
+    def add_example(self, split: str, ids: bytes | np.ndarray | Sequence[int], *, loss_start: int, row: int) -> None:
+        """Append one example: its tokens (inputs and the last target), where its loss starts, its source row."""
+        offset = self.write_tokens(ids)
+        self.add_rows(split, [(offset, self.num_tokens - offset, loss_start, row)])
+
+    def add_rows(self, split: str, rows: Sequence[tuple[int, int, int, int]] | np.ndarray) -> None:
+        """Append index rows (offset, length, loss_start, row) whose tokens are already written."""
+        if isinstance(rows, np.ndarray):
+            self._flush(split)
+            self._index(split).write(np.ascontiguousarray(rows, dtype="<i8").tobytes())
+            self._rows[split] = self._rows.get(split, 0) + len(rows)
+            return
+        pending = self._pending.setdefault(split, [])
+        pending.extend(rows)
+        if len(pending) >= self._FLUSH_ROWS:
+            self._flush(split)
+
+    def rows(self, split: str) -> int:
+        return self._rows.get(split, 0) + len(self._pending.get(split, ()))
+
+    def _index(self, split: str) -> Any:
+        if split not in self._indexes:
+            self._indexes[split] = open(self.directory / index_file(split), "wb")
+        return self._indexes[split]
+
+    def _flush(self, split: str) -> None:
+        pending = self._pending.get(split)
+        if pending:
+            self._index(split).write(np.asarray(pending, dtype="<i8").reshape(-1, INDEX_COLUMNS).tobytes())
+            self._rows[split] = self._rows.get(split, 0) + len(pending)
+            pending.clear()
+
+    # -- the end
+    def finish(self, meta: dict[str, Any]) -> None:
+        """Flush and sync every file, then write store.json: only a store with its store.json is ever opened."""
+        for split in list(self._pending):
+            self._flush(split)
+        splits = sorted(set(self._rows) | set(self._indexes))
+        for handle in [self._tokens, *self._indexes.values()]:
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+        full = {
+            **meta,
+            "format": STORE_FORMAT,
+            "version": STORE_VERSION,
+            "kind": self.kind,
+            "dtype": self.dtype.name,
+            "vocab_size": self.vocab_size,
+            "tokens": self.num_tokens,
+            "splits": {split: self._rows.get(split, 0) for split in splits},
+        }
+        write_json_atomically(self.directory / META_FILE, full)
+
+    def abort(self) -> None:
+        for handle in [self._tokens, *self._indexes.values()]:
+            handle.close()
+
+
+def write_json_atomically(path: Path, content: dict[str, Any]) -> None:
+    """Write ``path`` through a temporary sibling and a rename: readers see the old file or the whole new one."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(content, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+@dataclass(frozen=True, kw_only=True)
+class TokenStore:
+    """An opened store: its metadata, its tokens memory-mapped, and each split's index memory-mapped.
+
+    Opening reads store.json and maps the files; it reads no token, so it costs the same for 3 MB and 3 GB, and the
+    pages the training touches are shared through the page cache by every process that maps the same store."""
+
+    path: Path
+    meta: dict[str, Any]
+    tokens: np.ndarray
+    indexes: dict[str, np.ndarray]
+
+    @property
+    def kind(self) -> StoreKind:
+        return self.meta["kind"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]
+
+    @classmethod
+    def open(cls, path: Path) -> TokenStore:
+        """Open the store in ``path``; :class:`StoreDamaged` says why it is not a usable store."""
+        try:
+            meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise StoreDamaged(f"{path} has no {META_FILE} (not a token store, or one whose build was interrupted)")
+        except (OSError, ValueError) as error:
+            raise StoreDamaged(f"{path / META_FILE} cannot be read: {error}") from None
+        if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT:
+            raise StoreDamaged(f"{path} is not a cadence token store")
+        if meta.get("version") != STORE_VERSION:
+            raise StoreDamaged(f"{path} is a token store of version {meta.get('version')}, this cadence reads "
+                               f"version {STORE_VERSION}; build it again with cadence prepare-data")
+        try:
+            dtype = np.dtype(meta["dtype"])
+            tokens = _map(path / TOKENS_FILE, dtype, int(meta["tokens"]), ())
+            indexes = {split: _map(path / index_file(split), np.dtype("<i8"), int(rows), (INDEX_COLUMNS,))
+                       for split, rows in meta["splits"].items()}
+        except (KeyError, TypeError, ValueError) as error:
+            raise StoreDamaged(f"{path / META_FILE} is incomplete or inconsistent: {error}") from None
+        if meta["kind"] == "examples" and "train" not in indexes:
+            raise StoreDamaged(f"{path} holds no training examples")
+        return cls(path=path, meta=meta, tokens=tokens, indexes=indexes)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for ``cadence prepare-data``: examples, tokens, targets, and a histogram of example lengths."""
+        out: dict[str, Any] = {"kind": self.kind, "dtype": self.meta["dtype"], "tokens": int(self.meta["tokens"]),
+                               "fingerprint": self.fingerprint, "source": self.meta.get("source", "")}
+        if self.kind == "stream":
+            out["targets"] = max(0, int(self.meta["tokens"]) - 1)
+            return out
+        for split, index in self.indexes.items():
+            lengths = index[:, 1]
+            targets = np.maximum(0, lengths - np.maximum(index[:, 2], 1))
+            out[split] = {"examples": len(index), "tokens": int(lengths.sum()), "targets": int(targets.sum()),
+                          "length_histogram": length_histogram(lengths)}
+        return out
+
+
+def _map(path: Path, dtype: np.dtype, count: int, row_shape: tuple[int, ...]) -> np.ndarray:
+    """Memory-map ``count`` rows of ``dtype``; the file must hold exactly that many bytes."""
+    expected = count * dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    try:
+        size = path.stat().st_size
+    except OSError as error:
+        raise StoreDamaged(f"{path} cannot be read: {error.strerror or error}") from None
+    if size != expected:
+        raise StoreDamaged(f"{path} holds {size:,} bytes, store.json says {expected:,}")
+    if count == 0:
+        return np.zeros((0, *row_shape), dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count, *row_shape))
+
+
+def length_histogram(lengths: np.ndarray, bins: int = 8) -> list[dict[str, int]]:
+    """Example counts in ``bins`` equal-width length ranges (``[{"from": a, "to": b, "examples": n}]``)."""
+    if len(lengths) == 0:
+        return []
+    low, high = int(lengths.min()), int(lengths.max())
+    width = max(1, -(-(high - low + 1) // bins))
+    counts = np.bincount((lengths - low) // width, minlength=bins)
+    return [{"from": low + i * width, "to": low + (i + 1) * width - 1, "examples": int(n)}
+            for i, n in enumerate(counts) if low + i * width <= high]
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+def _as_long(tokens: np.ndarray) -> torch.Tensor:
+    # A copy as int64: the model's embedding wants int64, and the memory map must never be written through.
+    return torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+
+
+class PackedSequences(TokenDataset):
+    """Fixed-length sequences cut from one token stream, made into examples only when indexed.
+
+    Chunks of ``seq_len + 1`` tokens start every ``seq_len`` tokens, so consecutive chunks share one token (the last
+    label of one is the first input of the next) and every token after the first is a target exactly once. The
+    stream may be a memory map of gigabytes: nothing but index arithmetic happens until an example is read."""
+
+    def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int, chunks: range | None = None) -> None:
+        super().__init__(())
+        self._tokens = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
+        self._seq_len = seq_len
+        self._chunks = chunks if chunks is not None else range(0, max(0, (len(tokens) - 1) // seq_len))
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+        if isinstance(index, slice):
+            return PackedSequences(self._tokens, self._seq_len, self._chunks[index])
+        start = self._chunks[index] * self._seq_len
+        chunk = _as_long(self._tokens[start : start + self._seq_len + 1])
+        return Example(input_ids=chunk[:-1], labels=chunk[1:])
+
+    def __iter__(self) -> Iterator[Example]:  # type: ignore[override]
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def num_targets(self) -> int:  # type: ignore[override]
+        return len(self) * self._seq_len
+
+    @property
+    def max_length(self) -> int:
+        return self._seq_len if len(self) else 0
+
+
+class StoredExamples(TokenDataset):
+    """Examples of an ``examples`` store, cut to ``seq_len + 1`` tokens when read.
+
+    ``rows`` are the index rows in use (an int64 array: the only per-example state in memory). Counts over the whole
+    dataset (targets, longest example) are computed from the index, never by reading tokens."""
+
+    def __init__(self, tokens: np.ndarray, index: np.ndarray, seq_len: int, rows: np.ndarray) -> None:
+        super().__init__(())
+        self._tokens = tokens
+        self._index = index
+        self._seq_len = seq_len
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+        if isinstance(index, slice):
+            return StoredExamples(self._tokens, self._index, self._seq_len, self._rows[index])
+        offset, length, loss_start, _ = (int(v) for v in self._index[self._rows[index]])
+        kept = min(length, self._seq_len + 1)
+        ids = _as_long(self._tokens[offset : offset + kept])
+        labels = ids[1:].clone()
+        # Position j predicts token j + 1, a target only from loss_start on (the completion, after BOS, ...).
+        labels[: max(loss_start - 1, 0)] = IGNORE_INDEX
+        return Example(input_ids=ids[:-1], labels=labels)
+
+    def __iter__(self) -> Iterator[Example]:  # type: ignore[override]
+        return (self[i] for i in range(len(self)))
+
+    def _kept_lengths(self) -> np.ndarray:
+        return np.minimum(self._index[self._rows, 1], self._seq_len + 1)
+
+    @property
+    def num_targets(self) -> int:  # type: ignore[override]
+        if not len(self):
+            return 0
+        starts = np.maximum(self._index[self._rows, 2], 1)
+        return int(np.maximum(0, self._kept_lengths() - starts).sum())
+
+    @property
+    def max_length(self) -> int:
+        return int(self._kept_lengths().max()) - 1 if len(self) else 0
+
+    @property
+    def source_rows(self) -> np.ndarray:
+        """The source line or row number of each example (for messages)."""
+        return self._index[self._rows, 3]
+
+
+def usable_rows(index: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(rows with at least one target within ``seq_len + 1`` tokens, rows without, number truncated among the
+    usable ones): a prompt longer than ``--seq-len`` leaves its completion no target."""
+    lengths = np.minimum(index[:, 1], seq_len + 1)
+    has_target = lengths - 1 >= np.maximum(index[:, 2], 1)
+    usable = np.flatnonzero(has_target)
+    truncated = int((index[usable, 1] > seq_len + 1).sum())
+    return usable, np.flatnonzero(~has_target), truncated
+
+
+__all__ = [
+    "INDEX_COLUMNS", "META_FILE", "STORE_FORMAT", "STORE_VERSION", "TOKENS_FILE", "PackedSequences", "StoreDamaged",
+    "StoreKind", "StoreWriter", "StoredExamples", "TokenStore", "length_histogram", "token_dtype", "usable_rows",
+    "write_json_atomically",
+]

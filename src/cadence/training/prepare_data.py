@@ -1,0 +1,121 @@
+"""``cadence prepare-data``: tokenise a source into a token store ahead of training, and say what it holds.
+
+The store goes into the cache (``--data-cache``), where ``cadence train --data SOURCE`` finds it again, or with
+``--out DIR`` into a directory of its own that ``cadence train --data DIR`` reads directly (copy it to another
+machine, share it between users). Given a store as ``--data``, it only describes it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from cadence.config import TrainConfig
+from cadence.data import byte_recipe, default_cache_dir, is_store, open_prepared_store, splits_from_store
+from cadence.data.cache import open_or_build, write_store
+from cadence.data.hf import as_tokenizer, hf_recipe, is_hf_data
+from cadence.errors import UsageError
+from cadence.formatting import format_bytes
+from cadence.models import MODEL_NAMES
+from cadence.models.hf import model_tokenizer
+
+PREPARE_DATA_TRAIN_FIELDS = ("model", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len")
+"""The train flags `cadence prepare-data` accepts: what decides the tokens (and --seq-len, to show its effect)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareDataOptions:
+    """Options of ``cadence prepare-data`` beyond the train flags it shares."""
+
+    out: Path | None = None
+    """Write the store into this new directory (then train with --data DIR) instead of the --data-cache."""
+    json: bool = False
+    """Print what the store holds as JSON."""
+
+
+def _recipe(config: TrainConfig, tokenizer: Any | None, progress: IO[str] | None) -> Any:
+    source = config.data
+    if source is not None and (is_hf_data(str(source)) or tokenizer is not None):
+        return hf_recipe(str(source), tokenizer=tokenizer, text_field=config.text_field,
+                         prompt_field=config.prompt_field, completion_field=config.completion_field,
+                         progress=progress)
+    return byte_recipe(source, progress=progress)
+
+
+def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO[str] | None = None,
+                 progress: IO[str] | None = None) -> dict[str, Any]:
+    """Build (or find) the store of ``config.data`` as ``config.model`` reads it; print and return its summary."""
+    stream = stream or sys.stdout
+    if config.seq_len is not None and config.seq_len < 1:
+        raise UsageError.single("--seq-len", f"must be at least 1, got {config.seq_len}")
+    started = time.perf_counter()
+    recipe = None
+    tokenizer = None if config.model in MODEL_NAMES else model_tokenizer(config.model)
+    if config.data is not None and is_store(config.data):
+        if options.out is not None:
+            raise UsageError.single("--out", f"{config.data} is already a token store; --out is for building one")
+        store = open_prepared_store(config.data, expected_tokenizer=as_tokenizer(tokenizer).identity)
+        built = False
+    else:
+        recipe = _recipe(config, tokenizer, progress if progress is not None else sys.stderr)
+        if options.out is not None:
+            store, built = write_store(recipe, options.out), True
+        else:
+            opened = open_or_build(recipe, config.data_cache or default_cache_dir())
+            store, built = opened.store, opened.built
+    seconds = time.perf_counter() - started
+    summary: dict[str, Any] = {"store": str(store.path), "built": built, "seconds": round(seconds, 3),
+                               **store.summary()}
+    if recipe is not None:
+        summary["source_bytes"] = recipe.source_bytes
+        if built:
+            summary["mb_per_s"] = round(recipe.source_bytes / 1e6 / max(seconds, 1e-9), 1)
+    if config.seq_len is not None:
+        splits = splits_from_store(store, seq_len=config.seq_len, val_fraction=0.0, from_cache=not built)
+        summary["at_seq_len"] = {"seq_len": config.seq_len, "examples": len(splits.train),
+                                 "targets": splits.train.num_targets, "truncated": splits.truncated}
+    if options.json:
+        print(json.dumps(summary, indent=1), file=stream)
+    else:
+        print(describe(summary, train_data=options.out or config.data), file=stream)
+    return summary
+
+
+def describe(summary: dict[str, Any], *, train_data: Path | None) -> str:
+    """The summary for people: where the store is, how it was made, what it holds, and how to train on it."""
+    itemsize = {"uint8": 1, "uint16": 2, "uint32": 4}.get(summary["dtype"], 4)
+    how = (f"built in {summary['seconds']:.1f} s" + (f", {summary['mb_per_s']:,.1f} MB/s of source" if "mb_per_s"
+                                                     in summary else "")) if summary["built"] else \
+        f"found in the cache, opened in {summary['seconds']:.2f} s"
+    lines = [f"token store: {summary['store']} ({how})",
+             f"source: {summary['source']}" + (f", {format_bytes(summary['source_bytes'])}"
+                                               if summary.get("source_bytes") else ""),
+             f"content: {summary['fingerprint']}",
+             f"tokens: {summary['tokens']:,} {summary['dtype']} ({format_bytes(summary['tokens'] * itemsize)} mapped, "
+             f"not loaded)"]
+    if summary["kind"] == "stream":
+        lines.append(f"text stream: {summary['targets']:,} targets; cut into --seq-len sequences when training")
+    for split in ("train", "val"):
+        part = summary.get(split)
+        if not part:
+            continue
+        lines.append(f"{split}: {part['examples']:,} examples, {part['tokens']:,} tokens, {part['targets']:,} targets")
+        histogram = part["length_histogram"]
+        widest = max((bucket["examples"] for bucket in histogram), default=1) or 1
+        for bucket in histogram:
+            bar = "#" * max(1 if bucket["examples"] else 0, round(30 * bucket["examples"] / widest))
+            lines.append(f"  {bucket['from']:>7,}-{bucket['to']:<7,} {bar:<30} {bucket['examples']:,}")
+    at = summary.get("at_seq_len")
+    if at:
+        lines.append(f"at --seq-len {at['seq_len']}: {at['examples']:,} training examples, {at['targets']:,} targets"
+                     + (f", {at['truncated']:,} truncated" if at["truncated"] else ""))
+    if train_data is not None:
+        lines.append(f"train on it: cadence train --data {train_data} ...")
+    return "\n".join(lines)
+
+
+__all__ = ["PREPARE_DATA_TRAIN_FIELDS", "PrepareDataOptions", "describe", "prepare_data"]

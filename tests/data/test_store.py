@@ -1,0 +1,238 @@
+"""The token store and its cache: the same examples as the in-memory readers, found again without reading the data,
+never trusted half-built, built once for several processes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import sample_text
+
+from cadence.data import (
+    load_data,
+    open_prepared_store,
+    pack_bytes,
+    read_jsonl,
+    read_text_source,
+)
+from cadence.data.cache import BuildResult, Recipe, open_or_build
+from cadence.data.sources import jsonl_recipe, text_recipe
+from cadence.data.splits import splits_from_store
+from cadence.data.store import StoreDamaged, StoreWriter, TokenStore, token_dtype
+from cadence.errors import UsageError
+
+
+def as_lists(dataset) -> list[tuple[list[int], list[int]]]:
+    return [(example.input_ids.tolist(), example.labels.tolist()) for example in dataset]
+
+
+def stores(cache: Path) -> list[Path]:
+    return sorted(p for p in (cache / "stores").iterdir() if not p.name.startswith("."))
+
+
+# ------------------------------------------------------------------------------------------------ format
+def test_token_dtype_is_the_smallest_that_holds_the_vocabulary() -> None:
+    assert [token_dtype(n).name for n in (256, 257, 65_536, 65_537, 200_000)] == [
+        "uint8", "uint16", "uint16", "uint32", "uint32"]
+
+
+def test_examples_round_trip_in_a_wide_dtype(tmp_path: Path) -> None:
+    writer = StoreWriter(tmp_path / "s", kind="examples", vocab_size=50_000)
+    writer.add_example("train", [49_999, 7, 300, 12], loss_start=2, row=1)
+    writer.add_example("train", [1, 2], loss_start=1, row=2)
+    writer.add_example("val", [5, 6, 7], loss_start=1, row=1)
+    writer.finish({"fingerprint": "sha256:x"})
+    store = TokenStore.open(tmp_path / "s")
+    assert store.tokens.dtype == np.uint16 and store.meta["splits"] == {"train": 2, "val": 1}
+    splits = splits_from_store(store, seq_len=8, val_fraction=0.5, from_cache=False)
+    # Position j predicts token j + 1, a target from loss_start on: the first label of example 0 is not a target.
+    assert as_lists(splits.train) == [([49_999, 7, 300], [-100, 300, 12]), ([1], [2])]
+    assert as_lists(splits.val) == [([5, 6], [6, 7])]
+    short = splits_from_store(store, seq_len=2, val_fraction=0.0, from_cache=False)
+    assert as_lists(short.train)[0] == ([49_999, 7], [-100, 300]) and short.truncated == 1
+    assert short.train.num_targets == 2 and short.train.max_length == 2
+
+
+@pytest.mark.parametrize("damage", ["no meta", "short tokens", "other version", "not a store"])
+def test_an_incomplete_store_is_never_opened(tmp_path: Path, damage: str) -> None:
+    writer = StoreWriter(tmp_path / "s", kind="stream", vocab_size=256)
+    writer.write_tokens(b"hello world")
+    writer.finish({"fingerprint": "sha256:x"})
+    meta_path = tmp_path / "s" / "store.json"
+    meta = json.loads(meta_path.read_text())
+    if damage == "no meta":
+        meta_path.unlink()
+    elif damage == "short tokens":
+        (tmp_path / "s" / "tokens.bin").write_bytes(b"hello")
+    else:
+        meta["version" if damage == "other version" else "format"] = 99 if damage == "other version" else "other"
+        meta_path.write_text(json.dumps(meta))
+    with pytest.raises(StoreDamaged):
+        TokenStore.open(tmp_path / "s")
+    if damage != "no meta":  # (without store.json the directory is not taken for a store at all)
+        with pytest.raises(UsageError) as excinfo:
+            load_data(tmp_path / "s", 4, 0.0)
+        assert excinfo.value.problems[0].where == "--data"
+
+
+# ------------------------------------------------------------------------------------------------ same examples
+def test_text_directory_store_equals_the_in_memory_reader(tmp_path: Path) -> None:
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_bytes(sample_text(700))
+    (folder / "sub" / "b.py").write_bytes(sample_text(900)[::-1])
+    (folder / "blob.bin").write_bytes(bytes(range(256)) * 4)  # not UTF-8: skipped, its bytes taken out again
+    (folder / "empty.txt").write_text("")
+    (folder / ".hidden").write_text("never")
+    raw = read_text_source(folder)
+    splits = load_data(folder, 32, 0.1, cache_dir=tmp_path / "cache")
+    expected = pack_bytes(raw, 32)
+    assert as_lists(splits.train) + as_lists(splits.val) == as_lists(expected)
+    assert splits.fingerprint == "sha256:" + __import__("hashlib").sha256(raw).hexdigest()
+
+
+def test_a_text_file_that_is_not_utf8_is_named_with_its_offset(tmp_path: Path) -> None:
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"fine text " * 3 + b"\xff" + b"more")
+    with pytest.raises(UsageError) as excinfo:
+        load_data(path, 4, 0.0, cache_dir=tmp_path / "cache")
+    assert "offset 30" in str(excinfo.value) and stores(tmp_path / "cache") == []
+
+
+BAD_LINES = {7: "{not json", 23: '{"text": 5}', 41: '["a list"]'}
+
+
+def write_jsonl(path: Path, count: int, bad: dict[int, str] | None = None) -> Path:
+    """Prompt/completion and text lines of varied length, blank lines between some, a BOM in front."""
+    lines = []
+    for i in range(1, count + 1):
+        if bad and i in bad:
+            lines.append(bad[i])
+        elif i % 9 == 0:
+            lines.append("")
+        elif i % 2:
+            lines.append(json.dumps({"prompt": f"question {i} " * (i % 5), "completion": f"answer {i} " * (1 + i % 7)}))
+        else:
+            lines.append(json.dumps({"text": f"plain text number {i} " * (1 + i % 4), "id": i}))
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    return path
+
+
+def test_parallel_jsonl_store_equals_the_sequential_reader(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "data.jsonl", 120)
+    expected, truncated = read_jsonl(path, 80)
+    # Ranges of ~300 bytes: dozens of worker tasks, each starting mid-file (line numbers carried across them).
+    recipe = jsonl_recipe(path, None, workers=2, range_bytes=300)
+    splits = splits_from_store(open_or_build(recipe, None).store, seq_len=80, val_fraction=0.0, from_cache=False)
+    assert as_lists(splits.train) == as_lists(expected) and splits.truncated == truncated > 0
+    assert splits.train.num_targets == sum(e.num_targets for e in expected)
+    assert splits.train.max_length == max(len(e.input_ids) for e in expected)
+
+
+def test_parallel_jsonl_names_every_bad_line_as_the_sequential_reader_does(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "data.jsonl", 60, BAD_LINES)
+    with pytest.raises(UsageError) as sequential:
+        read_jsonl(path, 80)
+    with pytest.raises(UsageError) as parallel:
+        open_or_build(jsonl_recipe(path, None, workers=2, range_bytes=200), tmp_path / "cache")
+    where = [p.where for p in parallel.value.problems]
+    assert where == [p.where for p in sequential.value.problems] == [f"{path}:{n}" for n in sorted(BAD_LINES)]
+    assert stores(tmp_path / "cache") == [] and list((tmp_path / "cache" / "sources").iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+def test_a_cached_store_opens_without_reading_the_data_and_a_rewrite_is_seen(tmp_path: Path) -> None:
+    path = tmp_path / "t.txt"
+    path.write_bytes(sample_text(5000))
+    cache = tmp_path / "cache"
+    first = load_data(path, 64, 0.0, cache_dir=cache)
+    recipe = text_recipe(path, None)
+
+    def refuse(writer: StoreWriter) -> BuildResult:
+        raise AssertionError("a cache hit must not read the source")
+
+    again = open_or_build(Recipe(**{**recipe.__dict__, "build": refuse}), cache)
+    assert not again.built and again.store.fingerprint == first.fingerprint
+    # The same size, the mtime put back: the ctime still changes, so the new content is read and fingerprinted.
+    stat = path.stat()
+    path.write_bytes(sample_text(5000).upper())
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    changed = load_data(path, 64, 0.0, cache_dir=cache)
+    assert changed.fingerprint != first.fingerprint and "from the cache" not in changed.description
+    assert len(stores(cache)) == 2
+
+
+def _slow_recipe(marker: Path, counter: Path, seconds: float) -> Recipe:
+    def build(writer: StoreWriter) -> BuildResult:
+        with open(counter, "a") as handle:
+            handle.write(f"{os.getpid()}\n")
+        writer.write_tokens(b"x" * 1000)
+        marker.touch()
+        time.sleep(seconds)
+        writer.write_tokens(b"y" * 1000)
+        return BuildResult(fingerprint="sha256:slow")
+
+    return Recipe(kind="stream", source="slow", stat_identity=["slow"], tokenizer="bytes", vocab_size=256,
+                  options={}, build=build)
+
+
+def _open_in_child(cache: Path, marker: Path, counter: Path, seconds: float, result: Path | None) -> None:
+    opened = open_or_build(_slow_recipe(marker, counter, seconds), cache)
+    if result is not None:
+        result.write_text(f"{opened.store.path}\n{opened.built}")
+
+
+def test_a_build_killed_by_sigkill_is_never_trusted(tmp_path: Path) -> None:
+    cache, marker, counter = tmp_path / "cache", tmp_path / "building", tmp_path / "builds"
+    child = multiprocessing.get_context("fork").Process(target=_open_in_child, args=(cache, marker, counter, 60, None))
+    child.start()
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    leftovers = list((cache / "stores").glob(".build-*"))
+    assert len(leftovers) == 1 and not (leftovers[0] / "store.json").exists()
+    assert stores(cache) == [] and list((cache / "sources").iterdir()) == []
+    # The next open builds afresh (the lock died with its holder) and clears the remains.
+    opened = open_or_build(_slow_recipe(marker, counter, 0), cache)
+    assert opened.built and len(opened.store.tokens) == 2000
+    assert list((cache / "stores").glob(".build-*")) == []
+
+
+def test_processes_that_need_the_same_store_build_it_once(tmp_path: Path) -> None:
+    cache, marker, counter = tmp_path / "cache", tmp_path / "building", tmp_path / "builds"
+    results = [tmp_path / f"result-{i}" for i in range(2)]
+    context = multiprocessing.get_context("fork")
+    children = [context.Process(target=_open_in_child, args=(cache, marker, counter, 1.0, result))
+                for result in results]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(60)
+        assert child.exitcode == 0
+    assert len(counter.read_text().split()) == 1  # one build; the other process waited on the lock and opened it
+    paths, built = zip(*(result.read_text().split("\n") for result in results))
+    assert len(set(paths)) == 1 and sorted(built) == ["False", "True"]
+
+
+def test_an_unwritable_cache_is_named(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(UsageError) as excinfo:
+        load_data(None, 16, 0.0, max_corpus_bytes=1000, cache_dir=blocker / "cache")
+    assert excinfo.value.problems[0].where == "--data-cache"
+
+
+def test_a_store_for_another_tokenizer_is_refused(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "data.jsonl", 20)
+    store = open_or_build(jsonl_recipe(path, None), tmp_path / "cache").store
+    with pytest.raises(UsageError) as excinfo:
+        open_prepared_store(store.path, expected_tokenizer="PreTrainedTokenizerFast:m:1000:abc")
+    assert excinfo.value.problems[0].where == "--data" and "prepare-data" in excinfo.value.problems[0].message

@@ -1,0 +1,110 @@
+"""Runs through the token store: `cadence prepare-data`, training from a prepared store, and resume against data
+whose content changed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import write_jsonl
+
+from cadence.cli import main
+from cadence.training.run_dir import read_metrics
+
+
+def args(data: Path, out: Path, cache: Path, *extra: str, steps: int = 4) -> list[str]:
+    return ["train", "--data", str(data), "--data-cache", str(cache), "--seq-len", "48", "--micro-batch-size", "2",
+            "--grad-accum-steps", "2", "--max-steps", str(steps), "--val-fraction", "0", "--checkpoint-every", "2",
+            "--out", str(out), *extra]
+
+
+def losses(run: Path) -> list[float]:
+    return [row["loss"] for row in read_metrics(run)]
+
+
+def test_prepare_data_prints_what_the_store_holds_and_finds_it_again(tmp_path: Path, capsys) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl")
+    cache = tmp_path / "cache"
+    assert main(["prepare-data", "--data", str(data), "--data-cache", str(cache), "--seq-len", "48"]) == 0
+    first = capsys.readouterr().out
+    assert "built in" in first and "train: " in first and " examples, " in first and "targets" in first
+    assert "at --seq-len 48:" in first and "#" in first  # the length histogram
+    assert main(["prepare-data", "--data", str(data), "--data-cache", str(cache), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["built"] is False and summary["dtype"] == "uint8" and summary["train"]["examples"] > 0
+    assert sum(b["examples"] for b in summary["train"]["length_histogram"]) == summary["train"]["examples"]
+
+
+def test_training_on_a_prepared_store_is_training_on_its_source(tmp_path: Path, capsys) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl")
+    store = tmp_path / "store"
+    assert main(["prepare-data", "--data", str(data), "--out", str(store)]) == 0
+    assert (store / "store.json").is_file() and not list(tmp_path.glob(".build-*"))
+    assert main(args(data, tmp_path / "from-source", tmp_path / "cache")) == 0
+    assert main(args(store, tmp_path / "from-store", tmp_path / "cache")) == 0
+    assert losses(tmp_path / "from-store") == losses(tmp_path / "from-source")
+    configs = [json.loads((tmp_path / run / "config.json").read_text()) for run in ("from-source", "from-store")]
+    assert configs[0]["data_fingerprint"] == configs[1]["data_fingerprint"]
+    assert configs[1]["data_store"] == str(store)
+    # --out never overwrites: a second build into the same directory is refused, naming --out.
+    capsys.readouterr()
+    assert main(["prepare-data", "--data", str(data), "--out", str(store)]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_resume_refuses_data_whose_content_changed(tmp_path: Path, capsys) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl")
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    assert main(args(data, run, cache, steps=2)) == 0
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    # The same file name, other content (one example more): never silently mixed into the run.
+    data.write_text(data.read_text() + json.dumps({"text": "one more example to change the data"}) + "\n")
+    capsys.readouterr()
+    assert main(args(data, run, cache, "--resume", steps=4)) == 2
+    err = capsys.readouterr().err
+    assert "--data" in err and "resume" in err.lower()
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
+def test_resume_accepts_the_same_content_under_another_name_or_as_a_store(tmp_path: Path, capsys) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl")
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    assert main(args(data, run, cache)) == 0
+    copy = tmp_path / "moved" / "renamed.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes(data.read_bytes())
+    store = tmp_path / "store"
+    assert main(["prepare-data", "--data", str(copy), "--out", str(store)]) == 0
+    capsys.readouterr()
+    for same_content in (copy, store):
+        assert main(args(same_content, run, cache, "--resume")) == 0
+        assert "resuming from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--data-cache"])
+def test_an_unusable_cache_is_a_usage_error_naming_the_flag(tmp_path: Path, capsys, flag: str) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(args(write_jsonl(tmp_path / "d.jsonl"), tmp_path / "run", blocker / "cache")) == 2
+    assert f"{flag}:" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("case, extra, where", [
+    ("missing", ["--data", "{tmp}/absent.jsonl"], "--data"),
+    ("suffix", ["--data", "{tmp}/notes.md"], "--data"),
+    ("seq-len", ["--data", "{tmp}/d.jsonl", "--seq-len", "0"], "--seq-len"),
+    ("bad line", ["--data", "{tmp}/bad.jsonl"], "bad.jsonl:2"),
+    ("out exists", ["--data", "{tmp}/d.jsonl", "--out", "{tmp}"], "--out"),
+])
+def test_prepare_data_bad_input_is_one_line_per_problem_and_exit_2(tmp_path: Path, capsys, case: str,
+                                                                   extra: list[str], where: str) -> None:
+    write_jsonl(tmp_path / "d.jsonl")
+    (tmp_path / "notes.md").write_text("hello")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine text"}\n{"text": 3}\n')
+    cache = tmp_path / "cache"
+    argv = ["prepare-data", "--data-cache", str(cache), *(a.format(tmp=tmp_path) for a in extra)]
+    assert main(argv) == 2, case
+    err = capsys.readouterr().err
+    assert err.startswith("cadence: error: ") and where in err and "Traceback" not in err, err
+    assert not cache.exists() or not [p for p in (cache / "stores").iterdir()]
