@@ -89,10 +89,10 @@ def regular_file_problem(path: Path, *, limit: int | None = None) -> str | None:
 
 
 
-def read_regular_file_chunks(path: Path, *, where: str, chunk_bytes: int = 16 << 20,
+def read_regular_file_chunks(path: Path, *, where: str, chunk_bytes: int = 4 << 20,
                              start: int = 0, end: int | None = None) -> Iterator[bytes]:
     """The bytes of ``path`` (a regular file) from ``start`` to ``end`` in chunks, never the whole file at once:
-    a 3 GB text is tokenised with 16 MB in memory. The same rules and messages as :func:`read_regular_file`."""
+    a 3 GB text is tokenised with a few megabytes in memory. The same rules and messages as :func:`read_regular_file`."""
     problem = regular_file_problem(path)
     if problem is not None:
         raise UsageError.single(where, problem)

@@ -81,6 +81,17 @@ def test_splits_see_the_same_samples(micro: int) -> None:
     assert all(len(g) == micro for g in groups[:-1]) and 1 <= len(groups[-1]) <= micro
 
 
+@pytest.mark.parametrize("count", [1, 97, 100_000, 3_000_001])
+def test_the_int32_order_is_the_int64_permutation_of_earlier_runs(count: int) -> None:
+    """epoch_order holds int32 (half the memory per example) and must stay the order runs had with int64, or
+    every checkpoint written before would resume on other data."""
+    generator = torch.Generator()
+    generator.manual_seed((11 * 1_000_003 + 2) & 0xFFFF_FFFF_FFFF_FFFF)
+    reference = torch.randperm(count, generator=generator)  # int64, what epoch_order returned before
+    order = epoch_order(count, seed=11, epoch=2)
+    assert order.dtype == torch.int32 and torch.equal(order.long(), reference)
+
+
 def test_no_shuffle_is_index_order() -> None:
     batches = list(iterate_micro_batches(numbered(5), micro_batch_size=2, seed=9, epoch=3, shuffle=False))
     assert [row for b in batches for row in b["input_ids"][:, 0].tolist()] == [0, 1, 2, 3, 4]

@@ -8,6 +8,7 @@ checks every field and reports every problem at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 from dataclasses import dataclass
@@ -197,8 +198,12 @@ def field_help(name: str, cls: type | None = None) -> str:
     return read_field_docs(cls or TrainConfig).get(name, "")
 
 
+@functools.cache
 def read_field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring (the string literal right under it) in a dataclass's source."""
+    """Each field's docstring (the string literal right under it) in a dataclass's source.
+
+    Cached: the command line asks for TrainConfig's once per command that shares its flags, and parsing the source
+    each time is a visible part of every start-up. Callers must not modify the returned dict."""
     import ast
     import inspect
     import textwrap

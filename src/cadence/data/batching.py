@@ -115,7 +115,10 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> torch.Tensor:
     # A large odd multiplier keeps (seed, epoch) pairs from colliding for any realistic number of epochs.
     # The mask keeps huge or negative user seeds inside the 64-bit range manual_seed accepts.
     generator.manual_seed((seed * 1_000_003 + epoch) & 0xFFFF_FFFF_FFFF_FFFF)
-    return torch.randperm(num_examples, generator=generator)
+    # int32 while it fits: the same permutation as int64 (randperm's values do not depend on the dtype; a test checks
+    # it), at half the memory. It is the one per-example array each rank holds: 50 MB instead of 100 for 12M examples.
+    dtype = torch.int32 if num_examples < 2**31 else torch.int64
+    return torch.randperm(num_examples, generator=generator, dtype=dtype)
 
 
 def micro_batch_indices(

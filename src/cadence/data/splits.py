@@ -6,8 +6,6 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from cadence.data.batching import TokenDataset
 from cadence.data.jsonl import MAX_REPORTED_PROBLEMS, no_target_message
 from cadence.data.store import StoredExamples, TokenStore, usable_rows
@@ -71,9 +69,9 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
     source = source or meta.get("description") or str(store.path)
     cache_note = "; tokens from the cache" if from_cache else ""
     if store.kind == "stream":
-        tokens = store.tokens if max_stream_tokens is None else store.tokens[:max_stream_tokens]
+        tokens = store.tokens if max_stream_tokens is None else store.tokens.prefix(max_stream_tokens)
         fingerprint = store.fingerprint if max_stream_tokens is None or max_stream_tokens >= len(store.tokens) \
-            else "sha256:" + hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()
+            else "sha256:" + hashlib.sha256(tokens[:].tobytes()).hexdigest()
         examples = pack_tokens(tokens, seq_len)
         description = f"{source}, {len(tokens):,} bytes, {len(examples)} sequences of " \
                       f"{seq_len}"

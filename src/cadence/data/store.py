@@ -1,4 +1,4 @@
-"""The token store: tokens in one flat memory-mapped file, examples as rows of an index, never as Python objects.
+"""The token store: tokens in one flat file, examples as rows of a memory-mapped index, never as Python objects.
 
 A store is a directory::
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,16 +198,56 @@ def write_json_atomically(path: Path, content: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ reading
+class TokenFile:
+    """The token ids of a store, read a slice at a time (``tokens[a:b]`` is an array of those ids).
+
+    Read with ``pread``, not through a memory map: a memory-mapped page stays in the process's resident set once
+    touched, and on this kernel a touch maps a whole 2 MB folio, so a run's RSS grew by 2 MB per example read and
+    would end an epoch at the corpus's size (nanoGPT re-creates its np.memmap every batch for this reason). Read
+    this way, the file's pages live in the page cache alone, shared by every rank and run on the machine, and the
+    process holds only the micro-batch it is collating. A read is one system call of a few hundred bytes."""
+
+    def __init__(self, path: Path, dtype: np.dtype, count: int, *, start: int = 0) -> None:
+        self.path = path
+        self.dtype = dtype
+        self._count = count
+        self._start = start
+        self._descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        weakref.finalize(self, os.close, self._descriptor)  # closed with the object, or at exit
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("token files are read by contiguous slices")
+        start, stop, _ = index.indices(self._count)
+        size = max(0, stop - start) * self.dtype.itemsize
+        data = os.pread(self._descriptor, size, (self._start + start) * self.dtype.itemsize) if size else b""
+        if len(data) != size:
+            raise StoreDamaged(f"{self.path} is shorter than its store.json says (was it changed in place?)")
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def prefix(self, count: int) -> TokenFile:
+        """The first ``count`` tokens, as a file of their own (nothing read)."""
+        view = TokenFile.__new__(TokenFile)
+        view.path, view.dtype, view._start = self.path, self.dtype, self._start
+        view._count = max(0, min(count, self._count))
+        view._descriptor = os.dup(self._descriptor)
+        weakref.finalize(view, os.close, view._descriptor)
+        return view
+
+
 @dataclass(frozen=True, kw_only=True)
 class TokenStore:
-    """An opened store: its metadata, its tokens memory-mapped, and each split's index memory-mapped.
+    """An opened store: its metadata, its tokens (read by slices) and each split's index (memory-mapped).
 
-    Opening reads store.json and maps the files; it reads no token, so it costs the same for 3 MB and 3 GB, and the
-    pages the training touches are shared through the page cache by every process that maps the same store."""
+    Opening reads store.json and maps the index; it reads no token, so it costs the same for 3 MB and 3 GB. The
+    index is what counts and lengths are computed from, 32 bytes per example."""
 
     path: Path
     meta: dict[str, Any]
-    tokens: np.ndarray
+    tokens: TokenFile
     indexes: dict[str, np.ndarray]
 
     @property
@@ -233,7 +274,8 @@ class TokenStore:
                                f"version {STORE_VERSION}; build it again with cadence prepare-data")
         try:
             dtype = np.dtype(meta["dtype"])
-            tokens = _map(path / TOKENS_FILE, dtype, int(meta["tokens"]), ())
+            _check_size(path / TOKENS_FILE, int(meta["tokens"]) * dtype.itemsize)
+            tokens = TokenFile(path / TOKENS_FILE, dtype, int(meta["tokens"]))
             indexes = {split: _map(path / index_file(split), np.dtype("<i8"), int(rows), (INDEX_COLUMNS,))
                        for split, rows in meta["splits"].items()}
         except (KeyError, TypeError, ValueError) as error:
@@ -257,15 +299,18 @@ class TokenStore:
         return out
 
 
-def _map(path: Path, dtype: np.dtype, count: int, row_shape: tuple[int, ...]) -> np.ndarray:
-    """Memory-map ``count`` rows of ``dtype``; the file must hold exactly that many bytes."""
-    expected = count * dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+def _check_size(path: Path, expected: int) -> None:
     try:
         size = path.stat().st_size
     except OSError as error:
         raise StoreDamaged(f"{path} cannot be read: {error.strerror or error}") from None
     if size != expected:
         raise StoreDamaged(f"{path} holds {size:,} bytes, store.json says {expected:,}")
+
+
+def _map(path: Path, dtype: np.dtype, count: int, row_shape: tuple[int, ...]) -> np.ndarray:
+    """Memory-map ``count`` rows of ``dtype``; the file must hold exactly that many bytes."""
+    _check_size(path, count * dtype.itemsize * int(np.prod(row_shape, dtype=np.int64)))
     if count == 0:
         return np.zeros((0, *row_shape), dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(count, *row_shape))
@@ -295,7 +340,7 @@ class PackedSequences(TokenDataset):
     label of one is the first input of the next) and every token after the first is a target exactly once. The
     stream may be a memory map of gigabytes: nothing but index arithmetic happens until an example is read."""
 
-    def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int, chunks: range | None = None) -> None:
+    def __init__(self, tokens: np.ndarray | torch.Tensor | TokenFile, seq_len: int, chunks: range | None = None) -> None:
         super().__init__(())
         self._tokens = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
         self._seq_len = seq_len
@@ -329,7 +374,7 @@ class StoredExamples(TokenDataset):
     ``rows`` are the index rows in use (an int64 array: the only per-example state in memory). Counts over the whole
     dataset (targets, longest example) are computed from the index, never by reading tokens."""
 
-    def __init__(self, tokens: np.ndarray, index: np.ndarray, seq_len: int, rows: np.ndarray) -> None:
+    def __init__(self, tokens: np.ndarray | TokenFile, index: np.ndarray, seq_len: int, rows: np.ndarray) -> None:
         super().__init__(())
         self._tokens = tokens
         self._index = index
@@ -385,6 +430,6 @@ def usable_rows(index: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray
 
 __all__ = [
     "INDEX_COLUMNS", "META_FILE", "STORE_FORMAT", "STORE_VERSION", "TOKENS_FILE", "PackedSequences", "StoreDamaged",
-    "StoreKind", "StoreWriter", "StoredExamples", "TokenStore", "length_histogram", "token_dtype", "usable_rows",
+    "StoreKind", "StoreWriter", "StoredExamples", "TokenFile", "TokenStore", "length_histogram", "token_dtype", "usable_rows",
     "write_json_atomically",
 ]

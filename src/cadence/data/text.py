@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from cadence.data.batching import TokenDataset
-from cadence.data.store import PackedSequences
+from cadence.data.store import PackedSequences, TokenFile
 from cadence.errors import Problem, UsageError
 from cadence.input_files import os_error_message, read_regular_file
 
@@ -24,8 +24,8 @@ def pack_bytes(data: bytes, seq_len: int) -> TokenDataset:
     return pack_tokens(np.frombuffer(bytes(data), dtype=np.uint8), seq_len)
 
 
-def pack_tokens(tokens: np.ndarray, seq_len: int) -> PackedSequences:
-    """:func:`pack_bytes` over a token array (a store's memory map): nothing is read until an example is."""
+def pack_tokens(tokens: np.ndarray | TokenFile, seq_len: int) -> PackedSequences:
+    """:func:`pack_bytes` over a token array or a store's token file: nothing is read until an example is."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     needed = seq_len + 1
