@@ -73,6 +73,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     found["ddp_log"].write_text(train_two_ranks(found["ddp"], data, "--data-cache", str(root / "cache")).stderr)
     train_two_ranks(root / "fsdp", data, "--strategy", "fsdp")
     found["fsdp"] = root / "fsdp"
+    # Each rank cuts its share of every window by a token budget (issue 15): the ranks need different numbers of
+    # micro-batches and pad to the larger, with the one-process math.
+    found["ddp_budget"] = root / "ddp-budget"
+    train_two_ranks(found["ddp_budget"], data, "--micro-batch-tokens", "64")
     for micro, accum in ((2, 8), (16, 1)):
         found[f"{micro}x{accum}"] = root / f"one-{micro}x{accum}"
         train_one_process(found[f"{micro}x{accum}"], data, micro, accum)
@@ -93,6 +97,17 @@ def test_two_ranks_give_the_one_process_losses_and_weights(runs: dict[str, Path]
             assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-12)
         assert relative_l2(ddp_weights, load_file(str(runs[name] / "model.safetensors"))) < 1e-4, name
     assert len({row["targets"] for row in ddp}) > 1  # the windows really differ in length
+
+
+def test_a_token_budget_under_two_ranks_gives_the_one_process_losses(runs: dict[str, Path]) -> None:
+    budget, whole = read_metrics(runs["ddp_budget"]), read_metrics(runs["2x8"])
+    for mine, theirs in zip(budget, whole, strict=True):
+        assert (mine["targets"], mine["samples"], mine["tokens"]) == (theirs["targets"], theirs["samples"],
+                                                                      theirs["tokens"])
+        assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"]
+    assert relative_l2(load_file(str(runs["ddp_budget"] / "model.safetensors")),
+                       load_file(str(runs["2x8"] / "model.safetensors"))) < 1e-4
+    assert sum(row["padded_positions"] for row in budget) < sum(row["padded_positions"] for row in whole)
 
 
 def test_the_two_ranks_read_one_token_store(runs: dict[str, Path]) -> None:

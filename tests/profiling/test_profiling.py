@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import sample_text, tiny_model
+from helpers import sample_text, tiny_model, write_jsonl
 
 from cadence import Engine, iter_windows
 from cadence.cli import main
@@ -88,6 +88,26 @@ def result_with(shares: dict[str, float], world: int = 1, peak: int | None = Non
 def test_verdict_rules(shares, world, peak, limit, kind):
     found = verdict(result_with(shares, world, peak), limit)
     assert found["kind"] == kind and found["figure"] and found["advice"]
+
+
+@pytest.mark.parametrize("order, fix", [("drawn", "--micro-batch-order by-length"),
+                                        ("by-length", "--micro-batch-tokens")])
+def test_a_padding_bound_step_is_named_with_its_fix(order, fix):
+    result = {**result_with({"forward": 0.4, "backward": 0.6}), "padding_fraction": 0.42,
+              "config": {"micro_batch_order": order}}
+    found = verdict(result, None)
+    assert found["kind"] == "padding-bound" and "42%" in found["figure"] and fix in found["advice"]
+    assert verdict({**result, "padding_fraction": 0.1}, None)["kind"] == "compute-bound"
+
+
+def test_profile_reports_the_padding_of_variable_length_data(tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl")
+    for name, extra in (("drawn", []), ("sorted", ["--micro-batch-order", "by-length"])):
+        assert main(["profile", "--steps", "2", "--data", str(data), "--seq-len", "48", "--micro-batch-size", "4",
+                     "--grad-accum-steps", "2", "--out", str(tmp_path / name), *extra]) == 0
+    drawn, ordered = (json.loads((tmp_path / name / "profile.json").read_text())["padding_fraction"]
+                      for name in ("drawn", "sorted"))
+    assert 0 < ordered < drawn < 1
 
 
 def test_no_profiler_means_the_shared_no_op():

@@ -17,7 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from cadence.engine.precision import PrecisionName
 from cadence.engine.schedules import LRScheduleName
-from cadence.engine.windows import LastWindow
+from cadence.engine.windows import LastWindow, MicroBatchOrder
 from cadence.memory.offload import OffloadMode
 from cadence.memory.recompute import CheckpointingMode
 
@@ -71,6 +71,13 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step; default 1, or derived from --effective-batch-size."""
     effective_batch_size: int | None = None
     """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps."""
+    micro_batch_order: MicroBatchOrder = "drawn"
+    """How a window's samples are cut into micro-batches: drawn (in the epoch's order) or by-length (longest first,
+    so each micro-batch pads little). The window's samples and its gradient are the same either way; only the
+    padding computed changes."""
+    micro_batch_tokens: int | None = None
+    """Cut each window's length-sorted samples into micro-batches of at most N padded positions (rows x longest
+    row) instead of --micro-batch-size rows: many short rows or few long ones, a memory peak set by N."""
     precision: PrecisionName = "fp32"
     """Compute precision: fp32, bf16 (autocast, no loss scaling) or fp16 (autocast with a GradScaler)."""
     activation_checkpointing: CheckpointingMode = "none"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from cadence.config.schema import DEVICE_CHOICES, MAX_SEED, STRATEGIES, TrainConfig, flag, parse_size
 from cadence.engine.precision import PRECISIONS, precision_problem
 from cadence.engine.schedules import LR_SCHEDULES
-from cadence.engine.windows import LAST_WINDOW_CHOICES
+from cadence.engine.windows import LAST_WINDOW_CHOICES, MICRO_BATCH_ORDER_CHOICES
 from cadence.errors import Problem, UsageError
 from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.recompute import CHECKPOINTING_MODES
@@ -76,6 +76,13 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
             bad("memory_budget", str(err))
     choice("lr_schedule", LR_SCHEDULES)
     choice("last_window", LAST_WINDOW_CHOICES)
+    choice("micro_batch_order", MICRO_BATCH_ORDER_CHOICES)
+    if at_least("micro_batch_tokens", 1) and config.micro_batch_tokens is not None:
+        if config.micro_batch_size == "auto":
+            bad("micro_batch_tokens", "cannot be combined with --micro-batch-size auto yet (give one of the two)")
+        if config.seq_len is not None and config.micro_batch_tokens < config.seq_len:
+            bad("micro_batch_tokens", f"{config.micro_batch_tokens} is below --seq-len {config.seq_len}: the longest "
+                                      f"example must fit one micro-batch")
     choice("device", DEVICE_CHOICES)
     if not math.isfinite(config.max_grad_norm) or config.max_grad_norm < 0:
         bad("max_grad_norm", f"must be >= 0 (0 turns clipping off), got {config.max_grad_norm:g}")
@@ -118,6 +125,9 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     at_least("keep_checkpoints", 0)
     if config.checkpoint_mid_window and config.micro_batch_size == "auto":
         bad("checkpoint_mid_window", "needs a fixed --micro-batch-size (auto may re-cut the window it would continue)")
+    if config.checkpoint_mid_window and (config.micro_batch_tokens is not None or config.micro_batch_order != "drawn"):
+        bad("checkpoint_mid_window", "needs --micro-batch-order drawn without --micro-batch-tokens (a resumed window "
+                                     "must be cut the way it was)")
     at_least("max_skipped_steps", 1)
     problems += distributed_problems(config, world_size, launched)
     device_ok = config.device in DEVICE_CHOICES

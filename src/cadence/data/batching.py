@@ -79,6 +79,10 @@ class TokenDataset(Sequence[Example]):
         """
         return sum(example.num_targets for example in self._examples)
 
+    def lengths(self, indices: Sequence[int]) -> list[int]:
+        """Input length of each example of ``indices`` (what length-aware micro-batch cuts sort by)."""
+        return [len(self._examples[i].input_ids) for i in indices]
+
     @property
     def max_length(self) -> int:
         """Length of the longest example (0 for an empty dataset)."""

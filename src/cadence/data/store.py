@@ -363,6 +363,9 @@ class PackedSequences(TokenDataset):
     def num_targets(self) -> int:  # type: ignore[override]
         return len(self) * self._seq_len
 
+    def lengths(self, indices: Sequence[int]) -> list[int]:
+        return [self._seq_len] * len(indices)
+
     @property
     def max_length(self) -> int:
         return self._seq_len if len(self) else 0
@@ -400,6 +403,11 @@ class StoredExamples(TokenDataset):
 
     def _kept_lengths(self) -> np.ndarray:
         return np.minimum(self._index[self._rows, 1], self._seq_len + 1)
+
+    def lengths(self, indices: Sequence[int]) -> list[int]:
+        """Input lengths from the index alone (no token is read)."""
+        rows = self._rows[np.asarray(indices, dtype=np.int64)]
+        return (np.minimum(self._index[rows, 1], self._seq_len + 1) - 1).tolist()
 
     @property
     def num_targets(self) -> int:  # type: ignore[override]

@@ -159,6 +159,9 @@ class StepResult:
     targets: int
     step_time_s: float
     peak_memory_bytes: int | None
+    padded_positions: int = 0
+    """Positions computed beyond the real tokens (right padding), summed over processes: the compute a length-aware
+    cut (--micro-batch-order by-length, --micro-batch-tokens) saves."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -286,7 +289,7 @@ class Engine:
         # Sync point: every process must know the WHOLE window's target count before its first backward.
         with self._region("gradient_sync"):
             totals = self.collective.all_reduce_sum(
-                torch.tensor([window.targets, window.tokens, window.samples], dtype=torch.float64)
+                torch.tensor([window.targets, window.tokens, window.samples, window.positions], dtype=torch.float64)
             )
         return _WindowCounts(*(int(v) for v in totals.tolist()))
 
@@ -402,6 +405,7 @@ class Engine:
             samples=counts.samples,
             tokens=counts.tokens,
             targets=counts.targets,
+            padded_positions=max(0, counts.positions - counts.tokens),
             step_time_s=time.perf_counter() - started,
             peak_memory_bytes=peak_memory_bytes,
         )
@@ -514,6 +518,7 @@ class _WindowCounts(NamedTuple):
     targets: int
     tokens: int
     samples: int
+    positions: int
 
 
 class WindowInterrupted(Exception):

@@ -21,6 +21,9 @@ Batch = Mapping[str, torch.Tensor]
 LastWindow = Literal["step", "drop"]
 LAST_WINDOW_CHOICES: tuple[LastWindow, ...] = ("step", "drop")
 
+MicroBatchOrder = Literal["drawn", "by-length"]
+MICRO_BATCH_ORDER_CHOICES: tuple[MicroBatchOrder, ...] = ("drawn", "by-length")
+
 def count_targets(batch: Batch) -> int:
     """Loss-bearing targets of a micro-batch: labels != -100. A fully masked micro-batch has zero, not an error."""
     return int((batch["labels"] != IGNORE_INDEX).sum().item())
@@ -46,6 +49,12 @@ def count_samples(batch: Batch) -> int:
     return int(next(iter(batch.values())).shape[0])
 
 
+def count_positions(batch: Batch) -> int:
+    """Positions the forward computes: rows x width, padding included (0 for a batch without 2-D labels)."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    return int(labels.numel()) if isinstance(labels, torch.Tensor) and labels.ndim == 2 else 0
+
+
 @dataclass(kw_only=True)
 class Window:
     """The micro-batches of one optimizer step."""
@@ -67,6 +76,9 @@ class Window:
     largest_share: int | None = None
     """With several processes: the most samples any rank holds in this window; every rank runs as many
     micro-batches as that share needs (None: one process, this window is the whole window)."""
+    positions: int = 0
+    """Positions the forward computes over the real micro-batches (rows x width, right padding included); minus
+    ``tokens``, the padding. 0 when unknown."""
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -119,6 +131,7 @@ def make_window(micro_batches: Sequence[Batch], *, epoch: int = 0, short: bool =
         samples=sum(counter.samples(b) for b in batches),
         epoch=epoch,
         short=short,
+        positions=sum(count_positions(b) for b in batches),
     )
 
 
@@ -206,7 +219,7 @@ def _padded(window: Window, chunks: list[Batch], micro_batch_size: int, counter:
     counted = make_window(chunks, counter=counter) if chunks else None
     return Window(micro_batches=[*chunks, *padding], targets=counted.targets if counted else 0,
                   tokens=counted.tokens if counted else 0, samples=counted.samples if counted else 0,
-                  epoch=window.epoch, short=window.short, padding=len(padding), largest_share=window.largest_share)
+                  positions=counted.positions if counted else 0, epoch=window.epoch, short=window.short, padding=len(padding), largest_share=window.largest_share)
 
 
 def _pad_to_width(batch: Batch, width: int) -> dict[str, torch.Tensor]:
@@ -243,6 +256,8 @@ def epoch_windows(
     world_size: int = 1,
     rank: int = 0,
     last_window: LastWindow = "step",
+    order: MicroBatchOrder = "drawn",
+    micro_batch_tokens: int | None = None,
 ) -> Iterator[Window]:
     """This process's windows of one epoch: its disjoint share of each global window.
 
@@ -251,41 +266,82 @@ def epoch_windows(
     effective batch. Each rank takes a contiguous slice of it: equal slices of ``micro x accum``, or, in the epoch's
     short last window, slices that differ by at most one sample.
 
+    How a rank's slice is cut into micro-batches changes nothing but the cost, because the loss is normalised by
+    the whole window's target count: ``order="drawn"`` cuts it in drawn order, ``micro_batch_size`` at a time;
+    ``"by-length"`` sorts it longest first, so each micro-batch holds examples of similar length and pads little;
+    ``micro_batch_tokens`` (sorted too) cuts it into micro-batches of at most that many padded positions (rows x
+    longest row) instead of a fixed number of rows. The window's samples, and so its gradient, are the same.
+
     Every rank must run the same number of micro-batches per window (DDP and FSDP2 pair their collectives by
     order), so a rank whose slice needs fewer gets *padding micro-batches*: one position with no target. They add
-    nothing to the loss, the gradient or the counts, and keep the collectives in step.
+    nothing to the loss, the gradient or the counts, and keep the collectives in step. Every rank computes every
+    rank's cut (they all hold the permutation and the lengths), so they agree on that number without talking.
     """
     if micro_batch_size < 1 or grad_accum_steps < 1 or world_size < 1 or not 0 <= rank < world_size:
         raise ValueError("micro_batch_size, grad_accum_steps and world_size must be >= 1, and 0 <= rank < world_size")
-    # The permutation stays one int64 tensor (8 bytes per example, not a Python int each): with millions of
+    if micro_batch_tokens is not None and micro_batch_tokens < 1:
+        raise ValueError("micro_batch_tokens must be >= 1")
+    # The permutation stays one integer tensor (4 bytes per example, not a Python int each): with millions of
     # examples it is the only per-example state in memory. Only the current window becomes a Python list.
-    order = epoch_order(len(examples), seed, epoch)
+    permutation = epoch_order(len(examples), seed, epoch)
     per_window = micro_batch_size * grad_accum_steps * world_size
-    for start in range(0, len(order), per_window):
-        window_ids = order[start:start + per_window].tolist()
+    for start in range(0, len(permutation), per_window):
+        window_ids = permutation[start:start + per_window].tolist()
         short = len(window_ids) < per_window
         if short and last_window == "drop":
             return
         base, extra = divmod(len(window_ids), world_size)
         bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
-        mine = window_ids[bounds[rank]:bounds[rank + 1]]
-        # The rank with the largest slice (rank 0) sets how many micro-batches every rank runs.
-        largest_share = bounds[1] - bounds[0]
-        micro_steps = -(-largest_share // micro_batch_size)
-        batches = [collate([examples[i] for i in mine[at:at + micro_batch_size]])
-                   for at in range(0, len(mine), micro_batch_size)]
+        cuts = [cut_micro_batches(window_ids[bounds[r]:bounds[r + 1]], examples, micro_batch_size=micro_batch_size,
+                                  order=order, micro_batch_tokens=micro_batch_tokens) for r in range(world_size)]
+        batches = [collate([examples[i] for i in group]) for group in cuts[rank]]
         real = make_window(batches, epoch=epoch, short=short) if batches else None
-        padding = [padding_micro_batch() for _ in range(micro_steps - len(batches))]
+        # The rank with the most micro-batches sets how many every rank runs.
+        padding = [padding_micro_batch() for _ in range(max(len(cut) for cut in cuts) - len(batches))]
         yield Window(
             micro_batches=batches + padding,
             targets=real.targets if real else 0,
             tokens=real.tokens if real else 0,
             samples=real.samples if real else 0,
+            positions=real.positions if real else 0,
             epoch=epoch,
             short=short,
             padding=len(padding),
-            largest_share=largest_share if world_size > 1 else None,
+            largest_share=bounds[1] - bounds[0] if world_size > 1 else None,
         )
+
+
+def example_lengths(examples: Sequence[Example], indices: Sequence[int]) -> list[int]:
+    """Input length of each of ``examples[indices]``: from the dataset's index when it has one (a token store
+    answers without reading a token), else from the examples themselves."""
+    lengths = getattr(examples, "lengths", None)
+    if callable(lengths):
+        return list(lengths(indices))
+    return [len(examples[i].input_ids) for i in indices]
+
+
+def cut_micro_batches(indices: Sequence[int], examples: Sequence[Example], *, micro_batch_size: int,
+                      order: MicroBatchOrder = "drawn", micro_batch_tokens: int | None = None) -> list[list[int]]:
+    """One rank's slice of a window cut into micro-batches of dataset indices (see :func:`epoch_windows`).
+
+    Sorting is stable and longest first: equal lengths keep their drawn order, and the largest micro-batch comes
+    first, so a window that does not fit in memory fails on its first micro-batch, before any backward."""
+    ids = list(indices)
+    if order == "drawn" and micro_batch_tokens is None:
+        return [ids[at:at + micro_batch_size] for at in range(0, len(ids), micro_batch_size)]
+    lengths = example_lengths(examples, ids)
+    ranked = sorted(range(len(ids)), key=lambda k: -lengths[k])
+    if micro_batch_tokens is None:
+        return [[ids[k] for k in ranked[at:at + micro_batch_size]] for at in range(0, len(ranked), micro_batch_size)]
+    groups: list[list[int]] = []
+    for k in ranked:
+        # Longest first: a group's width is its first example's length, so it holds budget // width rows (at least
+        # one: an example longer than the budget runs alone rather than not at all).
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= micro_batch_tokens:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    return [[ids[k] for k in group] for group in groups]
 
 
 def padding_micro_batch() -> dict[str, torch.Tensor]:

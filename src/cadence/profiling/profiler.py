@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from cadence.data import iterate_micro_batches
 from cadence.engine.step import Engine
-from cadence.engine.windows import iter_windows
+from cadence.engine.windows import epoch_windows
 from cadence.errors import Problem, UsageError
 from cadence.memory.meter import live_training_bytes, quiet_native_stderr
 from cadence.models import MODEL_CONFIGS
@@ -51,6 +50,7 @@ DATA_BOUND_SHARE = 0.20
 COMMUNICATION_BOUND_SHARE = 0.20
 OPTIMIZER_BOUND_SHARE = 0.25
 MEMORY_BOUND_FRACTION = 0.90
+PADDING_BOUND_SHARE = 0.25
 """Verdict thresholds: the share of the step wall time (or of the memory limit) past which that part is the
 bottleneck. Checked in this order; compute-bound is the verdict when none is passed."""
 
@@ -108,6 +108,8 @@ class ProfileSettings:
     model_flops_per_token: float | None = None
     memory_limit_bytes: int | None = None
     config: dict[str, Any] | None = None
+    padding_fraction: float | None = None
+    """The share of the computed positions that were right padding over the active steps (None: not counted)."""
 
 
 class StepProfiler:
@@ -213,6 +215,7 @@ def summarize(profiler: StepProfiler, prof: Any) -> dict[str, Any]:
                               "gradients and optimizer state live when they began",
         "tokens_per_step": settings.tokens_per_step,
         "tokens_per_s": tokens_per_s,
+        "padding_fraction": settings.padding_fraction,
         "model_flops_per_token": settings.model_flops_per_token,
         "flops_formula": "PaLM appendix B: 6N + 12 L H Q T",
         "peak_flops": peak_flops,
@@ -283,6 +286,14 @@ def verdict(result: dict[str, Any], memory_limit: int | None) -> dict[str, str]:
         return {"kind": "memory-bound", "figure": f"the peak is {peak / memory_limit:.0%} of the memory limit",
                 "advice": "the step runs at the edge of memory (allocator retries, no room to grow the micro-"
                           "batch): cadence plan, recompute (--activation-checkpointing) or bf16"}
+    padding = result.get("padding_fraction")
+    if padding is not None and padding >= PADDING_BOUND_SHARE:
+        order = (result.get("config") or {}).get("micro_batch_order")
+        fix = ("a token budget, --micro-batch-tokens N (many short rows or few long ones)" if order == "by-length"
+               else "--micro-batch-order by-length (or a token budget, --micro-batch-tokens N)")
+        return {"kind": "padding-bound", "figure": f"{padding:.0%} of the positions computed are padding",
+                "advice": f"cut each window by length: {fix}; the window's samples and its gradient stay the same, "
+                          f"only the padding goes"}
     if optimizer >= OPTIMIZER_BOUND_SHARE:
         return {"kind": "optimizer-bound", "figure": f"unscale + clip + optimizer step + zero_grad take "
                                                     f"{optimizer:.0%} of the step",
@@ -301,8 +312,9 @@ def load_profile(directory: Path) -> dict[str, Any]:
 
 PROFILE_TRAIN_FIELDS = (
     "model", "data", "data_cache", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size",
-    "precision", "activation_checkpointing", "offload", "memory_budget", "max_grad_norm", "lr", "weight_decay", "adam_beta1",
-    "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "seed", "device", "out", "plan",
+    "micro_batch_order", "micro_batch_tokens", "precision", "activation_checkpointing", "offload", "memory_budget",
+    "max_grad_norm", "lr", "weight_decay", "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio",
+    "seed", "device", "out", "plan",
 )
 """The train flags `cadence profile` accepts: what shapes a step. --memory-budget is the limit the memory-bound
 verdict compares against (the profiler measures memory itself, so the CPU budget guard is not used)."""
@@ -351,21 +363,27 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
     def windows() -> Iterator[Any]:
         epoch = 0
         while True:
-            yield from iter_windows(iterate_micro_batches(prep.data.train, prep.micro_batch_size, config.seed, epoch),
-                                    prep.grad_accum_steps, micro_batch_size=prep.micro_batch_size)
+            # Cut as cadence train cuts them (the length-aware orders included), so the profile is the run's.
+            yield from epoch_windows(prep.data.train, micro_batch_size=prep.micro_batch_size,
+                                     grad_accum_steps=prep.grad_accum_steps, seed=config.seed, epoch=epoch,
+                                     order=config.micro_batch_order, micro_batch_tokens=config.micro_batch_tokens)
             epoch += 1
 
     print(f"profiling {config.model} on {prep.device}: 1 wait + 1 warm-up + {options.steps} profiled steps",
           file=stream, flush=True)
-    tokens = []
+    tokens, padded = [], []
     with StepProfiler(parts.engine, out=prep.out, settings=settings) as profiler:
         for window in windows():
             result = parts.engine.step(window)
             with profiler.phase("logging_checkpointing"):
                 tokens.append(result.tokens)
+                padded.append(result.padded_positions)
                 print(f"step {len(tokens)}/{profiler.total_steps}: loss {result.loss:.4f}", file=stream, flush=True)
             if profiler._step_index >= settings.wait + settings.warmup:
                 settings.tokens_per_step = statistics.median(tokens[settings.wait + settings.warmup:] or tokens)
+                active = slice(settings.wait + settings.warmup, None)
+                computed = sum(tokens[active]) + sum(padded[active])
+                settings.padding_fraction = sum(padded[active]) / computed if computed else None
             profiler.step()
             if profiler.done:
                 break

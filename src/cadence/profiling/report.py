@@ -275,6 +275,10 @@ def _throughput(profile: dict[str, Any]) -> list[Block]:
         f"**Peak memory:** {format_bytes(get('peak_memory_bytes'))}"
         + (f" ({get('peak_memory_source')})" if get("peak_memory_source") else ""),
     ]
+    if get("padding_fraction") is not None:  # profiles written before padding was counted have none
+        order = (get("config") or {}).get("micro_batch_order") or "drawn"
+        items.append(f"**Padding:** {format_share(get('padding_fraction'))} of the positions computed are right "
+                     f"padding (micro-batch order: {order}); tokens/s counts real tokens only")
     return [Heading(text="Throughput and MFU"), Bullets(items=items)]
 
 

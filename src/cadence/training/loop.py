@@ -64,6 +64,7 @@ class _Totals:
     tokens: int = 0
     targets: int = 0
     samples: int = 0
+    padded_positions: int = 0
     timed_tokens: int = 0
     timed_s: float = 0.0
     peak_memory: int | None = None
@@ -75,6 +76,7 @@ class _Totals:
         self.tokens += result.tokens
         self.targets += result.targets
         self.samples += result.samples
+        self.padded_positions += result.padded_positions
         if timed:  # steps slowed by the profiler do not count towards throughput
             self.timed_tokens += result.tokens
             self.timed_s += result.step_time_s
@@ -86,6 +88,7 @@ class _Totals:
         self.tokens += int(row["tokens"])
         self.targets += int(row["targets"])
         self.samples += int(row["samples"])
+        self.padded_positions += int(row.get("padded_positions") or 0)
         self.oom_retries += int(row.get("oom_retries") or 0)
         if row.get("peak_memory_bytes"):
             self.peak_memory = max(self.peak_memory or 0, int(row["peak_memory_bytes"]))
@@ -233,7 +236,8 @@ class TrainingRun:
             windows = epoch_windows(
                 prep.data.train, micro_batch_size=prep.micro_batch_size, grad_accum_steps=prep.grad_accum_steps,
                 seed=config.seed, epoch=self.epoch, world_size=self.ranks.world_size, rank=self.ranks.rank,
-                last_window=config.last_window,
+                last_window=config.last_window, order=config.micro_batch_order,
+                micro_batch_tokens=config.micro_batch_tokens,
             )
             # A resumed run skips the windows its checkpoint had done: same permutation, same windows after.
             for window_in_epoch, window in enumerate(itertools.islice(windows, skip, None), start=skip + 1):
@@ -392,6 +396,11 @@ class TrainingRun:
             "tokens": totals.tokens,
             "targets": totals.targets,
             "samples": totals.samples,
+            "padded_positions": totals.padded_positions,
+            # The share of computed positions that were padding: what --micro-batch-order by-length and
+            # --micro-batch-tokens reduce (0 for packed text, whose sequences are all full).
+            "padding_fraction": (totals.padded_positions / (totals.padded_positions + totals.tokens)
+                                 if totals.tokens else None),
             "wall_time_s": wall,
             # Throughput excludes profiler-slowed steps; when every step was measured (a CPU budget), it is all
             # there is.

@@ -63,6 +63,9 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Prepared:
     seq_len = config.seq_len or context
     if seq_len > context:
         raise UsageError.single("--seq-len", f"{seq_len} is above {config.model}'s context length of {context}")
+    if config.micro_batch_tokens is not None and config.micro_batch_tokens < seq_len:
+        raise UsageError.single("--micro-batch-tokens", f"{config.micro_batch_tokens} is below the sequence length "
+                                                        f"{seq_len}: the longest example must fit one micro-batch")
     data = load_run_data(config, seq_len, hf, ranks=ranks)
     micro = config.resolved_micro_batch_size(world_size)
     grad_accum_steps = config.resolved_grad_accum_steps(world_size)

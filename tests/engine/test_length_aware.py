@@ -1,0 +1,137 @@
+"""Length-aware micro-batches (issue 15): the window's samples cut by length or by a token budget give the
+gradient of the unsorted window (same samples, normalised by the whole window's targets), with less padding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import prompt_completion_dataset, tiny_model, write_jsonl
+
+from cadence import Engine
+from cadence.cli import main
+from cadence.data import TokenDataset, collate, epoch_order
+from cadence.engine.schedules import build_lr_scheduler
+from cadence.engine.windows import cut_micro_batches, epoch_windows
+from cadence.training.run_dir import read_metrics
+
+EFFECTIVE = 8
+STEPS = 4
+
+
+def reference(dataset: TokenDataset) -> tuple[list[float], torch.nn.Module]:
+    """One big batch of EFFECTIVE samples per step, mean loss over its targets (the textbook loop)."""
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=2, max_steps=STEPS)
+    order = epoch_order(len(dataset), 0, 0).tolist()
+    losses = []
+    for step in range(STEPS):
+        batch = collate([dataset[i] for i in order[step * EFFECTIVE:(step + 1) * EFFECTIVE]])
+        loss = F.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+def engine_run(dataset: TokenDataset, *, micro: int, order: str, tokens: int | None):
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=2, max_steps=STEPS)
+    engine = Engine(model, optimizer, scheduler=scheduler, max_grad_norm=0.5)
+    windows = epoch_windows(dataset, micro_batch_size=micro, grad_accum_steps=EFFECTIVE // micro, seed=0, epoch=0,
+                            order=order, micro_batch_tokens=tokens)
+    results = [engine.step(window) for window, _ in zip(windows, range(STEPS))]
+    return results, model
+
+
+def relative_l2(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    flat_a = torch.cat([p.detach().flatten() for p in a.parameters()])
+    flat_b = torch.cat([p.detach().flatten() for p in b.parameters()])
+    return float((flat_a - flat_b).norm() / flat_b.norm())
+
+
+@pytest.mark.parametrize("micro", [8, 2, 1])
+@pytest.mark.parametrize("order, tokens", [("drawn", None), ("by-length", None), ("by-length", 64), ("drawn", 40)])
+def test_every_cut_gives_the_one_big_batch_gradient(micro: int, order: str, tokens: int | None) -> None:
+    dataset = prompt_completion_dataset()
+    expected_losses, expected_model = reference(dataset)
+    results, model = engine_run(dataset, micro=micro, order=order, tokens=tokens)
+    for step, (result, expected) in enumerate(zip(results, expected_losses, strict=True), start=1):
+        assert abs(result.loss - expected) <= 1e-5 * expected, (step, result.loss, expected)
+    assert relative_l2(model, expected_model) < 1e-4
+
+
+def test_sorting_and_a_budget_compute_less_padding() -> None:
+    dataset = prompt_completion_dataset()
+    padded, runs = {}, {}
+    for name, order, tokens in [("drawn", "drawn", None), ("sorted", "by-length", None), ("budget", "by-length", 96)]:
+        runs[name], _ = engine_run(dataset, micro=2, order=order, tokens=tokens)
+        padded[name] = sum(r.padded_positions for r in runs[name])
+        # The same windows: the same real tokens and targets, step by step.
+        assert [(r.tokens, r.targets) for r in runs[name]] == [(r.tokens, r.targets) for r in runs["drawn"]]
+    assert padded["drawn"] > padded["sorted"] > 0 and padded["budget"] < padded["drawn"]
+
+
+def test_a_budget_cut_keeps_every_sample_once_longest_first_within_the_budget() -> None:
+    dataset = prompt_completion_dataset(count=40)
+    indices = list(range(40))
+    lengths = dataset.lengths(indices)
+    for budget in (40, 64, 100, 1000):
+        groups = cut_micro_batches(indices, dataset, micro_batch_size=4, micro_batch_tokens=budget)
+        assert sorted(i for group in groups for i in group) == indices
+        flat = [lengths[i] for group in groups for i in group]
+        assert flat == sorted(flat, reverse=True)
+        for group in groups:
+            width = max(lengths[i] for i in group)
+            assert len(group) * width <= budget or len(group) == 1
+
+
+def test_ranks_agree_on_the_micro_batch_count_and_share_the_window() -> None:
+    """Under a token budget each rank's slice needs its own number of micro-batches; every rank runs the largest
+    (padding micro-batches fill), and the ranks' samples are exactly the one-process window's."""
+    dataset = prompt_completion_dataset(count=48)
+    options = dict(micro_batch_size=2, grad_accum_steps=4, seed=0, epoch=0, order="by-length", micro_batch_tokens=50)
+    whole = list(epoch_windows(dataset, **options, world_size=1, rank=0))
+    ranks = [list(epoch_windows(dataset, micro_batch_size=2, grad_accum_steps=2, seed=0, epoch=0, order="by-length",
+                                micro_batch_tokens=50, world_size=2, rank=r)) for r in range(2)]
+    for one, (mine, theirs) in zip(whole, zip(*ranks, strict=True), strict=True):
+        assert len(mine) == len(theirs)  # DDP pairs collectives by order
+        assert mine.samples + theirs.samples == one.samples and mine.targets + theirs.targets == one.targets
+    assert any(window.padding for rank in ranks for window in rank)  # the budget really made the counts differ
+
+
+def test_cli_reports_padding_and_keeps_the_losses(tmp_path, capsys) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl")
+    common = ["train", "--data", str(data), "--seq-len", "48", "--micro-batch-size", "4", "--grad-accum-steps", "2",
+              "--max-steps", "3", "--val-fraction", "0", "--data-cache", str(tmp_path / "cache")]
+    assert main([*common, "--out", str(tmp_path / "drawn")]) == 0
+    assert main([*common, "--out", str(tmp_path / "budget"), "--micro-batch-tokens", "96"]) == 0
+    drawn, budget = read_metrics(tmp_path / "drawn"), read_metrics(tmp_path / "budget")
+    for a, b in zip(drawn, budget, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] and a["tokens"] == b["tokens"]
+        assert b["padded_positions"] <= a["padded_positions"]
+    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("drawn", "budget")]
+    assert 0 < summaries[1]["padding_fraction"] < summaries[0]["padding_fraction"] < 1
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--micro-batch-tokens", "0"], "--micro-batch-tokens"),
+    (["--micro-batch-tokens", "20"], "--micro-batch-tokens"),  # below --seq-len 48
+    (["--micro-batch-tokens", "96", "--micro-batch-size", "auto", "--effective-batch-size", "8"],
+     "--micro-batch-tokens"),
+    (["--micro-batch-order", "shortest"], "--micro-batch-order"),
+    (["--micro-batch-order", "by-length", "--checkpoint-mid-window"], "--checkpoint-mid-window"),
+])
+def test_bad_length_aware_flags_name_the_flag(tmp_path, capsys, extra: list[str], flag: str) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl")
+    argv = ["train", "--data", str(data), "--seq-len", "48", "--max-steps", "1", "--out", str(tmp_path / "run"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"cadence: error: {flag}:" in err and not (tmp_path / "run").exists()
