@@ -1,8 +1,9 @@
 """Benchmark (issue 15): real tokens/s of length-aware micro-batches against the padded baseline, paired in one process.
 
-The same windows (the epoch's permutation, micro 8 x accum 4) cut three ways: in drawn order (the baseline), sorted by
-length (``--micro-batch-order by-length``), and by a token budget of micro x seq-len positions
-(``--micro-batch-tokens``, the baseline's worst case, so its memory peak is never above the baseline's). Each mode
+The same windows (the epoch's permutation, micro 8 x accum 4) cut four ways: in drawn order (the baseline), sorted by
+length (``--micro-batch-order by-length``), by a token budget of micro x seq-len positions (``--micro-batch-tokens``,
+the baseline's worst case, so its memory peak is never above the baseline's), and packed (``--packing``: rows of
+seq-len tokens, 8 rows per micro-batch, document-masked attention). Each mode
 keeps its own model (same seed); rounds alternate the modes, so a slow moment of the machine hits all of them.
 Reports the median real tokens/s per mode and its ratio to the baseline, the share of computed positions that are
 real tokens, the loss of every step (equal across modes up to float summation order) and the measured peak memory.
@@ -34,7 +35,8 @@ from cadence.models import build_model
 from cadence.training.components import build_optimizer
 
 RESULTS = Path(__file__).parent / "results"
-MODES = {"drawn": ("drawn", None), "by-length": ("by-length", None), "token budget": ("by-length", "budget")}
+MODES = {"drawn": ("drawn", None, False), "by-length": ("by-length", None, False),
+         "token budget": ("by-length", "budget", False), "packing": ("drawn", None, True)}
 
 
 def dataset(count: int, seq_len: int, seed: int = 15) -> TokenDataset:
@@ -61,12 +63,13 @@ def main() -> int:
     results: dict[str, dict] = {}
     for precision in ("fp32", "bf16"):
         runs = {}
-        for mode, (order, budget) in MODES.items():
+        for mode, (order, budget, packing) in MODES.items():
             torch.manual_seed(0)
             model = build_model(model_name)
             engine = Engine(model, build_optimizer(model, TrainConfig(lr=1e-3)), precision=precision, max_grad_norm=1.0)
             windows = epoch_windows(data, micro_batch_size=micro, grad_accum_steps=accum, seed=0, epoch=0,
-                                    order=order, micro_batch_tokens=micro * seq_len if budget else None)
+                                    order=order, micro_batch_tokens=micro * seq_len if budget else None,
+                                    pack_length=seq_len if packing else None)
             runs[mode] = {"engine": engine, "windows": windows, "losses": [], "rates": [], "tokens": 0, "padded": 0}
             # Step 1 warms up; step 2 measures the peak memory (the profiler slows it: not timed).
             for number in range(2):

@@ -4,11 +4,13 @@ gradient of the unsorted window (same samples, normalised by the whole window's 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import prompt_completion_dataset, tiny_model, write_jsonl
+from safetensors.torch import load_file
 
 from cadence import Engine
 from cadence.cli import main
@@ -40,13 +42,13 @@ def reference(dataset: TokenDataset) -> tuple[list[float], torch.nn.Module]:
     return losses, model
 
 
-def engine_run(dataset: TokenDataset, *, micro: int, order: str, tokens: int | None):
+def engine_run(dataset: TokenDataset, *, micro: int, order: str, tokens: int | None, pack: int | None = None):
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=2, max_steps=STEPS)
     engine = Engine(model, optimizer, scheduler=scheduler, max_grad_norm=0.5)
     windows = epoch_windows(dataset, micro_batch_size=micro, grad_accum_steps=EFFECTIVE // micro, seed=0, epoch=0,
-                            order=order, micro_batch_tokens=tokens)
+                            order=order, micro_batch_tokens=tokens, pack_length=pack)
     results = [engine.step(window) for window, _ in zip(windows, range(STEPS))]
     return results, model
 
@@ -58,11 +60,14 @@ def relative_l2(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 @pytest.mark.parametrize("micro", [8, 2, 1])
-@pytest.mark.parametrize("order, tokens", [("drawn", None), ("by-length", None), ("by-length", 64), ("drawn", 40)])
-def test_every_cut_gives_the_one_big_batch_gradient(micro: int, order: str, tokens: int | None) -> None:
+@pytest.mark.parametrize("order, tokens, pack", [("drawn", None, None), ("by-length", None, None),
+                                                 ("by-length", 64, None), ("drawn", 40, None),
+                                                 ("drawn", None, 40), ("drawn", 80, 40)])
+def test_every_cut_gives_the_one_big_batch_gradient(micro: int, order: str, tokens: int | None,
+                                                    pack: int | None) -> None:
     dataset = prompt_completion_dataset()
     expected_losses, expected_model = reference(dataset)
-    results, model = engine_run(dataset, micro=micro, order=order, tokens=tokens)
+    results, model = engine_run(dataset, micro=micro, order=order, tokens=tokens, pack=pack)
     for step, (result, expected) in enumerate(zip(results, expected_losses, strict=True), start=1):
         assert abs(result.loss - expected) <= 1e-5 * expected, (step, result.loss, expected)
     assert relative_l2(model, expected_model) < 1e-4
@@ -77,6 +82,30 @@ def test_sorting_and_a_budget_compute_less_padding() -> None:
         # The same windows: the same real tokens and targets, step by step.
         assert [(r.tokens, r.targets) for r in runs[name]] == [(r.tokens, r.targets) for r in runs["drawn"]]
     assert padded["drawn"] > padded["sorted"] > 0 and padded["budget"] < padded["drawn"]
+
+
+def test_packed_rows_hold_several_examples_and_pad_less() -> None:
+    dataset = prompt_completion_dataset()
+    drawn, _ = engine_run(dataset, micro=8, order="drawn", tokens=None)
+    packed, _ = engine_run(dataset, micro=8, order="drawn", tokens=None, pack=40)
+    assert [(r.samples, r.tokens, r.targets) for r in packed] == [(r.samples, r.tokens, r.targets) for r in drawn]
+    assert sum(r.padded_positions for r in packed) < 0.75 * sum(r.padded_positions for r in drawn)
+
+
+def test_a_document_mask_that_leaks_would_be_caught(monkeypatch) -> None:
+    """Sanity of the packing parity: let each example attend to the one packed before it (plain causal attention
+    over the row, positions still restarting) and the losses move ten times beyond the parity test's 1e-5."""
+    import cadence.models.gpt as gpt
+
+    def leaky(position_ids: torch.Tensor) -> torch.Tensor:
+        t = position_ids.shape[1]
+        return torch.ones(t, t, dtype=torch.bool).tril().expand(position_ids.shape[0], 1, t, t)
+
+    dataset = prompt_completion_dataset()
+    expected_losses, _ = reference(dataset)
+    monkeypatch.setattr(gpt, "document_mask", leaky)
+    results, _ = engine_run(dataset, micro=8, order="drawn", tokens=None, pack=40)
+    assert max(abs(r.loss - e) / e for r, e in zip(results, expected_losses)) > 1e-4
 
 
 def test_a_budget_cut_keeps_every_sample_once_longest_first_within_the_budget() -> None:
@@ -113,12 +142,15 @@ def test_cli_reports_padding_and_keeps_the_losses(tmp_path, capsys) -> None:
               "--max-steps", "3", "--val-fraction", "0", "--data-cache", str(tmp_path / "cache")]
     assert main([*common, "--out", str(tmp_path / "drawn")]) == 0
     assert main([*common, "--out", str(tmp_path / "budget"), "--micro-batch-tokens", "96"]) == 0
-    drawn, budget = read_metrics(tmp_path / "drawn"), read_metrics(tmp_path / "budget")
-    for a, b in zip(drawn, budget, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] and a["tokens"] == b["tokens"]
-        assert b["padded_positions"] <= a["padded_positions"]
-    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("drawn", "budget")]
-    assert 0 < summaries[1]["padding_fraction"] < summaries[0]["padding_fraction"] < 1
+    assert main([*common, "--out", str(tmp_path / "packed"), "--packing"]) == 0
+    drawn = read_metrics(tmp_path / "drawn")
+    for name in ("budget", "packed"):
+        for a, b in zip(drawn, read_metrics(tmp_path / name), strict=True):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] and a["tokens"] == b["tokens"], name
+            assert b["padded_positions"] <= a["padded_positions"] and a["samples"] == b["samples"]
+    summaries = {run: json.loads((tmp_path / run / "summary.json").read_text())["padding_fraction"]
+                 for run in ("drawn", "budget", "packed")}
+    assert 0 <= summaries["packed"] < summaries["budget"] < summaries["drawn"] < 1
 
 
 @pytest.mark.parametrize("extra, flag", [
@@ -128,6 +160,8 @@ def test_cli_reports_padding_and_keeps_the_losses(tmp_path, capsys) -> None:
      "--micro-batch-tokens"),
     (["--micro-batch-order", "shortest"], "--micro-batch-order"),
     (["--micro-batch-order", "by-length", "--checkpoint-mid-window"], "--checkpoint-mid-window"),
+    (["--packing", "--checkpoint-mid-window"], "--checkpoint-mid-window"),
+    (["--packing", "--micro-batch-size", "auto", "--effective-batch-size", "8"], "--packing"),
 ])
 def test_bad_length_aware_flags_name_the_flag(tmp_path, capsys, extra: list[str], flag: str) -> None:
     data = write_jsonl(tmp_path / "data.jsonl")
@@ -135,3 +169,21 @@ def test_bad_length_aware_flags_name_the_flag(tmp_path, capsys, extra: list[str]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"cadence: error: {flag}:" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("extra", [["--packing"], ["--micro-batch-tokens", "96"]])
+def test_a_resumed_length_aware_run_is_bitwise_the_uninterrupted_one(tmp_path, extra: list[str]) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl")
+    common = ["train", "--data", str(data), "--seq-len", "48", "--micro-batch-size", "4", "--grad-accum-steps", "2",
+              "--max-steps", "6", "--val-fraction", "0", "--checkpoint-every", "2",
+              "--data-cache", str(tmp_path / "cache"), *extra]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    assert main([*common, "--out", str(tmp_path / "cut")]) == 0
+    for late in sorted((tmp_path / "cut" / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))[1:]:
+        shutil.rmtree(late)  # as if killed right after step 2
+    assert main([*common, "--out", str(tmp_path / "cut"), "--resume"]) == 0
+    rows = {run: [(r["step"], r["loss"], r["padded_positions"]) for r in read_metrics(tmp_path / run)]
+            for run in ("whole", "cut")}
+    assert rows["cut"] == rows["whole"] and len(rows["whole"]) == 6
+    whole, cut = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("whole", "cut"))
+    assert whole.keys() == cut.keys() and all(torch.equal(whole[name], cut[name]) for name in whole)  # bitwise

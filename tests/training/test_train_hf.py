@@ -46,7 +46,9 @@ def test_llama_splits_agree_through_the_cli(tmp_path):
     config = json.loads((big / "config.json").read_text())
     assert config["model"] == "hf:llama" and config["model_parameters"] > 0
     # Length-aware cuts of the same windows (issue 15): by length, and by a token budget of 96 positions.
-    for name, extra in (("sorted", ("--micro-batch-order", "by-length")), ("budget", ("--micro-batch-tokens", "96"))):
+    # Packing: transformers turns position ids that restart at 0 into block-diagonal attention (no mask given).
+    for name, extra in (("sorted", ("--micro-batch-order", "by-length")), ("budget", ("--micro-batch-tokens", "96")),
+                        ("packed", ("--packing",))):
         cut = train(tmp_path, name, *LLAMA, "--data", str(data), "--micro-batch-size", "2", "--grad-accum-steps", "4",
                     *extra)
         for a, b in zip(read_metrics(cut), rows_big, strict=True):

@@ -78,6 +78,10 @@ class TrainConfig:
     micro_batch_tokens: int | None = None
     """Cut each window's length-sorted samples into micro-batches of at most N padded positions (rows x longest
     row) instead of --micro-batch-size rows: many short rows or few long ones, a memory peak set by N."""
+    packing: bool = False
+    """Pack each window's examples into rows of --seq-len tokens (several per row), with attention that never
+    crosses from one example into another (position ids restart per example); --micro-batch-size then counts rows.
+    The same samples and gradient as unpacked, with almost no padding."""
     precision: PrecisionName = "fp32"
     """Compute precision: fp32, bf16 (autocast, no loss scaling) or fp16 (autocast with a GradScaler)."""
     activation_checkpointing: CheckpointingMode = "none"

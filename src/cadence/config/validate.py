@@ -125,6 +125,10 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     at_least("keep_checkpoints", 0)
     if config.checkpoint_mid_window and config.micro_batch_size == "auto":
         bad("checkpoint_mid_window", "needs a fixed --micro-batch-size (auto may re-cut the window it would continue)")
+    if config.packing and config.micro_batch_size == "auto":
+        bad("packing", "cannot be combined with --micro-batch-size auto yet (give a fixed --micro-batch-size)")
+    if config.checkpoint_mid_window and config.packing:
+        bad("checkpoint_mid_window", "cannot be combined with --packing (a resumed window must be cut the way it was)")
     if config.checkpoint_mid_window and (config.micro_batch_tokens is not None or config.micro_batch_order != "drawn"):
         bad("checkpoint_mid_window", "needs --micro-batch-order drawn without --micro-batch-tokens (a resumed window "
                                      "must be cut the way it was)")

@@ -258,6 +258,7 @@ def epoch_windows(
     last_window: LastWindow = "step",
     order: MicroBatchOrder = "drawn",
     micro_batch_tokens: int | None = None,
+    pack_length: int | None = None,
 ) -> Iterator[Window]:
     """This process's windows of one epoch: its disjoint share of each global window.
 
@@ -270,7 +271,11 @@ def epoch_windows(
     the whole window's target count: ``order="drawn"`` cuts it in drawn order, ``micro_batch_size`` at a time;
     ``"by-length"`` sorts it longest first, so each micro-batch holds examples of similar length and pads little;
     ``micro_batch_tokens`` (sorted too) cuts it into micro-batches of at most that many padded positions (rows x
-    longest row) instead of a fixed number of rows. The window's samples, and so its gradient, are the same.
+    longest row) instead of a fixed number of rows. ``pack_length`` packs the slice's examples into rows of at most
+    that many tokens (first-fit, longest first), each example restarting its ``position_ids`` at 0, which the model
+    turns into attention that never crosses from one example into another; rows are then cut into micro-batches
+    like samples (``micro_batch_size`` rows, or by ``micro_batch_tokens``). The window's samples, and so its
+    gradient, are the same.
 
     Every rank must run the same number of micro-batches per window (DDP and FSDP2 pair their collectives by
     order), so a rank whose slice needs fewer gets *padding micro-batches*: one position with no target. They add
@@ -292,10 +297,19 @@ def epoch_windows(
             return
         base, extra = divmod(len(window_ids), world_size)
         bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
-        cuts = [cut_micro_batches(window_ids[bounds[r]:bounds[r + 1]], examples, micro_batch_size=micro_batch_size,
-                                  order=order, micro_batch_tokens=micro_batch_tokens) for r in range(world_size)]
-        batches = [collate([examples[i] for i in group]) for group in cuts[rank]]
+        if pack_length is None:
+            cuts = [[[[i] for i in group] for group in cut_micro_batches(
+                window_ids[bounds[r]:bounds[r + 1]], examples, micro_batch_size=micro_batch_size, order=order,
+                micro_batch_tokens=micro_batch_tokens)] for r in range(world_size)]
+        else:
+            cuts = [pack_micro_batches(window_ids[bounds[r]:bounds[r + 1]], examples, pack_length=pack_length,
+                                       rows_per_micro_batch=micro_batch_size, micro_batch_tokens=micro_batch_tokens)
+                    for r in range(world_size)]
+        batches = [collate([examples[row[0]] for row in rows]) if pack_length is None
+                   else collate_packed([[examples[i] for i in row] for row in rows]) for rows in cuts[rank]]
         real = make_window(batches, epoch=epoch, short=short) if batches else None
+        if real is not None and pack_length is not None:
+            real.samples = sum(len(row) for rows in cuts[rank] for row in rows)  # examples, not packed rows
         # The rank with the most micro-batches sets how many every rank runs.
         padding = [padding_micro_batch() for _ in range(max(len(cut) for cut in cuts) - len(batches))]
         yield Window(
@@ -309,6 +323,56 @@ def epoch_windows(
             padding=len(padding),
             largest_share=bounds[1] - bounds[0] if world_size > 1 else None,
         )
+
+
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Positions of ``lengths`` packed into rows of at most ``capacity``: first-fit, longest first (a stable sort,
+    so equal lengths keep their order). An example longer than ``capacity`` gets a row of its own."""
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        for row, used in enumerate(fill):
+            if used + lengths[k] <= capacity:
+                rows[row].append(k)
+                fill[row] += lengths[k]
+                break
+        else:
+            rows.append([k])
+            fill.append(lengths[k])
+    return rows
+
+
+def pack_micro_batches(indices: Sequence[int], examples: Sequence[Example], *, pack_length: int,
+                       rows_per_micro_batch: int, micro_batch_tokens: int | None = None) -> list[list[list[int]]]:
+    """One rank's slice of a window packed into rows (lists of dataset indices) and cut into micro-batches of rows:
+    ``rows_per_micro_batch`` at a time, or by ``micro_batch_tokens`` padded positions, fullest rows first."""
+    ids = list(indices)
+    lengths = example_lengths(examples, ids)
+    packed = pack_rows(lengths, pack_length)
+    rows = [[ids[k] for k in row] for row in packed]
+    fills = [sum(lengths[k] for k in row) for row in packed]
+    groups = _cut_by_length(fills, micro_batch_size=rows_per_micro_batch, micro_batch_tokens=micro_batch_tokens)
+    return [[rows[k] for k in group] for group in groups]
+
+
+def collate_packed(rows: Sequence[Sequence[Example]]) -> dict[str, torch.Tensor]:
+    """Packed rows as one micro-batch: each row's examples one after another, ``position_ids`` restarting at 0 for
+    each (the model's cue for where an example starts), right-padded to the fullest row. The padding forms a last
+    "example" of its own, with no targets, so no real position attends to it or it to them."""
+    width = max(sum(len(example.input_ids) for example in row) for row in rows)
+    input_ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for example in row:
+            length = len(example.input_ids)
+            input_ids[r, at:at + length] = example.input_ids
+            labels[r, at:at + length] = example.labels
+            position_ids[r, at:at + length] = torch.arange(length)
+            at += length
+        position_ids[r, at:] = torch.arange(width - at)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
 def example_lengths(examples: Sequence[Example], indices: Sequence[int]) -> list[int]:
@@ -329,19 +393,26 @@ def cut_micro_batches(indices: Sequence[int], examples: Sequence[Example], *, mi
     ids = list(indices)
     if order == "drawn" and micro_batch_tokens is None:
         return [ids[at:at + micro_batch_size] for at in range(0, len(ids), micro_batch_size)]
-    lengths = example_lengths(examples, ids)
-    ranked = sorted(range(len(ids)), key=lambda k: -lengths[k])
+    groups = _cut_by_length(example_lengths(examples, ids), micro_batch_size=micro_batch_size,
+                            micro_batch_tokens=micro_batch_tokens)
+    return [[ids[k] for k in group] for group in groups]
+
+
+def _cut_by_length(lengths: Sequence[int], *, micro_batch_size: int, micro_batch_tokens: int | None) -> list[list[int]]:
+    """Positions of ``lengths``, longest first (stable), in groups of ``micro_batch_size``, or in groups of at most
+    ``micro_batch_tokens`` padded positions (rows x the group's longest)."""
+    ranked = sorted(range(len(lengths)), key=lambda k: -lengths[k])
     if micro_batch_tokens is None:
-        return [[ids[k] for k in ranked[at:at + micro_batch_size]] for at in range(0, len(ranked), micro_batch_size)]
+        return [ranked[at:at + micro_batch_size] for at in range(0, len(ranked), micro_batch_size)]
     groups: list[list[int]] = []
     for k in ranked:
-        # Longest first: a group's width is its first example's length, so it holds budget // width rows (at least
-        # one: an example longer than the budget runs alone rather than not at all).
+        # Longest first: a group's width is its first item's length, so it holds budget // width rows (at least
+        # one: an item longer than the budget runs alone rather than not at all).
         if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= micro_batch_tokens:
             groups[-1].append(k)
         else:
             groups.append([k])
-    return [[ids[k] for k in group] for group in groups]
+    return groups
 
 
 def padding_micro_batch() -> dict[str, torch.Tensor]:

@@ -67,15 +67,19 @@ class CausalSelfAttention(nn.Module):
         # Named ``proj`` like the MLP's: GPT._init_weights finds the residual-stream projections by that name.
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: [B, T, C] -> [B, T, C]."""
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: [B, T, C] -> [B, T, C]. ``attn_mask``: bool [B, 1, T, T] (True = may attend), for packed rows;
+        None is plain causal attention."""
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         # [B, T, C] -> [B, H, T, D], the layout scaled_dot_product_attention expects.
         q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if attn_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.proj(y)
 
@@ -107,9 +111,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.n_embd, bias=True)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x``: [B, T, C] -> [B, T, C]."""
-        x = x + self.attn(self.ln1(x))
+        x = x + self.attn(self.ln1(x), attn_mask)
         x = x + self.mlp(self.ln2(x))
         return x
 
@@ -152,19 +156,37 @@ class GPT(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids``: int64 [B, T] with T <= context_length -> logits [B, T, vocab_size]."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids``: int64 [B, T] with T <= context_length -> logits [B, T, vocab_size].
+
+        ``position_ids`` [B, T] (optional): packed rows, several examples one after another, each counting its
+        positions from 0. A position 0 starts a new example, and attention never crosses into the example before
+        it (block-diagonal causal attention), so each example's logits are those it has alone."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
         t = input_ids.shape[1]
         if t > self.config.context_length:
             # Internal error: the config layer validates --seq-len against the model before we get here.
             raise ValueError(f"sequence length {t} exceeds the model's context length {self.config.context_length}")
-        positions = torch.arange(t, device=input_ids.device)
-        x = self.tok_emb(input_ids) + self.pos_emb(positions)
+        if position_ids is None:
+            x = self.tok_emb(input_ids) + self.pos_emb(torch.arange(t, device=input_ids.device))
+            mask = None
+        else:
+            x = self.tok_emb(input_ids) + self.pos_emb(position_ids)
+            mask = document_mask(position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask) if mask is not None else block(x)
         return self.lm_head(self.ln_f(x))
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, T, T]: position i may attend to j when j <= i and both belong to the same example, an example
+    being a run of positions that starts at position id 0 (how packed rows are laid out, as in transformers)."""
+    document = (position_ids == 0).cumsum(dim=1)  # [B, T]: which example of the row each position belongs to
+    t = position_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    same = document[:, :, None] == document[:, None, :]
+    return (same & causal)[:, None]
 
 
 MODEL_CONFIGS: dict[str, GPTConfig] = {

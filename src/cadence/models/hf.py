@@ -397,6 +397,17 @@ def _load_tokenizer(path: Path) -> Any | None:
         raise UsageError.single("--model", f"{path}: could not load its tokenizer: {_one_line(error)}") from None
 
 
+def packed_attention_supported() -> bool:
+    """Whether this transformers keeps packed examples apart: given ``position_ids`` that restart at 0 and no
+    attention mask, its causal mask becomes block-diagonal (``masking_utils.find_packed_sequence_indices``). Without
+    it, packed rows would attend across examples, silently: --packing is then refused."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    return hasattr(masking_utils, "find_packed_sequence_indices")
+
+
 def model_tokenizer(spec: str) -> Any | None:
     """The tokenizer ``--model`` reads its data with, without building the model: a model directory's own, or None
     (byte tokens) for ``hf:TYPE`` and the built-in models."""
@@ -472,5 +483,5 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
 
 __all__ = [
     "BYTE_VOCAB", "DEFAULT_MAX_PARAMETERS", "HFModel", "HF_PREFIX", "ModelShape", "build_hf_model", "is_hf_model",
-    "model_shape", "model_tokenizer", "parse_model_overrides", "quiet_transformers", "save_hf",
+    "model_shape", "model_tokenizer", "packed_attention_supported", "parse_model_overrides", "quiet_transformers", "save_hf",
 ]

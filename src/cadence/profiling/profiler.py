@@ -312,7 +312,7 @@ def load_profile(directory: Path) -> dict[str, Any]:
 
 PROFILE_TRAIN_FIELDS = (
     "model", "data", "data_cache", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size",
-    "micro_batch_order", "micro_batch_tokens", "precision", "activation_checkpointing", "offload", "memory_budget",
+    "micro_batch_order", "micro_batch_tokens", "packing", "precision", "activation_checkpointing", "offload", "memory_budget",
     "max_grad_norm", "lr", "weight_decay", "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio",
     "seed", "device", "out", "plan",
 )
@@ -366,7 +366,8 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
             # Cut as cadence train cuts them (the length-aware orders included), so the profile is the run's.
             yield from epoch_windows(prep.data.train, micro_batch_size=prep.micro_batch_size,
                                      grad_accum_steps=prep.grad_accum_steps, seed=config.seed, epoch=epoch,
-                                     order=config.micro_batch_order, micro_batch_tokens=config.micro_batch_tokens)
+                                     order=config.micro_batch_order, micro_batch_tokens=config.micro_batch_tokens,
+                                     pack_length=prep.seq_len if config.packing else None)
             epoch += 1
 
     print(f"profiling {config.model} on {prep.device}: 1 wait + 1 warm-up + {options.steps} profiled steps",

@@ -237,7 +237,7 @@ class TrainingRun:
                 prep.data.train, micro_batch_size=prep.micro_batch_size, grad_accum_steps=prep.grad_accum_steps,
                 seed=config.seed, epoch=self.epoch, world_size=self.ranks.world_size, rank=self.ranks.rank,
                 last_window=config.last_window, order=config.micro_batch_order,
-                micro_batch_tokens=config.micro_batch_tokens,
+                micro_batch_tokens=config.micro_batch_tokens, pack_length=prep.seq_len if config.packing else None,
             )
             # A resumed run skips the windows its checkpoint had done: same permutation, same windows after.
             for window_in_epoch, window in enumerate(itertools.islice(windows, skip, None), start=skip + 1):

@@ -20,7 +20,7 @@ from cadence.data.hf import as_tokenizer, is_hf_data, load_hf_data
 from cadence.distributed.ranks import SINGLE, Ranks, broadcast_from_main, rank_device
 from cadence.errors import UsageError
 from cadence.models import MODEL_NAMES, model_context_length
-from cadence.models.hf import HFModel, build_hf_model, parse_model_overrides
+from cadence.models.hf import HFModel, build_hf_model, packed_attention_supported, parse_model_overrides
 
 
 @dataclass(kw_only=True)
@@ -66,6 +66,10 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Prepared:
     if config.micro_batch_tokens is not None and config.micro_batch_tokens < seq_len:
         raise UsageError.single("--micro-batch-tokens", f"{config.micro_batch_tokens} is below the sequence length "
                                                         f"{seq_len}: the longest example must fit one micro-batch")
+    if config.packing and hf is not None and not packed_attention_supported():
+        raise UsageError.single("--packing", "this transformers cannot keep packed examples apart (it needs "
+                                             "masking_utils.find_packed_sequence_indices, transformers 4.54 or later); "
+                                             "use --micro-batch-order by-length instead")
     data = load_run_data(config, seq_len, hf, ranks=ranks)
     micro = config.resolved_micro_batch_size(world_size)
     grad_accum_steps = config.resolved_grad_accum_steps(world_size)
