@@ -95,8 +95,9 @@ class Opened:
 def open_or_build(recipe: Recipe, cache_dir: Path | None) -> Opened:
     """The store of ``recipe`` from ``cache_dir``, built first (once, under the cache's lock) when missing.
 
-    ``cache_dir`` None: build into a temporary directory that is removed as soon as the store is mapped (the
-    mapping keeps the files alive until the process lets go of them), for library calls that want no cache."""
+    ``cache_dir`` None: build into a temporary directory that is removed as soon as the store is open (the open
+    token file and the index's mapping keep the files alive until the process lets go of them), for library calls
+    that want no cache."""
     if cache_dir is None:
         folder = Path(tempfile.mkdtemp(prefix="cadence-store-"))
         try:
