@@ -156,8 +156,8 @@ def test_cli_reports_padding_and_keeps_the_losses(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("extra, flag", [
     (["--micro-batch-tokens", "0"], "--micro-batch-tokens"),
     (["--micro-batch-tokens", "20"], "--micro-batch-tokens"),  # below --seq-len 48
-    (["--micro-batch-tokens", "96", "--micro-batch-size", "auto", "--effective-batch-size", "8"],
-     "--micro-batch-tokens"),
+    (["--micro-batch-tokens", "96", "--micro-batch-size", "auto", "--effective-batch-size", "8",
+      "--nproc-per-node", "2"], "--micro-batch-tokens"),
     (["--micro-batch-order", "shortest"], "--micro-batch-order"),
     (["--micro-batch-order", "by-length", "--checkpoint-mid-window"], "--checkpoint-mid-window"),
     (["--packing", "--checkpoint-mid-window"], "--checkpoint-mid-window"),

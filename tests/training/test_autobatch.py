@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from helpers import prompt_completion_dataset, tiny_model
+from helpers import prompt_completion_dataset, tiny_model, write_jsonl
 
 from cadence import Engine, iter_windows
 from cadence.cli import main
 from cadence.data import iterate_micro_batches
-from cadence.engine.windows import resplit_window
+from cadence.engine.windows import resplit_window, resplit_window_by_tokens
 from cadence.training.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.training.run_dir import read_metrics
 
@@ -39,6 +39,22 @@ def test_resplit_window_gives_the_same_step():
     assert results[1].loss == pytest.approx(results[0].loss, rel=1e-6)
     assert results[2].loss == pytest.approx(results[0].loss, rel=1e-6)
     assert float((models[2] - models[0]).norm() / models[0].norm()) < 1e-5
+
+
+def test_token_resplit_keeps_the_window_within_each_budget():
+    dataset = prompt_completion_dataset(count=16)
+    window = next(iter_windows(iterate_micro_batches(dataset, 8, 0, 0), 2))
+    model = tiny_model()
+    expected = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5).step(window)
+    for budget in (200, 64, 20, 1):
+        again = resplit_window_by_tokens(window, budget)
+        assert (again.samples, again.targets, again.tokens) == (window.samples, window.targets, window.tokens)
+        for batch in again.micro_batches:
+            rows, width = batch["labels"].shape
+            assert rows * width <= budget or rows == 1
+        model = tiny_model()
+        result = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5).step(again)
+        assert result.loss == pytest.approx(expected.loss, rel=1e-6)
 
 
 class FailingEngine:
@@ -88,6 +104,18 @@ def test_controller_gives_up_below_one():
         controller.step(FailingEngine(limit=0), window_of(4, 2))
 
 
+def test_controller_halves_a_token_budget_until_the_rows_fit():
+    logs: list[str] = []
+    controller = MicroBatchController(start=8 * 40, grow_after=50, log=logs.append, unit="tokens")
+    engine = FailingEngine(limit=2)
+    result, retries = controller.step(engine, window_of(16, 8))
+    assert result == "ok" and retries >= 1 and engine.sizes[-1] <= 2 < engine.sizes[0]
+    assert controller.current < 8 * 40 and any("retrying the window at" in line for line in logs)
+    with pytest.raises(MicroBatchTooLarge, match="one sequence per micro-batch"):
+        MicroBatchController(start=64, grow_after=5, log=lambda _: None, unit="tokens").step(
+            FailingEngine(limit=0), window_of(4, 2))
+
+
 def test_engine_drops_partial_gradients_when_a_micro_batch_fails():
     model = tiny_model()
     engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), memory_budget_bytes=1)
@@ -127,3 +155,20 @@ def test_fixed_micro_batch_over_budget_fails_with_a_clear_message(tmp_path, caps
                  "--out", str(tmp_path / "run")])
     assert code == 1
     assert "out of memory at micro-batch 16" in capsys.readouterr().err
+
+
+def test_auto_with_a_token_budget_halves_the_budget_and_keeps_the_losses(tmp_path):
+    """Measured at seq 48 on gpt-tiny: one micro-batch of 1536 positions peaks at ~42 MiB, 384 at ~27 MiB; under a
+    30 MiB budget auto halves 1536 -> 768 -> 384 (or less) and trains what a fixed budget of 384 trains."""
+    data = write_jsonl(tmp_path / "data.jsonl")
+    common = ["--data", str(data), "--seq-len", "48", "--data-cache", str(tmp_path / "cache")]
+    auto = run(tmp_path, "auto", *common, "--micro-batch-size", "auto", "--effective-batch-size", "16",
+               "--micro-batch-tokens", "1536", "--memory-budget", "30MiB", "--auto-grow-after", "50")
+    fixed = run(tmp_path, "fixed", *common, "--micro-batch-size", "16", "--grad-accum-steps", "1",
+                "--micro-batch-tokens", "384")
+    auto_rows = read_metrics(auto)
+    assert auto_rows[0]["oom_retries"] >= 1 and all(r["peak_memory_bytes"] <= 30 * 2**20 for r in auto_rows)
+    for got, want in zip(auto_rows, read_metrics(fixed), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5) and got["tokens"] == want["tokens"]
+    summary = json.loads((auto / "summary.json").read_text())
+    assert summary["final_micro_batch_tokens"] <= 384 and summary["effective_batch_size"] == 16

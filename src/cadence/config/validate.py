@@ -78,8 +78,9 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     choice("last_window", LAST_WINDOW_CHOICES)
     choice("micro_batch_order", MICRO_BATCH_ORDER_CHOICES)
     if at_least("micro_batch_tokens", 1) and config.micro_batch_tokens is not None:
-        if config.micro_batch_size == "auto":
-            bad("micro_batch_tokens", "cannot be combined with --micro-batch-size auto yet (give one of the two)")
+        if config.micro_batch_size == "auto" and world_size > 1:
+            bad("micro_batch_tokens", "with --micro-batch-size auto works with one process for now (each rank's "
+                                      "re-cut share would need its own number of micro-batches)")
         if config.seq_len is not None and config.micro_batch_tokens < config.seq_len:
             bad("micro_batch_tokens", f"{config.micro_batch_tokens} is below --seq-len {config.seq_len}: the longest "
                                       f"example must fit one micro-batch")

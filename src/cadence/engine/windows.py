@@ -191,6 +191,30 @@ def resplit_window(window: Window, micro_batch_size: int, *, counter: WindowCoun
     return _padded(window, chunks, micro_batch_size, counter)
 
 
+def resplit_window_by_tokens(window: Window, micro_batch_tokens: int, *,
+                             counter: WindowCounter | None = None) -> Window:
+    """The same samples (rows) re-cut longest first into micro-batches of at most ``micro_batch_tokens`` padded
+    positions: :func:`resplit_window` for a token budget (``--micro-batch-tokens`` with ``--micro-batch-size auto``,
+    which halves the budget on out-of-memory). One process only: several ranks would each need their own count."""
+    if micro_batch_tokens < 1:
+        raise ValueError("micro_batch_tokens must be >= 1")
+    if window.largest_share is not None:
+        raise ValueError("a token-budget re-cut needs the whole window on one process")
+    batches = window.micro_batches[:len(window.micro_batches) - window.padding]
+    merged = _merged_rows(batches)
+    has_target = merged["labels"] != IGNORE_INDEX
+    full = has_target.shape[1]
+    # Each row's width: up to its last target (a row without one keeps a single position).
+    widths = torch.where(has_target.any(dim=1), full - torch.argmax(has_target.flip(1).to(torch.int8), dim=1),
+                         torch.ones(has_target.shape[0], dtype=torch.long)).tolist()
+    groups = _cut_by_length(widths, micro_batch_size=len(widths), micro_batch_tokens=micro_batch_tokens)
+    chunks = [_trim_after_last_target({key: value[torch.tensor(group)] for key, value in merged.items()})
+              for group in groups]
+    counted = make_window(chunks, counter=counter)
+    return Window(micro_batches=chunks, targets=counted.targets, tokens=counted.tokens, samples=window.samples,
+                  positions=counted.positions, epoch=window.epoch, short=window.short)
+
+
 def window_share(window: Window, micro_batch_size: int, *, world_size: int, rank: int,
                  counter: WindowCounter | None = None) -> Window:
     """Rank ``rank``'s share of a whole window, cut into micro-batches: the same contiguous, balanced slice of its

@@ -1,4 +1,7 @@
-"""``--micro-batch-size auto``: on out-of-memory, halve the micro-batch and retry the same window.
+"""``--micro-batch-size auto``: on out-of-memory, halve the micro-batch (or the token budget) and retry the window.
+
+With ``--micro-batch-tokens`` the controller halves the token budget instead of the row count: the window's samples
+are re-cut longest first into micro-batches of at most that many padded positions.
 
 The window (the samples of one optimizer step) never changes, only how it is cut into micro-batches: halving the
 micro-batch doubles the accumulation, so the effective batch and, by the engine's window-target normalisation, the
@@ -12,12 +15,12 @@ size that does not fit is not retried every few steps.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from cadence.engine.step import Engine, StepResult
-from cadence.engine.windows import Window, resplit_window
+from cadence.engine.windows import Window, resplit_window, resplit_window_by_tokens
 
 
 class MicroBatchTooLarge(RuntimeError):
@@ -27,7 +30,10 @@ class MicroBatchTooLarge(RuntimeError):
 class MicroBatchController:
     """Chooses the micro-batch size of each window; see the module docstring."""
 
-    def __init__(self, *, start: int, grow_after: int, log: Callable[[str], None] = print) -> None:
+    def __init__(self, *, start: int, grow_after: int, log: Callable[[str], None] = print,
+                 unit: Literal["rows", "tokens"] = "rows") -> None:
+        self.unit = unit
+        """What ``start`` and ``current`` count: rows per micro-batch, or padded positions (a token budget)."""
         self.start = start
         self.current = start
         self.grow_after = grow_after
@@ -42,23 +48,39 @@ class MicroBatchController:
         """Run ``window`` through ``engine`` at the current size, halving on out-of-memory; (result, retries)."""
         retries = 0
         while True:
-            attempt = window if self.current >= _largest_micro_batch(window) else resplit_window(
-                window, self.current, counter=engine.counter
-            )
+            attempt = self._cut(engine, window)
             try:
                 result = engine.step(attempt, **step_kwargs)
             except torch.OutOfMemoryError as err:
                 # Under several processes every rank gets here in the same micro-batch (the engine's out-of-memory
                 # agreement), so every rank's controller takes the same decisions and the ranks stay in step.
-                self._after_oom(engine, err, window)
+                self._after_oom(engine, err, window, attempt)
                 retries += 1
                 continue
             self._after_success()
             return result, retries
 
-    def _after_oom(self, engine: Engine, err: torch.OutOfMemoryError, window: Window) -> None:
+    def _cut(self, engine: Engine, window: Window) -> Window:
+        if self.unit == "tokens":  # the window was cut at the starting budget; below it, re-cut
+            return window if self.current >= self.start else resplit_window_by_tokens(
+                window, self.current, counter=engine.counter)
+        return window if self.current >= _largest_micro_batch(window) else resplit_window(
+            window, self.current, counter=engine.counter)
+
+    def _after_oom(self, engine: Engine, err: torch.OutOfMemoryError, window: Window, attempt: Window) -> None:
         if engine.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the failed attempt's cached blocks back before the smaller retry
+        if self.unit == "tokens":
+            if _largest_micro_batch(attempt) == 1:
+                raise MicroBatchTooLarge(
+                    f"out of memory even with one sequence per micro-batch ({str(err).splitlines()[0]}); try "
+                    f"--activation-checkpointing full, --offload optimizer, bf16, a smaller --seq-len or a larger "
+                    f"--memory-budget") from err
+            smaller = max(1, self.current // 2)
+            self.log(f"out of memory at a budget of {self.current} positions per micro-batch: retrying the window "
+                     f"at {smaller} (same {window.samples} samples)")
+            self._shrunk_to(smaller)
+            return
         if self.current == 1:
             raise MicroBatchTooLarge(
                 f"out of memory even at micro-batch 1 ({str(err).splitlines()[0]}); the model, its gradients and "
@@ -71,6 +93,9 @@ class MicroBatchController:
             f"out of memory at micro-batch {self.current}: retrying the window as {smaller} x {accumulation} "
             f"(same {window.samples} samples)"
         )
+        self._shrunk_to(smaller)
+
+    def _shrunk_to(self, smaller: int) -> None:
         if self._growing:  # the size we grew to does not fit: wait longer before trying it again
             self._wait *= 2
             self._growing = False
@@ -87,7 +112,8 @@ class MicroBatchController:
             self.current = min(self.start, self.current * 2)
             self._good_steps = 0
             self._growing = True
-            self.log(f"{self._wait} good steps: trying micro-batch {self.current} again")
+            what = "a budget of" if self.unit == "tokens" else "micro-batch"
+            self.log(f"{self._wait} good steps: trying {what} {self.current} again")
 
 
 def _largest_micro_batch(window: Window) -> int:

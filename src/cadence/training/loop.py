@@ -193,8 +193,11 @@ class TrainingRun:
         """The window count at the last checkpoint, so that one window is never checkpointed twice."""
         self.progress = TrainProgress(total_steps=config.max_steps, grad_accum_steps=prep.grad_accum_steps,
                                       log_every=config.log_every, stream=stream, live=live)
-        self.controller = MicroBatchController(start=prep.micro_batch_size, grow_after=config.auto_grow_after,
-                                               log=lambda text: self.progress.message(f"auto micro-batch: {text}"))
+        # With a token budget, auto halves the budget (positions per micro-batch) rather than the rows.
+        self.controller = MicroBatchController(
+            start=config.micro_batch_tokens or prep.micro_batch_size, grow_after=config.auto_grow_after,
+            log=lambda text: self.progress.message(f"auto micro-batch: {text}"),
+            unit="tokens" if config.micro_batch_tokens else "rows")
         self.budget_on_cpu: bool = prep.memory_budget_bytes is not None and prep.device.type == "cpu"
 
     def close_metrics(self) -> None:
@@ -414,7 +417,10 @@ class TrainingRun:
             "final_loss": totals.last.get("loss"),
             "final_val_loss": totals.last_val,
             "effective_batch_size": prep.effective_batch_size,
-            "final_micro_batch_size": self.controller.current if config.auto_micro_batch else prep.micro_batch_size,
+            "final_micro_batch_size": (self.controller.current if config.auto_micro_batch
+                                       and self.controller.unit == "rows" else prep.micro_batch_size),
+            "final_micro_batch_tokens": (self.controller.current if config.auto_micro_batch
+                                         and self.controller.unit == "tokens" else config.micro_batch_tokens),
             "oom_retries": totals.oom_retries,
             "parameters": self.parameters,
             "stopped_by": self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere else None),
