@@ -11,8 +11,10 @@ import random
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from cadence.data import TokenDataset, make_example
+from cadence.data import TokenDataset, collate, epoch_order, make_example
+from cadence.engine.schedules import build_lr_scheduler
 from cadence.models import GPT, GPTConfig
 
 TINY = GPTConfig(vocab_size=256, context_length=40, n_layer=2, n_head=2, n_embd=32)
@@ -21,6 +23,33 @@ TINY = GPTConfig(vocab_size=256, context_length=40, n_layer=2, n_head=2, n_embd=
 def tiny_model(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(TINY)
+
+
+def make_optimizer(model: torch.nn.Module, lr: float = 1e-2) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def reference_loop(dataset: TokenDataset, *, steps: int, max_grad_norm: float, effective: int = 8, seed: int = 0,
+                   warmup: int = 2) -> tuple[list[float], torch.nn.Module]:
+    """The textbook loop every split and cut is held to: one big batch of ``effective`` samples per step (the
+    epoch's order), mean loss over its targets, clip, AdamW, cosine schedule."""
+    model = tiny_model()
+    optimizer = make_optimizer(model)
+    scheduler = build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=warmup, max_steps=steps)
+    order = epoch_order(len(dataset), seed, 0).tolist()
+    losses = []
+    for step in range(steps):
+        batch = collate([dataset[i] for i in order[step * effective:(step + 1) * effective]])
+        logits = model(batch["input_ids"])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(loss.item())
+    return losses, model
 
 
 def sample_text(num_bytes: int = 4000) -> bytes:

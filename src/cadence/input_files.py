@@ -12,6 +12,7 @@ than one fix per symptom:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Iterator
@@ -36,10 +37,10 @@ def not_regular(mode: int) -> str | None:
     return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
 
 
-def read_regular_file(path: Path, *, where: str, limit: int | None = None) -> bytes:
-    """The bytes of ``path`` (a regular file, or a link to one); ``UsageError`` naming ``where`` otherwise.
-
-    ``limit``: the most bytes the file may hold; a larger file is refused before it is read."""
+@contextlib.contextmanager
+def _opened(path: Path, *, where: str, limit: int | None = None) -> Iterator[tuple[int, os.stat_result]]:
+    """(descriptor, status) of ``path`` opened for reading, once it is known to be a regular file (within
+    ``limit`` bytes); every refusal and every OS error, while opening or while the caller reads, is a UsageError."""
     problem = regular_file_problem(path, limit=limit)
     if problem is not None:
         raise UsageError.single(where, problem)
@@ -55,6 +56,18 @@ def read_regular_file(path: Path, *, where: str, limit: int | None = None) -> by
             raise UsageError.single(where, f"{path} is {kind}, not a regular file")
         if limit is not None and info.st_size > limit:
             raise UsageError.single(where, f"{path} is {info.st_size:,} bytes; at most {limit:,} are read")
+        yield descriptor, info
+    except OSError as err:
+        raise UsageError.single(where, os_error_message(path, err)) from None
+    finally:
+        os.close(descriptor)
+
+
+def read_regular_file(path: Path, *, where: str, limit: int | None = None) -> bytes:
+    """The bytes of ``path`` (a regular file, or a link to one); ``UsageError`` naming ``where`` otherwise.
+
+    ``limit``: the most bytes the file may hold; a larger file is refused before it is read."""
+    with _opened(path, where=where, limit=limit) as (descriptor, info):
         chunks, total = [], 0
         bound = info.st_size if limit is None else limit
         while True:
@@ -66,10 +79,6 @@ def read_regular_file(path: Path, *, where: str, limit: int | None = None) -> by
             if limit is not None and total > limit:  # it grew while being read
                 raise UsageError.single(where, f"{path} holds more than {limit:,} bytes; at most {limit:,} are read")
         return b"".join(chunks)
-    except OSError as err:
-        raise UsageError.single(where, os_error_message(path, err)) from None
-    finally:
-        os.close(descriptor)
 
 
 def regular_file_problem(path: Path, *, limit: int | None = None) -> str | None:
@@ -93,26 +102,11 @@ def read_regular_file_chunks(path: Path, *, where: str, chunk_bytes: int = 4 << 
                              start: int = 0, end: int | None = None) -> Iterator[bytes]:
     """The bytes of ``path`` (a regular file) from ``start`` to ``end`` in chunks, never the whole file at once:
     a 3 GB text is tokenised with a few megabytes in memory. The same rules and messages as :func:`read_regular_file`."""
-    problem = regular_file_problem(path)
-    if problem is not None:
-        raise UsageError.single(where, problem)
-    try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as err:
-        raise UsageError.single(where, os_error_message(path, err)) from None
-    try:
-        kind = not_regular(os.fstat(descriptor).st_mode)
-        if kind is not None:
-            raise UsageError.single(where, f"{path} is {kind}, not a regular file")
+    with _opened(path, where=where) as (descriptor, _):
         position = start
         while end is None or position < end:
-            want = chunk_bytes if end is None else min(chunk_bytes, end - position)
-            chunk = os.pread(descriptor, want, position)
+            chunk = os.pread(descriptor, chunk_bytes if end is None else min(chunk_bytes, end - position), position)
             if not chunk:
                 break
             position += len(chunk)
             yield chunk
-    except OSError as err:
-        raise UsageError.single(where, os_error_message(path, err)) from None
-    finally:
-        os.close(descriptor)

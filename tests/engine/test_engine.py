@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import prompt_completion_dataset, tiny_model
+from helpers import make_optimizer, prompt_completion_dataset, reference_loop, tiny_model
 
 from cadence import Engine, iter_windows, make_window
 from cadence.data import TokenDataset, collate, epoch_order, iterate_micro_batches
@@ -15,32 +15,6 @@ from cadence.engine.schedules import build_lr_scheduler, lr_factor
 
 EFFECTIVE = 8
 STEPS = 4  # 4 windows of 8 = 32 samples; the datasets hold more, so no epoch boundary inside the test
-
-
-def make_optimizer(model: torch.nn.Module, lr: float = 1e-2) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-
-
-def reference_loop(dataset: TokenDataset, *, steps: int, max_grad_norm: float, seed: int = 0,
-                   warmup: int = 2) -> tuple[list[float], torch.nn.Module]:
-    """The textbook loop: one big batch of EFFECTIVE samples per step, mean loss over its targets."""
-    model = tiny_model()
-    optimizer = make_optimizer(model)
-    scheduler = build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=warmup, max_steps=steps)
-    order = epoch_order(len(dataset), seed, 0).tolist()
-    losses = []
-    for step in range(steps):
-        batch = collate([dataset[i] for i in order[step * EFFECTIVE:(step + 1) * EFFECTIVE]])
-        logits = model(batch["input_ids"])
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-        loss.backward()
-        if max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        losses.append(loss.item())
-    return losses, model
 
 
 def engine_run(dataset: TokenDataset, *, micro: int, steps: int, max_grad_norm: float, precision: str = "fp32",

@@ -8,13 +8,12 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import prompt_completion_dataset, tiny_model, write_jsonl
+from helpers import make_optimizer, prompt_completion_dataset, reference_loop, tiny_model, write_jsonl
 from safetensors.torch import load_file
 
 from cadence import Engine
 from cadence.cli import main
-from cadence.data import TokenDataset, collate, epoch_order
+from cadence.data import TokenDataset
 from cadence.engine.schedules import build_lr_scheduler
 from cadence.engine.windows import cut_micro_batches, epoch_windows
 from cadence.training.run_dir import read_metrics
@@ -23,28 +22,9 @@ EFFECTIVE = 8
 STEPS = 4
 
 
-def reference(dataset: TokenDataset) -> tuple[list[float], torch.nn.Module]:
-    """One big batch of EFFECTIVE samples per step, mean loss over its targets (the textbook loop)."""
-    model = tiny_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    scheduler = build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=2, max_steps=STEPS)
-    order = epoch_order(len(dataset), 0, 0).tolist()
-    losses = []
-    for step in range(STEPS):
-        batch = collate([dataset[i] for i in order[step * EFFECTIVE:(step + 1) * EFFECTIVE]])
-        loss = F.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        losses.append(loss.item())
-    return losses, model
-
-
 def engine_run(dataset: TokenDataset, *, micro: int, order: str, tokens: int | None, pack: int | None = None):
     model = tiny_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = make_optimizer(model)
     scheduler = build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=2, max_steps=STEPS)
     engine = Engine(model, optimizer, scheduler=scheduler, max_grad_norm=0.5)
     windows = epoch_windows(dataset, micro_batch_size=micro, grad_accum_steps=EFFECTIVE // micro, seed=0, epoch=0,
@@ -66,7 +46,7 @@ def relative_l2(a: torch.nn.Module, b: torch.nn.Module) -> float:
 def test_every_cut_gives_the_one_big_batch_gradient(micro: int, order: str, tokens: int | None,
                                                     pack: int | None) -> None:
     dataset = prompt_completion_dataset()
-    expected_losses, expected_model = reference(dataset)
+    expected_losses, expected_model = reference_loop(dataset, steps=STEPS, max_grad_norm=0.5)
     results, model = engine_run(dataset, micro=micro, order=order, tokens=tokens, pack=pack)
     for step, (result, expected) in enumerate(zip(results, expected_losses, strict=True), start=1):
         assert abs(result.loss - expected) <= 1e-5 * expected, (step, result.loss, expected)
@@ -102,7 +82,7 @@ def test_a_document_mask_that_leaks_would_be_caught(monkeypatch) -> None:
         return torch.ones(t, t, dtype=torch.bool).tril().expand(position_ids.shape[0], 1, t, t)
 
     dataset = prompt_completion_dataset()
-    expected_losses, _ = reference(dataset)
+    expected_losses, _ = reference_loop(dataset, steps=STEPS, max_grad_norm=0.5)
     monkeypatch.setattr(gpt, "document_mask", leaky)
     results, _ = engine_run(dataset, micro=8, order="drawn", tokens=None, pack=40)
     assert max(abs(r.loss - e) / e for r, e in zip(results, expected_losses)) > 1e-4

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +128,19 @@ class RangeResult:
     problem_count: int
 
 
+def records(content: bytes) -> Iterator[tuple[int, tuple[bytes, int] | LineError]]:
+    """(line number, :func:`parse_record`'s result or its error) for every non-blank line of ``content``.
+
+    Split on b"\\n" (not text mode), so a bad byte on one line is reported on that line, not for the file."""
+    for lineno, line in enumerate(content.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, parse_record(line)
+        except LineError as error:
+            yield lineno, error
+
+
 def parse_range(path: Path, start: int, end: int, part: Path) -> RangeResult:
     """Parse the lines of ``path[start:end]`` (cut at line breaks) into ``part.tok`` (bytes) and ``part.idx``
     (int64 rows: offset within the part, length, first target, line within the range)."""
@@ -135,16 +149,13 @@ def parse_range(path: Path, start: int, end: int, part: Path) -> RangeResult:
     rows: list[tuple[int, int, int, int]] = []
     problems: list[tuple[int, str]] = []
     count = 0
-    for lineno, line in enumerate(content.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            example, first_target = parse_record(line)
-        except LineError as error:
+    for lineno, parsed in records(content):
+        if isinstance(parsed, LineError):
             count += 1
             if len(problems) <= MAX_REPORTED_PROBLEMS:
-                problems.append((lineno, str(error)))
+                problems.append((lineno, str(parsed)))
             continue
+        example, first_target = parsed
         rows.append((len(tokens), len(example), first_target, lineno))
         tokens += example
     if not problems:
@@ -172,17 +183,13 @@ def read_jsonl(path: Path, seq_len: int) -> tuple[list[Example], int]:
     examples: list[Example] = []
     problems: list[Problem] = []
     truncated = 0
-    # Binary split on b"\n" (not text mode) so a bad byte on one line is reported on that line, not for the file.
     # A UTF-8 byte order mark (some Windows editors write one) is not part of the first record.
     content = read_regular_file(path, where="--data").removeprefix(codecs.BOM_UTF8)
-    for lineno, line in enumerate(content.split(b"\n"), start=1):
-        if not line.strip():
+    for lineno, parsed in records(content):
+        if isinstance(parsed, LineError):
+            problems.append(Problem(where=f"{path}:{lineno}", message=str(parsed)))
             continue
-        try:
-            tokens, first_target = parse_record(line)
-        except LineError as error:
-            problems.append(Problem(where=f"{path}:{lineno}", message=str(error)))
-            continue
+        tokens, first_target = parsed
         example = example_at(tokens, first_target, seq_len)
         if example is None:
             problems.append(Problem(where=f"{path}:{lineno}", message=no_target_message(seq_len, first_target)))
