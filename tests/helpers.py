@@ -72,12 +72,12 @@ def prompt_completion_dataset(count: int = 40, seed: int = 3) -> TokenDataset:
     return TokenDataset(examples)
 
 
-def write_jsonl(path: Path) -> Path:
-    """48 prompt/completion lines whose completions differ in target count by more than 10x."""
+def write_jsonl(path: Path, count: int = 48) -> Path:
+    """``count`` prompt/completion lines whose completions differ in target count by more than 10x."""
     rng = random.Random(7)
     words = ["alpha", "beta", "gamma", "delta", "step", "scale"]
     lines = []
-    for index in range(48):
+    for index in range(count):
         prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) + ":"
         # completions of 2 bytes and of 25-30 bytes: target counts differ by more than 10x
         completion = "ok" if index % 3 == 0 else "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(25, 30)))
@@ -91,3 +91,15 @@ def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
     diff = torch.cat([(a[k] - b[k]).flatten() for k in sorted(a)])
     base = torch.cat([b[k].flatten() for k in sorted(b)])
     return float(diff.norm() / base.norm())
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (avx512_bf16 or amx_bf16). Without it torch emulates bf16 at
+    about a tenth of fp32's speed, so tests that only need bf16's memory, not its speed, keep it to small models.
+    True when /proc/cpuinfo cannot be read (assume the fast path rather than skip coverage)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+    return flags is None or bool({"avx512_bf16", "amx_bf16"} & set(flags))

@@ -70,7 +70,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     found["ddp"] = root / "ddp"
     found["ddp_log"] = Path(root / "ddp.log")
     # Its own token-store cache: the two ranks start together on an empty one (see the test of the shared store).
-    found["ddp_log"].write_text(train_two_ranks(found["ddp"], data, "--data-cache", str(root / "cache")).stderr)
+    # In drawn order (not the default by-length): the reference for the budget run's padding below.
+    found["ddp_log"].write_text(train_two_ranks(found["ddp"], data, "--data-cache", str(root / "cache"),
+                                                "--micro-batch-order", "drawn").stderr)
     train_two_ranks(root / "fsdp", data, "--strategy", "fsdp")
     found["fsdp"] = root / "fsdp"
     # Each rank cuts its share of every window by a token budget (issue 15): the ranks need different numbers of
@@ -107,7 +109,8 @@ def test_a_token_budget_under_two_ranks_gives_the_one_process_losses(runs: dict[
         assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"]
     assert relative_l2(load_file(str(runs["ddp_budget"] / "model.safetensors")),
                        load_file(str(runs["2x8"] / "model.safetensors"))) < 1e-4
-    assert sum(row["padded_positions"] for row in budget) < sum(row["padded_positions"] for row in whole)
+    drawn = read_metrics(runs["ddp"])
+    assert sum(row["padded_positions"] for row in budget) < sum(row["padded_positions"] for row in drawn)
 
 
 def test_the_two_ranks_read_one_token_store(runs: dict[str, Path]) -> None:
@@ -319,6 +322,27 @@ def test_auto_micro_batch_under_two_ranks_halves_on_every_rank_together(tmp_path
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
     summary = json.loads((auto / "summary.json").read_text())
     assert summary["final_micro_batch_size"] == 4 and summary["peak_memory_bytes"] <= 30 * 2**20
+
+
+def test_auto_with_a_token_budget_under_two_ranks_halves_the_budget_on_both(tmp_path: Path) -> None:
+    """Each rank re-cuts its own 32 examples by the halved budget (1536 -> 768 -> 384 positions; one micro-batch of
+    1536 peaks at ~42 MiB on gpt-tiny, 384 at ~27 MiB) and the ranks agree on the larger micro-batch count: the
+    losses are one process's at the same effective batch."""
+    data = write_jsonl(tmp_path / "data.jsonl", count=128)
+    common = ["--data", str(data), "--seq-len", "48", "--max-steps", "2", "--val-fraction", "0"]
+    auto = tmp_path / "auto"
+    result = cadence("train", "--nproc-per-node", "2", *common, "--micro-batch-size", "auto",
+                     "--effective-batch-size", "64", "--grad-accum-steps", "1", "--micro-batch-tokens", "1536",
+                     "--memory-budget", "30MiB", "--auto-grow-after", "50", "--out", str(auto))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "out of memory at a budget of 1536 positions per micro-batch" in result.stderr
+    fixed = tmp_path / "fixed"
+    assert main(["train", *common, "--micro-batch-size", "32", "--grad-accum-steps", "2", "--out", str(fixed)]) == 0
+    for got, want in zip(read_metrics(auto), read_metrics(fixed), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert (got["tokens"], got["targets"], got["samples"]) == (want["tokens"], want["targets"], want["samples"])
+    summary = json.loads((auto / "summary.json").read_text())
+    assert summary["final_micro_batch_tokens"] <= 768 and summary["peak_memory_bytes"] <= 30 * 2**20
 
 
 def test_an_out_of_memory_on_one_rank_makes_every_rank_retry_the_window(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ gradient of the unsorted window (same samples, normalised by the whole window's 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -77,13 +79,12 @@ def test_a_document_mask_that_leaks_would_be_caught(monkeypatch) -> None:
     over the row, positions still restarting) and the losses move ten times beyond the parity test's 1e-5."""
     import cadence.models.gpt as gpt
 
-    def leaky(position_ids: torch.Tensor) -> torch.Tensor:
-        t = position_ids.shape[1]
-        return torch.ones(t, t, dtype=torch.bool).tril().expand(position_ids.shape[0], 1, t, t)
+    def leaky(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+        return [[(0, position_ids.shape[1])] for _ in range(position_ids.shape[0])]
 
     dataset = prompt_completion_dataset()
     expected_losses, _ = reference_loop(dataset, steps=STEPS, max_grad_norm=0.5)
-    monkeypatch.setattr(gpt, "document_mask", leaky)
+    monkeypatch.setattr(gpt, "document_spans", leaky)
     results, _ = engine_run(dataset, micro=8, order="drawn", tokens=None, pack=40)
     assert max(abs(r.loss - e) / e for r, e in zip(results, expected_losses)) > 1e-4
 
@@ -136,12 +137,7 @@ def test_cli_reports_padding_and_keeps_the_losses(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("extra, flag", [
     (["--micro-batch-tokens", "0"], "--micro-batch-tokens"),
     (["--micro-batch-tokens", "20"], "--micro-batch-tokens"),  # below --seq-len 48
-    (["--micro-batch-tokens", "96", "--micro-batch-size", "auto", "--effective-batch-size", "8",
-      "--nproc-per-node", "2"], "--micro-batch-tokens"),
     (["--micro-batch-order", "shortest"], "--micro-batch-order"),
-    (["--micro-batch-order", "by-length", "--checkpoint-mid-window"], "--checkpoint-mid-window"),
-    (["--packing", "--checkpoint-mid-window"], "--checkpoint-mid-window"),
-    (["--packing", "--micro-batch-size", "auto", "--effective-batch-size", "8"], "--packing"),
 ])
 def test_bad_length_aware_flags_name_the_flag(tmp_path, capsys, extra: list[str], flag: str) -> None:
     data = write_jsonl(tmp_path / "data.jsonl")
@@ -167,3 +163,123 @@ def test_a_resumed_length_aware_run_is_bitwise_the_uninterrupted_one(tmp_path, e
     assert rows["cut"] == rows["whole"] and len(rows["whole"]) == 6
     whole, cut = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("whole", "cut"))
     assert whole.keys() == cut.keys() and all(torch.equal(whole[name], cut[name]) for name in whole)  # bitwise
+
+
+@pytest.mark.parametrize("extra", [["--packing"], ["--micro-batch-tokens", "96"], ["--micro-batch-order", "by-length"]])
+def test_a_length_aware_window_interrupted_mid_way_resumes_bitwise(tmp_path, monkeypatch, extra: list[str]) -> None:
+    """--checkpoint-mid-window with a cut: SIGTERM lands during the first micro-batch of step 3; the checkpoint
+    holds that window's first micro-batch, and the resumed run continues the same cut to the uninterrupted result."""
+    from cadence.training.checkpoint import checkpoint_dirs, load_checkpoint
+    from cadence.training.progress import TrainProgress
+
+    data = write_jsonl(tmp_path / "data.jsonl")
+    common = ["train", "--data", str(data), "--seq-len", "48", "--micro-batch-size", "2", "--grad-accum-steps", "4",
+              "--max-steps", "5", "--val-fraction", "0", "--checkpoint-every", "100", "--checkpoint-mid-window",
+              "--data-cache", str(tmp_path / "cache"), *extra]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    original = TrainProgress.micro_step
+
+    def signal_once(progress: TrainProgress, step: int, micro: int) -> None:
+        original(progress, step, micro)
+        if step == 2 and micro == 1:  # the stop is honoured after this micro-batch, the window's first
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(TrainProgress, "micro_step", signal_once)
+        assert main([*common, "--out", str(tmp_path / "cut")]) == 0
+    (checkpoint,) = checkpoint_dirs(tmp_path / "cut")
+    partial = load_checkpoint(checkpoint).state["partial_window"]
+    assert partial["micro_batches_done"] == 1 and checkpoint.name == "step-2"
+    assert main([*common, "--out", str(tmp_path / "cut"), "--resume"]) == 0
+    rows = {run: [(r["step"], r["loss"], r["padded_positions"]) for r in read_metrics(tmp_path / run)]
+            for run in ("whole", "cut")}
+    assert rows["cut"] == rows["whole"] and len(rows["whole"]) == 5
+    whole, cut = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("whole", "cut"))
+    assert all(torch.equal(whole[name], cut[name]) for name in whole)  # bitwise
+
+
+def test_an_interrupted_window_is_not_continued_with_another_cut(tmp_path, monkeypatch, capsys) -> None:
+    from cadence.training.progress import TrainProgress
+
+    data = write_jsonl(tmp_path / "data.jsonl")
+    common = ["train", "--data", str(data), "--seq-len", "48", "--micro-batch-size", "2", "--grad-accum-steps", "4",
+              "--max-steps", "3", "--val-fraction", "0", "--checkpoint-mid-window", "--out", str(tmp_path / "run"),
+              "--data-cache", str(tmp_path / "cache")]
+    original = TrainProgress.micro_step
+
+    def signal_once(progress: TrainProgress, step: int, micro: int) -> None:
+        original(progress, step, micro)
+        if step == 1 and micro == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(TrainProgress, "micro_step", signal_once)
+        assert main([*common, "--packing"]) == 0
+    capsys.readouterr()
+    assert main([*common, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "cadence: error: --packing: False differs from the True of the window the checkpoint interrupted" in err
+    assert main([*common, "--packing", "--resume"]) == 0
+
+
+@pytest.mark.parametrize("source", ["drawn", "packed"])
+@pytest.mark.parametrize("cut", [dict(), dict(order="by-length"), dict(micro_batch_tokens=60),
+                                 dict(pack_length=40), dict(pack_length=24, micro_batch_tokens=48)])
+def test_cut_window_recuts_any_window_to_the_same_gradient(source: str, cut: dict) -> None:
+    """verify, plan and auto re-cut windows they are handed (unpacked or packed) rather than the dataset: the same
+    examples, targets and tokens, and the one-window gradient, whatever the cut."""
+    from cadence.engine.windows import cut_window, window_examples
+
+    dataset = prompt_completion_dataset(count=16)
+    (window,) = list(epoch_windows(dataset, micro_batch_size=16, grad_accum_steps=1, seed=0, epoch=0,
+                                   pack_length=40 if source == "packed" else None))
+    again = cut_window(window, micro_batch_size=3, **cut)
+    assert (again.samples, again.targets, again.tokens) == (window.samples, window.targets, window.tokens)
+    examples = sorted(tuple(e["input_ids"].tolist()) for e in window_examples(window))
+    assert examples == sorted(tuple(e["input_ids"].tolist()) for e in window_examples(again))
+    assert len(examples) == 16
+    if "micro_batch_tokens" in cut:
+        assert all(b["labels"].numel() <= cut["micro_batch_tokens"] or b["labels"].shape[0] == 1
+                   for b in again.micro_batches)
+    losses = []
+    for each in (window, again):
+        model = tiny_model()
+        losses.append(Engine(model, make_optimizer(model), max_grad_norm=0.5).step(each).loss)
+    assert abs(losses[1] - losses[0]) <= 1e-5 * losses[0]
+
+
+def test_cut_window_shares_a_window_between_ranks_like_epoch_windows() -> None:
+    from cadence.engine.windows import cut_window
+
+    dataset = prompt_completion_dataset(count=16)
+    (whole,) = list(epoch_windows(dataset, micro_batch_size=16, grad_accum_steps=1, seed=0, epoch=0))
+    shares = [cut_window(whole, micro_batch_size=2, micro_batch_tokens=50, world_size=2, rank=r) for r in range(2)]
+    direct = [next(epoch_windows(dataset, micro_batch_size=2, grad_accum_steps=4, seed=0, epoch=0, world_size=2,
+                                 rank=r, micro_batch_tokens=50)) for r in range(2)]
+    for mine, theirs in zip(shares, direct, strict=True):
+        assert (mine.samples, mine.targets, mine.tokens, len(mine), mine.largest_share) == (
+            theirs.samples, theirs.targets, theirs.tokens, len(theirs), theirs.largest_share)
+    assert len(shares[0]) == len(shares[1])
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_packing_with_recompute_and_bf16_keeps_the_gradient(recompute: str, precision: str) -> None:
+    """Recompute re-runs each block's example-by-example attention in the backward; bf16 runs it under autocast:
+    the packed window's gradient is the unpacked one's (fp32 to rounding; bf16 within its verify tolerance)."""
+    from cadence.memory.recompute import apply_activation_checkpointing
+    from cadence.verify.equivalence import GRADIENT_TOLERANCE, Setup, flat, parameter_gradients
+
+    dataset = prompt_completion_dataset(count=16)
+    (window,) = list(epoch_windows(dataset, micro_batch_size=16, grad_accum_steps=1, seed=0, epoch=0))
+    reference = flat(parameter_gradients(tiny_model, window, Setup(micro_batch_size=16)))
+
+    def checkpointed() -> torch.nn.Module:
+        model = tiny_model()
+        apply_activation_checkpointing(model, recompute)
+        return model
+
+    packed = flat(parameter_gradients(checkpointed, window, Setup(micro_batch_size=2, precision=precision,
+                                                                   pack_length=40)))
+    error = float((packed - reference).norm() / reference.norm())
+    assert error < (1e-5 if precision == "fp32" else GRADIENT_TOLERANCE["bf16"]), error

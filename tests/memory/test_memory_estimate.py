@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY
+from helpers import TINY, cpu_has_bf16
 
 from cadence.config import TrainConfig
 from cadence.engine.step import Engine
@@ -46,7 +46,10 @@ def relative_error(predicted: int, measured: int) -> float:
 def test_estimate_is_within_15_percent_of_the_measured_peak() -> None:
     rows: list[tuple[str, str, str, MemoryEstimate, MeasuredMemory]] = []
     for name, (batch, seq) in TABLE_SIZES.items():
-        rows += [(name, *row) for row in estimate_against_measurement(name, batch, seq)]
+        # On a CPU without bf16 instructions an emulated bf16 step of the larger models takes minutes (this test
+        # took 4 minutes there); bf16 is then checked on gpt-tiny alone, whose rows run the same estimate code.
+        precisions = ("fp32", "bf16") if name == "gpt-tiny" or cpu_has_bf16() else ("fp32",)
+        rows += [(name, *row) for row in estimate_against_measurement(name, batch, seq, precisions)]
 
     print(f"\n{'model':10} {'prec':5} {'ckpt':5} {'est MiB':>9} {'meas MiB':>9} {'error':>7}   "
           f"{'act est':>8} {'act meas':>8} {'error':>7}   peak in")

@@ -131,3 +131,41 @@ def test_a_trial_setup_is_the_verify_setup_plus_its_accumulation() -> None:
     assert list(setup.as_dict()) == ["micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing",
                                      "offload"]  # plan.json's order
     assert setup.describe() == "micro 2 x accum 4, bf16, recompute full, offload none"
+
+
+def test_plan_measures_cuts_by_length_on_variable_length_data_and_train_follows(tmp_path):
+    """Issue 15: on prompt/completion data the choice is measured again sorted by length, under a token budget and
+    packed; plan.json and the report show each cut's real-token share and throughput, the fastest that fits is the
+    choice when clearly faster, the quality check runs on the chosen cut, and train --plan cuts the same way."""
+    from helpers import write_jsonl
+
+    data = write_jsonl(tmp_path / "data.jsonl", count=96)
+    out = tmp_path / "plan"
+    common = ["--data", str(data), "--data-cache", str(tmp_path / "cache")]
+    assert main(["plan", *common, "--seq-len", "48", "--effective-batch-size", "16", "--memory-budget", "64MiB",
+                 "--micro-batch-size", "4", "--precision", "fp32", "--activation-checkpointing", "none", "--max-trials", "1",
+                 "--trial-steps", "3", "--quality-steps", "3", "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    cuts = {row["cut"]: row for row in plan["cuts"]}
+    assert list(cuts) == ["drawn", "by-length", "token budget", "packing"]
+    assert cuts["packing"]["real_share"] > cuts["drawn"]["real_share"]
+    assert cuts["by-length"]["real_share"] > cuts["drawn"]["real_share"]
+    (chosen,) = [row for row in plan["cuts"] if row["chosen"]]
+    for key in ("micro_batch_order", "micro_batch_tokens", "packing"):
+        assert plan["choice"][key] == chosen[key]
+    assert plan["quality"]["gradient"]["passed"] and plan["quality"]["gradient"]["relative_error"] < 1e-5
+    assert "Cutting the windows by length" in (out / "report.md").read_text()
+
+    run = tmp_path / "run"
+    assert main(["train", "--plan", str(out / "plan.json"), *common, "--max-steps", "2", "--out", str(run)]) == 0
+    config = json.loads((run / "config.json").read_text())
+    for key in ("micro_batch_order", "micro_batch_tokens", "packing"):
+        assert config[key] == plan["choice"][key]
+
+
+def test_a_plan_on_full_text_sequences_says_why_it_measured_no_cut(tmp_path):
+    code, out = run_plan(tmp_path, "--precision", "fp32", "--activation-checkpointing", "none", "--max-trials", "1")
+    assert code == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["cuts"] == [] and any("no padding" in note for note in plan["notes"])
+    assert plan["choice"]["micro_batch_order"] == "drawn" and plan["choice"]["packing"] is False

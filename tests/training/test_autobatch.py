@@ -172,3 +172,39 @@ def test_auto_with_a_token_budget_halves_the_budget_and_keeps_the_losses(tmp_pat
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5) and got["tokens"] == want["tokens"]
     summary = json.loads((auto / "summary.json").read_text())
     assert summary["final_micro_batch_tokens"] <= 384 and summary["effective_batch_size"] == 16
+
+
+@pytest.mark.parametrize("unit", ["rows", "tokens"])
+def test_auto_with_packing_shrinks_the_packed_window_and_keeps_the_losses(tmp_path, unit: str) -> None:
+    """--packing with auto: 64 examples a window packed into rows of 48 (about 40 rows, 1,900 positions) over a
+    30 MiB budget (see the token-budget test above for the measured peaks). Halving the rows, or the budget (which
+    below 48 would pack shorter rows), trains what the unpacked window trains."""
+    data = write_jsonl(tmp_path / "data.jsonl", count=128)
+    common = ["--data", str(data), "--seq-len", "48", "--data-cache", str(tmp_path / "cache"), "--max-steps", "2"]
+    start = ["--micro-batch-size", "auto", "--effective-batch-size", "64", "--grad-accum-steps", "1"]
+    if unit == "tokens":
+        start += ["--micro-batch-tokens", "1536"]
+    auto = run(tmp_path, "auto", *common, *start, "--packing", "--memory-budget", "30MiB", "--auto-grow-after", "50")
+    plain = run(tmp_path, "plain", *common, "--micro-batch-size", "16", "--grad-accum-steps", "4")
+    auto_rows = read_metrics(auto)
+    assert auto_rows[0]["oom_retries"] >= 1 and all(r["peak_memory_bytes"] <= 30 * 2**20 for r in auto_rows)
+    for got, want in zip(auto_rows, read_metrics(plain), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert (got["tokens"], got["targets"], got["samples"]) == (want["tokens"], want["targets"], want["samples"])
+    assert sum(r["padded_positions"] for r in auto_rows) < sum(r["padded_positions"] for r in read_metrics(plain))
+
+
+def test_a_packed_row_is_repacked_shorter_when_the_budget_drops_below_it() -> None:
+    from cadence.engine.windows import epoch_windows
+
+    dataset = prompt_completion_dataset(count=16)
+    (window,) = list(epoch_windows(dataset, micro_batch_size=16, grad_accum_steps=1, seed=0, epoch=0, pack_length=40))
+    model = tiny_model()
+    expected = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5).step(window)
+    longest = max(int(b["labels"].shape[1]) for b in window.micro_batches)
+    again = resplit_window_by_tokens(window, 24, pack_length=24)
+    assert max(int(b["labels"].shape[1]) for b in again.micro_batches) < longest
+    assert (again.samples, again.targets, again.tokens) == (window.samples, window.targets, window.tokens)
+    model = tiny_model()
+    result = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5).step(again)
+    assert result.loss == pytest.approx(expected.loss, rel=1e-6)

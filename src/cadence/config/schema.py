@@ -71,10 +71,10 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step; default 1, or derived from --effective-batch-size."""
     effective_batch_size: int | None = None
     """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps."""
-    micro_batch_order: MicroBatchOrder = "drawn"
-    """How a window's samples are cut into micro-batches: drawn (in the epoch's order) or by-length (longest first,
-    so each micro-batch pads little). The window's samples and its gradient are the same either way; only the
-    padding computed changes."""
+    micro_batch_order: MicroBatchOrder = "by-length"
+    """How a window's samples are cut into micro-batches: by-length (longest first, so each micro-batch pads little)
+    or drawn (in the epoch's order). The window's samples and its gradient are the same either way; only the
+    padding computed changes. Equal lengths (text) keep the drawn order."""
     micro_batch_tokens: int | None = None
     """Cut each window's length-sorted samples into micro-batches of at most N padded positions (rows x longest
     row) instead of --micro-batch-size rows: many short rows or few long ones, a memory peak set by N."""

@@ -78,9 +78,6 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     choice("last_window", LAST_WINDOW_CHOICES)
     choice("micro_batch_order", MICRO_BATCH_ORDER_CHOICES)
     if at_least("micro_batch_tokens", 1) and config.micro_batch_tokens is not None:
-        if config.micro_batch_size == "auto" and world_size > 1:
-            bad("micro_batch_tokens", "with --micro-batch-size auto works with one process for now (each rank's "
-                                      "re-cut share would need its own number of micro-batches)")
         if config.seq_len is not None and config.micro_batch_tokens < config.seq_len:
             bad("micro_batch_tokens", f"{config.micro_batch_tokens} is below --seq-len {config.seq_len}: the longest "
                                       f"example must fit one micro-batch")
@@ -126,13 +123,6 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     at_least("keep_checkpoints", 0)
     if config.checkpoint_mid_window and config.micro_batch_size == "auto":
         bad("checkpoint_mid_window", "needs a fixed --micro-batch-size (auto may re-cut the window it would continue)")
-    if config.packing and config.micro_batch_size == "auto":
-        bad("packing", "cannot be combined with --micro-batch-size auto yet (give a fixed --micro-batch-size)")
-    if config.checkpoint_mid_window and config.packing:
-        bad("checkpoint_mid_window", "cannot be combined with --packing (a resumed window must be cut the way it was)")
-    if config.checkpoint_mid_window and (config.micro_batch_tokens is not None or config.micro_batch_order != "drawn"):
-        bad("checkpoint_mid_window", "needs --micro-batch-order drawn without --micro-batch-tokens (a resumed window "
-                                     "must be cut the way it was)")
     at_least("max_skipped_steps", 1)
     problems += distributed_problems(config, world_size, launched)
     device_ok = config.device in DEVICE_CHOICES

@@ -7,6 +7,7 @@ are small index tensors, so holding one window of them in memory costs nothing n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -191,28 +192,128 @@ def resplit_window(window: Window, micro_batch_size: int, *, counter: WindowCoun
     return _padded(window, chunks, micro_batch_size, counter)
 
 
-def resplit_window_by_tokens(window: Window, micro_batch_tokens: int, *,
+def cut_window(window: Window, *, micro_batch_size: int, order: MicroBatchOrder = "drawn",
+               micro_batch_tokens: int | None = None, pack_length: int | None = None, world_size: int = 1,
+               rank: int = 0, counter: WindowCounter | None = None) -> Window:
+    """The same window re-cut the way :func:`epoch_windows` cuts one from the dataset, starting from its batches.
+
+    The window's examples are taken back out of its micro-batches (:func:`window_examples`: rows trimmed after their
+    last target, packed rows split where their position ids restart), rank ``rank``'s contiguous share is taken when
+    ``world_size`` > 1 (then ``window`` must be the whole window), and that share is cut like ``epoch_windows``:
+    in order, by length, by a token budget, or packed into rows of ``pack_length``. With several ranks every rank
+    computes every rank's cut, so all agree on the micro-batch count (the rest is padding micro-batches).
+
+    The gradient does not change (the same examples, the same targets, the whole window's normalisation): this is
+    what lets ``cadence verify`` and ``cadence plan`` check a cut, and ``--micro-batch-size auto`` halve a token
+    budget or the rows of a packed window.
+    """
+    if micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError("micro_batch_size and world_size must be >= 1, and 0 <= rank < world_size")
+    if micro_batch_tokens is not None and micro_batch_tokens < 1:
+        raise ValueError("micro_batch_tokens must be >= 1")
+    if world_size > 1 and window.largest_share is not None:
+        raise ValueError("cutting one rank's share of a window needs the whole window")
+    examples = window_examples(window)
+    if pack_length is not None and any(set(example) != {"input_ids", "labels"} for example in examples):
+        raise ValueError("packing re-cuts batches of input_ids and labels only (an attention_mask or other "
+                         "per-position input would have to be packed too)")
+    base, extra = divmod(len(examples), world_size)
+    bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
+    cuts = []
+    for r in range(world_size):
+        share = examples[bounds[r]:bounds[r + 1]]
+        lengths = [int(example["labels"].shape[0]) for example in share]
+        if pack_length is not None:
+            rows = [[share[k] for k in row] for row in pack_rows(lengths, pack_length)]
+            groups = _cut_by_length([sum(int(e["labels"].shape[0]) for e in row) for row in rows],
+                                    micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens)
+            cuts.append([[rows[k] for k in group] for group in groups])
+        else:
+            if order == "drawn" and micro_batch_tokens is None:
+                groups = [list(range(at, min(at + micro_batch_size, len(share))))
+                          for at in range(0, len(share), micro_batch_size)]
+            else:
+                groups = _cut_by_length(lengths, micro_batch_size=micro_batch_size,
+                                        micro_batch_tokens=micro_batch_tokens)
+            cuts.append([[[share[k]] for k in group] for group in groups])
+    batches: list[Batch] = [_collate_rows(rows) for rows in cuts[rank]]
+    counted = make_window(batches, counter=counter) if batches else None
+    padding = [padding_micro_batch() for _ in range(max(len(cut) for cut in cuts) - len(batches))]
+    samples = window.samples if world_size == 1 else bounds[rank + 1] - bounds[rank]
+    return Window(micro_batches=[*batches, *padding], targets=counted.targets if counted else 0,
+                  tokens=counted.tokens if counted else 0, samples=samples if counted else 0,
+                  positions=counted.positions if counted else 0, epoch=window.epoch, short=window.short,
+                  padding=len(padding), largest_share=bounds[1] - bounds[0] if world_size > 1 else None)
+
+
+def resplit_window_by_tokens(window: Window, micro_batch_tokens: int, *, pack_length: int | None = None,
                              counter: WindowCounter | None = None) -> Window:
-    """The same samples (rows) re-cut longest first into micro-batches of at most ``micro_batch_tokens`` padded
-    positions: :func:`resplit_window` for a token budget (``--micro-batch-tokens`` with ``--micro-batch-size auto``,
-    which halves the budget on out-of-memory). One process only: several ranks would each need their own count."""
+    """This process's part of ``window`` re-cut longest first into micro-batches of at most ``micro_batch_tokens``
+    padded positions (packed into rows of ``pack_length`` first, when given): what ``--micro-batch-size auto`` does
+    with a token budget after an out-of-memory. Each rank cuts only its own part, so with several processes the
+    caller must still agree with the others on the micro-batch count (:func:`pad_to_micro_batches`)."""
     if micro_batch_tokens < 1:
         raise ValueError("micro_batch_tokens must be >= 1")
-    if window.largest_share is not None:
-        raise ValueError("a token-budget re-cut needs the whole window on one process")
-    batches = window.micro_batches[:len(window.micro_batches) - window.padding]
-    merged = _merged_rows(batches)
-    has_target = merged["labels"] != IGNORE_INDEX
-    full = has_target.shape[1]
-    # Each row's width: up to its last target (a row without one keeps a single position).
-    widths = torch.where(has_target.any(dim=1), full - torch.argmax(has_target.flip(1).to(torch.int8), dim=1),
-                         torch.ones(has_target.shape[0], dtype=torch.long)).tolist()
-    groups = _cut_by_length(widths, micro_batch_size=len(widths), micro_batch_tokens=micro_batch_tokens)
-    chunks = [_trim_after_last_target({key: value[torch.tensor(group)] for key, value in merged.items()})
-              for group in groups]
-    counted = make_window(chunks, counter=counter)
-    return Window(micro_batches=chunks, targets=counted.targets, tokens=counted.tokens, samples=window.samples,
-                  positions=counted.positions, epoch=window.epoch, short=window.short)
+    if window.largest_share is not None and window.samples == 0:
+        return Window(micro_batches=[], targets=0, tokens=0, samples=0, epoch=window.epoch, short=window.short,
+                      largest_share=window.largest_share)
+    mine = dataclasses.replace(window, largest_share=None)
+    cut = cut_window(mine, micro_batch_size=max(1, len(window_examples(mine))), order="by-length",
+                     micro_batch_tokens=micro_batch_tokens, pack_length=pack_length, counter=counter)
+    return dataclasses.replace(cut, largest_share=window.largest_share)
+
+
+def pad_to_micro_batches(window: Window, count: int) -> Window:
+    """``window`` with padding micro-batches appended up to ``count`` micro-batches (what the rank with the most
+    needs: DDP and FSDP2 pair their collectives by order). The real ones are kept; nothing is counted twice."""
+    real = window.micro_batches[:len(window.micro_batches) - window.padding]
+    if count < len(real):
+        raise ValueError(f"cannot pad {len(real)} micro-batches down to {count}")
+    padding = [padding_micro_batch() for _ in range(count - len(real))]
+    return dataclasses.replace(window, micro_batches=[*real, *padding], padding=len(padding))
+
+
+def window_examples(window: Window) -> list[dict[str, torch.Tensor]]:
+    """The examples in this process's real micro-batches, in order, each a dict of 1-D tensors: a row trimmed after
+    its last target (a row without one keeps one position), or, for packed rows (``position_ids`` restarting at 0),
+    each example of the row; the filler of a packed row, which has no target, is not an example."""
+    examples: list[dict[str, torch.Tensor]] = []
+    for batch in window.micro_batches[:len(window.micro_batches) - window.padding]:
+        labels = batch["labels"]
+        width = int(labels.shape[1])
+        per_position = {key: value for key, value in batch.items() if value.ndim == 2 and value.shape[1] == width}
+        for row in range(int(labels.shape[0])):
+            if "position_ids" in per_position:
+                positions = per_position["position_ids"][row]
+                begins = (positions == 0).nonzero().flatten().tolist()
+                begins = begins if begins and begins[0] == 0 else [0, *begins]
+                for begin, end in zip(begins, [*begins[1:], width]):
+                    if bool((labels[row, begin:end] != IGNORE_INDEX).any()):
+                        example = {key: value[row, begin:end] for key, value in per_position.items()
+                                   if key != "position_ids"}
+                        examples.append(_trimmed(example))
+            else:
+                examples.append(_trimmed({key: value[row] for key, value in per_position.items()}))
+    return examples
+
+
+def _trimmed(example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An example cut after its last target (positions after it are seen by no target of a causal model)."""
+    targets = (example["labels"] != IGNORE_INDEX).nonzero()
+    width = int(targets[-1]) + 1 if len(targets) else 1
+    return {key: value[:width] for key, value in example.items()}
+
+
+def _collate_rows(rows: Sequence[Sequence[dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """A micro-batch from rows of examples: one example per row right-padded (input 0, label -100, any other
+    per-position input 0), or several packed one after another with ``position_ids`` as :func:`collate_packed`."""
+    if all(len(row) == 1 for row in rows) and not any("position_ids" in row[0] for row in rows):
+        width = max(int(row[0]["labels"].shape[0]) for row in rows)
+        return {key: torch.stack([torch.nn.functional.pad(row[0][key], (0, width - int(row[0][key].shape[0])),
+                                                          value=IGNORE_INDEX if key == "labels" else 0)
+                                  for row in rows])
+                for key in rows[0][0]}
+    return collate_packed([[Example(input_ids=e["input_ids"], labels=e["labels"]) for e in row] for row in rows])
 
 
 def window_share(window: Window, micro_batch_size: int, *, world_size: int, rank: int,
@@ -224,7 +325,8 @@ def window_share(window: Window, micro_batch_size: int, *, world_size: int, rank
     base, extra = divmod(total, world_size)
     bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
     mine = {key: value[bounds[rank]:bounds[rank + 1]] for key, value in rows.items()}
-    share = Window(micro_batches=[mine] if bounds[rank + 1] > bounds[rank] else [], targets=0, tokens=0, samples=0,
+    share = Window(micro_batches=[mine] if bounds[rank + 1] > bounds[rank] else [], targets=0, tokens=0,
+                   samples=bounds[rank + 1] - bounds[rank],
                    epoch=window.epoch, short=window.short, largest_share=bounds[1] - bounds[0])
     return resplit_window(share, micro_batch_size, counter=counter)
 
@@ -242,8 +344,10 @@ def _padded(window: Window, chunks: list[Batch], micro_batch_size: int, counter:
     padding = [padding_micro_batch() for _ in range(needed - len(chunks))]
     counted = make_window(chunks, counter=counter) if chunks else None
     return Window(micro_batches=[*chunks, *padding], targets=counted.targets if counted else 0,
-                  tokens=counted.tokens if counted else 0, samples=counted.samples if counted else 0,
-                  positions=counted.positions if counted else 0, epoch=window.epoch, short=window.short, padding=len(padding), largest_share=window.largest_share)
+                  # The samples are the window's: a re-cut moves them, and packed rows hold several per row.
+                  tokens=counted.tokens if counted else 0, samples=window.samples if counted else 0,
+                  positions=counted.positions if counted else 0, epoch=window.epoch, short=window.short,
+                  padding=len(padding), largest_share=window.largest_share)
 
 
 def _pad_to_width(batch: Batch, width: int) -> dict[str, torch.Tensor]:
@@ -252,7 +356,11 @@ def _pad_to_width(batch: Batch, width: int) -> dict[str, torch.Tensor]:
         return dict(batch)
     out = {}
     for key, value in batch.items():
-        if value.ndim == 2 and value.shape[1] == current:
+        if value.ndim == 2 and value.shape[1] == current and key == "position_ids":
+            # Packed rows: the padding is one more example of its own (positions 0, 1, ...), not one per position.
+            filler = torch.arange(width - current, dtype=value.dtype).expand(value.shape[0], -1)
+            value = torch.cat([value, filler], dim=1)
+        elif value.ndim == 2 and value.shape[1] == current:
             fill = IGNORE_INDEX if key == "labels" else 0
             value = torch.nn.functional.pad(value, (0, width - current), value=fill)
         out[key] = value

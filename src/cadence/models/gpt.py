@@ -57,6 +57,10 @@ class GPTConfig:
         return embeddings + self.n_layer * block + layer_norm
 
 
+DocumentSpans = list[list[tuple[int, int]]]
+"""Per row of a packed batch, the ``(start, end)`` positions of each example, in order, covering the row."""
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused qkv projection."""
 
@@ -67,21 +71,48 @@ class CausalSelfAttention(nn.Module):
         # Named ``proj`` like the MLP's: GPT._init_weights finds the residual-stream projections by that name.
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=True)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x``: [B, T, C] -> [B, T, C]. ``attn_mask``: bool [B, 1, T, T] (True = may attend), for packed rows;
-        None is plain causal attention."""
+    def forward(self, x: torch.Tensor, documents: DocumentSpans | None = None) -> torch.Tensor:
+        """``x``: [B, T, C] -> [B, T, C]. ``documents``: for packed rows, where each row's examples lie (see
+        :func:`document_spans`); None is plain causal attention over the whole row."""
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         # [B, T, C] -> [B, H, T, D], the layout scaled_dot_product_attention expects.
         q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        if attn_mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
-        return self.proj(y)
+        if documents is not None:
+            return _document_attention(q, k, v, documents, self.proj)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+def _document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentSpans,
+                        proj: nn.Module) -> torch.Tensor:
+    """``proj`` of block-diagonal causal attention over packed rows: [B, H, T, D] x 3 -> [B, T, C]. Each example of
+    a row attends causally within itself only.
+
+    Computed example by example with the causal kernel rather than once over the row with a [T, T] mask: a mask
+    forces SDPA onto a kernel that computes (and for the backward keeps) every one of the T x T scores, most of
+    them masked out, where the examples' own causal blocks are a fraction of that. Measured on this machine for
+    gpt-small's heads at T=1024 and a typical packing (forward + backward): fp32 0.31 s against the mask's 0.49 s,
+    bf16 1.27 s against 2.56 s. The loop costs one small kernel call per example, nothing next to the matmuls.
+
+    Memory, measured the same way: this holds what plain causal attention holds, no more. The inputs are split,
+    not sliced (a slice's backward allocates a zero tensor of the whole input per slice). Each example's output is
+    projected on its own: SDPA already lays it out as [L, H * D] rows, so the projection saves a view of what SDPA
+    saves anyway, and only the projected pieces (which nothing saves) are concatenated. Concatenating the attention
+    outputs first would keep a second copy of them, for the projection's backward, in every block (+10.5 MiB per
+    block for gpt-small at 7 x 1024).
+    """
+    pieces = []
+    for row, (q_row, k_row, v_row) in enumerate(zip(q.unbind(0), k.unbind(0), v.unbind(0), strict=True)):
+        lengths = [end - start for start, end in documents[row]]
+        for q_doc, k_doc, v_doc in zip(q_row.split(lengths, dim=1), k_row.split(lengths, dim=1),
+                                       v_row.split(lengths, dim=1), strict=True):
+            out = F.scaled_dot_product_attention(q_doc[None], k_doc[None], v_doc[None], is_causal=True)  # [1,H,L,D]
+            pieces.append(proj(out[0].transpose(0, 1).flatten(1)))  # [L, H * D] -> [L, C]
+    b, _, t, _ = q.shape
+    return torch.cat(pieces, dim=0).view(b, t, -1)
 
 
 class MLP(nn.Module):
@@ -111,9 +142,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.n_embd, bias=True)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x``: [B, T, C] -> [B, T, C]."""
-        x = x + self.attn(self.ln1(x), attn_mask)
+    def forward(self, x: torch.Tensor, documents: DocumentSpans | None = None) -> torch.Tensor:
+        """``x``: [B, T, C] -> [B, T, C]; ``documents`` as in :class:`CausalSelfAttention`."""
+        x = x + self.attn(self.ln1(x), documents)
         x = x + self.mlp(self.ln2(x))
         return x
 
@@ -170,23 +201,27 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {t} exceeds the model's context length {self.config.context_length}")
         if position_ids is None:
             x = self.tok_emb(input_ids) + self.pos_emb(torch.arange(t, device=input_ids.device))
-            mask = None
+            documents = None
         else:
             x = self.tok_emb(input_ids) + self.pos_emb(position_ids)
-            mask = document_mask(position_ids)
+            documents = document_spans(position_ids)
         for block in self.blocks:
-            x = block(x, mask) if mask is not None else block(x)
+            x = block(x, documents) if documents is not None else block(x)
         return self.lm_head(self.ln_f(x))
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """bool [B, 1, T, T]: position i may attend to j when j <= i and both belong to the same example, an example
-    being a run of positions that starts at position id 0 (how packed rows are laid out, as in transformers)."""
-    document = (position_ids == 0).cumsum(dim=1)  # [B, T]: which example of the row each position belongs to
-    t = position_ids.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-    same = document[:, :, None] == document[:, None, :]
-    return (same & causal)[:, None]
+def document_spans(position_ids: torch.Tensor) -> DocumentSpans:
+    """Where each example of each packed row lies: per row, ``(start, end)`` of every run of positions that starts
+    at position id 0 (how packed rows are laid out, as in transformers). Computed once per forward, on the host:
+    every block's attention uses the same spans."""
+    starts = position_ids == 0
+    starts[:, 0] = True  # a row that does not begin at position id 0 still begins an example there
+    width = position_ids.shape[1]
+    spans: DocumentSpans = [[] for _ in range(position_ids.shape[0])]
+    for row, columns in enumerate(starts.cpu().tolist()):
+        begins = [at for at, first in enumerate(columns) if first]
+        spans[row] = list(zip(begins, [*begins[1:], width]))
+    return spans
 
 
 MODEL_CONFIGS: dict[str, GPTConfig] = {

@@ -21,10 +21,11 @@ from cadence.models import MODEL_CONFIGS, build_model
 from cadence.training.components import build_optimizer
 
 
-def estimate_against_measurement(model_name: str, micro_batch_size: int, seq_len: int) -> list[tuple[str, str, Any,
-                                                                                                      MeasuredMemory]]:
+def estimate_against_measurement(
+    model_name: str, micro_batch_size: int, seq_len: int, precisions: tuple[PrecisionName, ...] = ("fp32", "bf16"),
+) -> list[tuple[str, str, Any, MeasuredMemory]]:
     """The estimate's acceptance table for one built-in model: (precision, recompute, estimate, measurement) for
-    {fp32, bf16} x {none, full} (AdamW, clipping 1.0, random tokens: a step's memory depends on shapes only).
+    ``precisions`` x {none, full} (AdamW, clipping 1.0, random tokens: a step's memory depends on shapes only).
 
     A first step allocates AdamW's state, so it is never the measured one. Shared by the test that asserts the
     table and the benchmark that records it."""
@@ -40,7 +41,6 @@ def estimate_against_measurement(model_name: str, micro_batch_size: int, seq_len
     Engine(model, optimizer, precision="fp32", max_grad_norm=1.0).step(random_window(seed=0))
     rows: list[tuple[str, str, Any, MeasuredMemory]] = []
     checkpointings: tuple[CheckpointingMode, ...] = ("none", "full")
-    precisions: tuple[PrecisionName, ...] = ("fp32", "bf16")
     for checkpointing in checkpointings:
         apply_activation_checkpointing(model, checkpointing)
         for precision in precisions:

@@ -36,9 +36,10 @@ from cadence.input_files import read_regular_file
 from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.recompute import CHECKPOINTING_MODES
+from cadence.models.hf import packed_attention_supported
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
-from cadence.plan.trials import DECISION_FIELDS, TrialResult, TrialSetup, run_trial
+from cadence.plan.trials import CUT_DEFAULTS, DECISION_FIELDS, TrialResult, TrialSetup, run_trial
 from cadence.profiling.flops import matmul_speed
 from cadence.report.document import write_report
 from cadence.training.prepare import load_run_data
@@ -55,8 +56,9 @@ OFFLOAD_COST = {"none": 1.0, "activations": 1.3, "optimizer": 1.5}
 """Prior relative cost per token, used only to order which candidates to measure first, never to decide."""
 
 PLAN_TRAIN_FIELDS = (
-    "model", "model_config", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len", "micro_batch_size", "effective_batch_size", "precision", "activation_checkpointing",
-    "offload", "memory_budget", "max_grad_norm", "lr", "weight_decay", "adam_beta1", "adam_beta2", "lr_schedule",
+    "model", "model_config", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len",
+    "micro_batch_size", "effective_batch_size", "precision", "activation_checkpointing", "offload",
+    "micro_batch_order", "micro_batch_tokens", "packing", "memory_budget", "max_grad_norm", "lr", "weight_decay", "adam_beta1", "adam_beta2", "lr_schedule",
     "warmup_steps", "min_lr_ratio", "seed", "device", "out",
 )
 """The train flags `cadence plan` accepts. A given micro-batch, precision, recompute or offload constrains the search
@@ -120,6 +122,18 @@ def validate_plan(config: TrainConfig, options: PlanOptions) -> None:
         raise UsageError(problems)
 
 
+CUT_FLAGS = ("micro_batch_order", "micro_batch_tokens", "packing")
+
+
+def given_cut(config: TrainConfig, constrained: set[str], seq_len: int) -> dict[str, Any]:
+    """The cut the user gave (--micro-batch-order, --micro-batch-tokens, --packing), kept for every candidate; with
+    none given, candidates are measured in drawn order and :func:`_compare_cuts` measures the cuts for the choice."""
+    if not constrained & set(CUT_FLAGS):
+        return {}
+    return {"micro_batch_order": config.micro_batch_order, "micro_batch_tokens": config.micro_batch_tokens,
+            "pack_length": seq_len if config.packing else None}
+
+
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
                      notes: list[str], model: PlanModel | None = None) -> list[Candidate]:
     model = model or plan_model(config)
@@ -150,7 +164,8 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
             for offload in offloads:
                 for micro in micro_sizes:
                     setup = TrialSetup(micro_batch_size=micro, grad_accum_steps=effective // micro,
-                                       precision=precision, activation_checkpointing=recompute, offload=offload)
+                                       precision=precision, activation_checkpointing=recompute, offload=offload,
+                                       **given_cut(config, constrained, seq_len))
                     estimate = model.estimate(
                         micro_batch_size=micro, seq_len=seq_len, precision=precision, checkpointing=recompute,
                         offload=offload, device_type=device.type, grad_accum_steps=setup.grad_accum_steps,
@@ -259,6 +274,8 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}. Try a larger --memory-budget, "
                          f"a smaller --seq-len or a smaller model.")
     chosen = max(feasible, key=lambda c: c.measured.tokens_per_s)  # type: ignore[union-attr]
+    chosen, cuts = (_compare_cuts(config, chosen, data, device, seq_len, budget, options, say, model, notes)
+                    if not constrained & set(CUT_FLAGS) else (chosen, []))
     say(f"choice: {chosen.id} {chosen.setup.describe()} at {chosen.measured.tokens_per_s:,.0f} tokens/s, "  # type: ignore
         f"peak {format_bytes(chosen.measured.peak_bytes)}")  # type: ignore[union-attr]
     quality = _quality_check(config, chosen, data, device, seq_len, budget, options, model)
@@ -267,11 +284,84 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         f"{quality['loss']['max_relative_difference']:.2%} of fp32 ({'pass' if quality['loss']['passed'] else 'FAIL'})")
     plan = _plan_document(config, data, device, seq_len, budget, baseline, candidates, chosen, quality, notes,
                           epoch_tokens(data), time.perf_counter() - started, model)
+    plan["cuts"] = cuts
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / PLAN_FILE, plan)
     _write_report(out, say)
     say(f"plan written to {out / PLAN_FILE}; train with: cadence train --plan {out / PLAN_FILE}")
     return plan
+
+
+CUT_GAIN = 1.03
+"""A cut by length replaces drawn order only when its measured throughput is more than 3% higher: the same
+gradient either way, so only a clear measured gain is worth a different configuration."""
+VARIABLE_LENGTHS = 0.95
+"""Below this share of real tokens among the computed positions (drawn order), the data is variable-length enough
+for cuts by length to be measured."""
+
+
+def _compare_cuts(config: TrainConfig, chosen: Candidate, data: DataSplits, device: torch.device, seq_len: int,
+                  budget: int, options: PlanOptions, say: Callable[[str], None], model: PlanModel,
+                  notes: list[str]) -> tuple[Candidate, list[dict[str, Any]]]:
+    """For data of variable lengths, the chosen configuration measured again with its windows cut by length, by a
+    token budget and packed: the same samples per window and the same gradient, less padding. The fastest that fits
+    replaces drawn order when it is clearly faster. Returns the (possibly re-cut) choice and one row per cut."""
+    if isinstance(data.train, PackedSequences):
+        notes.append("the data is text cut into full sequences of --seq-len: there is no padding, so cuts by length "
+                     "and packing were not measured")
+        return chosen, []
+    measured = chosen.measured
+    share = measured.real_share if measured else None
+    if share is None or share >= VARIABLE_LENGTHS:
+        notes.append(f"in drawn order {share or 1:.0%} of the computed positions are real tokens: too little padding "
+                     f"for cuts by length or packing to pay, so they were not measured")
+        return chosen, []
+    micro = chosen.setup.micro_batch_size
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("by-length", {"micro_batch_order": "by-length"}),
+        # The budget is the chosen micro-batch's worst case (micro x seq-len): the same memory bound as the choice.
+        ("token budget", {"micro_batch_order": "by-length", "micro_batch_tokens": micro * seq_len}),
+        ("packing", {"pack_length": seq_len, "micro_batch_tokens": micro * seq_len}),
+    ]
+    if model.hf is not None and not packed_attention_supported():
+        variants.pop()
+        notes.append("packing was not measured: this transformers cannot keep packed examples apart")
+    if chosen.setup.grad_accum_steps == 1:
+        # One micro-batch per window: sorting it, or cutting it by its own worst case, leaves it as it is.
+        variants = [variant for variant in variants if "pack_length" in variant[1]]
+        notes.append("the choice runs each window as one micro-batch, so only packing can change its padding")
+    if not variants:
+        return chosen, []
+    say(f"cuts: in drawn order {share:.0%} of the computed positions are real tokens; measuring the choice with "
+        f"its windows cut {', '.join(name for name, _ in variants)} (a budget is {micro * seq_len} positions; same "
+        f"samples, same gradient)")
+    rows = [_cut_row("drawn", chosen, chosen)]
+    tried = [chosen]
+    for name, fields in variants:
+        variant = Candidate(id=f"{chosen.id}-{name.replace(' ', '-')}", estimate=chosen.estimate,
+                            setup=dataclasses.replace(chosen.setup, **fields))
+        _measure(variant, config, data, device, seq_len, budget, options, say, label="cut")
+        tried.append(variant)
+        rows.append(_cut_row(name, variant, chosen))
+    fitting = [c for c in tried[1:] if c.measured and c.measured.fits and c.measured.tokens_per_s]
+    best = max(fitting, key=lambda c: c.measured.tokens_per_s, default=None)  # type: ignore[union-attr]
+    if best is not None and best.measured.tokens_per_s > CUT_GAIN * (measured.tokens_per_s or 0):  # type: ignore
+        for row in rows:
+            row["chosen"] = row["id"] == best.id
+        return best, rows
+    rows[0]["chosen"] = True
+    notes.append("no cut by length was more than 3% faster than drawn order: the choice keeps drawn order")
+    return chosen, rows
+
+
+def _cut_row(name: str, candidate: Candidate, drawn: Candidate) -> dict[str, Any]:
+    result, base = candidate.measured, drawn.measured
+    rate = result.tokens_per_s if result else None
+    return {"cut": name, "id": candidate.id, **candidate.setup.cut_dict(),
+            "real_share": result.real_share if result else None, "tokens_per_s": rate,
+            "ratio": rate / base.tokens_per_s if rate and base and base.tokens_per_s else None,
+            "peak_bytes": result.peak_bytes if result else None, "fits": bool(result and result.fits),
+            "error": result.error if result else None, "chosen": False}
 
 
 def _measure(candidate: Candidate, config: TrainConfig, data: DataSplits, device: torch.device, seq_len: int,
@@ -356,10 +446,13 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
             "explanation": baseline.dominant,
         },
         "candidates": [row(c) for c in candidates],
-        "choice": {"id": chosen.id, **chosen.setup.as_dict(),
+        "choice": {"id": chosen.id, **chosen.setup.as_dict(), **chosen.setup.cut_dict(),
                    "reason": f"highest measured throughput ({rate:,.0f} tokens/s) among the measured candidates "
                              f"whose measured peak is within the budget; every candidate has the same effective "
-                             f"batch of {config.effective_batch_size}"},
+                             f"batch of {config.effective_batch_size}"
+                             + (f"; its windows are cut{chosen.setup.describe_cut().replace(', ', ' ', 1)}, which "
+                                f"computes less padding for the same gradient" if chosen.setup.cuts_by_length
+                                else "")},
         "quality": quality,
         "notes": notes + [f"estimates: {n}" for n in baseline.notes],
         "training": {key: value for key, value in config.to_json_dict().items()
@@ -385,6 +478,7 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
         plan = json.loads(content.decode("utf-8"))
         choice = plan["choice"]
         decided = {name: choice[name] for name in DECISION_FIELDS}
+        decided.update({name: choice.get(name, default) for name, default in CUT_DEFAULTS.items()})
         decided.update(model=plan["model"], seq_len=plan["seq_len"], effective_batch_size=None)
         if plan.get("model_config"):  # a Hugging Face model's --model-config overrides
             decided["model_config"] = list(plan["model_config"])

@@ -31,6 +31,9 @@ def plan_report(root: Path) -> Report:
     if any(plots.finite((c.get("measured") or {}).get("tokens_per_s")) for c in candidates):
         blocks.append(plot_block("report-throughput.png", "Measured throughput of each measured candidate; the chosen "
                             "one in purple.", plots.throughput_plan_figure(candidates, chosen=chosen_id)))
+    cuts = [row for row in plan.get("cuts") or [] if isinstance(row, dict)]
+    if cuts:
+        blocks += [Heading(text="Cutting the windows by length"), *_cuts(cuts)]
     blocks += [Heading(text="Choice"), *_choice(choice)]
     blocks += [Heading(text="Quality check"), *_quality(plan.get("quality"))]
     notes = [str(note) for note in plan.get("notes") or []]
@@ -157,3 +160,22 @@ def _quality(quality: Any) -> list[Block]:
                                 "the same first steps.", plots.quality_figure(loss["chosen"], loss["reference"])))
     return blocks or [Paragraph(text="No quality check was recorded.")]
 
+
+def _cuts(rows: list[dict[str, Any]]) -> list[Block]:
+    """The chosen configuration measured with its windows cut four ways (same samples, same gradient)."""
+    def number(value: Any, pattern: str) -> str:
+        return pattern.format(value) if plots.finite(value) else "-"
+
+    table = Table(
+        header=["cut", "real-token share", "tokens/s", "vs drawn", "measured peak", "fits", "chosen"],
+        rows=[[str(row.get("cut", "?")), number(row.get("real_share"), "{:.2f}"),
+               number(row.get("tokens_per_s"), "{:,.0f}"), number(row.get("ratio"), "{:.2f}x"),
+               format_bytes(row.get("peak_bytes")), "yes" if row.get("fits") else "no",
+               "**yes**" if row.get("chosen") else ""] for row in rows],
+        marked_row=next((index for index, row in enumerate(rows) if row.get("chosen")), None),
+    )
+    return [Paragraph(text="The data's examples differ in length, so the chosen configuration was measured again "
+                           "with each window's samples sorted by length before cutting, cut by a token budget "
+                           "(micro-batch x sequence length positions) and packed into rows of the sequence "
+                           "length. The window's samples, and so the gradient, are the same for every cut; only "
+                           "the padding the model computes changes (the real-token share)."), table]

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from cadence.config import TrainConfig
-from cadence.data import DataSplits, iterate_micro_batches
-from cadence.engine.windows import iter_windows
+from cadence.data import DataSplits
+from cadence.engine.windows import epoch_windows
 from cadence.plan.models import fresh_hf
 from cadence.training.components import build_components
 from cadence.training.prepare import Prepared
@@ -31,6 +31,10 @@ MIN_TRIAL_STEPS = 3
 DECISION_FIELDS = ("micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing", "offload")
 """What a plan decides, in plan.json's order: a verify Setup and the accumulation that makes the effective batch."""
 
+CUT_DEFAULTS: dict[str, Any] = {"micro_batch_order": "drawn", "micro_batch_tokens": None, "packing": False}
+"""How the chosen configuration cuts each window (train's flags of those names, with their defaults), decided after
+it for data of variable lengths; a plan.json without them (before issue 15) means these defaults."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class TrialSetup(Setup):
@@ -42,9 +46,14 @@ class TrialSetup(Setup):
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in DECISION_FIELDS}
 
+    def cut_dict(self) -> dict[str, Any]:
+        """The cut as train's flags (``packing`` is a switch; its row length is the sequence length)."""
+        return {"micro_batch_order": self.micro_batch_order, "micro_batch_tokens": self.micro_batch_tokens,
+                "packing": self.pack_length is not None}
+
     def describe(self) -> str:
         return (f"micro {self.micro_batch_size} x accum {self.grad_accum_steps}, {self.precision}, "
-                f"recompute {self.activation_checkpointing}, offload {self.offload}")
+                f"recompute {self.activation_checkpointing}, offload {self.offload}{self.describe_cut()}")
 
 
 @dataclass(kw_only=True)
@@ -59,6 +68,8 @@ class TrialResult:
     """Median optimizer-step wall time."""
     losses: list[float | None]
     error: str | None = None
+    real_share: float | None = None
+    """Real tokens over computed positions (padding included) over the trial's windows."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,7 +82,7 @@ def trial_prepared(base: TrainConfig, setup: TrialSetup, *, device: torch.device
     config = dataclasses.replace(
         base, micro_batch_size=setup.micro_batch_size, grad_accum_steps=setup.grad_accum_steps,
         effective_batch_size=None, precision=setup.precision, activation_checkpointing=setup.activation_checkpointing,
-        offload=setup.offload, max_steps=max_steps, memory_budget=None,
+        offload=setup.offload, max_steps=max_steps, memory_budget=None, **setup.cut_dict(),
     )
     return Prepared(
         config=config, device=device, seq_len=seq_len, micro_batch_size=setup.micro_batch_size,
@@ -87,9 +98,13 @@ def run_trial(base: TrainConfig, setup: TrialSetup, *, device: torch.device, seq
     steps = max(steps, MIN_TRIAL_STEPS)
     prep = trial_prepared(base, setup, device=device, seq_len=seq_len, data=data, max_steps=steps)
     parts = build_components(prep)
-    windows = iter_windows(iterate_micro_batches(data.train, setup.micro_batch_size, base.seed, 0),
-                           setup.grad_accum_steps, micro_batch_size=setup.micro_batch_size)
+    # The windows train would run: the epoch's permutation, cut as the setup says.
+    windows = epoch_windows(data.train, micro_batch_size=setup.micro_batch_size,
+                            grad_accum_steps=setup.grad_accum_steps, seed=base.seed, epoch=0,
+                            order=setup.micro_batch_order, micro_batch_tokens=setup.micro_batch_tokens,
+                            pack_length=setup.pack_length)
     peak: int | None = None
+    tokens = positions = 0
     rates: list[float] = []
     times: list[float] = []
     losses: list[float | None] = []
@@ -97,6 +112,7 @@ def run_trial(base: TrainConfig, setup: TrialSetup, *, device: torch.device, seq
         for number, window in zip(range(steps), windows):
             result = parts.engine.step(window, measure_memory=number == 1)
             losses.append(result.loss)
+            tokens, positions = tokens + result.tokens, positions + result.tokens + result.padded_positions
             if number == 1 or device.type == "cuda":
                 peak = max(peak or 0, result.peak_memory_bytes or 0)
             if number >= 2:
@@ -114,6 +130,6 @@ def run_trial(base: TrainConfig, setup: TrialSetup, *, device: torch.device, seq
                            error=f"the training split has fewer than {steps} windows for a trial")
     return TrialResult(
         peak_bytes=peak, fits=peak is not None and peak <= budget_bytes, tokens_per_s=statistics.median(rates),
-        step_time_s=statistics.median(times), losses=losses,
+        step_time_s=statistics.median(times), losses=losses, real_share=tokens / positions if positions else None,
     )
 

@@ -288,9 +288,15 @@ def verdict(result: dict[str, Any], memory_limit: int | None) -> dict[str, str]:
                           "batch): cadence plan, recompute (--activation-checkpointing) or bf16"}
     padding = result.get("padding_fraction")
     if padding is not None and padding >= PADDING_BOUND_SHARE:
-        order = (result.get("config") or {}).get("micro_batch_order")
-        fix = ("a token budget, --micro-batch-tokens N (many short rows or few long ones)" if order == "by-length"
-               else "--micro-batch-order by-length (or a token budget, --micro-batch-tokens N)")
+        config = result.get("config") or {}
+        if config.get("packing"):
+            fix = "a token budget, --micro-batch-tokens N (fewer, fuller rows per micro-batch)"
+        elif config.get("micro_batch_order") == "by-length":
+            fix = ("--packing (several examples per row of --seq-len, attention kept apart), or a token budget, "
+                   "--micro-batch-tokens N (many short rows or few long ones)")
+        else:
+            fix = ("--micro-batch-order by-length (the default), --packing, or a token budget, "
+                   "--micro-batch-tokens N")
         return {"kind": "padding-bound", "figure": f"{padding:.0%} of the positions computed are padding",
                 "advice": f"cut each window by length: {fix}; the window's samples and its gradient stay the same, "
                           f"only the padding goes"}

@@ -1,7 +1,10 @@
 """``--micro-batch-size auto``: on out-of-memory, halve the micro-batch (or the token budget) and retry the window.
 
 With ``--micro-batch-tokens`` the controller halves the token budget instead of the row count: the window's samples
-are re-cut longest first into micro-batches of at most that many padded positions.
+are re-cut longest first into micro-batches of at most that many padded positions. With ``--packing`` too, a budget
+below the packed row length packs the examples into shorter rows, so a window of long packed rows can still shrink
+down to one example per micro-batch. Under several processes each rank re-cuts its own share, and the ranks agree on
+the largest micro-batch count (one small all-reduce) so that their collectives stay paired.
 
 The window (the samples of one optimizer step) never changes, only how it is cut into micro-batches: halving the
 micro-batch doubles the accumulation, so the effective batch and, by the engine's window-target normalisation, the
@@ -20,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from cadence.engine.step import Engine, StepResult
-from cadence.engine.windows import Window, resplit_window, resplit_window_by_tokens
+from cadence.engine.windows import Window, pad_to_micro_batches, resplit_window, resplit_window_by_tokens
 
 
 class MicroBatchTooLarge(RuntimeError):
@@ -31,9 +34,11 @@ class MicroBatchController:
     """Chooses the micro-batch size of each window; see the module docstring."""
 
     def __init__(self, *, start: int, grow_after: int, log: Callable[[str], None] = print,
-                 unit: Literal["rows", "tokens"] = "rows") -> None:
+                 unit: Literal["rows", "tokens"] = "rows", pack_length: int | None = None) -> None:
         self.unit = unit
         """What ``start`` and ``current`` count: rows per micro-batch, or padded positions (a token budget)."""
+        self.pack_length = pack_length
+        """--packing's row length (the sequence length), or None: a token budget below it packs shorter rows."""
         self.start = start
         self.current = start
         self.grow_after = grow_after
@@ -62,8 +67,13 @@ class MicroBatchController:
 
     def _cut(self, engine: Engine, window: Window) -> Window:
         if self.unit == "tokens":  # the window was cut at the starting budget; below it, re-cut
-            return window if self.current >= self.start else resplit_window_by_tokens(
-                window, self.current, counter=engine.counter)
+            if self.current >= self.start:
+                return window
+            pack_length = min(self.pack_length, self.current) if self.pack_length else None
+            cut = resplit_window_by_tokens(window, self.current, pack_length=pack_length, counter=engine.counter)
+            if window.largest_share is not None:
+                cut = pad_to_micro_batches(cut, _most_micro_batches(engine, len(cut), window.largest_share))
+            return cut
         return window if self.current >= _largest_micro_batch(window) else resplit_window(
             window, self.current, counter=engine.counter)
 
@@ -71,7 +81,7 @@ class MicroBatchController:
         if engine.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the failed attempt's cached blocks back before the smaller retry
         if self.unit == "tokens":
-            if _largest_micro_batch(attempt) == 1:
+            if _one_example_per_micro_batch(attempt):
                 raise MicroBatchTooLarge(
                     f"out of memory even with one sequence per micro-batch ({str(err).splitlines()[0]}); try "
                     f"--activation-checkpointing full, --offload optimizer, bf16, a smaller --seq-len or a larger "
@@ -88,9 +98,9 @@ class MicroBatchController:
                 f"larger --memory-budget"
             ) from err
         smaller = max(1, self.current // 2)
-        accumulation = -(-window.samples // smaller)
+        rows = sum(int(batch["labels"].shape[0]) for batch in window.micro_batches[:len(window) - window.padding])
         self.log(
-            f"out of memory at micro-batch {self.current}: retrying the window as {smaller} x {accumulation} "
+            f"out of memory at micro-batch {self.current}: retrying the window as {smaller} x {-(-rows // smaller)} "
             f"(same {window.samples} samples)"
         )
         self._shrunk_to(smaller)
@@ -118,3 +128,25 @@ class MicroBatchController:
 
 def _largest_micro_batch(window: Window) -> int:
     return max(int(batch["labels"].shape[0]) for batch in window.micro_batches)
+
+
+def _one_example_per_micro_batch(window: Window) -> bool:
+    """No budget can cut ``window`` finer: every micro-batch is one row holding one example (a packed row's
+    position ids restart once per example; its filler, if any, is the one more restart allowed)."""
+    for batch in window.micro_batches:
+        if int(batch["labels"].shape[0]) > 1:
+            return False
+        positions = batch.get("position_ids")
+        if positions is not None and int((positions[0, 1:] == 0).sum()) > 1:
+            return False
+    return True
+
+
+def _most_micro_batches(engine: Engine, mine: int, bound: int) -> int:
+    """The most micro-batches any rank's re-cut share needs (every rank calls this with the same ``bound``, its
+    upper limit: one micro-batch per sample of the largest share). A one-hot vector summed over ranks names every
+    rank's count without needing to know which rank is which."""
+    counts = torch.zeros(max(bound, mine) + 1, dtype=torch.float64)
+    counts[mine] = 1.0
+    present = engine.collective.all_reduce_sum(counts).nonzero()
+    return int(present.max()) if len(present) else mine

@@ -44,7 +44,7 @@ from cadence.training.components import Components, build_components
 from cadence.training.lock import RunDirectoryLock
 from cadence.training.prepare import Prepared, prepare
 from cadence.training.progress import TrainProgress
-from cadence.training.resume import ResumePoint, StopOnSignal, restore
+from cadence.training.resume import ResumePoint, StopOnSignal, restore, window_cut
 from cadence.training.run_dir import NoWriter, RunWriter
 
 
@@ -168,7 +168,8 @@ class TrainingRun:
         self.parameters: int = sum(p.numel() for p in self.parts.model.parameters())
         self.resolved: dict[str, Any] = _resolved_config(prep, self.parameters)
         # Before the writer opens metrics.jsonl.
-        self.start: ResumePoint | None = restore(prep.out, self.resolved, self.parts, prep.micro_batch_size) \
+        self.start: ResumePoint | None = restore(prep.out, self.resolved, self.parts, prep.micro_batch_size,
+                                                           window_cut(config)) \
             if config.resume else None
         # Every check has passed: only now is anything in the run directory written.
         self.writer: RunWriter = RunWriter(prep.out) if self.ranks.is_main else NoWriter()
@@ -197,7 +198,8 @@ class TrainingRun:
         self.controller = MicroBatchController(
             start=config.micro_batch_tokens or prep.micro_batch_size, grow_after=config.auto_grow_after,
             log=lambda text: self.progress.message(f"auto micro-batch: {text}"),
-            unit="tokens" if config.micro_batch_tokens else "rows")
+            unit="tokens" if config.micro_batch_tokens else "rows",
+            pack_length=prep.seq_len if config.packing else None)
         self.budget_on_cpu: bool = prep.memory_budget_bytes is not None and prep.device.type == "cpu"
 
     def close_metrics(self) -> None:
@@ -363,7 +365,7 @@ class TrainingRun:
                   "mid_window": True},
             partial_window={"micro_batches_done": interrupted.partial.micro_batches_done,
                             "loss_sum": interrupted.partial.loss_sum, "micro_batch_size": self.prep.micro_batch_size,
-                            "grads": grads},
+                            **window_cut(self.config), "grads": grads},
         )
 
     def finish(self) -> dict[str, Any]:

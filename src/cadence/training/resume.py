@@ -72,12 +72,21 @@ def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Pr
     return problems
 
 
+def window_cut(config: Any) -> dict[str, Any]:
+    """How the run cuts a window into micro-batches beyond its micro-batch size (train's flags). A mid-window
+    checkpoint records it: the resumed run continues the interrupted window from its next micro-batch, which is only
+    the right one if the window is cut the same way. (Between windows the cut is free to change: it changes the
+    cost, not the math.)"""
+    return {"micro_batch_order": config.micro_batch_order, "micro_batch_tokens": config.micro_batch_tokens,
+            "packing": bool(config.packing)}
+
+
 def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
-            micro_batch_size: int | None = None) -> ResumePoint | None:
+            micro_batch_size: int | None = None, cut: dict[str, Any] | None = None) -> ResumePoint | None:
     """Load the newest intact checkpoint of ``run_dir`` into ``parts`` (training.components.Components); None if there is none.
 
-    Raises UsageError when the configuration changes the math, or when ``micro_batch_size`` (the run's, if given)
-    differs from that of a window the checkpoint interrupted. Call before the run writer opens metrics.jsonl.
+    Raises UsageError when the configuration changes the math, or when ``micro_batch_size`` or ``cut`` (the run's,
+    if given: :func:`window_cut`) differs from that of a window the checkpoint interrupted. Call before the run writer opens metrics.jsonl.
     Under several processes every rank calls it and all load the checkpoint rank 0 chose; rank 0 alone tidies the
     run directory.
     """
@@ -124,6 +133,13 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
         problems.append(Problem(where="--micro-batch-size", message=(
             f"{micro_batch_size} differs from the {int(partial['micro_batch_size'])} of the window the checkpoint "
             f"interrupted")))
+    for name, value in (cut or {}).items() if partial else ():
+        # Checkpoints from before cuts existed were all drawn, unbudgeted and unpacked.
+        saved = partial.get(name, {"micro_batch_order": "drawn", "micro_batch_tokens": None, "packing": False}[name])
+        if saved != value:
+            problems.append(Problem(where="--" + name.replace("_", "-"), message=(
+                f"{value!r} differs from the {saved!r} of the window the checkpoint interrupted: that window must be "
+                f"cut into micro-batches as it was to continue it (resume with {saved!r})")))
     if problems:
         raise UsageError(problems)
     load_full_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"])

@@ -32,13 +32,13 @@ from cadence.distributed.ranks import (
     wrap_model,
 )
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
-from cadence.engine.windows import IGNORE_INDEX, Batch, Window, iter_windows, make_window, resplit_window, window_share
+from cadence.engine.windows import IGNORE_INDEX, Batch, Window, iter_windows, make_window
 from cadence.errors import CadenceFailure, UsageError
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import build_model
 from cadence.training.components import build_optimizer
 from cadence.training.prepare import prepare
-from cadence.verify.equivalence import GRADIENT_TOLERANCE, Setup, flat, parameter_gradients
+from cadence.verify.equivalence import GRADIENT_TOLERANCE, Setup, flat, parameter_gradients, split_for
 
 PARAMETER_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
 """Relative L2 distance of the parameters after --steps K optimizer steps against the reference run that passes.
@@ -201,7 +201,9 @@ def verify(
                               "reference_norm": float(ref.norm())})
     per_parameter.sort(key=lambda row: -float(row["relative_error"]))
     result = VerifyResult(
-        setup=setup, grad_accum_steps=-(-window.samples // (setup.micro_batch_size * ranks.world_size)),
+        # A cut by length, budget or packing runs as many micro-batches as it needs: count them.
+        setup=setup, grad_accum_steps=len(split_for(setup, window, ranks)) if setup.cuts_by_length
+        else -(-window.samples // (setup.micro_batch_size * ranks.world_size)),
         world_size=ranks.world_size,
         effective_batch_size=window.samples,
         reference=f"fp32 gradient of the whole window of {window.samples} samples "
@@ -247,9 +249,7 @@ def _compare_after_steps(build: Callable[[], torch.nn.Module], windows: Sequence
                         max_grad_norm=1.0, loss_fn=user_loss,
                         collective=ProcessGroupCollective(run_ranks, device) if run_ranks.launched else None)
         for window in windows[:steps]:
-            whole, micro = _as_window(window), run_setup.micro_batch_size
-            engine.step(window_share(whole, micro, world_size=run_ranks.world_size, rank=run_ranks.rank)
-                        if run_ranks.launched else resplit_window(whole, micro))
+            engine.step(split_for(run_setup, _as_window(window), run_ranks))
         weights = full_model_state(model, run_ranks)  # FSDP2 gathers the shards on rank 0
         return {name: weights[name].detach().float().cpu() for name in names if name in weights}
 
@@ -269,7 +269,7 @@ def format_result(result: VerifyResult) -> str:
     lines = [
         f"cadence verify: micro {s.micro_batch_size} x accum {result.grad_accum_steps}"
         + (f" x {result.world_size} processes" if result.world_size > 1 else "") + f" = {result.effective_batch_size}"
-        f", {s.precision}, recompute {s.activation_checkpointing}, offload {s.offload}",
+        f", {s.precision}, recompute {s.activation_checkpointing}, offload {s.offload}{s.describe_cut()}",
         f"reference: {result.reference}",
         f"{'gradient relative error':<28}{result.relative_error:>12.3e}   tolerance {result.tolerance:.0e}",
         f"{'cosine similarity':<28}{result.cosine:>12.8f}",
@@ -289,7 +289,8 @@ def format_result(result: VerifyResult) -> str:
 # ---------------------------------------------------------------------------------------------------- the command
 VERIFY_TRAIN_FIELDS = (
     "model", "data", "data_cache", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size", "precision",
-    "activation_checkpointing", "offload", "lr", "seed", "device", "strategy",
+    "activation_checkpointing", "offload", "micro_batch_order", "micro_batch_tokens", "packing", "lr", "seed", "device",
+    "strategy",
 )
 """The train flags `cadence verify` accepts: what defines the configuration, and the LR of the --steps comparison."""
 
@@ -333,7 +334,9 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ra
         return build_model(config.model).to(prep.device)
 
     setup = Setup(micro_batch_size=prep.micro_batch_size, precision=config.precision,
-                  activation_checkpointing=config.activation_checkpointing, offload=config.offload)
+                  activation_checkpointing=config.activation_checkpointing, offload=config.offload,
+                  micro_batch_order=config.micro_batch_order, micro_batch_tokens=config.micro_batch_tokens,
+                  pack_length=prep.seq_len if config.packing else None)
     result = verify(model_factory, windows, setup, steps=options.steps,
                     build_optimizer=lambda model: build_optimizer(model, config), ranks=ranks)
     if ranks.is_main:
