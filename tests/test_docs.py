@@ -13,14 +13,21 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def test_readme_example_is_the_example_file_and_it_runs(capsys):
+def test_readme_example_is_the_example_file_and_it_runs_and_so_does_the_profiler_snippet(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """One run of the example (40 steps) serves both README blocks: the engine example, then the profiler snippet
+    that continues it."""
     example = (ROOT / "examples" / "own_loop.py").read_text()
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     body = example.split('"""', 2)[2].lstrip("\n")  # the file without its module docstring
     assert body in blocks, "README's engine example differs from examples/own_loop.py"
-    runpy.run_path(str(ROOT / "examples" / "own_loop.py"), run_name="__main__")
-    printed = capsys.readouterr().out
-    assert "40 optimizer steps, 0 skipped" in printed
+    monkeypatch.chdir(tmp_path)
+    namespace = runpy.run_path(str(ROOT / "examples" / "own_loop.py"), run_name="__main__")
+    assert "40 optimizer steps, 0 skipped" in capsys.readouterr().out
+    snippet = next(block for block in blocks if "StepProfiler" in block)
+    exec(compile(snippet, "README profiler snippet", "exec"), namespace)  # noqa: S102 - our own README
+    assert (tmp_path / "profile" / "profile.json").exists() and (tmp_path / "profile" / "trace.json").exists()
+    assert "kind" in capsys.readouterr().out
 
 
 def test_readme_lists_every_train_flag():
@@ -33,13 +40,3 @@ def test_readme_quick_start_is_the_two_make_commands():
     makefile = (ROOT / "Makefile").read_text()
     assert "torch==2.13.0" in makefile and re.search(r"^demo:", makefile, flags=re.M)
     assert "make test" in (ROOT / ".ci" / "run").read_text()
-
-
-def test_readme_profiler_snippet_runs_after_the_example(tmp_path, monkeypatch, capsys):
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    snippet = next(block for block in blocks if "StepProfiler" in block)
-    monkeypatch.chdir(tmp_path)
-    namespace = runpy.run_path(str(ROOT / "examples" / "own_loop.py"), run_name="__main__")
-    exec(compile(snippet, "README profiler snippet", "exec"), namespace)  # noqa: S102 - our own README
-    assert (tmp_path / "profile" / "profile.json").exists() and (tmp_path / "profile" / "trace.json").exists()
-    assert "kind" in capsys.readouterr().out
