@@ -208,3 +208,16 @@ def test_a_packed_row_is_repacked_shorter_when_the_budget_drops_below_it() -> No
     model = tiny_model()
     result = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5).step(again)
     assert result.loss == pytest.approx(expected.loss, rel=1e-6)
+
+
+def test_a_packed_row_of_two_examples_can_still_be_cut_finer() -> None:
+    """Auto gives up only when every micro-batch is one example: a packed row of two still has a smaller cut."""
+    from cadence.engine.windows import epoch_windows
+    from cadence.training.autobatch import _one_example_per_micro_batch
+
+    dataset = prompt_completion_dataset(count=16)
+    (window,) = list(epoch_windows(dataset, micro_batch_size=1, grad_accum_steps=16, seed=0, epoch=0, pack_length=40))
+    assert any(int((b["position_ids"][0, 1:] == 0).sum()) >= 1 for b in window.micro_batches)
+    assert not _one_example_per_micro_batch(window)
+    alone = resplit_window_by_tokens(window, 1, pack_length=1)
+    assert _one_example_per_micro_batch(alone) and alone.targets == window.targets

@@ -58,11 +58,12 @@ OFFLOAD_COST = {"none": 1.0, "activations": 1.3, "optimizer": 1.5}
 PLAN_TRAIN_FIELDS = (
     "model", "model_config", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len",
     "micro_batch_size", "effective_batch_size", "precision", "activation_checkpointing", "offload",
-    "micro_batch_order", "micro_batch_tokens", "packing", "memory_budget", "max_grad_norm", "lr", "weight_decay", "adam_beta1", "adam_beta2", "lr_schedule",
-    "warmup_steps", "min_lr_ratio", "seed", "device", "out",
+    "micro_batch_order", "micro_batch_tokens", "packing", "memory_budget", "max_grad_norm", "lr", "weight_decay",
+    "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "seed", "device", "out",
 )
 """The train flags `cadence plan` accepts. A given micro-batch, precision, recompute or offload constrains the search
-to that value; the training hyper-parameters are those of the loss comparison."""
+to that value (a given cut, --micro-batch-order/-tokens or --packing, is kept for every candidate instead of
+measured); the training hyper-parameters are those of the loss comparison."""
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,13 @@ from typing import Any, Literal
 import torch
 
 from cadence.engine.step import Engine, StepResult
-from cadence.engine.windows import Window, pad_to_micro_batches, resplit_window, resplit_window_by_tokens
+from cadence.engine.windows import (
+    Window,
+    pad_to_micro_batches,
+    resplit_window,
+    resplit_window_by_tokens,
+    window_examples,
+)
 
 
 class MicroBatchTooLarge(RuntimeError):
@@ -131,13 +137,13 @@ def _largest_micro_batch(window: Window) -> int:
 
 
 def _one_example_per_micro_batch(window: Window) -> bool:
-    """No budget can cut ``window`` finer: every micro-batch is one row holding one example (a packed row's
-    position ids restart once per example; its filler, if any, is the one more restart allowed)."""
-    for batch in window.micro_batches:
+    """No budget can cut ``window`` finer: every micro-batch is one row holding one example (a packed row's filler,
+    which has no target, is not an example)."""
+    for batch in window.micro_batches[:len(window) - window.padding]:
         if int(batch["labels"].shape[0]) > 1:
             return False
-        positions = batch.get("position_ids")
-        if positions is not None and int((positions[0, 1:] == 0).sum()) > 1:
+        alone = Window(micro_batches=[batch], targets=0, tokens=0, samples=0)
+        if "position_ids" in batch and len(window_examples(alone)) > 1:
             return False
     return True
 

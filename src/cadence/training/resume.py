@@ -86,7 +86,8 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
     """Load the newest intact checkpoint of ``run_dir`` into ``parts`` (training.components.Components); None if there is none.
 
     Raises UsageError when the configuration changes the math, or when ``micro_batch_size`` or ``cut`` (the run's,
-    if given: :func:`window_cut`) differs from that of a window the checkpoint interrupted. Call before the run writer opens metrics.jsonl.
+    if given: :func:`window_cut`) differs from that of a window the checkpoint interrupted. Call before the run
+    writer opens metrics.jsonl.
     Under several processes every rank calls it and all load the checkpoint rank 0 chose; rank 0 alone tidies the
     run directory.
     """
