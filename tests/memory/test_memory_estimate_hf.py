@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import cpu_has_bf16
 
 from cadence.config import TrainConfig
 from cadence.engine.step import Engine
@@ -70,9 +71,12 @@ def relative_error(predicted: int, measured: int) -> float:
 @pytest.mark.slow
 def test_hf_estimate_is_within_15_percent_of_the_measured_peak() -> None:
     rows = []
-    for spec, overrides, batch, seq in TABLE:
+    for index, (spec, overrides, batch, seq) in enumerate(TABLE):
+        # Without bf16 instructions (emulated bf16, ~10x slower) the bf16 rows run on the smaller config of each
+        # model type (the first of each pair), which exercises the same bf16 estimate code.
+        precisions = ("fp32", "bf16") if index % 2 == 0 or cpu_has_bf16() else ("fp32",)
         for checkpointing in ("none", "full"):
-            for precision in ("fp32", "bf16"):
+            for precision in precisions:
                 predicted, measured = measure(spec, overrides, batch, seq, precision, checkpointing)
                 label = f"{spec[3:]} d{overrides.get('hidden_size', overrides.get('n_embd'))} {batch}x{seq}"
                 rows.append((label, precision, checkpointing, predicted, measured))
