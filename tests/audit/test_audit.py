@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,9 +43,17 @@ def expected(path: Path) -> tuple[set[tuple[str, int]], int | None]:
 @pytest.mark.parametrize("path", CASE_FILES, ids=[p.stem for p in CASE_FILES])
 def test_case_reports_exactly_what_it_expects(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     want, want_exit = expected(path)
-    out = io.StringIO()
-    status = run_script([sys.executable, str(path)], as_json=True, out=out)
-    report = json.loads(out.getvalue())
+    if "ddp" in path.name:
+        # A gloo process group set up and torn down again and again inside the pytest process once hung for good
+        # (a futex wait): each DDP case runs in a process of its own, as a user's `cadence audit` does.
+        result = subprocess.run([sys.executable, "-m", "cadence", "audit", "--json", "--", "python", str(path)],
+                                capture_output=True, text=True, timeout=180)
+        status, text = result.returncode, result.stderr[result.stderr.index("{"):]
+    else:
+        out = io.StringIO()
+        status = run_script([sys.executable, str(path)], as_json=True, out=out)
+        text = out.getvalue()
+    report = json.loads(text)
     got = {(f["rule"], f["line"]) for f in report["findings"]}
     assert got == want, format_report_from(report)
     assert all(Path(f["file"]).resolve() == path.resolve() for f in report["findings"])
