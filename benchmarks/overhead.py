@@ -19,6 +19,10 @@ hand-written loop's (same math, so they must agree to float rounding). Reports t
 the ratio to the hand-written loop and the peak memory of one extra step (cadence.memory.meter.StepMemoryMeter, one
 profiler session around the step, on the unwrapped model and optimizer).
 
+Each implementation runs where the model's parameters are: ``benchmarks/gpu.py`` calls ``take_windows`` and
+``compare`` with a model on CUDA (autocast, Accelerate and Fabric then use the GPU, and the memory is the
+allocator's high-water mark), and its own sizes.
+
     .venv/bin/python benchmarks/overhead.py [--quick] [--rounds 8] [--steps 4] [--model gpt-small] [--seq-len 128]
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -76,25 +81,31 @@ class Runner:
         raise NotImplementedError
 
 
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where an implementation runs: where the model's parameters are."""
+    return next(model.parameters()).device
+
+
 class Plain(Runner):
     def __init__(self, model: torch.nn.Module, precision: str, accum: int) -> None:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        self.device_type = device_of(model).type
         self.bf16 = precision == "bf16"
 
     def step(self, window: Window) -> float:
         self.model.train()
         targets = window_targets(window)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=device_of(self.model))
         for batch in window.micro_batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext():
+            with torch.autocast(self.device_type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext():
                 loss = loss_sum(self.model(batch["input_ids"]), batch["labels"])
             (loss / targets).backward()
-            total += loss.item()
+            total += loss.detach().double()  # on the device: one host sync per step, as cadence does
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total / targets, float(norm)
+        return float(total) / targets, float(norm)
 
 
 class Cadence(Runner):
@@ -111,23 +122,25 @@ class Cadence(Runner):
 
 
 class Accelerate(Runner):
-    accelerator = None  # one per precision (Accelerate's state is a process-wide singleton)
-    accelerator_precision: str | None = None
+    accelerator = None  # one per precision, accumulation and device (Accelerate's state is a process-wide singleton)
+    accelerator_key: tuple[str, int, str] | None = None
 
     def __init__(self, model: torch.nn.Module, precision: str, accum: int) -> None:
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState, GradientState
 
-        if Accelerate.accelerator_precision != precision:
+        device_type = device_of(model).type
+        if Accelerate.accelerator_key != (precision, accum, device_type):
             if Accelerate.accelerator is not None:
                 AcceleratorState._reset_state(True)  # a new mixed_precision needs a fresh process-wide state
                 GradientState._reset_state()
             threads = torch.get_num_threads()
             Accelerate.accelerator = Accelerator(
-                gradient_accumulation_steps=accum, mixed_precision="bf16" if precision == "bf16" else "no", cpu=True
+                gradient_accumulation_steps=accum, mixed_precision="bf16" if precision == "bf16" else "no",
+                cpu=device_type == "cpu",
             )
             torch.set_num_threads(threads)
-            Accelerate.accelerator_precision = precision
+            Accelerate.accelerator_key = (precision, accum, device_type)
         self.accelerator = Accelerate.accelerator
         self.accelerator.free_memory()  # forgets the previous round's objects and resets its micro-step counter
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -139,7 +152,7 @@ class Accelerate(Runner):
         accelerator, model, optimizer = self.accelerator, self.wrapped_model, self.wrapped_optimizer
         model.train()
         targets = window_targets(window)
-        total, norm = 0.0, None
+        total, norm = torch.zeros((), dtype=torch.float64, device=device_of(self.model)), None
         for batch in window.micro_batches:
             with accelerator.accumulate(model):
                 loss = loss_sum(model(batch["input_ids"]), batch["labels"])
@@ -150,24 +163,25 @@ class Accelerate(Runner):
                     norm = accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
                 optimizer.step()
                 optimizer.zero_grad()
-            total += loss.item()
+            total += loss.detach().double()  # on the device: one host sync per step, as cadence does
         assert norm is not None, "the window's last micro-batch must have synchronised, clipped and stepped"
-        return total / targets, float(norm)
+        return float(total) / targets, float(norm)
 
 
 class Fabric(Runner):
-    fabrics: dict[str, object] = {}
+    fabrics: dict[tuple[str, str], object] = {}  # by precision and device
 
     def __init__(self, model: torch.nn.Module, precision: str, accum: int) -> None:
         from lightning.fabric import Fabric as LightningFabric
 
-        if precision not in Fabric.fabrics:
+        key = (precision, device_of(model).type)
+        if key not in Fabric.fabrics:
             threads = torch.get_num_threads()
-            Fabric.fabrics[precision] = LightningFabric(
-                accelerator="cpu", devices=1, precision="bf16-mixed" if precision == "bf16" else "32-true"
+            Fabric.fabrics[key] = LightningFabric(
+                accelerator=key[1], devices=1, precision="bf16-mixed" if precision == "bf16" else "32-true"
             )
             torch.set_num_threads(threads)
-        self.fabric = Fabric.fabrics[precision]
+        self.fabric = Fabric.fabrics[key]
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         self.model, self.optimizer = model, optimizer
         self.wrapped_model, self.wrapped_optimizer = self.fabric.setup(model, optimizer)
@@ -176,17 +190,17 @@ class Fabric(Runner):
         fabric, model, optimizer = self.fabric, self.wrapped_model, self.wrapped_optimizer
         model.train()
         targets = window_targets(window)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=device_of(self.model))
         last = len(window.micro_batches) - 1
         for index, batch in enumerate(window.micro_batches):
             with fabric.no_backward_sync(model, enabled=index != last):
                 loss = loss_sum(model(batch["input_ids"]), batch["labels"])
                 fabric.backward(loss / targets)
-            total += loss.item()
+            total += loss.detach().double()  # on the device: one host sync per step, as cadence does
         norm = fabric.clip_gradients(model, optimizer, max_norm=MAX_GRAD_NORM)
         optimizer.step()
         optimizer.zero_grad()
-        return total / targets, float(norm)
+        return float(total) / targets, float(norm)
 
 
 RUNNERS: dict[str, Callable[[torch.nn.Module, str, int], Runner]] = {
@@ -198,12 +212,17 @@ def run_round(name: str, initial: torch.nn.Module, precision: str, accum: int, w
               measure: bool) -> dict:
     """One warm-up step then ``steps`` timed steps (plus one profiled step when ``measure``)."""
     model = copy.deepcopy(initial)
+    device = device_of(model)
     runner = RUNNERS[name](model, precision, accum)
     losses, norms, times, tokens = [], [], [], 0
     for index in range(steps + 1):
         window = windows[index]
         started = time.perf_counter()
         loss, norm = runner.step(window)
+        if device.type == "cuda":
+            # Each step returns once its loss and norm are on the host, but its optimizer update may still be
+            # queued: wait for it, so that a step's time is its own and not partly the next one's.
+            torch.cuda.synchronize(device)
         losses.append(loss)
         norms.append(norm)
         elapsed = time.perf_counter() - started
@@ -212,12 +231,65 @@ def run_round(name: str, initial: torch.nn.Module, precision: str, accum: int, w
             tokens += window.tokens
     out = {"losses": losses, "grad_norms": norms, "tokens_per_s": tokens / sum(times), "step_s": times}
     if measure:
-        meter = StepMemoryMeter(torch.device("cpu"))
+        meter = StepMemoryMeter(device)
         with meter.measure(model=runner.model, optimizer=runner.optimizer, enabled=True):
             runner.step(windows[steps + 1])
         out["peak_bytes"] = meter.peak_bytes
     del runner, model
     return out
+
+
+def take_windows(seq_len: int, micro_batch_size: int, grad_accum_steps: int, count: int,
+                 device: torch.device | None = None) -> list[Window]:
+    """The first ``count`` full windows of the built-in corpus (4 MB of it), on ``device`` when given: every
+    implementation then starts each micro-batch with its inputs already there, so none is timed copying them."""
+    data = load_data(None, seq_len, 0.0, max_corpus_bytes=4_000_000)
+    windows: list[Window] = []
+    for window in iter_windows(iterate_micro_batches(data.train, micro_batch_size, seed=0, epoch=0),
+                               grad_accum_steps, micro_batch_size=micro_batch_size, last_window="drop"):
+        if device is not None:
+            window = dataclasses.replace(window, micro_batches=[
+                {key: value.to(device) for key, value in batch.items()} for batch in window.micro_batches])
+        windows.append(window)
+        if len(windows) == count:
+            break
+    return windows
+
+
+def compare(initial: torch.nn.Module, windows: list[Window], precision: str, accum: int, rounds: int, steps: int,
+            implementations: tuple[str, ...] = IMPLEMENTATIONS) -> tuple[dict[str, dict], list[str]]:
+    """``rounds`` alternating rounds of ``implementations`` (the first must be ``plain``, the reference) from the
+    weights of ``initial``, on ``windows`` (at least ``steps + 2``); the last round also measures peak memory.
+
+    Returns the per-implementation figures and the loss/gradient-norm mismatches beyond ``LOSS_TOLERANCE``."""
+    threads = torch.get_num_threads()
+    runs: dict[str, list[dict]] = {name: [] for name in implementations}
+    for round_index in range(rounds):
+        for name in implementations:
+            runs[name].append(run_round(name, initial, precision, accum, windows, steps,
+                                        measure=round_index == rounds - 1))
+            assert torch.get_num_threads() == threads, f"{name} changed the thread count"
+        print(f"{precision} round {round_index + 1}/{rounds}: " + ", ".join(
+            f"{n} {runs[n][-1]['tokens_per_s']:,.0f}" for n in implementations) + " tokens/s", flush=True)
+    reference = runs["plain"][0]["losses"] + runs["plain"][0]["grad_norms"]
+    per: dict[str, dict] = {}
+    failures = []
+    plain_median = statistics.median(r["tokens_per_s"] for r in runs["plain"])
+    for name in implementations:
+        diff = max(abs(a - b) / abs(b) for r in runs[name] for a, b in zip(r["losses"] + r["grad_norms"], reference))
+        median = statistics.median(r["tokens_per_s"] for r in runs[name])
+        per[name] = {
+            "median_tokens_per_s": median, "ratio_to_plain": median / plain_median,
+            "tokens_per_s_by_round": [r["tokens_per_s"] for r in runs[name]],
+            "median_step_s": statistics.median(t for r in runs[name] for t in r["step_s"]),
+            "peak_bytes": runs[name][-1].get("peak_bytes"), "losses": runs[name][0]["losses"],
+            "grad_norms": runs[name][0]["grad_norms"],
+            "max_loss_rel_diff": diff,
+        }
+        if diff > LOSS_TOLERANCE[precision]:
+            failures.append(f"{precision} {name}: losses or gradient norms differ from the hand-written loop by "
+                            f"{diff:.2e}")
+    return per, failures
 
 
 def markdown(result: dict) -> str:
@@ -257,14 +329,7 @@ def main() -> int:
     import lightning
 
     started = time.perf_counter()
-    data = load_data(None, args.seq_len, 0.0, max_corpus_bytes=4_000_000)
-    needed = args.steps + 2  # warm-up, timed steps, the profiled step
-    windows: list[Window] = []
-    for window in iter_windows(iterate_micro_batches(data.train, args.micro_batch_size, seed=0, epoch=0),
-                               args.grad_accum_steps, micro_batch_size=args.micro_batch_size, last_window="drop"):
-        windows.append(window)
-        if len(windows) == needed:
-            break
+    windows = take_windows(args.seq_len, args.micro_batch_size, args.grad_accum_steps, args.steps + 2)
     torch.manual_seed(0)
     initial = build_model(args.model)
     threads = torch.get_num_threads()
@@ -280,31 +345,8 @@ def main() -> int:
     }
     failures = []
     for precision in args.precisions.split(","):
-        runs: dict[str, list[dict]] = {name: [] for name in IMPLEMENTATIONS}
-        for round_index in range(args.rounds):
-            for name in IMPLEMENTATIONS:
-                runs[name].append(run_round(name, initial, precision, args.grad_accum_steps, windows, args.steps,
-                                            measure=round_index == args.rounds - 1))
-                assert torch.get_num_threads() == threads, f"{name} changed the thread count"
-            print(f"{precision} round {round_index + 1}/{args.rounds}: " + ", ".join(
-                f"{n} {runs[n][-1]['tokens_per_s']:,.0f}" for n in IMPLEMENTATIONS) + " tokens/s", flush=True)
-        reference = runs["plain"][0]["losses"] + runs["plain"][0]["grad_norms"]
-        per: dict[str, dict] = {}
-        plain_median = statistics.median(r["tokens_per_s"] for r in runs["plain"])
-        for name in IMPLEMENTATIONS:
-            diff = max(abs(a - b) / abs(b) for r in runs[name] for a, b in zip(r["losses"] + r["grad_norms"], reference))
-            median = statistics.median(r["tokens_per_s"] for r in runs[name])
-            per[name] = {
-                "median_tokens_per_s": median, "ratio_to_plain": median / plain_median,
-                "tokens_per_s_by_round": [r["tokens_per_s"] for r in runs[name]],
-                "median_step_s": statistics.median(t for r in runs[name] for t in r["step_s"]),
-                "peak_bytes": runs[name][-1].get("peak_bytes"), "losses": runs[name][0]["losses"],
-                "grad_norms": runs[name][0]["grad_norms"],
-                "max_loss_rel_diff": diff,
-            }
-            if diff > LOSS_TOLERANCE[precision]:
-                failures.append(f"{precision} {name}: losses or gradient norms differ from the hand-written loop by "
-                                f"{diff:.2e}")
+        per, mismatches = compare(initial, windows, precision, args.grad_accum_steps, args.rounds, args.steps)
+        failures += mismatches
         result["precisions"][precision] = per
     result["loss_check"] = failures or ("every implementation's per-step losses and gradient norms (before clipping) "
                                         "match the hand-written loop's")

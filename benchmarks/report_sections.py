@@ -283,3 +283,124 @@ def render_demo(data: dict) -> list[str]:
         f"for {s['steps']} steps ({s['tokens_per_s']:,.0f} tokens/s); final loss {s['final_loss']:.2f}, validation "
         f"loss {s['final_val_loss']:.2f}; peak memory {mib(s['peak_memory_bytes'])} MiB, from "
         f"{s['peak_memory_source']}.")
+
+
+# ------------------------------------------------------------------------------------------- GPU check (issue 16)
+
+
+def _gpu_figure(item: dict) -> str:
+    """One acceptance figure of gpu.json in words: the value as its target reads it, or why it was not judged."""
+    value = item.get("value")
+    if value is None:
+        return item.get("why") or "no figure"
+    formats = {"speed": lambda v: f"{v:.3f}x (median of paired rounds)",
+               "compile": lambda v: f"{v:.2f}x the hand-written eager loop's tokens/s",
+               "mfu": lambda v: f"MFU {v:.1%}", "estimate": lambda v: f"largest error {v:.1%}",
+               "plan": lambda v: f"measured peak {v:.0%} of the budget"}
+    if isinstance(value, bool):
+        return "PASS" if value else "FAIL"
+    return formats.get(item["id"], lambda v: f"{v:.3g}")(value)
+
+
+def _gpu_bytes(value: int) -> str:
+    """A budget as it was given: GiB from 1 GiB up, MiB below."""
+    return f"{value / 2**30:g} GiB" if value >= 2**30 else f"{value / MiB:g} MiB"
+
+
+def _gpu_paired(result: dict, mfu: bool) -> list[str]:
+    """A paired comparison of gpu.json: one row per implementation, then the libraries that did not run."""
+    rows = []
+    for name, row in result["implementations"].items():
+        ratios = paired_ratios(result["implementations"], name)
+        cells = [IMPLEMENTATIONS.get(name, name), f"{row['median_tokens_per_s']:,.0f}",
+                 f"{statistics.median(ratios):.3f}", mib(row.get("peak_bytes")), f"{row['max_loss_rel_diff']:.1e}"]
+        rows.append(cells + ([f"{row['mfu']:.1%}" if row.get("mfu") is not None else "-"] if mfu else []))
+    header = ["implementation", "median tokens/s", "paired ratio to hand-written", "peak MiB",
+              "max loss / grad-norm rel. diff"] + (["MFU"] if mfu else [])
+    lines = para(f"{result['model']}, seq {result['seq_len']}, micro {result['micro_batch_size']} x accum "
+                 f"{result['grad_accum_steps']} ({result['tokens_per_step']:,} tokens a step), {result['precision']}; "
+                 f"{result['rounds']} alternating rounds of one warm-up and {result['steps_per_round']} timed "
+                 f"step{'s' if result['steps_per_round'] > 1 else ''}.")
+    lines += table(header, rows)
+    for name, why in result.get("not_run", {}).items():
+        lines += para(f"{IMPLEMENTATIONS.get(name, name)} did not run: {why}.")
+    return lines
+
+
+def render_gpu(data: dict) -> list[str]:
+    """`make bench-gpu` (benchmarks/gpu.py): issue 16's GPU acceptance figures judged, then each section's figures.
+
+    A dry run (tiny sizes on the CPU) is never shown as results, whatever its file is called."""
+    if data.get("dry_run"):
+        return para("This gpu.json is a dry run (tiny sizes on the CPU, as `make test` runs it): its figures are not "
+                    "GPU results and are not shown. Run `make bench-gpu` on a machine with CUDA.")
+    sections = data.get("sections", {})
+    lines = para(f"One command, `make bench-gpu`, on {data.get('gpu') or 'a GPU'}: {data.get('wall_s', 0):.0f} s of a "
+                 f"{data.get('budget_s', 0):.0f} s budget (a section that no longer fits is skipped, with the reason). "
+                 "Each figure below is judged against the issue's threshold from the JSON alone.")
+    lines += ["Acceptance (issue 16, GPU):", ""]
+    for item in data.get("acceptance", []):
+        state = "not judged" if item.get("passed") is None else verdict(item["passed"])
+        lines.append(f"- {item['target']}: **{state}**. {_gpu_figure(item)}")
+    lines.append("")
+    lines += table(["section", "status", "wall s", "note"],
+                   [[name, entry["status"], f"{entry.get('wall_s', 0):.0f}",
+                     (entry.get("reason") or entry.get("error") or "").replace("|", "/")[:200]]
+                    for name, entry in sections.items()])
+
+    def results(name: str) -> dict | None:
+        entry = sections.get(name, {})
+        return entry.get("results") if entry.get("status") == "ok" else None
+
+    peak = results("peak_flops")
+    if peak:
+        lines += para(f"Peak: {peak['peak_flops'] / 1e12:,.1f} TFLOP/s ({peak['source']}).")
+    for name, mfu in (("paired_base", False), ("paired_1b", True)):
+        if results(name):
+            lines += _gpu_paired(results(name), mfu)
+    estimate = results("memory_estimate")
+    if estimate:
+        lines += para(f"Memory estimate against the measured peak, measured by {estimate['measured_by']}:")
+        lines += table(["model", "precision", "recompute", "accum", "estimated MiB", "measured MiB", "error"],
+                       [[r["model"], r["precision"], r["recompute"], str(r["grad_accum_steps"]),
+                         mib(r["estimated_peak_bytes"]), mib(r["measured_peak_bytes"]), f"{r['error']:+.1%}"]
+                        for r in estimate["rows"]])
+    notes = []
+    train = results("train_vs_engine")
+    if train:
+        notes.append(f"`cadence train` {train['train']['steady_tokens_per_s']:,.0f} tokens/s (median of its steady "
+                     f"steps) against the engine alone {train['engine_tokens_per_s']:,.0f}: {train['ratio']:.3f}x.")
+    compiled = results("compile")
+    if compiled:
+        compile_time = compiled.get("compile_summary", {}).get("compile_time_s")
+        notes.append(f"`--compile`: {compiled['compiled']['steady_tokens_per_s']:,.0f} tokens/s, "
+                     f"{compiled['speedup']:.2f}x eager `cadence train`, {compiled['vs_hand_written']:.2f}x the "
+                     "hand-written eager loop"
+                     + (f"; compile time {compile_time:.0f} s, reported apart" if compile_time is not None else "")
+                     + ".")
+    plan = results("plan")
+    if plan:
+        choice = plan["choice"]
+        notes.append(f"`cadence plan` under {_gpu_bytes(plan['budget_bytes'])}: chose micro "
+                     f"{choice['micro_batch_size']} x accum {choice['grad_accum_steps']}, {choice['precision']}, "
+                     f"recompute {choice['activation_checkpointing']}, offload {choice['offload']}; measured peak "
+                     f"{mib(plan['choice_measured_peak_bytes'])} MiB; {plan['candidates']} candidates "
+                     f"({plan['offload_candidates']} with offload, {plan['offload_measured']} of them measured), "
+                     f"{plan['measured_candidates']} measured.")
+    auto = results("auto_oom")
+    if auto:
+        notes.append(f"`--micro-batch-size auto` under {_gpu_bytes(auto['budget_bytes'])}: {auto['oom_retries']} "
+                     f"out-of-memory retries ({auto['out_of_memory']}), micro-batch by step "
+                     f"{auto['micro_batch_size_by_step']}, highest step peak {mib(auto['max_peak_bytes'])} MiB.")
+    checked = results("verify")
+    if checked:
+        notes.append("`cadence verify`: " + "; ".join(
+            f"{p} {'PASS' if checked[p]['passed'] else 'FAIL'} (relative error {checked[p]['relative_error']:.1e}, "
+            f"tolerance {checked[p]['tolerance']:g})" for p in ("fp16", "bf16") if p in checked) + ".")
+    tests = results("pytest_gpu")
+    if tests:
+        counts = ", ".join(f"{n} {word}" for word, n in tests["counts"].items())
+        notes.append(f"`pytest -m gpu`: {counts or 'no summary line'} (exit status {tests['exit_status']}).")
+    for note in notes:
+        lines.append(f"- {note}")
+    return lines + ([""] if notes else [])

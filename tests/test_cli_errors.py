@@ -90,6 +90,7 @@ CASES: list[tuple[str, Builder, str]] = [
     ("precision-16-spelling", flags("--precision", "16"), "--precision"),
     ("lr-schedule-step", flags("--lr-schedule", "step"), "--lr-schedule"),
     ("last-window-keep", flags("--last-window", "keep"), "--last-window"),
+    ("fp32-matmul-highest", flags("--fp32-matmul", "highest"), "--fp32-matmul"),
     ("device-cuda-without-cuda", flags("--device", "cuda"), "--device"),
     ("device-unknown", flags("--device", "tpu"), "--device"),
     # ---------------------------------------------------------------- numbers
@@ -99,6 +100,7 @@ CASES: list[tuple[str, Builder, str]] = [
     ("lr-not-a-number", flags("--lr", "abc"), "--lr"),
     ("max-steps-not-an-int", flags("--seq-len", "16", "--max-steps", "1.5", fast=False), "--max-steps"),
     ("max-grad-norm-negative", flags("--max-grad-norm", "-1"), "--max-grad-norm"),
+    ("prefetch-windows-negative", flags("--prefetch-windows", "-1"), "--prefetch-windows"),
     ("max-grad-norm-inf", flags("--max-grad-norm", "inf"), "--max-grad-norm"),
     ("warmup-equals-max-steps", flags("--seq-len", "16", "--max-steps", "5", "--warmup-steps", "5", fast=False),
      "--warmup-steps"),
@@ -113,6 +115,8 @@ CASES: list[tuple[str, Builder, str]] = [
     ("eval-batches-0", flags("--eval-batches", "0"), "--eval-batches"),
     ("log-every-0", flags("--log-every", "0"), "--log-every"),
     ("checkpoint-every-negative", flags("--checkpoint-every", "-2"), "--checkpoint-every"),
+    # The built-in GPT's packed attention splits rows in Python: each new packing would compile again.
+    ("compile-with-packing-on-a-built-in-model", flags("--compile", "--packing"), "--compile"),
     # ---------------------------------------------------------------- several processes (checked before launching)
     ("strategy-unknown", flags("--strategy", "zero3"), "--strategy"),
     ("strategy-fsdp-one-process", flags("--strategy", "fsdp"), "--strategy"),
@@ -134,6 +138,9 @@ CASES: list[tuple[str, Builder, str]] = [
     ("data-empty-txt", data_file("empty.txt", b""), "--data"),
     ("data-csv-without-text-field", data_file("table.csv", "a,b\n1,2\n"), "--text-field"),
     ("data-unknown-suffix", data_file("table.xlsx", "a,b\n1,2\n"), "--data"),
+    # Every form --data takes is named (the message once listed three of them).
+    ("data-without-a-suffix", data_file("train", "some text"), "a .parquet, .csv or .json file, hf:DIR (a datasets "
+                                                                 "save_to_disk directory), or a token store"),
     ("data-txt-too-short", data_file("short.txt", "only ten b"), "--data"),
     ("data-txt-not-utf8", data_file("binary.txt", b"\xff\xfe" * 200), "--data"),
     ("data-dir-without-text", empty_dir, "--data"),

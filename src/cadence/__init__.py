@@ -21,6 +21,7 @@ from cadence.engine import (  # noqa: E402
     iter_windows,
     lr_factor,
     make_window,
+    prefetch,
     shift_hf_labels,
     token_cross_entropy_sum,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "iter_windows",
     "lr_factor",
     "make_window",
+    "prefetch",
     "shift_hf_labels",
     "token_cross_entropy_sum",
 ]

@@ -10,10 +10,12 @@ is 2. A run that fails after starting (divergence) exits with 1.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import click
 
@@ -25,12 +27,48 @@ from cadence.distributed.launch import arguments_without_nproc, launch
 from cadence.distributed.ranks import SINGLE, start, stop, torchrun_ranks
 from cadence.errors import CadenceFailure, UsageError
 from cadence.plan.planner import PLAN_TRAIN_FIELDS, PlanOptions, apply_plan, make_plan
-from cadence.profiling.compare import write_comparison
+from cadence.profiling.compare import terminal_summary, write_comparison
 from cadence.profiling.profiler import PROFILE_TRAIN_FIELDS, ProfileOptions, run_profile
 from cadence.rebuild import build_report
 from cadence.training.loop import train
 from cadence.training.prepare_data import PREPARE_DATA_TRAIN_FIELDS, PrepareDataOptions, prepare_data
 from cadence.verify.check import VERIFY_TRAIN_FIELDS, VerifyOptions, run_verify
+
+OPTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "Data": ("data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len", "val_fraction",
+             "micro_batch_order", "micro_batch_tokens", "packing", "prefetch_windows"),
+    "Model": ("model", "model_config", "compile"),
+    "Batch": ("micro_batch_size", "grad_accum_steps", "effective_batch_size", "auto_grow_after", "last_window"),
+    "Precision and memory": ("precision", "fp32_matmul", "activation_checkpointing", "offload", "memory_budget"),
+    "Optimizer": ("lr", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "max_skipped_steps"),
+    "Schedule and evaluation": ("lr_schedule", "warmup_steps", "min_lr_ratio", "max_steps", "seed", "eval_every",
+                                "eval_batches"),
+    "Run directory": ("config_file", "plan", "out", "resume", "checkpoint_every", "keep_checkpoints",
+                      "checkpoint_mid_window", "log_every", "save_hf"),
+    "Device and distributed": ("device", "nproc_per_node", "strategy", "sync_every_micro_step", "collective_timeout"),
+}
+"""How --help groups the training flags (every TrainConfig field is in one group: a test holds it); a command's own
+options come first, under its name."""
+
+
+class GroupedCommand(click.Command):
+    """A command whose --help lists its options in OPTION_GROUPS' sections instead of one flat list of dozens."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        group_of = {name: group for group, names in OPTION_GROUPS.items() for name in names}
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            own = f"{(self.name or 'command').capitalize()} options"
+            group = "Other" if "--help" in param.opts else group_of.get(param.name or "", own)
+            sections.setdefault(group, []).append(record)
+        order = [group for group in sections if group not in OPTION_GROUPS and group != "Other"]
+        order += [group for group in OPTION_GROUPS if group in sections] + (["Other"] if "Other" in sections else [])
+        for group in order:
+            with formatter.section(group):
+                formatter.write_dl(sections[group])
 
 
 @click.group(
@@ -74,7 +112,16 @@ def _click_type(hint: Any) -> click.ParamType:
     return click.STRING
 
 
+def _choices(hint: Any) -> tuple[str, ...]:
+    """The choices of a Literal-typed field (``PrecisionName`` -> fp32, bf16, fp16), also inside ``| None``."""
+    members = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    return tuple(str(choice) for member in members if get_origin(member) is Literal for choice in get_args(member))
+
+
 def _metavar(hint: Any, name: str) -> str:
+    choices = _choices(hint)
+    if choices and not int in hint_types(hint):  # the choices themselves, as --help should show them
+        return "[" + "|".join(choices) + "]"
     kind = _click_type(hint)
     if isinstance(kind, click.Path):
         return "PATH"
@@ -96,9 +143,11 @@ def dataclass_options(cls: type, names: tuple[str, ...] | None = None) -> Callab
                 command = click.option(flag(field.name), field.name, multiple=True, default=None,
                                        metavar="KEY=VALUE", help=help_text)(command)
                 continue
-            if hints[field.name] is bool:  # a switch: given means true (None = not given, so TOML can set it)
-                command = click.option(flag(field.name), field.name, is_flag=True, default=None,
-                                       help=help_text)(command)
+            if hints[field.name] is bool:
+                # A switch with its off form (--packing / --no-packing); None = not given, so that the TOML file,
+                # or on --resume the run's recorded configuration, decides.
+                switch = f"{flag(field.name)}/--no-{flag(field.name)[2:]}"
+                command = click.option(switch, field.name, default=None, help=help_text)(command)
                 continue
             if field.default is not None:
                 help_text += f"  [default: {field.default}]"
@@ -125,7 +174,7 @@ def nproc_option(command: Any) -> Any:
              "same as torchrun --standalone --nproc-per-node N -m cadence COMMAND ...")(command)
 
 
-@app.command("train")
+@app.command("train", cls=GroupedCommand)
 @config_file_option
 @dataclass_options(TrainConfig)
 @nproc_option
@@ -173,7 +222,7 @@ def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_
     stop(ranks)
 
 
-@app.command("plan")
+@app.command("plan", cls=GroupedCommand)
 @config_file_option
 @dataclass_options(TrainConfig, PLAN_TRAIN_FIELDS)
 @dataclass_options(PlanOptions)
@@ -189,7 +238,7 @@ def plan_command(config_file: Path | None, **options: Any) -> None:
     make_plan(config, plan_options, constrained=constrained)
 
 
-@app.command("profile")
+@app.command("profile", cls=GroupedCommand)
 @config_file_option
 @dataclass_options(TrainConfig, PROFILE_TRAIN_FIELDS)
 @dataclass_options(ProfileOptions)
@@ -205,8 +254,10 @@ def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None,
         given = [flag(k) for k, v in options.items() if v is not None and k != "out"]
         if given or config_file is not None:
             raise UsageError.single(given[0] if given else "--config", "--compare takes only RUN_A RUN_B (and --out)")
-        for path in write_comparison(compare[0], compare[1], options.get("out")):
-            click.echo(str(path))
+        comparison, paths = write_comparison(compare[0], compare[1], options.get("out"))
+        for line in terminal_summary(comparison):
+            click.echo(line)
+        click.echo("written: " + ", ".join(str(path) for path in paths))
         return
 
     profile_options = ProfileOptions(**{k: v for k, v in options.items() if k in profile_fields and v is not None})
@@ -218,7 +269,7 @@ def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None,
     run_profile(config, profile_options)
 
 
-@app.command("verify")
+@app.command("verify", cls=GroupedCommand)
 @config_file_option
 @dataclass_options(TrainConfig, VERIFY_TRAIN_FIELDS)
 @dataclass_options(VerifyOptions)
@@ -251,7 +302,7 @@ def audit_command(as_json: bool, strict: bool, command: tuple[str, ...]) -> None
     raise click.exceptions.Exit(run_script(list(command), as_json=as_json, strict=strict))
 
 
-@app.command("prepare-data")
+@app.command("prepare-data", cls=GroupedCommand)
 @dataclass_options(TrainConfig, PREPARE_DATA_TRAIN_FIELDS)
 @dataclass_options(PrepareDataOptions)
 def prepare_data_command(**options: Any) -> None:
@@ -263,10 +314,11 @@ def prepare_data_command(**options: Any) -> None:
     prepare_data(config, prepare_options)
 
 
-@app.command("report")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@app.command("report", no_args_is_help=True)
+@click.argument("run_dir", type=click.Path(path_type=Path), metavar="DIR")
 def report_command(run_dir: Path) -> None:
-    """(Re)build report.md and report.html of a run directory or a plan directory."""
+    """(Re)build report.md and report.html (and the plots beside them) of DIR: a run directory (cadence train), a
+    plan directory (cadence plan) or a profile directory (cadence profile)."""
 
     for path in build_report(run_dir):
         click.echo(str(path))
@@ -280,8 +332,12 @@ def _click_problem(err: click.ClickException) -> str:
             return f"{name}: a value is required"
         return f"{name}: {err.message.rstrip('.')}"
     if isinstance(err, click.NoSuchOption):
-        hint = f"; did you mean {', '.join(sorted(err.possibilities))}?" if err.possibilities else ""
-        return f"{err.option_name}: no such option (see cadence train --help){hint}"
+        command = err.ctx.info_name if err.ctx is not None else "train"
+        known = [opt for param in err.ctx.command.params for opt in param.opts] if err.ctx is not None else []
+        # click offers every flag sharing a few letters (--lr-shedule got --resume too): the closest only.
+        close = difflib.get_close_matches(err.option_name, known or list(err.possibilities or ()), n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return f"{err.option_name}: no such option (see cadence {command} --help){hint}"
     if isinstance(err, click.BadOptionUsage):
         return f"{err.option_name}: {err.message.rstrip('.')}"
     return err.format_message()
@@ -310,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         print("cadence: aborted", file=sys.stderr)
         return 130
+    except click.exceptions.NoArgsIsHelpError as asked:  # bare `cadence` or `cadence report`: show how to use it
+        click.echo(asked.ctx.get_help() if asked.ctx is not None else asked.format_message())
+        return 0
     except click.ClickException as err:  # unknown flag, bad type, missing value
         _say(f"cadence: error: {_click_problem(err)}")
         return 2

@@ -38,6 +38,29 @@ def test_good_loop_exits_0_and_json(capsys):
     assert report["findings"] == []
 
 
+def test_a_module_of_an_uninstalled_package_in_the_current_directory_is_audited(tmp_path: Path) -> None:
+    """The README's form, `cadence audit --json -- python -m mypackage.train`, through the installed console script
+    (whose sys.path starts at its bin directory, not the current directory) from the directory holding the package:
+    found and run as `python -m` would, as is an unknown module refused as a usage error."""
+    package = tmp_path / "mypackage"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text((CASES / "good_bf16_no_scaler.py").read_text())
+    console = Path(sys.executable).with_name("cadence")
+
+    def audit(module: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(console), "audit", "--json", "--", "python", "-m", module], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+
+    found = audit("mypackage.train")
+    assert found.returncode == 0, found.stderr[-2000:]
+    report = json.loads(found.stderr[found.stderr.index("{"):])
+    assert report["findings"] == [] and report["cadence"]["optimizer_steps"] == 3
+    missing = audit("nopackage.train")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "-m nopackage.train: no such module" in missing.stderr
+
+
 def test_missing_script_is_a_usage_error(capsys):
     assert main(["audit", "--", "python", "no_such_script.py"]) == 2
     assert "SCRIPT" in capsys.readouterr().err
@@ -69,9 +92,10 @@ def test_every_bad_case_that_changes_the_math_exits_1(case: str, capsys: pytest.
         assert status == 0, case
 
 
-@pytest.mark.parametrize("case", ["bad_ddp_sync_every_micro_step.py", "bad_ddp_no_sync_after_forward.py"])
-def test_strict_fails_on_warnings_too(case: str) -> None:
-    assert audit_in_own_process("--", "python", str(CASES / case))[0] == 0
-    status, err = audit_in_own_process("--strict", "--", "python", str(CASES / case))
-    assert status == 1 and "warning" in err
+def test_strict_fails_on_warnings_too() -> None:
+    """The two performance-only cases exit 0 without --strict (test_every_bad_case_that_changes_the_math_exits_1)
+    and 1 with it; a good loop passes --strict."""
+    for case in ("bad_ddp_sync_every_micro_step.py", "bad_ddp_no_sync_after_forward.py"):
+        status, err = audit_in_own_process("--strict", "--", "python", str(CASES / case))
+        assert status == 1 and "warning" in err, case
     assert audit_in_own_process("--strict", "--", "python", str(CASES / "good_ddp_no_sync.py"))[0] == 0

@@ -14,8 +14,10 @@ import torch
 from helpers import sample_text, tiny_model
 
 from cadence import Engine, Precision, iter_windows
+from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches, pack_bytes
-from cadence.engine.precision import precision_problem
+from cadence.engine.precision import fp32_matmul, precision_problem
+from cadence.training.components import build_optimizer
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
@@ -101,3 +103,38 @@ def test_probe_reports_a_device_that_cannot_autocast(name):
     """The same probe that rejects --precision on an incapable device (here: the meta device, which has no autocast)."""
     reason = precision_problem(name, torch.device("meta"))
     assert reason is not None and name in reason
+
+
+@pytest.mark.parametrize("mode", ["tf32", "exact"])
+def test_fp32_matmul_sets_the_switches_for_the_context_only(mode: str) -> None:
+    """--fp32-matmul: both CUDA switches follow the mode inside, and are put back as they were afterwards, also when
+    the run inside fails (they are process-wide; a library must not leave them changed)."""
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    with pytest.raises(RuntimeError), fp32_matmul(mode):
+        assert torch.backends.cuda.matmul.allow_tf32 is (mode == "tf32")
+        assert torch.backends.cudnn.allow_tf32 is (mode == "tf32")
+        raise RuntimeError("the run failed")
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+    with pytest.raises(ValueError, match="tf32 or exact"), fp32_matmul("highest"):  # type: ignore[arg-type]
+        pass
+
+
+def test_adamw_is_fused_on_cuda_only() -> None:
+    """build_optimizer: PyTorch's default AdamW on CPU (exactly what the CPU parity tests hold to); the fused kernel
+    for CUDA parameters, checked here without a GPU on the option it is given."""
+    model = torch.nn.Linear(4, 4)
+    assert not build_optimizer(model, TrainConfig()).defaults.get("fused")
+    assert not build_optimizer(model, TrainConfig(offload="optimizer")).defaults.get("fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adamw_is_fused_for_cuda_parameters_and_steps_with_the_scaler() -> None:
+    model = torch.nn.Linear(4, 4).cuda()
+    optimizer = build_optimizer(model, TrainConfig())
+    assert optimizer.defaults["fused"] is True
+    engine = Engine(model, optimizer, precision="fp16", max_grad_norm=1.0,
+                    loss_fn=lambda m, batch: m(batch["x"]).float().pow(2).sum())
+    before = model.weight.detach().clone()
+    result = engine.step([{"x": torch.randn(2, 4), "labels": torch.zeros(2, dtype=torch.long)}])
+    assert not result.skipped and not torch.equal(before, model.weight.detach())

@@ -114,7 +114,7 @@ def test_agrees_with_the_engines_step_memory_meter(precision: str, checkpointing
 
 @pytest.mark.slow
 def test_peak_does_not_grow_with_accumulation() -> None:
-    """Same micro-batch, 16 micro-batches per step instead of 1: the step's peak stays within 5%.
+    """Same micro-batch, 8 micro-batches per step instead of 1: the step's peak stays within 5%.
 
     What does change is named exactly: from 1 to 2 micro-batches the fp32 gradients are alive during the second
     forward (one gradient buffer, never more); the window's token ids are the caller's data, all of them held for
@@ -124,15 +124,15 @@ def test_peak_does_not_grow_with_accumulation() -> None:
     torch.manual_seed(0)
     engine = steady_engine(build_model("gpt-tiny"))
     batch, seq = 8, 256
-    runs = {accum: measure(engine, make_window(batch, seq, accum)) for accum in (1, 2, 16)}
+    runs = {accum: measure(engine, make_window(batch, seq, accum)) for accum in (1, 2, 8)}
     step_peak = {accum: m.peak_bytes - m.by_category_at_peak["input"] for accum, m in runs.items()}
     for accum, m in runs.items():
         print(f"\naccum {accum:2}: peak {m.peak_bytes / MiB:.1f} MiB, without the window's inputs "
               f"{step_peak[accum] / MiB:.1f} MiB ({m.summary()})", end="")
-    assert step_peak[16] == pytest.approx(step_peak[1], rel=0.05)
-    assert step_peak[16] == pytest.approx(step_peak[2], rel=0.005)
+    assert step_peak[8] == pytest.approx(step_peak[1], rel=0.05)
+    assert step_peak[8] == pytest.approx(step_peak[2], rel=0.005)
     assert step_peak[2] - step_peak[1] == pytest.approx(4 * numel(engine.model), rel=0.05)
-    assert runs[16].by_category_at_peak["input"] >= 16 * 2 * batch * seq * 8
+    assert runs[8].by_category_at_peak["input"] >= 8 * 2 * batch * seq * 8
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 
@@ -261,20 +262,61 @@ def test_activation_offload_saves_through_host_and_keeps_grads(monkeypatch: pyte
     plain = grads(lambda: torch.autograd.graph.saved_tensors_hooks(counting_pack, lambda t: t))
     assert saved > 10
 
-    # save_on_cpu packs each saved tensor with Tensor.cpu() on a CPU device; count those calls and their devices.
-    original_cpu = torch.Tensor.cpu
-    packed_devices: list[str] = []
+    # Every saved tensor goes through the offload's pack hook (on a CPU device it is kept as it is: already host).
+    packed_devices: list[object] = []
 
-    def recording_cpu(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        result = original_cpu(self, *args, **kwargs)
-        packed_devices.append(result.device.type)
-        return result
+    def offload_context() -> object:
+        context = activation_offload(torch.device("cpu"))
+        pack = context.pack_hook  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(torch.Tensor, "cpu", recording_cpu)
-    offloaded = grads(lambda: activation_offload(torch.device("cpu")))
-    monkeypatch.undo()
-    assert len(packed_devices) == saved and set(packed_devices) == {"cpu"}
+        def recording_pack(tensor: torch.Tensor) -> object:
+            packed = pack(tensor)
+            packed_devices.append(packed[0])
+            return packed
+
+        context.pack_hook = recording_pack  # type: ignore[attr-defined]
+        return context
+
+    offloaded = grads(offload_context)
+    assert len(packed_devices) == saved and set(packed_devices) == {None}
     for a, b in zip(plain, offloaded, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_activations_go_to_pinned_host_memory_without_a_host_sync() -> None:
+    """On CUDA every saved tensor is copied to pinned host memory asynchronously (no host synchronisation in the
+    forward, where torch's save_on_cpu blocks at each one), and the gradients are exactly those without offload."""
+    device = torch.device("cuda")
+    batch = {k: v.to(device) for k, v in gpt_micro_batches(1)[0].items()}
+    results = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPT_CONFIG).to(device)
+        hosts: list[torch.Tensor] = []
+        context = activation_offload(device) if offload else contextlib.nullcontext()
+        if offload:
+            pack = context.pack_hook  # type: ignore[attr-defined]
+
+            def recording_pack(tensor: torch.Tensor, pack=pack) -> object:
+                packed = pack(tensor)
+                hosts.append(packed[1])
+                return packed
+
+            context.pack_hook = recording_pack  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with context:
+                loss = token_cross_entropy_sum(model, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        loss.backward()
+        results.append([p.grad.clone() for p in model.parameters()])
+        if offload:
+            assert hosts and all(h.device.type == "cpu" and h.is_pinned() for h in hosts)
+    for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
 
 

@@ -189,7 +189,7 @@ def test_bad_directories_are_usage_errors_naming_run_a_or_run_b(tmp_path: Path) 
 
 def test_write_comparison_into_b_by_default_and_into_out_dir(tmp_path: Path) -> None:
     a, b = _copy(tmp_path, "baseline"), _copy(tmp_path, "bf16", source="profile_b")
-    written = write_comparison(a, b)
+    written = write_comparison(a, b)[1]
     assert written == [b / "compare-baseline.md", b / "compare-baseline.html", b / "compare-baseline-phases.png"]
     md = written[0].read_text()
     assert "# Profile comparison: B (bf16) against A (baseline)" in md and "](compare-baseline-phases.png)" in md
@@ -197,7 +197,7 @@ def test_write_comparison_into_b_by_default_and_into_out_dir(tmp_path: Path) -> 
     embedded = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
     assert [base64.b64decode(data) for data in embedded] == [written[2].read_bytes()]
     out = tmp_path / "reports" / "cmp"
-    assert write_comparison(a, b, out) == [out / "compare.md", out / "compare.html", out / "compare-phases.png"]
+    assert write_comparison(a, b, out)[1] == [out / "compare.md", out / "compare.html", out / "compare-phases.png"]
     assert all(path.is_file() for path in out.iterdir())
 
 
@@ -207,3 +207,30 @@ def test_write_comparison_into_a_file_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as info:
         write_comparison(FIXTURES / "profile_a", FIXTURES / "profile_b", blocker / "sub")
     assert info.value.problems[0].where == "--out"
+
+
+def test_warm_up_steps_do_not_drown_a_real_speed_up_in_noise(tmp_path: Path) -> None:
+    """What a user hit: A's first active steps were still warming up (1.1 s among 0.13 s steps); counted in, A's spread
+    hid B's 5x speed-up ("no difference beyond the noise"). Leading steps slower than 1.5x the median of the rest are
+    left out, and the statement says so; a slow step in the middle is noise and stays in."""
+    a_times = [1.1, 0.9, 0.131, 0.129, 0.133, 0.128, 0.130, 0.132]
+    b_times = [0.0232, 0.0228, 0.0231, 0.0229, 0.0230, 0.0233, 0.0227, 0.0230]
+    a = _copy(tmp_path, "a", edit=_with_times(a_times))
+    b = _copy(tmp_path, "b", edit=_with_times(b_times))
+    speed = compare_profiles(a, b).speed
+    assert speed.kind == "faster" and speed.a.n == 6 and speed.a.warm_up == (1.1, 0.9) and speed.b.warm_up == ()
+    assert "after leaving out 2 warm-up steps of 1,100.0 ms, 900.0 ms" in render_comparison(compare_profiles(a, b))
+    assert speed_verdict(a_times[2:5] + [0.5] + a_times[5:], b_times).a.warm_up == ()
+
+
+def test_compare_prints_the_verdict_and_the_ratios_in_the_terminal(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from cadence.cli import main
+
+    a, b = _copy(tmp_path, "baseline"), _copy(tmp_path, "bf16", source="profile_b")
+    assert main(["profile", "--compare", str(a), str(b)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("B is faster than A: ") and lines[1].startswith("B is leaner than A: peak memory")
+    assert lines[2] == "tokens/s B/A 1.66x, peak memory B/A 0.75x, step time B/A 0.60x"
+    assert lines[3] == "B differs from A in: precision (fp32 vs bf16)"
+    assert lines[4].startswith("written: ") and "compare-baseline.html" in lines[4]

@@ -121,3 +121,18 @@ def test_profile_bad_input(tmp_path, capsys):
     assert "--steps" in capsys.readouterr().err
     assert main(["profile", "--max-steps", "3"]) == 2  # not a profile flag: it would do nothing
     assert "--max-steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("config", "named", "not_named"), [
+    ({"precision": "fp32", "activation_checkpointing": "none"}, ["bf16", "--compile"], ["recompute"]),
+    ({"precision": "bf16", "activation_checkpointing": "full", "compile": True}, ["less recompute than full"],
+     ["bf16", "--compile"]),
+    ({"precision": "bf16", "activation_checkpointing": "none", "compile": True}, ["a larger micro-batch"],
+     ["recompute", ", or"]),
+])
+def test_compute_bound_advice_names_only_levers_the_run_has_left(config, named, not_named):
+    """The advice once suggested "less recompute" to a run that recomputed nothing."""
+    result = {**result_with({"forward": 0.35, "backward": 0.6}), "config": config}
+    advice = verdict(result, None)["advice"]
+    assert all(word in advice for word in named), advice
+    assert not any(word in advice for word in not_named), advice

@@ -36,3 +36,70 @@ def test_live_bar_shows_step_micro_step_loss_and_memory():
 def test_formatting():
     assert format_bytes(None) == "-" and format_bytes(512) == "512 B" and format_bytes(3 * 2**30) == "3.0 GiB"
     assert format_duration(3725) == "1:02:05" and format_duration(65) == "1:05"
+
+
+def test_eta_comes_from_measured_steps_not_the_warm_up_one():
+    """Step 1 pays start-up and compilation: the ETA waits for a second step and then follows the steady pace."""
+    now = [0.0]
+    stream = io.StringIO()
+    with TrainProgress(total_steps=11, grad_accum_steps=1, log_every=1, stream=stream, live=False,
+                       clock=lambda: now[0]) as progress:
+        for step, seconds in enumerate([60.0, 2.0, 2.0], start=1):
+            now[0] += seconds
+            progress.update(row(step))
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("eta -")
+    assert lines[2].endswith(f"eta {format_duration(8 * 2.0)}")  # 8 steps left at 2 s, the 60 s step left out
+
+
+def test_a_resumed_run_shows_the_memory_measured_before_it_and_evaluations_between_log_lines():
+    stream = io.StringIO()
+    with TrainProgress(total_steps=20, grad_accum_steps=1, log_every=10, stream=stream, live=False) as progress:
+        progress.resumed([row(1, peak_memory_bytes=3 * 2**20), row(2, peak_memory_bytes=None)])
+        progress.update(row(3, peak_memory_bytes=None))
+        progress.update(row(4, peak_memory_bytes=None, val_loss=2.25))
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("step 4/20") and "val 2.2500" in lines[0]
+    assert "mem 3.0 MiB" in lines[0]
+
+
+def test_the_live_bar_keeps_the_last_steps_figures_during_the_next_windows_micro_batches():
+    progress = TrainProgress(total_steps=4, grad_accum_steps=4, log_every=1, stream=io.StringIO(), live=True)
+    with progress:
+        progress.update(row(1))
+        progress.micro_step(1, 3)
+        info = progress._bar.tasks[0].fields["info"]
+    assert info.startswith("micro 3/4 of step 2 | loss 2.5000 | 5,000 tok/s | mem 1.0 MiB")
+
+
+def test_a_real_terminal_shows_loss_and_the_micro_batch_together(tmp_path):
+    """`cadence train` on a pseudo-terminal: the frames drawn while a window's micro-batches run show the
+    micro-batch position and the previous step's loss side by side, and each evaluation gets a line of its own."""
+    import os
+    import pty
+    import re
+    import subprocess
+    import sys
+
+    leader, follower = pty.openpty()
+    command = [sys.executable, "-m", "cadence", "train", "--seq-len", "128", "--micro-batch-size", "8",
+               "--grad-accum-steps", "4", "--max-steps", "6", "--eval-every", "3", "--eval-batches", "2",
+               "--out", str(tmp_path / "run")]
+    process = subprocess.Popen(command, stdin=follower, stdout=follower, stderr=follower,
+                               env={**os.environ, "COLUMNS": "200", "TERM": "xterm"})
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert process.wait(timeout=120) == 0
+    os.close(leader)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))
+    frames = re.split(r"[\r\n]", text)
+    assert any(re.search(r"micro \d/4 of step \d \| loss \d\.\d{4} \| [\d,]+ tok/s", frame) for frame in frames), text
+    assert "step 3/6: val loss" in text and "step 6/6: val loss" in text

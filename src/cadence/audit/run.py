@@ -33,15 +33,30 @@ def _parse_argv(argv: list[str]) -> tuple[str, list[str], bool]:
     if not args:
         raise UsageError.single("SCRIPT", "give the training script to run: cadence audit -- python train.py [args]")
     if args[0] == "-m":
-        if len(args) < 2 or importlib.util.find_spec(args[1]) is None:
+        if len(args) < 2 or not _module_exists(args[1]):
             name = args[1] if len(args) > 1 else "(none)"
-            raise UsageError.single("SCRIPT", f"-m {name}: no such module")
+            raise UsageError.single("SCRIPT", f"-m {name}: no such module (looked in the current directory and "
+                                              f"the installed packages, as python -m does)")
         return args[1], args[2:], True
     if args[0].startswith("-"):
         raise UsageError.single("SCRIPT", f"{args[0]}: not supported; give a script file or -m module")
     if not os.path.isfile(args[0]):
         raise UsageError.single("SCRIPT", f"{args[0]}: no such file")
     return args[0], args[1:], False
+
+
+def _module_exists(name: str) -> bool:
+    """Whether ``python -m name`` would find ``name``: searched with the current directory first on the path, as
+    ``python -m`` searches (the ``cadence`` console script's own path starts at its bin directory instead, so an
+    uninstalled package in the current directory would not be found)."""
+    saved = sys.path[:]
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # find_spec imports the parent packages: a missing one raises
+        return False
+    finally:
+        sys.path[:] = saved
 
 
 def _exit_status(code: Any) -> int:

@@ -23,6 +23,8 @@ from cadence.memory.recompute import CheckpointingMode
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 DEVICE_CHOICES: tuple[DeviceName, ...] = ("auto", "cpu", "cuda")
+Fp32Matmul = Literal["tf32", "exact"]
+FP32_MATMUL_CHOICES: tuple[Fp32Matmul, ...] = ("tf32", "exact")
 Strategy = Literal["ddp", "fsdp"]
 STRATEGIES: tuple[Strategy, ...] = ("ddp", "fsdp")
 MAX_SEED = 2**64 - 1
@@ -90,6 +92,18 @@ class TrainConfig:
     offload: OffloadMode = "none"
     """none, activations (saved tensors in host memory) or optimizer (optimizer state and update on the CPU). On a
     CPU-only machine both run but save nothing: host and device memory are the same."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (inductor), block by block as torchtitan does, so that
+    recompute and FSDP2 wrap compiled blocks and parameter names stay the same. The first steps (and each new
+    sequence length) pay the compile time, reported apart in the summary and the profile; CPU needs a C++ compiler."""
+    prefetch_windows: int = 1
+    """Windows prepared ahead in a background thread (cut into micro-batches, collated and, on CUDA, pinned for an
+    asynchronous copy) while the current one computes; 0 prepares each window in the loop's own thread. The data
+    order, and so every loss, is the same for any value; memory grows by one window of batches per step ahead."""
+    fp32_matmul: Fp32Matmul = "tf32"
+    """How CUDA runs fp32 matrix multiplies (and convolutions): tf32 (TensorFloat-32 tensor cores: about 1e-3
+    relative error per product, several times faster on Ampere and later) or exact (full fp32). Under bf16/fp16 only
+    the ops autocast leaves in fp32 are affected; CPU matmuls are always exact. Set for the run only."""
     memory_budget: str | None = None
     """Peak memory allowed per process, e.g. 512MiB or 2GiB. CUDA: the allocator is capped there (a real OOM past
     it); CPU: every step is measured by the profiler and a micro-batch past it counts as out of memory."""

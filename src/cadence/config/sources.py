@@ -5,6 +5,7 @@ The TOML keys are TrainConfig's field names (``micro_batch_size``); flags win ov
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -118,7 +119,12 @@ def build_config(*, toml_path: Path | None, flags: dict[str, Any]) -> TrainConfi
             file_problems = err.problems
             if toml_path.is_file():  # keep the file's good keys so that flag validation still runs
                 values = _good_toml_values(toml_path)
-    values.update(_given(flags))
+    given = _given(flags)
+    if given.get("resume") and given.get("out") is not None:
+        # --resume --out DIR alone continues the run as it was configured: what the user did not type comes from
+        # the run's config.json, not from the defaults (which would differ, and be refused as changing the math).
+        values = {**recorded_train_values(Path(given["out"])), **values}
+    values.update(given)
     config = TrainConfig(**values)
     if file_problems:
         try:
@@ -127,6 +133,38 @@ def build_config(*, toml_path: Path | None, flags: dict[str, Any]) -> TrainConfi
             raise UsageError(file_problems + err.problems) from None
         raise UsageError(file_problems)
     return config
+
+
+RECORD_ONLY = ("out", "resume", "plan")
+"""Fields of a run's config.json that a resume does not take over: the run directory and --resume are given again,
+and a plan's decisions are already in the recorded fields (the plan file may be gone)."""
+
+
+def recorded_train_values(out: Path) -> dict[str, Any]:
+    """The TrainConfig values the run in ``out`` was started with, from its config.json (empty when there is none,
+    or it is not cadence's: validation then says what is wrong with --out).
+
+    config.json holds the resolved configuration: the micro-batch size there is the one used, so a run started with
+    ``--micro-batch-size auto`` records ``auto_micro_batch`` and resumes as auto; the accumulation is left to derive
+    from the recorded effective batch, so that a new --micro-batch-size alone re-splits the same batch."""
+    try:
+        content = read_regular_file(out / "config.json", where="--out", limit=CONFIG_LIMIT_BYTES)
+        recorded = json.loads(content.decode("utf-8"))
+    except (UsageError, OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(recorded, dict) or "effective_batch_size" not in recorded:
+        return {}
+    hints = get_type_hints(TrainConfig)
+    values = {}
+    for key, value in recorded.items():
+        if key not in hints or key in RECORD_ONLY or key == "grad_accum_steps" or value is None:
+            continue
+        converted = _convert(value, hints[key])
+        if converted is not _INVALID:
+            values[key] = converted
+    if recorded.get("auto_micro_batch"):
+        values["micro_batch_size"] = "auto"
+    return values
 
 
 def _good_toml_values(path: Path) -> dict[str, Any]:

@@ -9,14 +9,22 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cadence.config.schema import DEVICE_CHOICES, MAX_SEED, STRATEGIES, TrainConfig, flag, parse_size
+from cadence.config.schema import (
+    DEVICE_CHOICES,
+    FP32_MATMUL_CHOICES,
+    MAX_SEED,
+    STRATEGIES,
+    TrainConfig,
+    flag,
+    parse_size,
+)
 from cadence.engine.precision import PRECISIONS, precision_problem
 from cadence.engine.schedules import LR_SCHEDULES
 from cadence.engine.windows import LAST_WINDOW_CHOICES, MICRO_BATCH_ORDER_CHOICES
 from cadence.errors import Problem, UsageError
 from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.recompute import CHECKPOINTING_MODES
-from cadence.models import MODEL_NAMES, model_context_length
+from cadence.models import MODEL_NAMES, compile_problem, model_context_length
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +75,8 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     choice("precision", PRECISIONS)
     choice("activation_checkpointing", CHECKPOINTING_MODES)
     choice("offload", OFFLOAD_MODES)
+    choice("fp32_matmul", FP32_MATMUL_CHOICES)
+    at_least("prefetch_windows", 0)
     at_least("auto_grow_after", 1)
     if config.memory_budget is not None:
         try:
@@ -134,8 +144,28 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
         reason = precision_problem(config.precision, resolve_device(config.device))
         if reason is not None:
             bad("precision", reason)
+    if config.compile:
+        problems += _compile_problems(config, device_ok)
     if problems:
         raise UsageError(problems)
+
+
+def _compile_problems(config: TrainConfig, device_ok: bool) -> list[Problem]:
+    """--compile: refused where torch.compile cannot run here, or would recompile without end."""
+    problems = []
+    if config.packing and config.model in MODEL_NAMES:
+        # The built-in GPT's block-diagonal attention splits each row at its examples in Python: dynamo guards on
+        # those lengths, so every new packing is a new graph (about a minute each for gpt-tiny on a CPU) until it
+        # gives up after 8 and runs eagerly.
+        problems.append(Problem(where=flag("compile"), message=(
+            "does not work with --packing on a built-in model: its attention splits each row at the packed examples' "
+            "lengths, so every new packing would compile again; use --micro-batch-order by-length instead of "
+            "--packing, or drop --compile")))
+    if device_ok:
+        reason = compile_problem(resolve_device(config.device))
+        if reason is not None:
+            problems.append(Problem(where=flag("compile"), message=reason))
+    return problems
 
 
 def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]:

@@ -31,8 +31,11 @@ from cadence.data.store import META_FILE, PackedSequences, StoreDamaged, StoredE
 from cadence.data.text import pack_bytes, read_text_source
 from cadence.errors import UsageError
 
-_ALLOWED_DATA = ("a .txt file, a directory of text files, a .jsonl file, or a token store from cadence prepare-data "
-                 "(omit --data for the built-in corpus)")
+_ALLOWED_DATA = ("a .txt file, a directory of text files, a .jsonl file ({\"text\"} or {\"prompt\", \"completion\"} per "
+                 "line), a .parquet, .csv or .json file, hf:DIR (a datasets save_to_disk directory), or a token store "
+                 "directory from cadence prepare-data (omit --data for the built-in corpus)")
+"""Every form --data takes (what the message says when a file is none of them; schema.TrainConfig.data lists the
+same). Kept whole: a message listing only some of them sends users looking for converters they do not need."""
 
 
 def is_store(path: Path | None) -> bool:

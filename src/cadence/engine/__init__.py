@@ -1,9 +1,10 @@
 """The step chain (``Engine.step``) and what it is made of: precision, windows of micro-batches, LR schedules.
 
-Usable from a user's own loop: ``from cadence.engine import Engine, iter_windows``.
+Usable from a user's own loop: ``from cadence.engine import Engine, iter_windows, prefetch``.
 """
 
 from cadence.engine.precision import PRECISIONS, Precision, PrecisionName
+from cadence.engine.prefetch import Prefetcher, prefetch
 from cadence.engine.schedules import LR_SCHEDULES, build_lr_scheduler, lr_factor
 from cadence.engine.step import Engine, LossFn, PartialWindow, SingleProcess, StepResult, token_cross_entropy_sum
 from cadence.engine.windows import (
@@ -20,6 +21,7 @@ from cadence.engine.windows import (
 
 __all__ = [
     "IGNORE_INDEX", "LR_SCHEDULES", "PRECISIONS", "Batch", "Engine", "LossFn", "PartialWindow", "Precision",
-    "PrecisionName", "SingleProcess", "StepResult", "Window", "build_lr_scheduler", "count_targets", "count_tokens",
-    "epoch_windows", "iter_windows", "lr_factor", "make_window", "shift_hf_labels", "token_cross_entropy_sum",
+    "PrecisionName", "Prefetcher", "SingleProcess", "StepResult", "Window", "build_lr_scheduler", "count_targets",
+    "count_tokens", "epoch_windows", "iter_windows", "lr_factor", "make_window", "prefetch", "shift_hf_labels",
+    "token_cross_entropy_sum",
 ]

@@ -205,7 +205,7 @@ class Engine:
         self.counter = counter or WindowCounter()
         self.skip_nonfinite = skip_nonfinite
         self.offload_activations = offload_activations
-        """Keep the tensors saved for backward in host memory (``torch.autograd.graph.save_on_cpu``)."""
+        """Keep the tensors saved for backward in host memory (``cadence.memory.offload.activation_offload``)."""
         self.memory = StepMemoryMeter(self.device, budget_bytes=memory_budget_bytes)
         self.agree_on_out_of_memory = agree_on_out_of_memory and self.collective.world_size > 1
         """Several processes retrying out-of-memory windows (--micro-batch-size auto): after each micro-batch's
@@ -264,6 +264,10 @@ class Engine:
             self.windows += 1  # only now: a window that failed or was interrupted part-way is not counted
             grad_norm, skip_reason = self.apply_gradients()
             window_loss = self._window_loss(loss_sum, counts.targets)
+            # The step's host syncs, per window and none per micro-batch: the window's target count over ranks
+            # (several processes only: it must be known before the first backward), the fp16 loss scale and found-inf
+            # check, the grad norm and the loss read back for the metrics, and this one, so that step_time_s is the
+            # time the device took, not the time it took to queue the work.
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # honest step time: wait for the optimizer's kernels
         return self._result(
@@ -303,8 +307,14 @@ class Engine:
         resume: PartialWindow | None = None,
     ) -> torch.Tensor:
         """Forward and backward every micro-batch of ``window``, the gradients adding up in the parameters and
-        synchronising only on the last micro-batch; return the window's loss sum (a float64 scalar on the device:
-        no host sync per micro-batch).
+        synchronising only on the last micro-batch; return the window's loss sum (a float64 scalar on the device).
+
+        No host synchronisation per micro-batch: the copy in is ``non_blocking`` (asynchronous from the pinned memory
+        ``prefetch`` gives on CUDA), the loss is summed on the device, the memory meter does nothing per segment on
+        CUDA, and nothing is read back, so the host queues micro-batch after micro-batch while the device runs
+        (tests/engine/test_prefetch.py checks it under ``torch.cuda.set_sync_debug_mode("error")``). The exceptions
+        are asked for: a stop request reads the loss sum back once, and with several ranks under
+        --micro-batch-size auto the out-of-memory agreement is a tiny all-reduce read after each forward and backward.
 
         ``window_targets`` is the whole window's target count over all processes. ``on_micro_batch``,
         ``stop_requested`` and ``resume`` are ``step``'s. On any failure but WindowInterrupted the partial gradients
@@ -318,7 +328,7 @@ class Engine:
                 if resume is not None and index < resume.micro_batches_done:
                     continue  # their gradients were restored from the checkpoint
                 self._report_progress(on_micro_batch, index)
-                batch = _to_device(micro_batch, self.device)
+                batch = _to_device(micro_batch, self.device)  # queued, not waited for (see the docstring)
                 # guarded: a micro-batch above --memory-budget raises out-of-memory, like a real CUDA OOM.
                 with self._out_of_memory_agreement() as agreement, self._region(segment=True, guarded=True):
                     # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.

@@ -31,13 +31,34 @@ OFFLOAD_MODES: tuple[OffloadMode, ...] = ("none", "activations", "optimizer")
 def activation_offload(device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
     """The context to wrap one micro-batch's FORWARD (and loss) in: tensors saved for backward live in host memory.
 
-    It is ``torch.autograd.graph.save_on_cpu``. On CUDA the saved tensors go to pinned host memory with asynchronous
-    copies both ways, so the copies overlap compute. On a CPU device the very same hooks run (so this code path is
-    exercised by CPU tests), but a CPU tensor is already in host memory: nothing is copied and no memory is saved.
-    Only the forward needs to be inside the context; backward may run after it has exited.
-    """
-    device = torch.device(device)
-    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+    Like ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, except that the copy to the host is asynchronous
+    too: save_on_cpu's device-to-host ``copy_`` blocks the host at every saved tensor (one synchronisation per saved
+    activation, so the forward's kernels are never queued ahead). Here each saved tensor is copied into pinned host
+    memory with ``non_blocking=True``: the copy is ordered after the kernel that produced the tensor on the same
+    stream, the device tensor's memory is only reused by kernels queued after the copy, the pinned buffer is held by
+    PyTorch's host allocator until its copy has finished, and the host never reads the buffer (backward copies it
+    back, asynchronously, on the same stream). On a CPU device the same hooks run (so this path is exercised by the
+    CPU tests), but a CPU tensor already is host memory: it is kept as it is, and no memory is saved. Only the
+    forward needs to be inside the context; backward may run after it has exited."""
+    return _HostActivations(pin_memory=torch.device(device).type == "cuda")
+
+
+class _HostActivations(torch.autograd.graph.saved_tensors_hooks):
+    """saved_tensors_hooks that keep every saved device tensor in (pinned) host memory; see activation_offload."""
+
+    def __init__(self, *, pin_memory: bool) -> None:
+        def pack(tensor: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
+            if tensor.device.type == "cpu":
+                return None, tensor
+            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin_memory)
+            host.copy_(tensor, non_blocking=pin_memory)
+            return tensor.device, host
+
+        def unpack(packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tensor:
+            device, tensor = packed
+            return tensor if device is None else tensor.to(device, non_blocking=pin_memory)
+
+        super().__init__(pack, unpack)
 
 
 @dataclass(eq=False)

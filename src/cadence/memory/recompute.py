@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from cadence.models.blocks import repeated_blocks
+
 CheckpointingMode = Literal["none", "full", "selective"]
 CHECKPOINTING_MODES: tuple[CheckpointingMode, ...] = ("none", "full", "selective")
 
@@ -47,17 +49,9 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
 _EXPENSIVE = _expensive_ops()
 
 
-def checkpoint_blocks(module: nn.Module) -> list[nn.Module]:
-    """The repeated blocks that checkpointing wraps: ``model.blocks`` (built-in GPT) or a Hugging Face layer list."""
-    for path in ("blocks", "model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers"):
-        found: Any = module
-        for part in path.split("."):
-            found = getattr(found, part, None)
-            if found is None:
-                break
-        if isinstance(found, nn.ModuleList) and len(found) > 0:
-            return list(found)
-    raise ValueError(f"{type(module).__name__} has no list of blocks to checkpoint (looked for model.blocks, ...)")
+checkpoint_blocks = repeated_blocks
+"""The blocks checkpointing wraps: ``model.blocks`` (built-in GPT) or a Hugging Face layer list (the finder lives in
+:mod:`cadence.models.blocks`, shared with torch.compile; this name stays for its callers)."""
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: CheckpointingMode) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from cadence.errors import UsageError
+from cadence.models.blocks import repeated_blocks
+from cadence.models.compile import CompileClock, CompileStats, compile_blocks, compile_problem, compile_stats
 from cadence.models.gpt import GPT, MODEL_CONFIGS, Block, GPTConfig
 
 MODEL_NAMES: tuple[str, ...] = tuple(MODEL_CONFIGS)
@@ -29,4 +31,7 @@ def model_context_length(name: str) -> int:
     return _config(name).context_length
 
 
-__all__ = ["GPT", "GPTConfig", "Block", "MODEL_CONFIGS", "MODEL_NAMES", "build_model", "model_context_length"]
+__all__ = [
+    "GPT", "GPTConfig", "Block", "MODEL_CONFIGS", "MODEL_NAMES", "CompileClock", "CompileStats", "build_model",
+    "compile_blocks", "compile_problem", "compile_stats", "model_context_length", "repeated_blocks",
+]

@@ -1,4 +1,5 @@
-"""The report of a plan (``cadence report PLAN_DIR``): diagnosis, candidates, the choice and its quality check."""
+"""The report of a plan (``cadence report PLAN_DIR``): the decision first (the choice, why, how to train with it,
+its quality check in one line), then the setup, diagnosis, candidates, cuts, quality details and notes."""
 
 from __future__ import annotations
 
@@ -14,27 +15,32 @@ PLAN_FILE = "plan.json"
 
 
 def plan_report(root: Path) -> Report:
-    """The report of a plan: diagnosis, candidates (estimated and measured), the choice, its quality, the notes."""
+    """The report of a plan, the decision first: what to train with, why, and whether its quality check passed;
+    then the setup, the diagnosis, the candidates (estimated and measured), the cuts, the quality details, the notes.
+    """
     plan = read_json_object(root / PLAN_FILE)
     candidates = [c for c in plan.get("candidates") or [] if isinstance(c, dict)]
     choice = plan.get("choice") if isinstance(plan.get("choice"), dict) else None
     chosen_id = choice.get("id") if choice else None
     chosen = next((c for c in candidates if c.get("id") == chosen_id), None)
     budget = plan.get("memory_budget_bytes") if plots.finite(plan.get("memory_budget_bytes")) else None
-    blocks: list[Block] = [Heading(text="Setup"), Bullets(items=_plan_setup(plan))]
+    blocks: list[Block] = [Heading(text="Decision"), *_decision(root, choice, chosen, candidates, budget,
+                                                                 plan.get("quality"))]
+    blocks += [Heading(text="Setup"), Bullets(items=_plan_setup(plan))]
     blocks += _diagnosis(plan.get("diagnosis") or {}, chosen, budget)
     blocks += [Heading(text="Candidates"), _candidate_table(candidates, chosen_id)]
     if candidates:
-        blocks.append(plot_block("report-memory.png", "Peak memory per candidate: estimated (blue; faint when not "
-                            "measured) and measured (green; hatched when over the budget); dashed line: the budget.",
-                            plots.memory_figure(candidates, budget=budget, chosen=chosen_id)))
+        blocks.append(plot_block("report-memory.png", "Peak memory per candidate, one row each: estimated (blue; "
+                                 "faint when not measured) and measured (green); hatched: over the budget; dashed "
+                                 "line: the budget; the chosen row is shaded and starred.",
+                                 plots.memory_figure(candidates, budget=budget, chosen=chosen_id)))
     if any(plots.finite((c.get("measured") or {}).get("tokens_per_s")) for c in candidates):
-        blocks.append(plot_block("report-throughput.png", "Measured throughput of each measured candidate; the chosen "
-                            "one in purple.", plots.throughput_plan_figure(candidates, chosen=chosen_id)))
+        blocks.append(plot_block("report-throughput.png", "Measured throughput of each measured candidate; the "
+                                 "chosen one in purple, over-budget ones hatched.",
+                                 plots.throughput_plan_figure(candidates, chosen=chosen_id)))
     cuts = [row for row in plan.get("cuts") or [] if isinstance(row, dict)]
     if cuts:
         blocks += [Heading(text="Cutting the windows by length"), *_cuts(cuts)]
-    blocks += [Heading(text="Choice"), *_choice(choice)]
     blocks += [Heading(text="Quality check"), *_quality(plan.get("quality"))]
     notes = [str(note) for note in plan.get("notes") or []]
     blocks += [Heading(text="Notes"), Bullets(items=notes) if notes else Paragraph(text="None.")]
@@ -121,15 +127,85 @@ def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None) ->
     return Table(header=header, rows=rows, marked_row=marked)
 
 
-def _choice(choice: dict[str, Any] | None) -> list[Block]:
+def _decision(root: Path, choice: dict[str, Any] | None, chosen: dict[str, Any] | None,
+              candidates: list[dict[str, Any]], budget: float | None, quality: Any) -> list[Block]:
+    """What to train with, why, the command, and the quality check in one line; or why nothing was chosen."""
     if not choice:
-        return [Paragraph(text="**No candidate was chosen:** see each candidate's status and the notes.")]
+        return [Paragraph(text=f"**No candidate was chosen.** {_why_none(candidates, budget)}")]
+    measured = (chosen or {}).get("measured") or {}
+    figures = ""
+    if plots.finite(measured.get("tokens_per_s")):
+        figures = (f"; measured {measured['tokens_per_s']:,.0f} tokens/s at a peak of "
+                   f"{format_bytes(measured.get('peak_bytes'))}" + (f" of {format_bytes(budget)}" if budget else ""))
     flags = (f"--micro-batch-size {choice.get('micro_batch_size')} --grad-accum-steps {choice.get('grad_accum_steps')} "
              f"--precision {choice.get('precision')} --activation-checkpointing "
              f"{choice.get('activation_checkpointing', 'none')} --offload {choice.get('offload', 'none')}")
-    return [Paragraph(text=f"**Chosen: {choice.get('id', '?')}**: {_config_text(choice)}."),
-            Paragraph(text=f"**Reason:** {choice.get('reason', 'not given')}"),
-            Paragraph(text=f"To train with it: `cadence train ... {flags}`")]
+    # train's default order is by-length; a plan's "drawn" must be said (a plan.json without it means drawn).
+    flags += f" --micro-batch-order {choice.get('micro_batch_order') or 'drawn'}"
+    if choice.get("micro_batch_tokens"):
+        flags += f" --micro-batch-tokens {choice['micro_batch_tokens']}"
+    if choice.get("packing"):
+        flags += " --packing"
+    reason = str(choice.get("reason") or "not given").rstrip(".")
+    return [Paragraph(text=f"**Chosen: {choice.get('id', '?')}**: {_config_text(choice)}{_cut_text(choice)}{figures}."),
+            Paragraph(text=f"**Why:** {reason}."),
+            Paragraph(text=f"**Train with it:** `cadence train --plan {root / PLAN_FILE}` with the --data it was "
+                           f"planned on, or by flags: `cadence train ... {flags}`"),
+            Paragraph(text=f"**Quality check: {quality_verdict(quality)}**{_quality_line(quality)}")]
+
+
+def _cut_text(choice: dict[str, Any]) -> str:
+    """How the chosen configuration cuts each window, when it is not the drawn order (empty otherwise)."""
+    parts = []
+    if choice.get("micro_batch_order") not in (None, "drawn"):
+        parts.append(f"micro-batch order {choice['micro_batch_order']}")
+    if choice.get("micro_batch_tokens"):
+        parts.append(f"at most {choice['micro_batch_tokens']:,} tokens per micro-batch")
+    if choice.get("packing"):
+        parts.append("packed rows")
+    return f", windows cut with {', '.join(parts)}" if parts else ""
+
+
+def _why_none(candidates: list[dict[str, Any]], budget: float | None) -> str:
+    """Why nothing was chosen: the candidates' statuses counted, and the smallest estimate against the budget."""
+    if not candidates:
+        return "The plan holds no candidates: see the notes."
+    counts: dict[str, int] = {}
+    for candidate in candidates:
+        status = str(candidate.get("status", "no status"))
+        counts[status] = counts.get(status, 0) + 1
+    text = f"Of {len(candidates)} candidates: " + "; ".join(f"{n} {status}" for status, n in counts.items()) + "."
+    estimated = [c for c in candidates if plots.finite(c.get("estimated_peak_bytes"))]
+    if estimated and budget:
+        smallest = min(estimated, key=lambda c: c["estimated_peak_bytes"])
+        text += (f" The smallest estimated peak is {smallest.get('id', '?')}'s "
+                 f"{format_bytes(smallest['estimated_peak_bytes'])}, against a budget of {format_bytes(budget)}.")
+    return text + " See each candidate's status below and the notes."
+
+
+def quality_verdict(quality: Any) -> str:
+    """FAIL when any recorded check failed, PASS when every one passed, "not checked" otherwise (none recorded, or
+    one without a verdict)."""
+    quality = quality if isinstance(quality, dict) else {}
+    passed = [check.get("passed") for check in (quality.get("gradient"), quality.get("loss"))
+              if isinstance(check, dict)]
+    if any(p is False for p in passed):
+        return "FAIL"
+    return "PASS" if passed and all(p is True for p in passed) else "not checked"
+
+
+def _quality_line(quality: Any) -> str:
+    """The checks behind the overall verdict, each with its figure, in one line (the details are further down)."""
+    quality = quality if isinstance(quality, dict) else {}
+    parts = []
+    grad, loss = quality.get("gradient"), quality.get("loss")
+    if isinstance(grad, dict):
+        parts.append(f"gradient {_passed(grad.get('passed'))} (relative error "
+                     f"{format_number(grad.get('relative_error'), '.2e')})")
+    if isinstance(loss, dict):
+        parts.append(f"loss over {loss.get('steps', '?')} steps {_passed(loss.get('passed'))} (largest difference "
+                     f"{format_number(times(loss.get('max_relative_difference'), 100), '.2f')}%)")
+    return (": " + ", ".join(parts) + ", against the reference; details below.") if parts else "."
 
 
 def _passed(value: Any) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Sequence
@@ -42,6 +43,11 @@ the usual profile; with more steps it is a little stricter than 99%, with fewer 
 MEMORY_THRESHOLD = 0.02
 """Relative peak-memory difference above which B is leaner or heavier. Memory repeats exactly for a configuration;
 2% leaves room for allocator rounding and the small buffers that a different library version may add."""
+WARM_UP_FACTOR = 1.5
+"""A profile's first active steps are left out of its step-time statistics while each takes more than this times the
+median of the steps after it: warm-up that the profile's own warm-up step did not absorb (allocator growth, lazy
+initialisation, compilation). Left in, one 1.1 s step among 0.13 s ones makes the spread so wide that a 5x speed-up
+reads as "no difference beyond the noise"."""
 UNFAIR_KEYS = ("model", "seq_len", "effective_batch_size", "device")
 """Settings that change the work a step does (or where it runs): when they differ, A and B are not like for like."""
 NOT_COMPARED = ("out", "resume", "plan")
@@ -53,15 +59,31 @@ MemoryKind = Literal["leaner", "heavier", "same", "unknown"]
 
 @dataclass(frozen=True, kw_only=True)
 class StepStats:
-    """Mean and sample standard deviation of a profile's active step times."""
+    """Mean and sample standard deviation of a profile's active step times (its warm-up outliers left out)."""
 
     n: int
     mean_s: float | None
     sd_s: float | None
+    warm_up: tuple[float, ...] = ()
+    """The leading step times left out as warm-up (see WARM_UP_FACTOR)."""
 
     def text(self) -> str:
         sd = f" ± {format_seconds(self.sd_s)}" if self.sd_s is not None else ""
-        return f"{format_seconds(self.mean_s)}{sd} over {self.n} step{'s' if self.n != 1 else ''}"
+        left_out = ""
+        if self.warm_up:
+            left_out = (f", after leaving out {len(self.warm_up)} warm-up step{'s' if len(self.warm_up) != 1 else ''}"
+                        f" of {', '.join(format_seconds(t) for t in self.warm_up)}")
+        return f"{format_seconds(self.mean_s)}{sd} over {self.n} step{'s' if self.n != 1 else ''}{left_out}"
+
+
+def split_warm_up(times: Sequence[float]) -> tuple[list[float], list[float]]:
+    """(warm-up, steady) step times: leading steps slower than WARM_UP_FACTOR x the median of the steps after them
+    are warm-up; at least 2 steady steps are always kept, so that a spread can still be measured."""
+    times = list(times)
+    cut = 0
+    while len(times) - cut > 2 and times[cut] > WARM_UP_FACTOR * statistics.median(times[cut + 1:]):
+        cut += 1
+    return times[:cut], times[cut:]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,8 +187,11 @@ def welch_t(a: Sequence[float], b: Sequence[float]) -> tuple[float, float | None
 
 
 def speed_verdict(a: Sequence[float], b: Sequence[float]) -> SpeedVerdict:
-    """Faster (B's steps take less time), slower, no difference beyond the noise, or unknown (too few steps)."""
-    stats = [StepStats(n=len(x), mean_s=mean_sd(x)[0], sd_s=mean_sd(x)[1]) for x in (a, b)]
+    """Faster (B's steps take less time), slower, no difference beyond the noise, or unknown (too few steps); each
+    side's leading warm-up steps are left out first (split_warm_up)."""
+    (warm_a, a), (warm_b, b) = split_warm_up(a), split_warm_up(b)
+    stats = [StepStats(n=len(x), mean_s=mean_sd(x)[0], sd_s=mean_sd(x)[1], warm_up=tuple(w))
+             for x, w in ((a, warm_a), (b, warm_b))]
     result = welch_t(a, b)
     if result is None:
         return SpeedVerdict(kind="unknown", a=stats[0], b=stats[1], t=None, df=None)
@@ -241,6 +266,25 @@ def memory_statement(memory: MemoryVerdict) -> str:
     if memory.a_source != memory.b_source:
         text += f" Measured differently: A by {memory.a_source or '?'}, B by {memory.b_source or '?'}."
     return text
+
+
+def terminal_summary(comparison: Comparison) -> list[str]:
+    """What `cadence profile --compare` prints before the file paths: the two verdicts and the ratios that matter,
+    in plain text (the files hold the tables and the plot)."""
+    c = comparison
+    lines = [_plain(speed_statement(c.speed)), _plain(memory_statement(c.memory))]
+    ratios = [f"{label} B/A {_ratio(c.a.get(key), c.b.get(key))}" for label, key in
+              (("tokens/s", "tokens_per_s"), ("peak memory", "peak_memory_bytes"))]
+    ratios.append(f"step time B/A {_ratio(c.speed.a.mean_s, c.speed.b.mean_s)}")
+    lines.append(", ".join(ratios))
+    if c.differences:
+        lines.append("B differs from A in: " + ", ".join(f"{d.key} ({_value(d.a)} vs {_value(d.b)})"
+                                                         + (" [unfair]" if d.unfair else "") for d in c.differences))
+    return lines
+
+
+def _plain(markdown: str) -> str:
+    return markdown.replace("**", "")
 
 
 def _value(value: Any) -> str:
@@ -339,8 +383,8 @@ def render_comparison(comparison: Comparison) -> str:
     return to_markdown(comparison_report(comparison))
 
 
-def write_comparison(a: Path, b: Path, out_dir: Path | None = None) -> list[Path]:
-    """Compare B against A and write the markdown, the HTML and the phase plot; return their paths.
+def write_comparison(a: Path, b: Path, out_dir: Path | None = None) -> tuple[Comparison, list[Path]]:
+    """Compare B against A and write the markdown, the HTML and the phase plot; return the comparison and the paths.
 
     Into ``out_dir`` as compare.md, compare.html and compare-phases.png; without it, into B's directory as
     compare-<A's name>.md (and .html, -phases.png), so that comparisons of B against several baselines coexist.
@@ -359,4 +403,4 @@ def write_comparison(a: Path, b: Path, out_dir: Path | None = None) -> list[Path
         atomic_write_bytes(page, to_html(report).encode("utf-8"))
     except OSError as err:  # a read-only or full disk is the user's to fix, not a traceback
         raise UsageError.single(where, f"cannot write the comparison into {folder}: {err.strerror or err}") from None
-    return [md, page, png]
+    return comparison, [md, page, png]

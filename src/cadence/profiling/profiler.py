@@ -29,13 +29,15 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from cadence.engine.precision import fp32_matmul
+from cadence.engine.prefetch import prefetch
 from cadence.engine.step import Engine
 from cadence.engine.windows import epoch_windows
 from cadence.errors import Problem, UsageError
 from cadence.memory.meter import live_training_bytes, quiet_native_stderr
-from cadence.models import MODEL_CONFIGS
+from cadence.models import MODEL_CONFIGS, CompileClock
 from cadence.profiling.flops import measured_peak_flops, model_flops_per_token
-from cadence.profiling.report import PROFILE_FILE, profile_report
+from cadence.profiling.report import PROFILE_FILE, compile_line, profile_report
 from cadence.report.document import write_report
 from cadence.training.components import build_components
 from cadence.training.prepare import prepare
@@ -109,6 +111,8 @@ class ProfileSettings:
     memory_limit_bytes: int | None = None
     config: dict[str, Any] | None = None
     padding_fraction: float | None = None
+    compile_clock: CompileClock | None = None
+    """With --compile: the clock that splits compile time between the steps before the active ones and those."""
     """The share of the computed positions that were right padding over the active steps (None: not counted)."""
 
 
@@ -157,6 +161,8 @@ class StepProfiler:
         active_from = self.settings.wait + self.settings.warmup
         if self._step_index == active_from - 1:
             self._memory_baseline = live_training_bytes(self.engine.model, self.engine.optimizer)
+            if self.settings.compile_clock is not None:
+                self.settings.compile_clock.lap()  # what compiles from here on inflates the active steps' times
         self.timer.end_step(keep=self._step_index >= active_from)
         self._profiler.step()
         self.timer.restart()  # the profiler's own bookkeeping is not part of any step
@@ -223,9 +229,21 @@ def summarize(profiler: StepProfiler, prof: Any) -> dict[str, Any]:
         "mfu": mfu,
         "top_operators": top_operators(prof, engine.device, wall),
         "trace": TRACE_FILE,
+        **_compile_figures(settings.compile_clock),
     }
     result["verdict"] = verdict(result, settings.memory_limit_bytes)
     return result
+
+
+def _compile_figures(clock: CompileClock | None) -> dict[str, Any]:
+    """With --compile: compile time over the whole profile (the wait step compiles), the part inside the active
+    steps (a new shape recompiles; their step times include it) and the graphs compiled; None without --compile."""
+    if clock is None:
+        return {"compile_time_s": None, "compile_time_in_active_steps_s": None, "compiled_graphs": None}
+    in_active = clock.lap()
+    total = clock.total()
+    return {"compile_time_s": total.seconds, "compile_time_in_active_steps_s": in_active,
+            "compiled_graphs": total.graphs}
 
 
 def phase_memory(prof: Any, device: torch.device, baseline: int) -> dict[str, int | None]:
@@ -307,9 +325,17 @@ def verdict(result: dict[str, Any], memory_limit: int | None) -> dict[str, str]:
                           "effective batch; a fused/foreach optimizer; offload costs host time"}
     mfu = result.get("mfu")
     mfu_text = f"; MFU {mfu:.1%}" if mfu else ""
+    config = result.get("config") or {}
+    levers = ["a larger micro-batch for better kernel efficiency"]
+    if config.get("precision") != "bf16":
+        levers.insert(0, "bf16 on hardware with fast bf16 matmuls")
+    if not config.get("compile"):
+        levers.append("--compile (fused kernels)")
+    if config.get("activation_checkpointing") not in (None, "none"):  # only a run that recomputes can recompute less
+        levers.append(f"less recompute than {config['activation_checkpointing']} if memory allows")
     return {"kind": "compute-bound", "figure": f"forward + backward take {compute:.0%} of the step{mfu_text}",
-            "advice": "the math is the bottleneck: bf16 on hardware with fast bf16 matmuls, a larger micro-batch "
-                      "for better kernel efficiency, or less recompute if memory allows"}
+            "advice": "the math is the bottleneck: " + (f"{', '.join(levers[:-1])}, or " if levers[1:] else "")
+                      + levers[-1]}
 
 
 def load_profile(directory: Path) -> dict[str, Any]:
@@ -318,9 +344,9 @@ def load_profile(directory: Path) -> dict[str, Any]:
 
 PROFILE_TRAIN_FIELDS = (
     "model", "data", "data_cache", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size",
-    "micro_batch_order", "micro_batch_tokens", "packing", "precision", "activation_checkpointing", "offload", "memory_budget",
-    "max_grad_norm", "lr", "weight_decay", "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio",
-    "seed", "device", "out", "plan",
+    "micro_batch_order", "micro_batch_tokens", "packing", "precision", "activation_checkpointing", "offload",
+    "memory_budget", "compile", "prefetch_windows", "fp32_matmul", "max_grad_norm", "lr", "weight_decay",
+    "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "seed", "device", "out", "plan",
 )
 """The train flags `cadence profile` accepts: what shapes a step. --memory-budget is the limit the memory-bound
 verdict compares against (the profiler measures memory itself, so the CPU budget guard is not used)."""
@@ -364,6 +390,7 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
             torch.cuda.get_device_properties(prep.device).total_memory if prep.device.type == "cuda" else None),
         config={**config.to_json_dict(), "seq_len": prep.seq_len, "micro_batch_size": prep.micro_batch_size,
                 "grad_accum_steps": prep.grad_accum_steps, "effective_batch_size": prep.effective_batch_size},
+        compile_clock=parts.compile_clock,
     )
 
     def windows() -> Iterator[Any]:
@@ -379,8 +406,11 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
     print(f"profiling {config.model} on {prep.device}: 1 wait + 1 warm-up + {options.steps} profiled steps",
           file=stream, flush=True)
     tokens, padded = [], []
-    with StepProfiler(parts.engine, out=prep.out, settings=settings) as profiler:
-        for window in windows():
+    profiling = StepProfiler(parts.engine, out=prep.out, settings=settings)
+    # Prepared ahead as cadence train prepares them (--prefetch-windows), so the data wait measured is the run's.
+    ahead = prefetch(windows(), depth=config.prefetch_windows, pin_memory=prep.device.type == "cuda")
+    with ahead, fp32_matmul(config.fp32_matmul), profiling as profiler:
+        for window in ahead:
             result = parts.engine.step(window)
             with profiler.phase("logging_checkpointing"):
                 tokens.append(result.tokens)
@@ -400,6 +430,7 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
     print(f"{verdict_.get('kind')}: {verdict_.get('figure')}. {verdict_.get('advice')}\n"
           f"tokens/s {summary.get('tokens_per_s') or 0:,.0f}, MFU {mfu:.2%} "
           f"(peak {summary.get('peak_flops', 0):.3g} FLOP/s, {summary.get('peak_flops_source')})\n"
-          f"profile: {prep.out / PROFILE_FILE}, trace: {prep.out / TRACE_FILE}, report: {prep.out / 'report.html'}",
+          + (compile_line(summary) + "\n" if summary.get("compile_time_s") is not None else "")
+          + f"profile: {prep.out / PROFILE_FILE}, trace: {prep.out / TRACE_FILE}, report: {prep.out / 'report.html'}",
           file=stream, flush=True)
     return summary

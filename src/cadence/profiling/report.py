@@ -126,6 +126,18 @@ def effective_batch(profile: dict[str, Any]) -> str:
     return f"{total if total is not None else '?'} = {micro} micro-batch x {accum} accumulation x {world} process(es)"
 
 
+def compile_line(profile: dict[str, Any]) -> str:
+    """--compile's cost in a profile: the compile time, the part of it inside the active steps, the graphs."""
+    inside = profile.get("compile_time_in_active_steps_s")
+    graphs = profile.get("compiled_graphs")
+    text = (f"compile {format_number(profile.get('compile_time_s'), '.1f')} s "
+            f"({format_number(graphs, ',.0f')} graph{'' if graphs == 1 else 's'})")
+    if plots.finite(inside) and inside > 0:
+        return text + (f", {format_seconds(inside)} of it inside the active steps (a new shape recompiled): their "
+                       f"step times include it")
+    return text + ", all before the active steps: their step times hold none of it"
+
+
 def setup_items(profile: dict[str, Any]) -> list[str]:
     """Model, device, precision, batch and schedule: what the numbers of a profile are numbers of."""
     config = _dict(profile.get("config"))
@@ -279,6 +291,8 @@ def _throughput(profile: dict[str, Any]) -> list[Block]:
         order = (get("config") or {}).get("micro_batch_order") or "drawn"
         items.append(f"**Padding:** {format_share(get('padding_fraction'))} of the positions computed are right "
                      f"padding (micro-batch order: {order}); tokens/s counts real tokens only")
+    if get("compile_time_s") is not None:  # --compile
+        items.append(f"**Compiled:** {compile_line(profile)}")
     return [Heading(text="Throughput and MFU"), Bullets(items=items)]
 
 

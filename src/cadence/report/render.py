@@ -26,11 +26,21 @@ if TYPE_CHECKING:
 
 Row = dict[str, Any]
 
-TRAIN, VALIDATION, SKIPPED, MEASURED, CHOSEN = "tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"
+TRAIN, VALIDATION, SKIPPED = "tab:blue", "tab:orange", "tab:red"
+ESTIMATED, MEASURED, CHOSEN, BUDGET = "tab:blue", "tab:green", "tab:purple", "black"
+"""The plan's series: one colour each, so that no two series of one figure share one."""
 HOST_CATEGORIES = ("offloaded_to_host",)
 """Estimate categories that live in host memory: shown apart, never stacked into the device peak."""
 CATEGORY_COLORS = {"parameters": "tab:blue", "gradients": "tab:orange", "optimizer_state": "tab:green",
-                   "activations": "tab:red", "temporaries": "tab:gray"}
+                   "activations": "tab:red", "temporaries": "tab:gray", "inputs": "tab:brown",
+                   "offloaded_to_host": "tab:pink"}
+"""A colour per estimate category (cadence.memory.estimate.ESTIMATE_CATEGORIES and the host one), all different:
+a category left to matplotlib's colour cycle would take the cycle's first colour, the blue of the parameters."""
+SPARE_COLORS = ("tab:olive", "tab:cyan", "gold", "navy", "teal", "salmon")
+"""Colours for a category this module does not know (a newer plan.json): taken in order, skipping used ones."""
+MAX_FIGURE_WIDTH_IN = 10.5
+"""The HTML page is at most 1100 px wide (CSS below) and figures are drawn at 100 dpi: a wider figure would be
+shrunk to the page, its text with it, until it is unreadable. Figures grow in height, never in width."""
 
 
 def new_figure(size: tuple[float, float]) -> Figure:
@@ -38,6 +48,8 @@ def new_figure(size: tuple[float, float]) -> Figure:
     costs a third of a second that every ``cadence train`` would otherwise pay before its first step."""
     from matplotlib.figure import Figure
 
+    if size[0] > MAX_FIGURE_WIDTH_IN:
+        raise ValueError(f"a figure {size[0]} in wide would be shrunk to the page; at most {MAX_FIGURE_WIDTH_IN} in")
     return Figure(figsize=size, dpi=100, layout="constrained")
 
 
@@ -180,15 +192,37 @@ def loss_scale_figure(rows: Sequence[Row]) -> Figure:
 
 
 # ---------------------------------------------------------------------------------------------------- plan figures
+ROW_HEIGHT_IN = 0.3
+"""Height of one candidate's row in the per-candidate figures: 30 px at 100 dpi holds two bars and a one-line tick
+label of ~11 px with room between neighbours, so labels never overlap however many candidates there are."""
+ROWS_FRAME_IN = 1.7
+"""Height the per-candidate figures need besides their rows: title, x axis and the legend below it."""
+ROWS_WIDTH_IN = 9.0
+"""Width of the per-candidate figures: fixed, within the page (MAX_FIGURE_WIDTH_IN), whatever the count."""
+ROWS_LEGEND_ORDER = ("estimated", "estimated, not measured", "measured", "chosen", "over the budget (hatched)")
+"""Legend order of the per-candidate figures; the budget line (its label holds its value) comes after these."""
+CHOSEN_BAND = "#efe6f7"
+"""Background of the chosen candidate's row: the colour of the marked row of the HTML table (CSS below)."""
+
+
 def candidate_label(candidate: Row) -> str:
-    """Short tick label: id, micro x accum, precision, and recompute/offload when they are on."""
+    """One-line tick label: id, micro x accum, precision, and recompute/offload when they are on."""
     shape = f"{candidate.get('micro_batch_size', '?')}x{candidate.get('grad_accum_steps', '?')}"
-    parts = [str(candidate.get("id", "?")), shape, str(candidate.get("precision", ""))]
+    parts = [shape, str(candidate.get("precision", ""))]
     if candidate.get("activation_checkpointing") not in (None, "none"):
         parts.append(f"ckpt {candidate['activation_checkpointing']}")
     if candidate.get("offload") not in (None, "none"):
-        parts.append(f"off {candidate['offload']}")
-    return "\n".join(parts)
+        parts.append(f"offload {candidate['offload']}")
+    return f"{candidate.get('id', '?')}  " + " ".join(parts)
+
+
+def category_colors(categories: Sequence[str]) -> dict[str, str]:
+    """A colour per estimate category: its own where known, else one no other category (known or shown) uses."""
+    spare = [color for color in SPARE_COLORS if color not in CATEGORY_COLORS.values()]
+    colors = {}
+    for name in categories:
+        colors[name] = CATEGORY_COLORS.get(name) or (spare.pop(0) if spare else "silver")
+    return colors
 
 
 def breakdown_figure(bars: Sequence[tuple[str, dict[str, float]]], *, budget: float | None) -> Figure:
@@ -199,76 +233,137 @@ def breakdown_figure(bars: Sequence[tuple[str, dict[str, float]]], *, budget: fl
     fig, ax = _axes("Estimated peak memory by category", "", unit, size=(6.5, 4.2))
     ax.grid(False, axis="x")
     categories = list(dict.fromkeys(name for _, cats in bars for name in cats if name not in HOST_CATEGORIES))
+    colors = category_colors(categories)
     bottoms = [0.0] * len(bars)
     for category in categories:
         heights = [cats.get(category, 0) / divisor if finite(cats.get(category)) else 0 for _, cats in bars]
         ax.bar([name for name, _ in bars], heights, bottom=bottoms, width=0.5, label=category.replace("_", " "),
-               color=CATEGORY_COLORS.get(category))
+               color=colors[category])
         bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_ylim(0, 1.06 * largest / divisor)  # the budget line clear of the top edge when it is the largest
+    handles = dict(zip(*reversed(ax.get_legend_handles_labels())))
     if finite(budget):
-        ax.axhline(budget / divisor, color="black", ls="--", lw=1.2, label=f"budget {budget / divisor:,.1f} {unit}")
-    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+        line = ax.axhline(budget / divisor, color=BUDGET, ls="--", lw=1.2)
+        handles = {f"budget {budget / divisor:,.1f} {unit}": line, **handles}
+    # The categories top-down, as they are stacked, under the budget.
+    order = [label for label in handles if label.startswith("budget")] + [
+        label for label in reversed(handles) if not label.startswith("budget")]
+    if order:
+        ax.legend([handles[label] for label in order], order, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  fontsize="small")
     return fig
 
 
+def _rows_axes(title: str, xlabel: str, labels: Sequence[str]) -> tuple[Figure, Axes]:
+    """A figure of one horizontal row per candidate: fixed width, height growing with the count, first row on top."""
+    fig = new_figure((ROWS_WIDTH_IN, ROWS_FRAME_IN + ROW_HEIGHT_IN * max(len(labels), 1)))
+    ax = fig.add_subplot()
+    ax.set(title=title, xlabel=xlabel)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.set_yticks(range(len(labels)), labels, fontsize="small")
+    ax.set_ylim(max(len(labels), 1) - 0.5, -0.5)  # inverted: the first candidate on top, as in the table
+    if len(labels) > 12:
+        ax.tick_params(axis="x", labeltop=True)  # a tall figure is read from its top too
+    return fig, ax
+
+
+def _mark_chosen_row(ax: Axes, candidates: Sequence[Row], chosen: str | None, end: Any = None) -> None:
+    """The chosen candidate's row: a band behind it, its tick label bold in CHOSEN and, given ``end`` (where its
+    longest bar ends), a star there."""
+    for index, candidate in enumerate(candidates):
+        if candidate.get("id") != chosen:
+            continue
+        ax.axhspan(index - 0.5, index + 0.5, color=CHOSEN_BAND, zorder=0)
+        label = ax.get_yticklabels()[index]
+        label.set_fontweight("bold")
+        label.set_color(CHOSEN)
+        if end is not None:
+            ax.plot([end(candidate)], [index], "*", color=CHOSEN, ms=12, label="chosen", clip_on=False, zorder=3)
+
+
+def _rows_legend(fig: Figure, ax: Axes, *, over_budget: bool) -> None:
+    """One legend below the axes (never over the bars or the labels); hatching explained once, in black on white."""
+    from matplotlib.container import BarContainer
+    from matplotlib.patches import Patch
+
+    unique: dict[str, Any] = {}
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+        # A bar's entry shows its colour alone: the first bar of a series may be over the budget, and hatched.
+        unique.setdefault(label, Patch(facecolor=handle.patches[0].get_facecolor(), edgecolor="none")
+                          if isinstance(handle, BarContainer) else handle)
+    if over_budget:
+        unique["over the budget (hatched)"] = Patch(facecolor="white", edgecolor="black", hatch="//")
+    # The same order in every such figure, whichever candidate happens to come first: the series, then the marks.
+    def rank(label: str) -> int:
+        return ROWS_LEGEND_ORDER.index(label) if label in ROWS_LEGEND_ORDER else len(ROWS_LEGEND_ORDER)
+
+    unique = {label: unique[label] for label in sorted(unique, key=rank)}  # stable: unknown labels keep their order
+    if unique:
+        fig.legend(list(unique.values()), list(unique.keys()), loc="outside lower center", fontsize="small",
+                   ncols=min(len(unique), 3))
+
+
 def memory_figure(candidates: Sequence[Row], *, budget: float | None, chosen: str | None) -> Figure:
-    """Estimated vs measured peak per candidate; unmeasured estimates greyed, the chosen one starred."""
+    """Estimated and measured peak per candidate, one row each; unmeasured estimates faint, over-budget bars hatched,
+    the chosen row marked, the budget a dashed line."""
     values = [c.get("estimated_peak_bytes") for c in candidates]
     values += [(c.get("measured") or {}).get("peak_bytes") for c in candidates]
     largest = max([v for v in values if finite(v)] + [budget or 0, 1])
     divisor, unit = byte_unit(largest)
-    fig, ax = _axes("Peak memory per candidate", "", unit, size=(max(8.0, 0.9 * len(candidates) + 2.5), 4.4))
-    ax.grid(False, axis="x")
-    width = 0.38
+    fig, ax = _rows_axes("Peak memory per candidate", f"peak memory ({unit})",
+                         [candidate_label(c) for c in candidates])
+    height, hatched = 0.38, False
     for index, candidate in enumerate(candidates):
         measured = candidate.get("measured") or {}
         estimate = candidate.get("estimated_peak_bytes")
         if finite(estimate):
-            ax.bar(index - width / 2, estimate / divisor, width, color=TRAIN, alpha=0.9 if measured else 0.3,
-                   label="estimated" if index == 0 else None)
+            over = candidate.get("fits_estimate") is False or (finite(budget) and estimate > budget)
+            ax.barh(index - height / 2, estimate / divisor, height, color=ESTIMATED, alpha=0.9 if measured else 0.35,
+                    hatch="//" if over else None, edgecolor="black" if over else "none", linewidth=0.6,
+                    label="estimated" if measured else "estimated, not measured")
+            hatched |= bool(over)
         if finite(measured.get("peak_bytes")):
-            ax.bar(index + width / 2, measured["peak_bytes"] / divisor, width, color=MEASURED,
-                   edgecolor="black" if measured.get("fits") is False else None,
-                   hatch="//" if measured.get("fits") is False else None,
-                   label="measured, over budget" if measured.get("fits") is False else "measured")
+            over = measured.get("fits") is False
+            ax.barh(index + height / 2, measured["peak_bytes"] / divisor, height, color=MEASURED,
+                    hatch="//" if over else None, edgecolor="black" if over else "none", linewidth=0.6,
+                    label="measured")
+            hatched |= over
     if finite(budget):
-        ax.axhline(budget / divisor, color="black", ls="--", lw=1.2, label=f"budget {budget / divisor:,.1f} {unit}")
-    _mark_chosen(ax, candidates, chosen, lambda c: max(
+        ax.axvline(budget / divisor, color=BUDGET, ls="--", lw=1.2, label=f"budget {budget / divisor:,.1f} {unit}")
+    _mark_chosen_row(ax, candidates, chosen, lambda c: max(
         [v for v in (c.get("estimated_peak_bytes"), (c.get("measured") or {}).get("peak_bytes")) if finite(v)]
         + [0]) / divisor)
-    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    ax.set_xlim(0, 1.06 * largest / divisor)  # room for the chosen star after the longest bar
+    _rows_legend(fig, ax, over_budget=hatched)
     return fig
 
 
 def throughput_plan_figure(candidates: Sequence[Row], *, chosen: str | None) -> Figure:
-    """Measured tokens/s per measured candidate; the chosen one in its own colour, over-budget ones hatched."""
+    """Measured tokens/s per measured candidate, one row each with its value; the chosen one in its own colour,
+    over-budget ones hatched."""
     measured = [c for c in candidates if finite((c.get("measured") or {}).get("tokens_per_s"))]
-    fig, ax = _axes("Measured throughput", "", "tokens / s", size=(max(6.0, 0.9 * len(measured) + 2.5), 4.0))
-    ax.grid(False, axis="x")
+    fig, ax = _rows_axes("Measured throughput per candidate", "tokens / s", [candidate_label(c) for c in measured])
+    hatched = False
+    largest = max([c["measured"]["tokens_per_s"] for c in measured] + [1])
     for index, candidate in enumerate(measured):
         result = candidate["measured"]
         over = result.get("fits") is False
-        ax.bar(index, result["tokens_per_s"], 0.6, color=CHOSEN if candidate.get("id") == chosen else MEASURED,
-               hatch="//" if over else None, edgecolor="black" if over else None,
-               label="over budget (measured)" if over else None)
-    _mark_chosen(ax, measured, chosen, lambda c: c["measured"]["tokens_per_s"])
+        is_chosen = candidate.get("id") == chosen
+        ax.barh(index, result["tokens_per_s"], 0.6, color=CHOSEN if is_chosen else MEASURED,
+                hatch="//" if over else None, edgecolor="black" if over else "none", linewidth=0.6,
+                label="chosen" if is_chosen else "measured")
+        ax.text(result["tokens_per_s"] + 0.01 * largest, index, f"{result['tokens_per_s']:,.0f}", va="center",
+                fontsize="small", color=CHOSEN if is_chosen else "black",
+                fontweight="bold" if is_chosen else "normal")
+        hatched |= over
+    _mark_chosen_row(ax, measured, chosen)  # its bar is already in CHOSEN: no star
+    ax.set_xlim(0, 1.15 * largest)  # room for the values after the bars
+    ax.xaxis.set_major_formatter(lambda x, _: f"{x:,.0f}")
     if not measured:
         ax.text(0.5, 0.5, "no candidate was measured", ha="center", va="center", transform=ax.transAxes)
-    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    _rows_legend(fig, ax, over_budget=hatched)
     return fig
-
-
-def _mark_chosen(ax: Axes, candidates: Sequence[Row], chosen: str | None, top: Any) -> None:
-    """Tick labels for the candidates, the chosen one bold and starred above its tallest bar."""
-    ax.set_xticks(range(len(candidates)), [candidate_label(c) for c in candidates], fontsize="small")
-    for index, candidate in enumerate(candidates):
-        if candidate.get("id") == chosen:
-            ax.get_xticklabels()[index].set_fontweight("bold")
-            ax.get_xticklabels()[index].set_color(CHOSEN)
-            ax.annotate("chosen", (index, top(candidate)), xytext=(0, 9), textcoords="offset points",
-                        ha="center", va="bottom", color=CHOSEN, fontweight="bold")
-            ax.plot([index], [top(candidate)], "*", color=CHOSEN, ms=12, label="chosen")
-    ax.margins(y=0.12)
 
 
 def quality_figure(chosen: Sequence[float], reference: Sequence[float]) -> Figure:

@@ -1,7 +1,9 @@
-"""The report of a training run (``cadence report RUN_DIR``): configuration, totals, plots per step, last rows."""
+"""The report of a training run (``cadence report RUN_DIR``): configuration, totals, what to try next, plots per
+step, last rows."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,15 @@ from cadence.report.render import Block, Bullets, Heading, Paragraph, Report, Ta
 from cadence.training.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, MetricsUnreadable, read_metrics
 
 LAST_ROWS = 10
+PADDING_ADVICE_SHARE = 0.25
+"""A padding share from which cutting the windows by length is worth trying (the profile's padding-bound verdict,
+cadence.profiling.profiler, uses the same share)."""
+HEADROOM_SHARE = 0.5
+"""A peak at most this share of --memory-budget leaves room to double the micro-batch: doubling it at most doubles
+the peak (parameters, gradients and optimizer state stay, only activations and temporaries grow)."""
+FP16_CALIBRATION_WINDOWS = 16
+"""fp16's loss scale starts at 2**16 and halves on each overflow: skips within the first 16 windows are the scale
+finding its level, which every fp16 run goes through; later ones mean the values themselves overflow."""
 
 
 def _metrics_rows(root: Path) -> list[dict[str, Any]]:
@@ -36,6 +47,7 @@ def run_report(root: Path) -> Report:
                                      f"from {METRICS_FILE}."))
         summary = _summary_from_rows(rows)
     blocks.append(Bullets(items=_total_items(summary, rows)))
+    blocks += [Heading(text="What to try next"), Bullets(items=next_steps(root, config, summary, rows))]
     blocks += [Heading(text="Plots"), *_run_plots(rows, config, summary)]
     if rows:
         blocks += [Heading(text=f"Last {min(LAST_ROWS, len(rows))} rows of {METRICS_FILE}"), _last_rows(rows)]
@@ -106,6 +118,172 @@ def _total_items(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[st
                           f"({row.get('skip_reason') or 'no reason given'})" for row in skipped[:10])
         items.append(f"**Skipped steps:** {shown}" + (f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""))
     return items
+
+
+def next_steps(root: Path, config: dict[str, Any], summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """Advice from this run's own figures, each item only where it applies to this run; then the two tools that
+    look further (profile: where the step time goes; plan: the alternatives within a budget), always."""
+    get = config.get
+    items: list[str] = []
+    padding = summary.get("padding_fraction")
+    if not plots.finite(padding):  # an unfinished run: counted from metrics.jsonl
+        padded = sum(row.get("padded_positions") or 0 for row in rows)
+        real = sum(row.get("tokens") or 0 for row in rows)
+        padding = padded / (padded + real) if padded + real else None
+    if plots.finite(padding) and padding >= PADDING_ADVICE_SHARE:
+        levers = []
+        if get("micro_batch_order") != "by-length" and not get("packing"):
+            levers.append("`--micro-batch-order by-length` (longest first, so each micro-batch pads little)")
+        if not get("packing"):
+            levers.append("`--packing` (several examples per row of --seq-len, attention kept apart)")
+        if not get("micro_batch_tokens"):
+            levers.append("`--micro-batch-tokens N` (micro-batches of at most N positions: many short rows or few "
+                          "long ones)")
+        if levers:
+            items.append(f"**Padding:** {padding:.0%} of the positions computed were padding. Cut each window by "
+                         f"length: {', or '.join(levers)}; the window's samples and its gradient stay the same, only "
+                         f"the padding goes.")
+    items += _skip_advice(config, rows)
+    items += _memory_advice(config, summary, rows)
+    if str(get("resolved_device", "")).startswith("cuda") and get("compile") is False:
+        items.append("**Compile:** `--compile` compiles each transformer block (fused kernels); the first steps pay "
+                     "the compile time, reported apart.")
+    if summary.get("stopped_by"):
+        items.append(f"**Continue:** the run was stopped by {summary['stopped_by']} after step "
+                     f"{summary.get('steps', '?')}; `cadence train --resume --out {shlex.quote(str(root))}` "
+                     f"continues it with its recorded configuration.")
+    elif not (root / SUMMARY_FILE).is_file() and any((root / "checkpoints").glob("step-*")):
+        items.append(f"**Continue:** the run did not finish; `cadence train --resume --out "
+                     f"{shlex.quote(str(root))}` continues it from its newest checkpoint with its recorded "
+                     f"configuration.")
+    flags = _shape_flags(config, summary)
+    items.append(f"**Where the step time goes:** `cadence profile {flags}{' ' if flags else ''}--out DIR` profiles "
+                 f"a few steps of this configuration: time per phase, top operators, MFU and a verdict with its own "
+                 f"advice.")
+    items.append(f"**Alternatives:** `cadence plan {_plan_flags(config)}`{_plan_note(config)} estimates and "
+                 f"measures micro-batch, accumulation, recompute, offload and precision side by side within the "
+                 f"budget, and checks the chosen one's loss and gradient against fp32.")
+    return items
+
+
+def _skip_advice(config: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """fp16 overflows after the loss scale settled, or non-finite gradients: what made the steps go wrong."""
+    skipped = [row for row in rows if row.get("skipped")]
+    lr = config.get("lr", "?")
+    if config.get("precision") == "fp16":
+        late = [row for row in skipped if row.get("skip_reason") == "fp16 overflow"
+                and isinstance(row.get("window"), int) and row["window"] > FP16_CALIBRATION_WINDOWS]
+        if late:
+            return [f"**fp16 overflows:** {len(late)} window(s) after the first {FP16_CALIBRATION_WINDOWS} (where "
+                    f"the loss scale settles) were skipped: `--precision bf16` (fp32's range, no loss scale) where "
+                    f"the hardware has fast bf16, or a lower `--lr` than {lr}."]
+        return []
+    bad = [row for row in skipped if row.get("skip_reason") == "non-finite gradients"]
+    if not bad:
+        return []
+    warmup = config.get("warmup_steps")
+    return [f"**Non-finite gradients:** {len(bad)} window(s) were skipped: a lower `--lr` than {lr}"
+            + (", or a warmup (`--warmup-steps`)" if warmup == 0 else f", or a longer warmup than {warmup} steps")
+            + "."]
+
+
+def _memory_advice(config: dict[str, Any], summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """Out-of-memory retries (start where the run settled) or a peak far below the budget (use the room)."""
+    get = config.get
+    world = get("world_size") if isinstance(get("world_size"), int) else 1
+    effective = get("effective_batch_size")
+    retries = summary.get("oom_retries")
+    if not isinstance(retries, int):
+        retries = sum(int(row.get("oom_retries") or 0) for row in rows)
+    if retries:
+        final, tokens = summary.get("final_micro_batch_size"), summary.get("final_micro_batch_tokens")
+        if get("micro_batch_tokens") and isinstance(tokens, int):
+            start = f"`--micro-batch-tokens {tokens}`"
+        elif isinstance(final, int) and isinstance(effective, int) and effective % (final * world) == 0:
+            start = f"`--micro-batch-size {final} --grad-accum-steps {effective // (final * world)}`"
+        else:
+            start = "the micro-batch size it settled on"
+        return [f"**Out of memory:** {retries} window(s) ran out of memory and were computed again with a smaller "
+                f"micro-batch. Start at {start} (the same effective batch), so that no window is computed twice."]
+    budget, peak = get("memory_budget_bytes"), summary.get("peak_memory_bytes")
+    if not (plots.finite(budget) and plots.finite(peak) and budget > 0 and peak <= HEADROOM_SHARE * budget):
+        return []
+    levers = []
+    micro, accum = get("micro_batch_size"), get("grad_accum_steps")
+    if (not get("auto_micro_batch") and not get("micro_batch_tokens") and isinstance(micro, int)
+            and isinstance(accum, int) and accum % 2 == 0):
+        levers.append(f"a larger micro-batch with less accumulation, `--micro-batch-size {2 * micro} "
+                      f"--grad-accum-steps {accum // 2}` (the same effective batch, fewer and fuller passes)")
+    recompute = get("activation_checkpointing")
+    if recompute in ("full", "selective"):
+        levers.append(f"less recompute, `--activation-checkpointing {'selective' if recompute == 'full' else 'none'}`")
+    if get("offload") not in (None, "none"):
+        levers.append("no offload, `--offload none`")
+    if not levers:
+        return []
+    return [f"**Memory to spare:** the peak, {format_bytes(peak)}, is {peak / budget:.0%} of --memory-budget "
+            f"{format_bytes(budget)}: {'; or '.join(levers)}."]
+
+
+def _shape_flags(config: dict[str, Any], summary: dict[str, Any]) -> str:
+    """The flags that shape this run's step, for `cadence profile` (empty without config.json)."""
+    get = config.get
+    if not config:
+        return ""
+    flags = [f"--model {shlex.quote(str(get('model')))}"] if get("model") else []
+    if get("data"):
+        flags.append(f"--data {shlex.quote(str(get('data')))}")
+    if get("seq_len"):
+        flags.append(f"--seq-len {get('seq_len')}")
+    micro, accum = get("micro_batch_size"), get("grad_accum_steps")
+    if get("auto_micro_batch") and isinstance(summary.get("final_micro_batch_size"), int):
+        micro = summary["final_micro_batch_size"]  # the size the run settled on is the one worth profiling
+        world, effective = get("world_size") or 1, get("effective_batch_size")
+        accum = effective // (micro * world) if isinstance(effective, int) and micro * world else accum
+    if micro is not None:
+        flags.append(f"--micro-batch-size {micro}")
+    if accum is not None:
+        flags.append(f"--grad-accum-steps {accum}")
+    if get("precision"):
+        flags.append(f"--precision {get('precision')}")
+    for name in ("activation_checkpointing", "offload"):
+        if get(name) not in (None, "none"):
+            flags.append(f"--{name.replace('_', '-')} {get(name)}")
+    if get("micro_batch_order") not in (None, "by-length"):
+        flags.append(f"--micro-batch-order {get('micro_batch_order')}")
+    if get("micro_batch_tokens"):
+        flags.append(f"--micro-batch-tokens {get('micro_batch_tokens')}")
+    if get("packing"):
+        flags.append("--packing")
+    if get("compile"):
+        flags.append("--compile")
+    if get("memory_budget"):
+        flags.append(f"--memory-budget {shlex.quote(str(get('memory_budget')))}")
+    return " ".join(flags)
+
+
+def _plan_flags(config: dict[str, Any]) -> str:
+    """The model, data and batch of this run for `cadence plan`, which plans one process: each process's share."""
+    get = config.get
+    flags = [f"--model {shlex.quote(str(get('model')))}"] if get("model") else []
+    if get("data"):
+        flags.append(f"--data {shlex.quote(str(get('data')))}")
+    if get("seq_len"):
+        flags.append(f"--seq-len {get('seq_len')}")
+    effective, world = get("effective_batch_size"), get("world_size") or 1
+    if isinstance(effective, int) and isinstance(world, int) and world > 0:
+        flags.append(f"--effective-batch-size {effective // world}")
+    flags.append(f"--memory-budget {shlex.quote(str(get('memory_budget') or 'SIZE'))}")
+    return " ".join(flags)
+
+
+def _plan_note(config: dict[str, Any]) -> str:
+    """What the plan command above leaves to the reader: the budget when the run had none, the per-process batch."""
+    notes = [] if config.get("memory_budget") else ["SIZE: the memory one process may use, e.g. 2GiB"]
+    if isinstance(config.get("world_size"), int) and config["world_size"] > 1:
+        notes.append(f"the effective batch is each of the {config['world_size']} processes' share, as a plan is "
+                     f"made for one process")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _run_plots(rows: list[dict[str, Any]], config: dict[str, Any], summary: dict[str, Any]) -> list[Block]:

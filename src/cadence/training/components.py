@@ -1,9 +1,11 @@
-"""The objects one training run is made of, built from a prepared configuration: the model (with recompute, then
-wrapped by DDP or sharded by FSDP2), the optimizer (possibly offloaded), the LR schedule and the engine."""
+"""The objects one training run is made of, built from a prepared configuration: the model (with recompute, compiled
+with --compile, then wrapped by DDP or sharded by FSDP2), the optimizer (possibly offloaded), the LR schedule and the
+engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -13,7 +15,7 @@ from cadence.engine.schedules import build_lr_scheduler
 from cadence.engine.step import Engine
 from cadence.memory.offload import OffloadedOptimizer
 from cadence.memory.recompute import apply_activation_checkpointing
-from cadence.models import build_model
+from cadence.models import CompileClock, build_model, compile_blocks
 from cadence.training.prepare import Prepared
 
 
@@ -28,9 +30,13 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
         seen.add(id(param))
         (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    options = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2)}
+    options: dict[str, Any] = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2)}
     if config.offload == "optimizer":
         return OffloadedOptimizer(groups, optimizer_class=torch.optim.AdamW, **options)
+    if decay and decay[0].device.type == "cuda":
+        # One fused kernel updates every parameter of a group (a few launches per step instead of several per
+        # tensor); it also takes the fp16 scaler's inf check on the device. CPU keeps PyTorch's default.
+        options["fused"] = True
     return torch.optim.AdamW(groups, **options)  # type: ignore[arg-type]
 
 
@@ -44,6 +50,8 @@ class Components:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     engine: Engine
     ranks: Ranks = SINGLE
+    compile_clock: CompileClock | None = None
+    """With --compile: torch.compile's cost since the blocks were compiled (None without --compile)."""
 
 
 def build_components(prep: Prepared) -> Components:
@@ -52,8 +60,14 @@ def build_components(prep: Prepared) -> Components:
     torch.manual_seed(config.seed)
     model = (prep.hf.model if prep.hf else build_model(config.model)).to(prep.device)
     apply_activation_checkpointing(model, config.activation_checkpointing)
+    # After recompute (the checkpointed forward is what compiles), before wrapping (FSDP2's hooks stay eager around
+    # each compiled block); parameter names stay the model's.
+    compile_clock = None
+    if config.compile:  # prepare() has checked that the model has a list of blocks
+        compile_blocks(model)
+        compile_clock = CompileClock()
     # Wrapped before the optimizer is built: FSDP2 replaces the parameters with their shards.
-    model = wrap_model(model, prep.ranks, prep.device)
+    model = wrap_model(model, prep.ranks, prep.device, precision=config.precision)
     optimizer = build_optimizer(model, config)
     scheduler = build_lr_scheduler(
         optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
@@ -72,4 +86,5 @@ def build_components(prep: Prepared) -> Components:
         # --micro-batch-size auto retries out-of-memory windows: with several ranks, all must retry together.
         agree_on_out_of_memory=config.auto_micro_batch,
     )
-    return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, ranks=prep.ranks)
+    return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, ranks=prep.ranks,
+                      compile_clock=compile_clock)

@@ -33,6 +33,8 @@ from cadence.distributed.ranks import (
     optimizer_state_format,
     unwrap,
 )
+from cadence.engine.precision import fp32_matmul
+from cadence.engine.prefetch import Prefetcher, prefetch
 from cadence.engine.step import Engine, PartialWindow, StepResult, WindowInterrupted
 from cadence.engine.windows import Window, epoch_windows, padding_micro_batch
 from cadence.errors import CadenceFailure, UsageError
@@ -44,7 +46,7 @@ from cadence.training.components import Components, build_components
 from cadence.training.lock import RunDirectoryLock
 from cadence.training.prepare import Prepared, prepare
 from cadence.training.progress import TrainProgress
-from cadence.training.resume import ResumePoint, StopOnSignal, restore, window_cut
+from cadence.training.resume import ResumePoint, StopOnSignal, restore, schedule_note, window_cut
 from cadence.training.run_dir import NoWriter, RunWriter
 
 
@@ -92,7 +94,7 @@ class _Totals:
         self.oom_retries += int(row.get("oom_retries") or 0)
         if row.get("peak_memory_bytes"):
             self.peak_memory = max(self.peak_memory or 0, int(row["peak_memory_bytes"]))
-        else:
+        elif not row.get("compile_time_s"):  # a step that compiled (--compile) is not steady state either
             self.timed_tokens += int(row["tokens"])
             self.timed_s += float(row["step_time_s"])
         if not row.get("skipped"):
@@ -111,7 +113,7 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
     stream = (stream or sys.stderr) if ranks.is_main else _Discard()
     run = TrainingRun(_prepare_on_every_rank(config, ranks), stream=stream, live=live)
     try:
-        with run.stop, run.progress, warnings.catch_warnings(record=True) as caught:
+        with run.stop, run.progress, fp32_matmul(config.fp32_matmul), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for place in run.windows_across_epochs():
                 outcome = run.run_window(place)
@@ -153,6 +155,8 @@ class TrainingRun:
         # One run at a time in a run directory: held before anything in it is read or written, until the end.
         self.lock: RunDirectoryLock | None = _hold_run_directory(prep)
         self.metrics_open = False
+        self.prefetcher: Prefetcher[EpochWindow] | None = None
+        """The thread preparing the next windows once ``windows_across_epochs`` has started (--prefetch-windows)."""
         try:
             self._set_up(prep, stream=stream, live=live)
         except BaseException:
@@ -194,6 +198,7 @@ class TrainingRun:
         """The window count at the last checkpoint, so that one window is never checkpointed twice."""
         self.progress = TrainProgress(total_steps=config.max_steps, grad_accum_steps=prep.grad_accum_steps,
                                       log_every=config.log_every, stream=stream, live=live)
+        self.progress.resumed(self.start.kept_rows if self.start else [])
         # With a token budget, auto halves the budget (positions per micro-batch) rather than the rows.
         self.controller = MicroBatchController(
             start=config.micro_batch_tokens or prep.micro_batch_size, grow_after=config.auto_grow_after,
@@ -209,7 +214,11 @@ class TrainingRun:
             self.metrics_open = False
 
     def close(self) -> None:
-        """Close the metrics if still open, then release the run directory; safe to call more than once."""
+        """Stop the prefetch thread, close the metrics if still open, then release the run directory; safe to call
+        more than once. (The window generator stops the thread too when it is closed or collected; this does not
+        count on when that happens.)"""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.close_metrics()
         if self.lock is not None:
             self.lock.release()
@@ -231,23 +240,45 @@ class TrainingRun:
             print(f"note: {prep.data.truncated} examples were longer than --seq-len and were truncated", file=stream)
         if self.start is not None:
             print(f"resuming from {self.start.checkpoint} (step {self.start.step})", file=stream, flush=True)
+            note = schedule_note(self.start.saved_config, self.resolved, self.start.step)
+            if note:
+                print(f"note: {note}", file=stream, flush=True)
 
     def windows_across_epochs(self) -> Iterator[EpochWindow]:
-        """This rank's windows, epoch after epoch, while fewer than --max-steps optimizer steps are done."""
+        """This rank's windows, epoch after epoch, while fewer than --max-steps optimizer steps are done (the loop
+        stops at --max-steps; this only refuses to start past it), prepared --prefetch-windows ahead in a thread."""
+        if self.engine.steps >= self.config.max_steps:
+            return
+        # Pinned on CUDA, so that the engine's non_blocking copy of each micro-batch is really asynchronous.
+        self.prefetcher = prefetch(self._cut_windows(), depth=self.config.prefetch_windows,
+                                   pin_memory=self.prep.device.type == "cuda")
+        try:
+            for place in self.prefetcher:
+                # The producer may already be in the next epoch: the epoch is the window's, taken as it is run.
+                self.epoch = place.epoch
+                yield place
+        finally:
+            self.prefetcher.close()
+
+    def _cut_windows(self) -> Iterator[EpochWindow]:
+        """Every window from the resume point on, epoch after epoch, without end. It runs in the prefetch thread, so
+        it reads nothing the loop changes (the step count, ``self.epoch``): the windows are a function of the
+        configuration and the resume point alone."""
         config, prep = self.config, self.prep
+        epoch = self.start.epoch if self.start else 0
         skip = self.start.windows_done_in_epoch if self.start else 0
-        while self.engine.steps < config.max_steps:
+        while True:
             # This rank's share of each window (all of it with one process); the same windows for any split.
             windows = epoch_windows(
                 prep.data.train, micro_batch_size=prep.micro_batch_size, grad_accum_steps=prep.grad_accum_steps,
-                seed=config.seed, epoch=self.epoch, world_size=self.ranks.world_size, rank=self.ranks.rank,
+                seed=config.seed, epoch=epoch, world_size=self.ranks.world_size, rank=self.ranks.rank,
                 last_window=config.last_window, order=config.micro_batch_order,
                 micro_batch_tokens=config.micro_batch_tokens, pack_length=prep.seq_len if config.packing else None,
             )
             # A resumed run skips the windows its checkpoint had done: same permutation, same windows after.
             for window_in_epoch, window in enumerate(itertools.islice(windows, skip, None), start=skip + 1):
-                yield EpochWindow(self.epoch, window_in_epoch, window)
-            self.epoch, skip = self.epoch + 1, 0  # the epoch's windows ran out before max_steps: the next epoch
+                yield EpochWindow(epoch, window_in_epoch, window)
+            epoch, skip = epoch + 1, 0  # the epoch's windows ran out: the next epoch
 
     def run_window(self, place: EpochWindow) -> StepOutcome | None:
         """One optimizer step over ``place``'s window (with --micro-batch-size auto, halving on out-of-memory);
@@ -290,14 +321,20 @@ class TrainingRun:
         after this window (--max-steps reached, or a signal reached some rank)."""
         result, engine, totals = outcome.result, self.engine, self.totals
         row = {**result.as_metrics(), "epoch": place.epoch, "oom_retries": outcome.oom_retries}
+        clock = self.parts.compile_clock
+        if clock is not None:  # --compile: the part of step_time_s spent compiling (first steps, new shapes)
+            row["compile_time_s"] = clock.lap()
         totals.oom_retries += outcome.oom_retries
         for item in caught:
             self.progress.message(f"warning: {item.message}")
         caught.clear()
-        totals.add(result, timed=not outcome.profiled)
+        # Steps slowed by the profiler or by compiling are not steady state: they do not count towards tokens/s.
+        totals.add(result, timed=not outcome.profiled and not row.get("compile_time_s"))
         done = engine.steps >= self.config.max_steps
         if not result.skipped and self.val_batches and (done or engine.steps % self.config.eval_every == 0):
             totals.last_val = row["val_loss"] = engine.evaluate(self.val_batches)
+            if clock is not None:
+                clock.lap()  # evaluation compiles a no-grad graph of its own: not the next step's compile time
         self.writer.log_step(row)
         self.progress.update(row)
         if not result.skipped:
@@ -382,13 +419,26 @@ class TrainingRun:
         print(
             f"done: {engine.steps} steps ({engine.skipped_steps} skipped), final loss {_fmt(summary['final_loss'])}, "
             f"val loss {_fmt(self.totals.last_val)}, {_fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
-            f"peak memory {format_bytes(peak_memory)}, {wall:.1f} s -> {prep.out}",
+            + (f"compiling {summary['compile_time_s']:.1f} s ({_count(summary['compiled_graphs'], 'graph')}, not in "
+               f"tokens/s), " if summary.get("compile_time_s") is not None else "")
+            + f"peak memory {format_bytes(peak_memory)}, {wall:.1f} s -> {prep.out}",
             file=self.stream, flush=True,
         )
         if summary["stopped_by"]:
             print(f"stopped by {summary['stopped_by']} after step {engine.steps} (checkpoint saved); continue with "
                   f"--resume", file=self.stream, flush=True)
         return summary
+
+    def _compile_summary(self, untimed: bool) -> dict[str, Any]:
+        """With --compile: what compiling cost this process since the run (or its resume) started, apart from
+        tokens/s, which leaves out the steps that compiled unless no other step was timed."""
+        clock = self.parts.compile_clock
+        if clock is None:
+            return {"compile_time_s": None, "compiled_graphs": None, "graph_breaks": None,
+                    "tokens_per_s_includes_compile": False}
+        compiled = clock.total()
+        return {"compile_time_s": compiled.seconds, "compiled_graphs": compiled.graphs,
+                "graph_breaks": compiled.graph_breaks, "tokens_per_s_includes_compile": untimed}
 
     def _summary(self, wall: float, peak_memory: int | None) -> dict[str, Any]:
         """summary.json: the whole run's counts (a resumed run's included), throughput, memory and how it ended."""
@@ -412,6 +462,7 @@ class TrainingRun:
             "tokens_per_s": (totals.timed_tokens / totals.timed_s if totals.timed_s > 0
                              else totals.tokens / wall if wall > 0 else None),
             "tokens_per_s_includes_profiler": totals.timed_s == 0,
+            **self._compile_summary(totals.timed_s == 0),
             "peak_memory_bytes": peak_memory,
             "peak_memory_of": "the busiest rank" if self.ranks.world_size > 1 else "the process",
             "peak_memory_source": _memory_source(prep.device, self.budget_on_cpu),
@@ -533,6 +584,10 @@ def _max_rss_bytes() -> int:
     # ru_maxrss is KiB on Linux, bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:

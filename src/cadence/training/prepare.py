@@ -19,7 +19,7 @@ from cadence.data import DataSplits, default_cache_dir, is_store, load_data, ope
 from cadence.data.hf import as_tokenizer, is_hf_data, load_hf_data
 from cadence.distributed.ranks import SINGLE, Ranks, broadcast_from_main, rank_device
 from cadence.errors import UsageError
-from cadence.models import MODEL_NAMES, model_context_length
+from cadence.models import MODEL_NAMES, model_context_length, repeated_blocks
 from cadence.models.hf import HFModel, build_hf_model, packed_attention_supported, parse_model_overrides
 
 
@@ -59,6 +59,11 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Prepared:
         hf = build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])))
         for note in hf.notes:
             warnings.warn(note, stacklevel=2)
+        if config.compile:  # checked here, before the run directory is created
+            try:
+                repeated_blocks(hf.model)
+            except ValueError as err:
+                raise UsageError.single("--compile", f"{err}; --compile compiles a model block by block") from None
     context = hf.context_length if hf else model_context_length(config.model)
     seq_len = config.seq_len or context
     if seq_len > context:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from cadence.formatting import format_bytes, format_duration
@@ -17,18 +18,34 @@ class TrainProgress:
     """
 
     def __init__(self, *, total_steps: int, grad_accum_steps: int, log_every: int, stream: IO[str] | None = None,
-                 live: bool | None = None) -> None:
+                 live: bool | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.stream = stream or sys.stderr
+        self.clock = clock
         self.total_steps = total_steps
         self.grad_accum_steps = grad_accum_steps
         self.log_every = log_every
         self.live = self.stream.isatty() if live is None else live
-        self.started = time.perf_counter()
         self.tokens = 0
         self._bar: Any = None
         self._task: Any = None
         self.peak_memory: int | None = None
         self.rate: float | None = None
+        self.step_seconds: float | None = None
+        """Smoothed wall time per optimizer step, evaluation and checkpoints included (what the ETA needs), from
+        the second step of this process on: the first also pays start-up, compilation and allocation."""
+        self._last_update: float | None = None
+        self._steps_seen = 0
+        self._last_step = "starting"
+        """The last step's loss, tokens/s, memory and ETA: kept on the bar while the next window's micro-batches run."""
+
+    def resumed(self, rows: list[dict[str, Any]]) -> None:
+        """Carry the earlier part of a resumed run: its peak memory (measured once per process on CPU, so the resumed
+        process may never measure it again) and its last step's figures."""
+        for row in rows:
+            if row.get("peak_memory_bytes"):
+                self.peak_memory = max(self.peak_memory or 0, int(row["peak_memory_bytes"]))
+        if rows:
+            self._last_step = " | ".join(self._figures(rows[-1]))
 
     def __enter__(self) -> "TrainProgress":
         if self.live:
@@ -40,7 +57,8 @@ class TrainProgress:
                 TextColumn("{task.fields[info]}"), console=Console(file=self.stream), transient=False,
             )
             self._bar.__enter__()
-            self._task = self._bar.add_task("train", total=self.total_steps, info="starting")
+            self._task = self._bar.add_task("train", total=self.total_steps, info=self._last_step)
+        self._last_update = self.clock()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -48,39 +66,59 @@ class TrainProgress:
             self._bar.__exit__(None, None, None)
 
     def micro_step(self, step: int, micro: int) -> None:
-        """Called before each micro-batch on a terminal, so a long window shows it is alive."""
+        """Called before each micro-batch on a terminal, so a long window shows it is alive: the position in the
+        window beside the last step's figures (which stay readable during accumulation)."""
         if self._bar is not None:
-            self._bar.update(self._task, info=f"micro {micro}/{self.grad_accum_steps} of step {step + 1}")
+            self._bar.update(self._task, info=f"micro {micro}/{self.grad_accum_steps} of step {step + 1} | "
+                                              f"{self._last_step}")
 
     def update(self, row: dict[str, Any]) -> None:
         self.tokens += int(row.get("tokens") or 0)
         if row.get("peak_memory_bytes"):
             self.peak_memory = max(self.peak_memory or 0, int(row["peak_memory_bytes"]))
-        elapsed = time.perf_counter() - self.started
-        step = int(row["step"])
         # Smoothed per-step throughput: start-up, evaluation and checkpoint time would make a cumulative rate lie.
         step_rate = float(row.get("tokens_per_s") or 0.0)
         self.rate = step_rate if self.rate is None else 0.8 * self.rate + 0.2 * step_rate
-        rate = self.rate
-        eta = elapsed / step * (self.total_steps - step) if step else 0.0
+        self._time_step()
+        step = int(row["step"])
+        parts = self._figures(row)
+        if self.step_seconds is not None:
+            parts.append(f"eta {format_duration(self.step_seconds * max(0, self.total_steps - step))}")
+        else:
+            parts.append("eta -")  # one warm-up step says nothing about the steady pace
+        self._last_step = " | ".join(parts)
+        evaluated = row.get("val_loss") is not None
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, info=self._last_step)
+            if evaluated:  # kept in the scrollback: the bar's field is overwritten by the next micro-batch
+                self._bar.console.print(f"step {step}/{self.total_steps}: val loss {row['val_loss']:.4f}")
+            return
+        if row.get("skipped") or evaluated or step % self.log_every == 0 or step == self.total_steps or step == 1:
+            print(f"step {step}/{self.total_steps} | {self._last_step}", file=self.stream, flush=True)
+
+    def _time_step(self) -> None:
+        """Fold this step's wall time into ``step_seconds`` (the first step of the process is left out)."""
+        now = self.clock()
+        if self._last_update is not None and self._steps_seen > 0:
+            seconds = now - self._last_update
+            self.step_seconds = seconds if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * seconds
+        self._last_update = now
+        self._steps_seen += 1
+
+    def _figures(self, row: dict[str, Any]) -> list[str]:
+        """Loss, throughput, memory (and the evaluation and a skip) of a metrics row, as the bar and the lines show
+        them."""
         loss = row.get("loss")
         parts = [
             f"loss {loss:.4f}" if isinstance(loss, float) else "loss -",
-            f"{rate:,.0f} tok/s",
+            f"{self.rate or float(row.get('tokens_per_s') or 0.0):,.0f} tok/s",
             f"mem {format_bytes(self.peak_memory)}",
         ]
         if row.get("val_loss") is not None:
             parts.append(f"val {row['val_loss']:.4f}")
         if row.get("skipped"):
             parts.append(f"SKIPPED ({row.get('skip_reason')})")
-        if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=" | ".join(parts))
-            return
-        if row.get("skipped") or step % self.log_every == 0 or step == self.total_steps or step == 1:
-            print(
-                f"step {step}/{self.total_steps} | " + " | ".join(parts) + f" | eta {format_duration(eta)}",
-                file=self.stream, flush=True,
-            )
+        return parts
 
     def message(self, text: str) -> None:
         if self._bar is not None:

@@ -12,12 +12,13 @@ import itertools
 import shutil
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from cadence.distributed.ranks import broadcast_from_main, load_full_state, optimizer_state_format, unwrap
+from cadence.engine.schedules import lr_factor
 from cadence.engine.step import PartialWindow
 from cadence.errors import Problem, UsageError
 from cadence.training.checkpoint import (
@@ -53,6 +54,8 @@ class ResumePoint:
     partial: PartialWindow | None = None
     """Set when the checkpoint was written mid-window: the window to continue, its gradients already restored."""
     partial_micro_batch_size: int | None = None
+    saved_config: dict[str, Any] = field(default_factory=dict)
+    """The resolved configuration the checkpoint's run recorded."""
 
 
 def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Problem]:
@@ -61,15 +64,41 @@ def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Pr
     for name in MATH_FIELDS:
         if name not in saved or saved.get(name) == current.get(name):
             continue
+        if name == "max_steps" and isinstance(current.get(name), int) and current[name] > int(saved[name]):
+            continue  # training longer than planned: allowed (see schedule_note)
         if name == "data_fingerprint":
             message = (f"{current.get('data') or 'the built-in corpus'} does not hold the data the checkpoint was "
                        f"trained on (content {str(current.get(name))[:19]}... vs {str(saved.get(name))[:19]}...); "
                        f"resuming would mix other data into the run (start a new --out instead)")
+        elif name == "max_steps":
+            message = (f"{current.get(name)!r} is below the checkpoint's {saved.get(name)!r}: a resume may train "
+                       f"longer, not shorter (the schedule was decaying towards step {saved.get(name)}); stop the "
+                       f"run early with a signal instead, or start a new --out")
         else:
             message = (f"{current.get(name)!r} differs from the checkpoint's {saved.get(name)!r}; resuming would "
                        f"change the math (start a new --out instead)")
         problems.append(Problem(where=_FLAG_OF.get(name, "--" + name.replace("_", "-")), message=message))
     return problems
+
+
+def schedule_note(saved: dict[str, Any], current: dict[str, Any], steps_done: int) -> str | None:
+    """What raising --max-steps on a resume does to the LR schedule, for the console (None when it was not raised).
+
+    A decaying schedule (linear, cosine) is stretched to the new length from the next step on, so its LR rises
+    back from where the shorter run had brought it: said with the figures, because it changes the run's course."""
+    before, after = saved.get("max_steps"), current.get("max_steps")
+    if before is None or after is None or after <= before:
+        return None
+    text = f"--max-steps raised from {before} to {after}"
+    schedule = current.get("lr_schedule")
+    if schedule == "constant" or steps_done < int(current.get("warmup_steps") or 0):
+        return text + "; the LR schedule is unchanged up to here"
+    shape = {"schedule": schedule, "warmup_steps": int(current["warmup_steps"]),
+             "min_lr_ratio": float(current["min_lr_ratio"])}
+    old = lr_factor(steps_done, max_steps=int(before), **shape) * float(current["lr"])
+    new = lr_factor(steps_done, max_steps=int(after), **shape) * float(current["lr"])
+    return (f"{text}: the {schedule} LR schedule now decays over {after} steps, so the LR after step {steps_done} "
+            f"is {new:.3g} instead of {old:.3g}")
 
 
 def window_cut(config: Any) -> dict[str, Any]:
@@ -151,7 +180,8 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
     position = state["data_position"]
     kept = _truncate_metrics(run_dir, rows, windows=int(state["engine"]["windows"])) if main else []
     point = ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=int(position["epoch"]),
-                        windows_done_in_epoch=int(position["window_in_epoch"]), kept_rows=kept)
+                        windows_done_in_epoch=int(position["window_in_epoch"]), kept_rows=kept,
+                        saved_config=dict(checkpoint.info.get("resolved_config", {})))
     if partial:
         # The interrupted window's accumulated gradients go back exactly where they were.
         for name, parameter in unwrap(parts.model).named_parameters():

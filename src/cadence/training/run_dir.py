@@ -11,6 +11,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -112,9 +113,14 @@ class RunWriter:
         self._metrics = open(root / METRICS_FILE, "a", encoding="utf-8")
         self._tb: Any = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(root / TENSORBOARD_DIR))
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as missing:
+                # A declared dependency, but an environment assembled by hand (a cluster image) may lack it: the
+                # run's own files do not depend on it, so the run goes on, and says what is missing.
+                warnings.warn(f"TensorBoard files are not written ({missing}); pip install tensorboard", stacklevel=2)
+            else:
+                self._tb = SummaryWriter(log_dir=str(root / TENSORBOARD_DIR))
 
     def write_config(self, resolved: dict[str, Any]) -> None:
         with writing(str(self.root / CONFIG_FILE)):

@@ -244,7 +244,7 @@ def _compare_after_steps(build: Callable[[], torch.nn.Module], windows: Sequence
         apply_activation_checkpointing(model, run_setup.activation_checkpointing)
         names = [name for name, _ in model.named_parameters()]
         device = next(model.parameters()).device
-        model = wrap_model(model, run_ranks, device)
+        model = wrap_model(model, run_ranks, device, precision=run_setup.precision)
         engine = Engine(model, make_optimizer(model), precision=run_setup.precision,
                         max_grad_norm=1.0, loss_fn=user_loss,
                         collective=ProcessGroupCollective(run_ranks, device) if run_ranks.launched else None)

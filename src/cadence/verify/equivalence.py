@@ -125,7 +125,7 @@ def parameter_gradients(
     apply_activation_checkpointing(model, setup.activation_checkpointing)
     names = [name for name, _ in model.named_parameters()]
     device = next(model.parameters()).device
-    model = wrap_model(model, ranks, device)
+    model = wrap_model(model, ranks, device, precision=setup.precision)
     recorder = _GradientRecorder(model.parameters())
     optimizer: torch.optim.Optimizer = recorder
     if setup.offload == "optimizer":
