@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 from pathlib import Path
@@ -101,3 +102,17 @@ def environment(packages: tuple[str, ...] = ()) -> dict:
         "gpu": gpu_name(),
         "versions": versions,
     }
+
+
+RESULTS = Path(__file__).parent / "results"
+"""Where every benchmark writes its JSON and ``write_report.py`` reads it."""
+
+
+def write_results(stem: str, output: dict, *, quick: bool) -> Path:
+    """Write ``output`` as ``results/<stem>.json``, or ``<stem>_quick.json`` for a smoke run (git ignores those and
+    ``write_report.py`` never shows them, so quick numbers cannot pass for a full run's); returns the path."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{stem}{'_quick' if quick else ''}.json"
+    path.write_text(json.dumps(output, indent=1))
+    print(f"wrote {path}")
+    return path

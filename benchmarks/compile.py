@@ -25,7 +25,6 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="cadence-bench-i
 
 import argparse  # noqa: E402
 import itertools  # noqa: E402
-import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sysconfig  # noqa: E402
@@ -34,7 +33,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
-from bench_env import environment  # noqa: E402
+from bench_env import environment, write_results  # noqa: E402
 
 from cadence.config import TrainConfig  # noqa: E402
 from cadence.data import pack_bytes  # noqa: E402
@@ -44,7 +43,6 @@ from cadence.memory.recompute import apply_activation_checkpointing  # noqa: E40
 from cadence.models import build_model, compile_blocks, compile_stats  # noqa: E402
 from cadence.training.components import build_optimizer  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 MODES = ("none", "full")
 
 
@@ -138,10 +136,7 @@ def main() -> int:
         "load_average_before": load_before[0], "load_average_after": os.getloadavg()[0],
         "results": results,
     }
-    RESULTS.mkdir(exist_ok=True)
-    name = "compile_quick.json" if args.quick else "compile.json"
-    (RESULTS / name).write_text(json.dumps(output, indent=1))
-    print(f"wrote {RESULTS / name}")
+    write_results("compile", output, quick=args.quick)
     shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     return 0
 

@@ -19,7 +19,6 @@ packed text, seq 128, micro 8 x accum 2, one torch thread (a second intra-op thr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -27,14 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from bench_env import environment
+from bench_env import environment, write_results
 
 from cadence import Engine, Window, epoch_windows, prefetch
 from cadence.data import pack_bytes
 from cadence.models import GPT, MODEL_CONFIGS
 from cadence.profiling.profiler import ProfileSettings, StepProfiler
 
-RESULTS = Path(__file__).parent / "results"
 DEPTHS = (0, 1, 2)
 MODEL, SEQ_LEN, MICRO, ACCUM = "gpt-tiny", 128, 8, 2
 
@@ -121,10 +119,7 @@ def main() -> int:
         "delay_per_micro_batch_s": args.delay_ms / 1000, "rounds": rounds, "profiled_steps": steps,
         "results": results,
     }
-    RESULTS.mkdir(exist_ok=True)
-    name = "input_overlap_quick.json" if args.quick else "input_overlap.json"
-    (RESULTS / name).write_text(json.dumps(output, indent=1))
-    print(f"wrote {RESULTS / name}")
+    write_results("input_overlap", output, quick=args.quick)
     return 0
 
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import statistics
 import sysconfig
 from pathlib import Path
 
 import torch
-from bench_env import cpu_bf16, environment
+from bench_env import cpu_bf16, environment, write_results
 
 from cadence.config import TrainConfig
 from cadence.data import TokenDataset, make_example
@@ -36,7 +35,6 @@ from cadence.engine.windows import epoch_windows
 from cadence.models import GPT, MODEL_CONFIGS
 from cadence.training.components import build_optimizer
 
-RESULTS = Path(__file__).parent / "results"
 MODES = {"drawn": ("drawn", False, False), "by-length": ("by-length", False, False),
          "token budget": ("by-length", True, False), "packing": ("drawn", True, True)}
 LONGEST = 930
@@ -138,10 +136,7 @@ def main() -> int:
         "examples": len(data), "skipped": skipped,
         "results": results,
     }
-    RESULTS.mkdir(exist_ok=True)
-    name = "padding_quick.json" if args.quick else "padding.json"
-    (RESULTS / name).write_text(json.dumps(output, indent=1))
-    print(f"wrote {RESULTS / name}")
+    write_results("padding", output, quick=args.quick)
     return 0
 
 
