@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -343,6 +344,21 @@ def _click_problem(err: click.ClickException) -> str:
     return err.format_message()
 
 
+def _warning_shower(fallback: Any, prefix: str) -> Any:
+    """cadence's own notes (a UserWarning raised from cadence's code) as one ``cadence: warning:`` line; every other
+    warning as Python shows it."""
+    package = str(Path(__file__).resolve().parent)
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        if category is UserWarning and str(Path(filename).resolve()).startswith(package):
+            print(f"{prefix}warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            fallback(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cadence`` console script; returns the exit status."""
     arguments = argv if argv is not None else sys.argv[1:]
@@ -358,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         # Without standalone mode click returns an Exit's code instead of raising it (audit passes the script's on).
-        status = app.main(args=arguments, prog_name="cadence", standalone_mode=False, obj={"argv": arguments})
+        with warnings.catch_warnings():  # restores the previous warning display on the way out
+            warnings.showwarning = _warning_shower(warnings.showwarning, prefix)
+            status = app.main(args=arguments, prog_name="cadence", standalone_mode=False, obj={"argv": arguments})
         if isinstance(status, int):
             return status
     except click.exceptions.Exit as done:

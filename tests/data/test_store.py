@@ -24,7 +24,7 @@ from cadence.data import (
 from cadence.data.cache import BuildResult, Recipe, open_or_build
 from cadence.data.sources import jsonl_recipe, text_recipe
 from cadence.data.splits import splits_from_store
-from cadence.data.store import StoreDamaged, StoreWriter, TokenStore, token_dtype
+from cadence.data.store import StoreDamaged, StoreWriter, TokenStore, file_sha256, token_dtype
 from cadence.errors import UsageError
 
 
@@ -236,3 +236,126 @@ def test_a_store_for_another_tokenizer_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as excinfo:
         open_prepared_store(store.path, expected_tokenizer="PreTrainedTokenizerFast:m:1000:abc")
     assert excinfo.value.problems[0].where == "--data" and "prepare-data" in excinfo.value.problems[0].message
+
+
+# ------------------------------------------------------------------------------------------------ verified (issue 29)
+def _examples_store(path: Path) -> Path:
+    writer = StoreWriter(path, kind="examples", vocab_size=256)
+    for i in range(20):
+        writer.add_example("train", bytes(range(40, 60 + i)), loss_start=3, row=i + 1)
+    writer.finish({"fingerprint": "sha256:x", "source": "test"})
+    return path
+
+
+def _reseal(store: Path) -> None:
+    """Recompute store.json's checksums, as a crafted store would: only the content checks can catch it then."""
+    meta = json.loads((store / "store.json").read_text())
+    meta["sha256"] = {name: file_sha256(store / name) for name in meta["sha256"]}
+    (store / "store.json").write_text(json.dumps(meta))
+
+
+def _add_one_to_every_token(store: Path) -> None:
+    tokens = store / "tokens.bin"
+    tokens.write_bytes(bytes((b + 1) % 256 for b in tokens.read_bytes()))
+
+
+def _random_index(store: Path) -> None:
+    index = store / "train.idx"
+    index.write_bytes(np.random.default_rng(0).integers(0, 256, index.stat().st_size, dtype=np.uint8).tobytes())
+
+
+def _object_dtype(store: Path) -> None:
+    meta = json.loads((store / "store.json").read_text())
+    meta["dtype"] = "object"
+    (store / "store.json").write_text(json.dumps(meta))
+
+
+def _offset_past_the_end(store: Path) -> None:
+    rows = np.fromfile(store / "train.idx", dtype="<i8").reshape(-1, 4)
+    rows[3, 0] = 10**9
+    rows.tofile(store / "train.idx")
+    _reseal(store)
+
+
+def _negative_offset(store: Path) -> None:
+    rows = np.fromfile(store / "train.idx", dtype="<i8").reshape(-1, 4)
+    rows[5, 0] = -7
+    rows.tofile(store / "train.idx")
+    _reseal(store)
+
+
+def _ids_outside_the_vocabulary(store: Path) -> None:
+    tokens = np.fromfile(store / "tokens.bin", dtype=np.uint8).astype("<u2")
+    tokens[10] = 300  # a byte store whose ids no longer fit bytes
+    tokens.tofile(store / "tokens.bin")
+    meta = json.loads((store / "store.json").read_text())
+    meta.update(dtype="uint16")
+    rows = np.fromfile(store / "train.idx", dtype="<i8")
+    (store / "store.json").write_text(json.dumps(meta))
+    rows.tofile(store / "train.idx")
+    _reseal(store)
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_add_one_to_every_token, "tokens.bin does not match the checksum"),
+    (_random_index, "train.idx does not match the checksum"),
+    (_object_dtype, "dtype 'object'"),
+    (_offset_past_the_end, "train.idx row 3 points outside tokens.bin"),
+    (_negative_offset, "train.idx row 5 points outside tokens.bin"),
+    (_ids_outside_the_vocabulary, "token id 300, outside the vocabulary of 256"),
+], ids=lambda value: value.__name__.strip("_") if callable(value) else "")
+def test_a_damaged_or_crafted_store_is_refused_naming_the_store(tmp_path: Path, damage, says) -> None:
+    """Issue 29 items 3 and 12: opening checks every file's checksum, the token range and the index bounds."""
+    store = _examples_store(tmp_path / "s")
+    TokenStore.open(store)  # whole, and remembered as verified
+    damage(store)
+    with pytest.raises(StoreDamaged, match=says):
+        TokenStore.open(store)
+    with pytest.raises(UsageError) as refused:
+        load_data(store, 16, 0.0)
+    assert refused.value.problems[0].where == "--data" and str(store) in refused.value.problems[0].message
+
+
+def test_a_store_whose_files_are_unchanged_is_not_hashed_again(tmp_path: Path, monkeypatch) -> None:
+    store = _examples_store(tmp_path / "s")
+    import cadence.data.store as store_module
+
+    hashed: list[str] = []
+    real = store_module.file_sha256
+    monkeypatch.setattr(store_module, "file_sha256", lambda path, **kw: hashed.append(path.name) or real(path, **kw))
+    TokenStore.open(store)
+    assert hashed == []  # the build verified it as it wrote it
+    os.utime(store / "tokens.bin")  # any change to a file's status (here only its times) means: verify again
+    TokenStore.open(store)
+    assert sorted(hashed) == ["tokens.bin", "train.idx"]
+    TokenStore.open(store)
+    assert len(hashed) == 2
+
+
+def test_a_damaged_cached_store_is_rebuilt_from_its_source(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "data.jsonl", 60)
+    cache = tmp_path / "cache"
+    first = as_lists(load_data(path, 64, 0.0, cache_dir=cache).train)
+    (store,) = stores(cache)
+    for damage in (_add_one_to_every_token, _random_index):
+        damage(store)
+        with pytest.warns(UserWarning, match="not usable .* building it again from the source"):
+            again = load_data(path, 64, 0.0, cache_dir=cache)
+        assert as_lists(again.train) == first and "from the cache" not in again.description
+
+
+def test_a_sources_entry_pointing_at_another_store_is_not_followed(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    one, other = tmp_path / "one.txt", tmp_path / "other.txt"
+    one.write_bytes(sample_text(3000))
+    other.write_bytes(sample_text(3000).upper())
+    expected = as_lists(load_data(one, 32, 0.0, cache_dir=cache).train)
+    other_store = load_data(other, 32, 0.0, cache_dir=cache)
+    entries = {json.loads(p.read_text())["source"]: p for p in (cache / "sources").iterdir()}
+    (entry,) = [p for source, p in entries.items() if "one.txt" in source]
+    # Edited to point at the other store, its fingerprint copied too so that the entry is self-consistent.
+    forged = json.loads(entry.read_text())
+    forged.update(store=other_store.store.name, fingerprint=other_store.fingerprint)
+    entry.write_text(json.dumps(forged))
+    with pytest.warns(UserWarning, match="not built from this source"):
+        assert as_lists(load_data(one, 32, 0.0, cache_dir=cache).train) == expected

@@ -65,23 +65,32 @@ def test_cpu_probe_accepts_what_this_build_runs(name):
     assert precision_problem(name, torch.device("cpu")) is None
 
 
-def losses(precision: str, steps: int = 40) -> list[float]:
+def losses(precision: str, steps: int = 40) -> list[tuple[float, int]]:
+    """Each window's loss, with the number of optimizer steps really taken before it (fp16 skips some)."""
     dataset = pack_bytes(sample_text(400 * 32 + 1), 32)
     model = tiny_model()
     engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=3e-3), precision=precision, max_grad_norm=1.0)
     windows = iter_windows(iterate_micro_batches(dataset, 4, 0, 0), 2)
-    return [engine.step(window).loss for window, _ in zip(windows, range(steps))]
+    out = []
+    for window, _ in zip(windows, range(steps)):
+        taken = engine.steps
+        out.append((engine.step(window).loss, taken))
+    return out
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_reduced_precision_ends_within_documented_tolerance_of_fp32(name):
-    reference = losses("fp32")
+    reference = [loss for loss, _ in losses("fp32")]
     reduced = losses(name)
-    for step, (a, b) in enumerate(zip(reduced[:10], reference[:10]), start=1):
+    for step, ((a, _), b) in enumerate(zip(reduced[:10], reference[:10]), start=1):
         assert abs(a - b) <= 0.01 * b, f"{name} step {step}: {a} vs fp32 {b}"
-    tail, tail_ref = statistics.mean(reduced[-10:]), statistics.mean(reference[-10:])
-    assert abs(tail - tail_ref) <= 0.02 * tail_ref
-    assert tail < 0.6 * reference[0]  # it really learned
+    # A window whose fp16 step was skipped (the scaler found inf) leaves the model where it was: each loss is
+    # compared with fp32's after as many steps really taken. (On CPUs with AVX-512 FP16, fp16 autocast computes in
+    # fp16 and 3 of the 40 steps overflow at the initial scale; on AVX2 CPUs none does.)
+    tail = [loss for loss, _ in reduced[-10:]]
+    tail_ref = [reference[taken] for _, taken in reduced[-10:]]
+    assert abs(statistics.mean(tail) - statistics.mean(tail_ref)) <= 0.02 * statistics.mean(tail_ref)
+    assert statistics.mean(tail) < 0.6 * reference[0]  # it really learned
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ whose content changed."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,47 @@ def test_prepare_data_bad_input_is_one_line_per_problem_and_exit_2(tmp_path: Pat
     err = capsys.readouterr().err
     assert err.startswith("cadence: error: ") and where in err and "Traceback" not in err, err
     assert not cache.exists() or not [p for p in (cache / "stores").iterdir()]
+
+
+def test_a_cached_store_damaged_between_a_kill_and_the_resume_is_rebuilt_and_the_run_is_the_uninterrupted_one(
+        tmp_path: Path, capsys) -> None:
+    """Issue 29 item 3: adding 1 to every byte of the cached tokens.bin used to resume silently on other tokens."""
+    data = write_jsonl(tmp_path / "data.jsonl")
+    cache = tmp_path / "cache"
+    assert main(args(data, tmp_path / "whole", cache)) == 0
+    run = tmp_path / "run"
+    assert main(args(data, run, cache)) == 0
+    shutil.rmtree(sorted((run / "checkpoints").iterdir())[-1])  # as if killed after the checkpoint of step 2
+    (store,) = [p for p in (cache / "stores").iterdir() if not p.name.startswith(".")]
+    tokens = store / "tokens.bin"
+    tokens.write_bytes(bytes((b + 1) % 256 for b in tokens.read_bytes()))
+    capsys.readouterr()
+    assert main(args(data, run, cache, "--resume")) == 0
+    err = capsys.readouterr().err
+    assert "tokens.bin does not match the checksum" in err and "building it again from the source" in err
+    assert losses(run) == losses(tmp_path / "whole")
+
+
+def test_resume_refuses_a_store_with_other_tokens_than_the_checkpoint_s(tmp_path: Path, capsys) -> None:
+    """The run records the store's digest: the same source content read into other tokens is refused by name."""
+    data = write_jsonl(tmp_path / "data.jsonl")
+    run = tmp_path / "run"
+    assert main(args(data, run, tmp_path / "cache", steps=2)) == 0
+    config = json.loads((run / "config.json").read_text())
+    assert config["data_store_digest"].startswith("sha256:")
+    config["data_store_digest"] = "sha256:" + "0" * 64  # as a store rebuilt another way would differ
+    (run / "config.json").write_text(json.dumps(config))
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    from cadence.training.checkpoint import INFO_FILE, MANIFEST_FILE
+    info = json.loads((checkpoint / INFO_FILE).read_text())
+    info["resolved_config"]["data_store_digest"] = config["data_store_digest"]
+    (checkpoint / INFO_FILE).write_text(json.dumps(info))
+    import hashlib
+    manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
+    manifest["sha256"] = {name: hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
+                          for name in manifest["sha256"]}
+    (checkpoint / MANIFEST_FILE).write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(args(data, run, tmp_path / "cache", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "--data" in err and "holds other tokens than the one the checkpoint was trained on" in err

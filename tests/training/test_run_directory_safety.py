@@ -151,3 +151,82 @@ def test_a_write_that_fails_for_want_of_space_is_one_line_and_leaves_no_debris(t
     leftovers = [p.name for p in out.rglob(".*")]
     assert leftovers == []  # no staging folder, no temporary weights file
     assert not checkpoint_dirs(out)
+
+
+# ------------------------------------------------------------------------------------------------ issue 29 items 1-2
+def test_a_run_still_loading_its_data_holds_its_directory_against_a_faster_second_run(tmp_path, monkeypatch, capsys):
+    """Issue 29 item 1: the lock is claimed before the data is read. The second run starts while the first is still
+    preparing (the moment an uncached 565 MB JSONL took minutes): it is refused, and the first trains alone."""
+    from cadence.training import loop
+
+    data, out = data_file(tmp_path), tmp_path / "run"
+    real_prepare = loop.prepare
+    second: list[int] = []
+
+    def slow_prepare(config, **options):
+        if not second:  # the first run is reading its data: a second run on the same --out starts now
+            second.append(main(args(data, out, steps=2)))
+        return real_prepare(config, **options)
+
+    monkeypatch.setattr(loop, "prepare", slow_prepare)
+    assert main(args(data, out)) == 0
+    assert second == [2]
+    err = capsys.readouterr().err
+    assert "in use by another cadence run" in err and f"pid {os.getpid()}" in err
+    assert [row["step"] for row in read_metrics(out)] == [1, 2, 3, 4]  # one run's rows, not [1, 1, 2, ...]
+    assert json.loads((out / "config.json").read_text())["max_steps"] == 4
+
+
+def test_bad_data_found_after_the_claim_leaves_no_directory_behind(tmp_path, capsys):
+    """The claim creates --out (and its missing parents) before the data is read; bad data found then removes them."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txet": "no text field"}\n')
+    out = tmp_path / "new" / "deeper" / "run"
+    assert main(args(bad, out)) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def _foreign_checkpoints(out: Path) -> None:
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "epoch=0.ckpt").write_bytes(b"another framework's checkpoint")
+
+
+def _empty_checkpoints(out: Path) -> None:
+    (out / "checkpoints").mkdir()
+
+
+def _metrics_with_a_step(out: Path) -> None:
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+
+
+def _config_not_by_cadence(out: Path) -> None:
+    (out / "config.json").write_text(json.dumps({"effective_batch_size": 8, "grad_accum_steps": 2, "world_size": 1}))
+
+
+@pytest.mark.parametrize("plant", [_foreign_checkpoints, _empty_checkpoints, _metrics_with_a_step,
+                                   _config_not_by_cadence], ids=lambda plant: plant.__name__.strip("_"))
+def test_resume_refuses_a_directory_cadence_did_not_write_and_touches_nothing(tmp_path, capsys, plant):
+    """Issue 29 item 2: a checkpoints/ folder or a metrics.jsonl row is no proof of a cadence run; only the
+    config.json that cadence train writes before its first step is."""
+    data, out = data_file(tmp_path), tmp_path / "theirs"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"the user's own weights")
+    (out / "summary.json").write_text('{"mine": true}')
+    plant(out)
+    before = snapshot(out)
+    assert main(args(data, out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "not a cadence run directory" in err
+    assert snapshot(out) == before
+
+
+def test_resume_still_continues_cadence_s_own_runs_and_starts_an_empty_directory(tmp_path):
+    data = data_file(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(args(data, empty, "--resume", steps=2)) == 0  # an empty directory is a fresh start
+    shutil.rmtree(checkpoint_dirs(empty)[-1])
+    (empty / "model.safetensors").unlink()
+    assert main(args(data, empty, "--resume", steps=2)) == 0  # killed before any checkpoint: starts over
+    assert [row["step"] for row in read_metrics(empty)] == [1, 2]

@@ -120,12 +120,8 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
             bad("data", f"{str(config.data)[3:]} does not exist (hf:PATH is a dataset saved by save_to_disk)")
     elif config.data is not None and not config.data.exists():
         bad("data", f"{config.data} does not exist")
-    if config.out is not None and not (config.resume and config.out.is_dir()):
-        problem = _out_problem(config.out)
-        if problem:
-            bad("out", problem)
-    elif config.out is not None:
-        problem = _resume_problem(config.out)
+    if config.out is not None:
+        problem = run_directory_problem(config.out, resume=config.resume)
         if problem:
             bad("out", problem)
     if config.resume and config.out is None:
@@ -205,30 +201,43 @@ def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]
     return problems
 
 
-def _is_cadence_config(path: Path) -> bool:
-    """Whether ``path`` is a config.json that cadence train wrote (a JSON object with its resolved batch fields)."""
+def is_cadence_config(path: Path) -> bool:
+    """Whether ``path`` is a config.json that cadence train wrote: a JSON object with the resolved batch fields, the
+    data's fingerprint and cadence's version (``versions.cadence``), the mark by which --resume knows its own runs."""
     try:
         if not path.is_file() or path.stat().st_size > (1 << 20):
             return False
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return False
-    return isinstance(value, dict) and {"effective_batch_size", "grad_accum_steps", "world_size"} <= set(value)
+    if not isinstance(value, dict) or not {"effective_batch_size", "grad_accum_steps", "world_size",
+                                            "data_fingerprint"} <= set(value):
+        return False
+    versions = value.get("versions")
+    return isinstance(versions, dict) and isinstance(versions.get("cadence"), str)
+
+
+def run_directory_problem(out: Path, *, resume: bool) -> str | None:
+    """Why a run may not write ``out``, or None: a new run needs a directory it can create, or an empty one; --resume
+    needs an empty directory (a fresh start) or one that cadence train wrote. Checked by validate() up front, and again
+    by the run holding the directory's lock, since another run may have written it in between."""
+    if resume and out.is_dir():
+        return _resume_problem(out)
+    return _out_problem(out)
 
 
 def _resume_problem(out: Path) -> str | None:
     """--resume writes into an existing directory: refuse one that holds files but is not a cadence run, so that
-    a mistyped --out never overwrites someone's config.json or model.safetensors."""
+    a mistyped --out never overwrites someone's config.json or model.safetensors. Only cadence's own config.json
+    counts (it is written before any step): a checkpoints/ folder or a metrics.jsonl alone may be another tool's."""
     try:
         entries = {entry.name for entry in out.iterdir()}
     except OSError as err:
         return f"{out} cannot be read: {err.strerror or err}"
-    is_run = (_is_cadence_config(out / "config.json") or (out / "metrics.jsonl").is_file()
-              or (out / "checkpoints").is_dir())
-    if not entries or is_run:
-        return None  # empty (a fresh start) or a run
-    return (f"{out} holds files but is not a cadence run directory (no config.json written by cadence, no "
-            f"metrics.jsonl, no checkpoints/); --resume would write into it. Give the run's directory, or a new --out")
+    if not entries or is_cadence_config(out / "config.json"):
+        return None if os.access(out, os.W_OK) else f"{out} is not writable"
+    return (f"{out} holds files but is not a cadence run directory (it has no config.json written by cadence "
+            f"train); --resume would write into it. Give the run's directory, or a new --out (nothing was changed)")
 
 
 def _out_problem(out: Path) -> str | None:

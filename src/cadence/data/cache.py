@@ -3,8 +3,12 @@
 Layout of a cache directory (``--data-cache``, by default ``~/.cache/cadence/data``)::
 
     stores/<key>/      a finished store; <key> hashes the content fingerprint, tokenizer and options
+    stores/<key>/.sources/<id>   the source ids whose content was hashed and found to be this store's
     sources/<id>.json  which store a source had when its files had this path, size, mtime, ctime and inode
     build.lock         held (flock) by the one process building; every other process waits on it, then opens
+
+A store is verified when opened (data/store.py: checksums, token range, index bounds); a cached store that fails, or
+a sources entry that points at a store not built from that source, is built again from the source, with a warning.
 
 Finding a store again costs a ``stat`` of the source's files, not a hash of its content: a 3 GB text opens in
 milliseconds. Any rewrite of a file changes its mtime, ctime or size, so the stat identity misses, the content is
@@ -25,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +42,8 @@ STORES = "stores"
 SOURCES = "sources"
 LOCK_FILE = "build.lock"
 BUILD_PREFIX = ".build-"
+BUILT_FOR = ".sources"
+"""In a cached store: one empty file per source id whose content was hashed and found to be this store's."""
 
 
 def default_cache_dir() -> Path:
@@ -106,13 +113,16 @@ def open_or_build(recipe: Recipe, cache_dir: Path | None) -> Opened:
             shutil.rmtree(folder, ignore_errors=True)
     _prepare(cache_dir)
     source_file = cache_dir / SOURCES / f"{_source_id(recipe)}.json"
-    found = _known(cache_dir, source_file)
+    found, _ = _known(cache_dir, source_file, recipe)
     if found is not None:
         return Opened(store=found, built=False)
     with _build_lock(cache_dir):
-        found = _known(cache_dir, source_file)  # another process may have built it while this one waited
+        found, damage = _known(cache_dir, source_file, recipe)  # another process may have built it meanwhile
         if found is not None:
             return Opened(store=found, built=False)
+        if damage:
+            warnings.warn(f"the cached token store of {recipe.source} is not usable ({damage}); building it again "
+                          f"from the source", stacklevel=2)
         for stale in (cache_dir / STORES).glob(f"{BUILD_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)  # a killed build's remains: nobody else builds while we hold it
         building = cache_dir / STORES / f"{BUILD_PREFIX}{os.getpid()}"
@@ -124,6 +134,10 @@ def open_or_build(recipe: Recipe, cache_dir: Path | None) -> Opened:
                 os.rename(building, final)
             else:
                 shutil.rmtree(building, ignore_errors=True)
+            # The store's own record that this source's content hashed to its fingerprint: an entry in sources/
+            # pointing at a store without it was not written by a build of this source, and is not followed.
+            (final / BUILT_FOR).mkdir(exist_ok=True)
+            (final / BUILT_FOR / source_file.stem).touch()
             write_json_atomically(source_file, {"store": final.name, "source": recipe.source,
                                                 "fingerprint": store.fingerprint})
         except BaseException:
@@ -143,15 +157,34 @@ def _prepare(cache_dir: Path) -> None:
         raise UsageError.single("--data-cache", f"{cache_dir} is not writable; give --data-cache a writable directory")
 
 
-def _known(cache_dir: Path, source_file: Path) -> TokenStore | None:
-    """The store this source id points to, when both exist and the store is complete."""
+def _known(cache_dir: Path, source_file: Path, recipe: Recipe) -> tuple[TokenStore | None, str | None]:
+    """The store this source id points to, when both exist, the store verifies, and it is the store of this recipe
+    (its kind, tokenizer and options, under the name its fingerprint gives): an entry edited to point at another
+    store is not followed. Returns (store, None), or (None, why the entry's store was not used) (None, None: none)."""
     try:
-        name = json.loads(source_file.read_text(encoding="utf-8"))["store"]
+        entry = json.loads(source_file.read_text(encoding="utf-8"))
+        name, fingerprint = entry["store"], entry["fingerprint"]
+    except FileNotFoundError:
+        return None, None
     except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(name, str) or "/" in name or name.startswith("."):
-        return None
-    return _open_quietly(cache_dir / STORES / name)
+        return None, f"{source_file} is unreadable"
+    if not isinstance(name, str) or "/" in name or name.startswith(".") or not isinstance(fingerprint, str):
+        return None, f"{source_file} does not name a store"
+    try:
+        store = TokenStore.open(cache_dir / STORES / name)
+    except StoreDamaged as damage:
+        return None, str(damage)
+    meta = store.meta
+    if (store.fingerprint != fingerprint or store_key(recipe, fingerprint) != name or meta.get("kind") != recipe.kind
+            or meta.get("tokenizer") != recipe.tokenizer or meta.get("options") != _as_json(recipe.options)
+            or not (store.path / BUILT_FOR / source_file.stem).is_file()):
+        return None, f"{source_file} points at a store that was not built from this source"
+    return store, None
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` as store.json holds it after a round trip through JSON (tuples become lists)."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def _open_quietly(path: Path) -> TokenStore | None:

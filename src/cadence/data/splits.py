@@ -30,6 +30,8 @@ class DataSplits:
     other data under the same name, is never mixed into a run, while the same file named another way is accepted."""
     store: Path | None = None
     """The token store the examples are read from (None for examples built in memory)."""
+    store_digest: str | None = None
+    """The store's :attr:`TokenStore.digest` (which tokens exactly), for a resume to compare."""
 
 
 def split_validation(examples: TokenDataset, val_fraction: float) -> tuple[TokenDataset, TokenDataset | None]:
@@ -79,7 +81,7 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
         if val is not None:
             description += f"; {len(train)} train / {len(val)} validation"
         return DataSplits(train=train, val=val, description=description + cache_note, truncated=0,
-                          fingerprint=fingerprint, store=store.path)
+                          fingerprint=fingerprint, store=store.path, store_digest=store.digest)
 
     strict = meta.get("source_format") == "jsonl"
     parts: dict[str, tuple[StoredExamples, int]] = {}
@@ -122,7 +124,8 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
     if skipped:
         description += f"; {skipped} rows skipped (empty, or no target left)"
     return DataSplits(train=train, val=val or None, description=description + cache_note, truncated=truncated,
-                      fingerprint=store.fingerprint, store=store.path)
+                      fingerprint=store.fingerprint, store=store.path,
+                      store_digest=store.digest)
 
 
 __all__ = ["DataSplits", "split_validation", "splits_from_store"]

@@ -18,10 +18,19 @@ Two kinds:
 
 ``store.json`` is written last, and a store only becomes visible by renaming its finished directory into place, so a
 build killed at any point leaves nothing that :meth:`TokenStore.open` accepts.
+
+A store is verified before it is trusted. store.json records the SHA-256 of every file, computed at build time from
+the files as written; opening checks them (streamed: about 1 GB/s, so a 3 GB store opens in seconds), checks that
+every token id is below the vocabulary size and that every index row lies inside the token file. A store that passed
+records the ``stat`` identity of its files (size, mtime, ctime, inode) in ``.verified.json``; a later open whose
+files still have that identity skips the hashing, and any write to a file (which moves its ctime, a time no user
+can set back) makes the next open verify again. A store that fails is :class:`StoreDamaged`: the cache rebuilds it
+from its source, ``--data STORE`` refuses it naming the store.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import weakref
@@ -38,11 +47,16 @@ from cadence.data.batching import IGNORE_INDEX, Example, TokenDataset
 STORE_FORMAT = "cadence-token-store"
 """The ``format`` field of every store.json: how a directory given to ``--data`` is recognised as a store."""
 
-STORE_VERSION = 1
-"""Bumped whenever the layout or the meaning of a field changes, so that an old store is rebuilt, never misread."""
+STORE_VERSION = 2
+"""Bumped whenever the layout or the meaning of a field changes, so that an old store is rebuilt, never misread.
+(2: store.json holds the SHA-256 of every file.)"""
 
 META_FILE = "store.json"
 TOKENS_FILE = "tokens.bin"
+VERIFIED_FILE = ".verified.json"
+"""The stat identity of the store's files when their checksums were last found right (see the module docstring)."""
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+_HASH_CHUNK = 8 << 20
 INDEX_COLUMNS = 4
 """offset, length, loss_start, row."""
 
@@ -170,6 +184,9 @@ class StoreWriter:
             handle.flush()
             os.fsync(handle.fileno())
             handle.close()
+        # Hashed from the files as they are on disk (read back once), so the checksum is of what a reader will see.
+        names = [TOKENS_FILE, *(index_file(split) for split in splits)]
+        checksums = {name: file_sha256(self.directory / name) for name in names}
         full = {
             **meta,
             "format": STORE_FORMAT,
@@ -179,12 +196,49 @@ class StoreWriter:
             "vocab_size": self.vocab_size,
             "tokens": self.num_tokens,
             "splits": {split: self._rows.get(split, 0) for split in splits},
+            "sha256": checksums,
         }
         write_json_atomically(self.directory / META_FILE, full)
+        _remember_verified(self.directory, names)
 
     def abort(self) -> None:
         for handle in [self._tokens, *self._indexes.values()]:
             handle.close()
+
+
+def file_sha256(path: Path, *, each_chunk: Any = None) -> str:
+    """The SHA-256 of a file, read in chunks of 8 MiB (``each_chunk(bytes)`` sees every chunk as it goes by)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+            if each_chunk is not None:
+                each_chunk(chunk)
+    return digest.hexdigest()
+
+
+def _stat_identity(path: Path) -> list[int]:
+    status = os.stat(path)
+    return [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino, status.st_dev]
+
+
+def _remember_verified(directory: Path, names: Sequence[str]) -> None:
+    """Record that ``names`` (and store.json) were found right as they are now; best effort (a read-only store is
+    simply verified at every open)."""
+    try:
+        identity = {name: _stat_identity(directory / name) for name in [META_FILE, *names]}
+        write_json_atomically(directory / VERIFIED_FILE, {"files": identity})
+    except OSError:
+        pass
+
+
+def _verified_before(directory: Path, names: Sequence[str]) -> bool:
+    try:
+        memo = json.loads((directory / VERIFIED_FILE).read_text(encoding="utf-8"))
+        files = memo["files"]
+        return all(files.get(name) == _stat_identity(directory / name) for name in [META_FILE, *names])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def write_json_atomically(path: Path, content: dict[str, Any]) -> None:
@@ -273,16 +327,36 @@ class TokenStore:
             raise StoreDamaged(f"{path} is a token store of version {meta.get('version')}, this cadence reads "
                                f"version {STORE_VERSION}; build it again with cadence prepare-data")
         try:
+            if meta["dtype"] not in TOKEN_DTYPES or meta["kind"] not in ("stream", "examples"):
+                raise ValueError(f"dtype {meta['dtype']!r} / kind {meta['kind']!r} is not one a store is written in")
             dtype = np.dtype(meta["dtype"])
+            vocab_size = int(meta["vocab_size"])
+            if not 0 < vocab_size <= np.iinfo(dtype).max + 1:
+                raise ValueError(f"vocab_size {vocab_size} does not fit {dtype.name}")
+            splits = {str(split): int(rows) for split, rows in meta["splits"].items()}
+            checksums = meta["sha256"]
+            names = [TOKENS_FILE, *(index_file(split) for split in splits)]
+            if not isinstance(checksums, dict) or sorted(checksums) != sorted(names):
+                raise ValueError("its sha256 table does not list the store's files")
             _check_size(path / TOKENS_FILE, int(meta["tokens"]) * dtype.itemsize)
-            tokens = TokenFile(path / TOKENS_FILE, dtype, int(meta["tokens"]))
-            indexes = {split: _map(path / index_file(split), np.dtype("<i8"), int(rows), (INDEX_COLUMNS,))
-                       for split, rows in meta["splits"].items()}
-        except (KeyError, TypeError, ValueError) as error:
+            indexes = {split: _map(path / index_file(split), np.dtype("<i8"), rows, (INDEX_COLUMNS,))
+                       for split, rows in splits.items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise StoreDamaged(f"{path / META_FILE} is incomplete or inconsistent: {error}") from None
         if meta["kind"] == "examples" and "train" not in indexes:
             raise StoreDamaged(f"{path} holds no training examples")
+        if not _verified_before(path, names):
+            _verify(path, checksums, dtype=dtype, vocab_size=vocab_size, tokens=int(meta["tokens"]), indexes=indexes)
+            _remember_verified(path, names)
+        tokens = TokenFile(path / TOKENS_FILE, dtype, int(meta["tokens"]))
         return cls(path=path, meta=meta, tokens=tokens, indexes=indexes)
+
+    @property
+    def digest(self) -> str:
+        """``sha256:...`` over the checksums of the store's files: which tokens exactly a run read (a resume compares
+        it, so that a store rebuilt differently, or another store, is never mixed into a run)."""
+        table = json.dumps(self.meta["sha256"], sort_keys=True).encode("utf-8")
+        return "sha256:" + hashlib.sha256(table).hexdigest()
 
     def summary(self) -> dict[str, Any]:
         """Counts for ``cadence prepare-data``: examples, tokens, targets, and a histogram of example lengths."""
@@ -297,6 +371,37 @@ class TokenStore:
             out[split] = {"examples": len(index), "tokens": int(lengths.sum()), "targets": int(targets.sum()),
                           "length_histogram": length_histogram(lengths)}
         return out
+
+
+def _verify(path: Path, checksums: dict[str, str], *, dtype: np.dtype, vocab_size: int, tokens: int,
+            indexes: dict[str, np.ndarray]) -> None:
+    """Every file against its checksum, every token id below ``vocab_size``, every index row inside the tokens;
+    :class:`StoreDamaged` naming the first thing wrong."""
+    highest = [-1]
+
+    def note_highest(chunk: bytes) -> None:
+        if len(chunk) % dtype.itemsize == 0 and chunk:
+            highest[0] = max(highest[0], int(np.frombuffer(chunk, dtype=dtype).max()))
+
+    for name, expected in checksums.items():
+        try:
+            found = file_sha256(path / name, each_chunk=note_highest if name == TOKENS_FILE else None)
+        except OSError as error:
+            raise StoreDamaged(f"{path / name} cannot be read: {error.strerror or error}") from None
+        if found != expected:
+            raise StoreDamaged(f"{path / name} does not match the checksum store.json recorded when it was built "
+                               f"(changed or damaged since)")
+    if highest[0] >= vocab_size:
+        raise StoreDamaged(f"{path / TOKENS_FILE} holds token id {highest[0]}, outside the vocabulary of {vocab_size}")
+    for split, index in indexes.items():
+        if not len(index):
+            continue
+        offsets, lengths, loss_starts = index[:, 0], index[:, 1], index[:, 2]
+        bad = (offsets < 0) | (lengths < 1) | (offsets > tokens - lengths) | (loss_starts < 0)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise StoreDamaged(f"{path / index_file(split)} row {row} points outside {TOKENS_FILE} (offset "
+                               f"{int(offsets[row])}, length {int(lengths[row])}, of {tokens} tokens)")
 
 
 def _check_size(path: Path, expected: int) -> None:
@@ -437,7 +542,8 @@ def usable_rows(index: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray
 
 
 __all__ = [
-    "INDEX_COLUMNS", "META_FILE", "STORE_FORMAT", "STORE_VERSION", "TOKENS_FILE", "PackedSequences", "StoreDamaged",
+    "INDEX_COLUMNS", "META_FILE", "STORE_FORMAT", "STORE_VERSION", "TOKENS_FILE", "VERIFIED_FILE", "PackedSequences",
+    "StoreDamaged", "file_sha256",
     "StoreKind", "StoreWriter", "StoredExamples", "TokenFile", "TokenStore", "length_histogram", "token_dtype", "usable_rows",
     "write_json_atomically",
 ]

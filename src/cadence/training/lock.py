@@ -5,6 +5,12 @@ both would exit 0. The lock is ``fcntl.flock`` on the run directory itself (a di
 held for the whole run, released by the OS when the process exits in any way (SIGKILL included), so no stale lock
 can ever block a later --resume, and no lock file is left in the user's directory. The refusal names the holder,
 found in ``/proc/locks`` (the kernel's table of held locks) by the directory's inode.
+
+The lock is claimed before the run reads its data or builds its model, and the check that the directory may be
+written (empty for a new run, cadence's own for --resume) is made again under it: a check made before the lock
+would let a run whose data takes minutes to load train into a directory that a faster second run filled meanwhile.
+A directory the claim created is removed again when the run ends without writing anything into it (bad input found
+after the claim), so bad input still leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import os
 from pathlib import Path
 from types import TracebackType
 
+from cadence.config import run_directory_problem
+from cadence.distributed.ranks import Ranks, any_rank
 from cadence.errors import UsageError
 
 
@@ -21,9 +29,12 @@ class RunDirectoryLock:
     """``with RunDirectoryLock(run_dir):`` holds the run directory (which must exist) for this process, or raises
     UsageError naming the process that holds it (``where`` is the flag the user gave the directory with)."""
 
-    def __init__(self, run_dir: Path, *, where: str = "--out") -> None:
+    def __init__(self, run_dir: Path, *, where: str = "--out", created: tuple[Path, ...] = ()) -> None:
         self.run_dir = run_dir
         self.where = where
+        self.created = created
+        """The directories (``run_dir`` and missing parents, innermost first) made for this run: removed on release
+        while they are still empty."""
         self._descriptor: int | None = None
 
     def acquire(self) -> None:
@@ -40,6 +51,14 @@ class RunDirectoryLock:
 
     def release(self) -> None:
         if self._descriptor is not None:
+            # Still holding the lock, so no other run can have started writing here: an empty directory this run
+            # made is one it never used (it stopped on bad input), and goes, as if it had never been claimed.
+            for directory in self.created:
+                try:
+                    directory.rmdir()  # only ever removes an empty directory
+                except OSError:
+                    break
+            self.created = ()
             os.close(self._descriptor)  # closing the descriptor releases the lock
             self._descriptor = None
 
@@ -50,6 +69,40 @@ class RunDirectoryLock:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.release()
+
+
+def claim_run_directory(out: Path, *, resume: bool, ranks: Ranks) -> RunDirectoryLock | None:
+    """Rank 0 (the one that writes) creates ``out`` if needed, locks it, and only then checks that this run may write
+    it; every rank learns whether it could, so that none goes on alone. Returns rank 0's held lock (None on other
+    ranks); a refusal is a UsageError naming --out, and leaves nothing created."""
+    lock, error = None, None
+    if ranks.is_main:
+        try:
+            lock = _lock_and_check(out, resume=resume)
+        except UsageError as err:
+            lock, error = None, err
+    if any_rank(error is not None, ranks):
+        raise error or UsageError.single("--out", "rank 0 could not hold the run directory")
+    return lock
+
+
+def _lock_and_check(out: Path, *, resume: bool) -> RunDirectoryLock:
+    missing = []
+    ancestor = out
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        missing.append(ancestor)
+        ancestor = ancestor.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError.single("--out", f"cannot create {out}: {err.strerror or err}") from None
+    lock = RunDirectoryLock(out, created=tuple(missing))
+    lock.acquire()  # refused: another run holds it, and what is in it is that run's, not ours to remove
+    problem = run_directory_problem(out, resume=resume)
+    if problem:
+        lock.release()
+        raise UsageError.single("--out", problem)
+    return lock
 
 
 def lock_holder(path: Path) -> str:

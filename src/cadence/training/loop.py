@@ -12,10 +12,10 @@ import resource
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import IO, Any, NamedTuple, TypeVar
 
 import torch
 
@@ -43,11 +43,13 @@ from cadence.models.hf import save_hf
 from cadence.training.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.training.checkpoint import save_checkpoint
 from cadence.training.components import Components, build_components
-from cadence.training.lock import RunDirectoryLock
-from cadence.training.prepare import Prepared, prepare
+from cadence.training.lock import RunDirectoryLock, claim_run_directory
+from cadence.training.prepare import Prepared, checked_run_directory, prepare
 from cadence.training.progress import TrainProgress
 from cadence.training.resume import ResumePoint, StopOnSignal, restore, schedule_note, window_cut
 from cadence.training.run_dir import NoWriter, RunWriter
+
+T = TypeVar("T")
 
 
 class TrainingFailed(CadenceFailure):
@@ -111,7 +113,17 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
     The shape of torchtune's recipes: set up (``TrainingRun``), then window after window the engine's step
     (``run_window``) and what follows it (``after_step``), then the final save and summary (``finish``)."""
     stream = (stream or sys.stderr) if ranks.is_main else _Discard()
-    run = TrainingRun(_prepare_on_every_rank(config, ranks), stream=stream, live=live)
+    out = _on_every_rank(lambda: checked_run_directory(config, ranks=ranks), ranks)
+    # One run at a time in a run directory: claimed before any data is read, held until the end. The check that
+    # --out may be written is made under the lock, so a second run started meanwhile can never have filled it.
+    lock = claim_run_directory(out, resume=config.resume, ranks=ranks)
+    try:
+        prep = _on_every_rank(lambda: prepare(config, ranks=ranks, out=out), ranks)
+    except BaseException:
+        if lock is not None:
+            lock.release()  # removes the directory the claim created: bad input leaves nothing behind
+        raise
+    run = TrainingRun(prep, lock=lock, stream=stream, live=live)
     try:
         with run.stop, run.progress, fp32_matmul(config.fp32_matmul), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -150,10 +162,10 @@ class TrainingRun:
     the windows to run, ``run_window`` runs one through the engine, ``after_step`` does what follows each optimizer
     step, and ``finish`` saves the model and writes the summary. Every rank builds one and walks the same windows."""
 
-    def __init__(self, prep: Prepared, *, stream: IO[str], live: bool | None) -> None:
-        """Build the components, restore the --resume checkpoint (if any), open the run directory and announce."""
-        # One run at a time in a run directory: held before anything in it is read or written, until the end.
-        self.lock: RunDirectoryLock | None = _hold_run_directory(prep)
+    def __init__(self, prep: Prepared, *, lock: RunDirectoryLock | None, stream: IO[str], live: bool | None) -> None:
+        """Build the components, restore the --resume checkpoint (if any), open the run directory and announce.
+        ``lock``: rank 0's hold on the run directory (:func:`claim_run_directory`), released by :meth:`close`."""
+        self.lock: RunDirectoryLock | None = lock
         self.metrics_open = False
         self.prefetcher: Prefetcher[EpochWindow] | None = None
         """The thread preparing the next windows once ``windows_across_epochs`` has started (--prefetch-windows)."""
@@ -481,33 +493,15 @@ class TrainingRun:
         }
 
 
-def _hold_run_directory(prep: Prepared) -> RunDirectoryLock | None:
-    """Rank 0 (the one that writes) creates --out if needed and locks it; all ranks learn whether it could, so that
-    none goes on alone. Another run in the directory is a UsageError naming it."""
-    lock, error = None, None
-    if prep.ranks.is_main:
-        try:
-            prep.out.mkdir(parents=True, exist_ok=True)
-            lock = RunDirectoryLock(prep.out)
-            lock.acquire()
-        except UsageError as err:
-            lock, error = None, err
-        except OSError as err:
-            lock, error = None, UsageError.single("--out", f"cannot create {prep.out}: {err.strerror or err}")
-    if any_rank(error is not None, prep.ranks):
-        raise error or UsageError.single("--out", "rank 0 could not hold the run directory")
-    return lock
-
-
-def _prepare_on_every_rank(config: TrainConfig, ranks: Ranks) -> Prepared:
-    """``prepare`` on every rank, then all learn whether any rank found a problem (so none goes on alone), before
-    rank 0 creates the run directory (--out is still empty while the others check it)."""
+def _on_every_rank(check: Callable[[], T], ranks: Ranks) -> T:
+    """``check()`` on every rank, then all learn whether any rank found a problem (so none goes on alone): rank 0's
+    problem is raised on every rank, another rank's on that rank alone."""
     try:
-        prep, error = prepare(config, ranks=ranks), None
+        value, error = check(), None
     except UsageError as err:
         if not ranks.launched:
             raise
-        error = err
+        value, error = None, err
     main_failed = broadcast_from_main(error is not None, ranks)
     anyone_failed = any_rank(error is not None, ranks)
     if error is not None:
@@ -515,7 +509,7 @@ def _prepare_on_every_rank(config: TrainConfig, ranks: Ranks) -> Prepared:
         raise UsageError(error.problems, every_rank_agrees=main_failed) from None
     if anyone_failed:
         raise UsageError.single("another rank", "found a problem with the input (its message is above)")
-    return prep
+    return value  # type: ignore[return-value]
 
 
 class _Discard:
@@ -566,6 +560,7 @@ def _resolved_config(prep: Prepared, parameters: int) -> dict[str, Any]:
         "data_description": prep.data.description,
         "data_fingerprint": prep.data.fingerprint,
         "data_store": str(prep.data.store) if prep.data.store else None,
+        "data_store_digest": prep.data.store_digest,
         "train_sequences": len(prep.data.train),
         "val_sequences": 0 if prep.data.val is None else len(prep.data.val),
         "versions": {"cadence": __version__, "torch": torch.__version__, "python": platform.python_version()},

@@ -43,16 +43,27 @@ class Prepared:
     """This process among the run's processes (one, unless torchrun started several)."""
 
 
-def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Prepared:
-    """Validate the configuration, build a Hugging Face model (if asked) and load the data; raises UsageError naming
-    every problem. Writes nothing into --out. Every rank of a distributed run calls it (all hold the data)."""
-    world_size = ranks.world_size
+def checked_run_directory(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Path:
+    """Validate the configuration (every problem at once) and return the run directory it names: --out, or
+    ``runs/<time>`` (the same name on every rank). Reads no data and writes nothing."""
     # The default directory is named by the clock: rank 0's name for all, or ranks a second apart would disagree.
     default_out = broadcast_from_main(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"), ranks)
-    validate(config, world_size=world_size, launched=ranks.launched)
+    validate(config, world_size=ranks.world_size, launched=ranks.launched)
     out = config.out or default_out
     if config.out is None and out.exists():
         raise UsageError.single("--out", f"default {out} already exists; give --out")
+    return out
+
+
+def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = None) -> Prepared:
+    """Validate the configuration, build a Hugging Face model (if asked) and load the data; raises UsageError naming
+    every problem. Writes nothing into --out. Every rank of a distributed run calls it (all hold the data).
+
+    ``out``: the run directory that :func:`checked_run_directory` returned for this configuration (train has claimed
+    it by then); None: validated here."""
+    world_size = ranks.world_size
+    if out is None:
+        out = checked_run_directory(config, ranks=ranks)
     hf = None
     if config.model not in MODEL_NAMES:
         torch.manual_seed(config.seed)

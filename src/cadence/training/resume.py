@@ -32,7 +32,7 @@ from cadence.training.checkpoint import (
 from cadence.training.run_dir import CHECKPOINTS_DIR, METRICS_FILE, MetricsUnreadable, read_metrics, rewrite_metrics
 
 MATH_FIELDS = (
-    "model", "data_fingerprint", "seq_len", "effective_batch_size", "seed", "precision", "lr", "weight_decay",
+    "model", "data_fingerprint", "data_store_digest", "seq_len", "effective_batch_size", "seed", "precision", "lr", "weight_decay",
     "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "max_steps", "max_grad_norm",
     "last_window", "val_fraction",
 )
@@ -41,7 +41,7 @@ The micro-batch split, recompute and offload may change (they give the same grad
 compared by its content's fingerprint, not by the spelling of its path: the same file named another way (a relative
 path from elsewhere, an absolute path, a link) resumes; other content under the same name is refused."""
 
-_FLAG_OF = {"data_fingerprint": "--data"}
+_FLAG_OF = {"data_fingerprint": "--data", "data_store_digest": "--data"}
 
 
 @dataclass(kw_only=True)
@@ -70,6 +70,10 @@ def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Pr
             message = (f"{current.get('data') or 'the built-in corpus'} does not hold the data the checkpoint was "
                        f"trained on (content {str(current.get(name))[:19]}... vs {str(saved.get(name))[:19]}...); "
                        f"resuming would mix other data into the run (start a new --out instead)")
+        elif name == "data_store_digest":
+            message = (f"the token store read now ({current.get('data_store')}) holds other tokens than the one the "
+                       f"checkpoint was trained on ({saved.get('data_store')}): rebuilt another way or replaced; "
+                       f"resuming would mix other tokens into the run (start a new --out instead)")
         elif name == "max_steps":
             message = (f"{current.get(name)!r} is below the checkpoint's {saved.get(name)!r}: a resume may train "
                        f"longer, not shorter (the schedule was decaying towards step {saved.get(name)}); stop the "
