@@ -252,7 +252,7 @@ def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None,
     profile_fields = {f.name for f in dataclasses.fields(ProfileOptions)}
     if compare is not None:
 
-        given = [flag(k) for k, v in options.items() if v is not None and k != "out"]
+        given = [flag(k) for k, v in options.items() if v not in (None, ()) and k != "out"]
         if given or config_file is not None:
             raise UsageError.single(given[0] if given else "--config", "--compare takes only RUN_A RUN_B (and --out)")
         comparison, paths = write_comparison(compare[0], compare[1], options.get("out"))

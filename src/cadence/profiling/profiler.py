@@ -36,7 +36,7 @@ from cadence.engine.windows import epoch_windows
 from cadence.errors import Problem, UsageError
 from cadence.memory.meter import live_training_bytes, quiet_native_stderr
 from cadence.models import MODEL_CONFIGS, CompileClock
-from cadence.profiling.flops import measured_peak_flops, model_flops_per_token
+from cadence.profiling.flops import hf_model_flops_per_token, measured_peak_flops, model_flops_per_token
 from cadence.profiling.report import PROFILE_FILE, compile_line, profile_report
 from cadence.report.document import write_report
 from cadence.training.components import build_components
@@ -343,7 +343,7 @@ def load_profile(directory: Path) -> dict[str, Any]:
 
 
 PROFILE_TRAIN_FIELDS = (
-    "model", "data", "data_cache", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size",
+    "model", "model_config", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size",
     "micro_batch_order", "micro_batch_tokens", "packing", "precision", "activation_checkpointing", "offload",
     "memory_budget", "compile", "prefetch_windows", "fp32_matmul", "max_grad_norm", "lr", "weight_decay",
     "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "seed", "device", "out", "plan",
@@ -385,7 +385,9 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
     parts = build_components(dataclasses.replace(prep, memory_budget_bytes=None))
     settings = ProfileSettings(
         active=options.steps, peak_flops=options.peak_flops,
-        tokens_per_step=None, model_flops_per_token=model_flops_per_token(MODEL_CONFIGS[config.model], prep.seq_len),
+        tokens_per_step=None,
+        model_flops_per_token=hf_model_flops_per_token(prep.hf, prep.seq_len) if prep.hf is not None
+        else model_flops_per_token(MODEL_CONFIGS[config.model], prep.seq_len),
         memory_limit_bytes=prep.memory_budget_bytes or (
             torch.cuda.get_device_properties(prep.device).total_memory if prep.device.type == "cuda" else None),
         config={**config.to_json_dict(), "seq_len": prep.seq_len, "micro_batch_size": prep.micro_batch_size,

@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from cadence.config import TrainConfig
 from cadence.errors import UsageError
 from cadence.formatting import format_bytes, format_hms, format_number
 from cadence.report import render as plots
@@ -230,11 +231,7 @@ def _shape_flags(config: dict[str, Any], summary: dict[str, Any]) -> str:
     get = config.get
     if not config:
         return ""
-    flags = [f"--model {shlex.quote(str(get('model')))}"] if get("model") else []
-    if get("data"):
-        flags.append(f"--data {shlex.quote(str(get('data')))}")
-    if get("seq_len"):
-        flags.append(f"--seq-len {get('seq_len')}")
+    flags = _model_and_data_flags(config)
     micro, accum = get("micro_batch_size"), get("grad_accum_steps")
     if get("auto_micro_batch") and isinstance(summary.get("final_micro_batch_size"), int):
         micro = summary["final_micro_batch_size"]  # the size the run settled on is the one worth profiling
@@ -262,14 +259,28 @@ def _shape_flags(config: dict[str, Any], summary: dict[str, Any]) -> str:
     return " ".join(flags)
 
 
+def _model_and_data_flags(config: dict[str, Any]) -> list[str]:
+    """--model with every --model-config override, --data with its field names, --seq-len: what every command
+    needs to build the run's model and read its data as the run did (profile, verify and plan take them all)."""
+    get = config.get
+    flags = [f"--model {shlex.quote(str(get('model')))}"] if get("model") else []
+    for override in get("model_config") or []:
+        flags.append(f"--model-config {shlex.quote(str(override))}")
+    if get("data"):
+        flags.append(f"--data {shlex.quote(str(get('data')))}")
+    defaults = TrainConfig()
+    for name in ("text_field", "prompt_field", "completion_field"):
+        if get(name) not in (None, getattr(defaults, name)):
+            flags.append(f"--{name.replace('_', '-')} {shlex.quote(str(get(name)))}")
+    if get("seq_len"):
+        flags.append(f"--seq-len {get('seq_len')}")
+    return flags
+
+
 def _plan_flags(config: dict[str, Any]) -> str:
     """The model, data and batch of this run for `cadence plan`, which plans one process: each process's share."""
     get = config.get
-    flags = [f"--model {shlex.quote(str(get('model')))}"] if get("model") else []
-    if get("data"):
-        flags.append(f"--data {shlex.quote(str(get('data')))}")
-    if get("seq_len"):
-        flags.append(f"--seq-len {get('seq_len')}")
+    flags = _model_and_data_flags(config)
     effective, world = get("effective_batch_size"), get("world_size") or 1
     if isinstance(effective, int) and isinstance(world, int) and world > 0:
         flags.append(f"--effective-batch-size {effective // world}")

@@ -14,6 +14,7 @@ Findings explain WHY a configuration cannot match, each with its fix:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -288,7 +289,7 @@ def format_result(result: VerifyResult) -> str:
 
 # ---------------------------------------------------------------------------------------------------- the command
 VERIFY_TRAIN_FIELDS = (
-    "model", "data", "data_cache", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size", "precision",
+    "model", "model_config", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size", "precision",
     "activation_checkpointing", "offload", "micro_batch_order", "micro_batch_tokens", "packing", "lr", "seed", "device",
     "strategy",
 )
@@ -329,7 +330,12 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ra
     if len(windows) < max(1, options.steps):
         raise UsageError.single("--steps", f"the data holds only {len(windows)} windows of {prep.effective_batch_size}")
 
+    hf_model = prep.hf.model if prep.hf is not None else None  # built (and seeded) once by prepare
+
     def model_factory() -> torch.nn.Module:
+        # Every call the same initial weights: the built-in model seeded again, a transformers model copied.
+        if hf_model is not None:
+            return copy.deepcopy(hf_model).to(prep.device)
         torch.manual_seed(config.seed)
         return build_model(config.model).to(prep.device)
 
