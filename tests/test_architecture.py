@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cadence"
 
 LAYERS: list[set[str]] = [
     {"errors", "formatting"},
-    {"input_files"},
+    {"input_files", "output_files"},
     {"data", "models"},
     {"memory"},
     {"engine"},
@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"plan"},
     {"rebuild"},
     {"cli"},
-    {"__main__", "__init__", "windows"},
+    {"__main__", "__init__"},
 ]
 ROOT_METADATA = {"__version__"}
 """What any module may take from the root package itself (``from cadence import __version__``)."""

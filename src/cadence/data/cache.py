@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cadence.data.store import STORE_VERSION, StoreDamaged, StoreKind, StoreWriter, TokenStore, write_json_atomically
+from cadence.data.store import STORE_VERSION, StoreDamaged, StoreKind, StoreWriter, TokenStore
 from cadence.errors import UsageError
+from cadence.output_files import atomic_write_json
 
 STORES = "stores"
 SOURCES = "sources"
@@ -138,8 +139,8 @@ def open_or_build(recipe: Recipe, cache_dir: Path | None) -> Opened:
             # pointing at a store without it was not written by a build of this source, and is not followed.
             (final / BUILT_FOR).mkdir(exist_ok=True)
             (final / BUILT_FOR / source_file.stem).touch()
-            write_json_atomically(source_file, {"store": final.name, "source": recipe.source,
-                                                "fingerprint": store.fingerprint})
+            atomic_write_json(source_file, {"store": final.name, "source": recipe.source,
+                                            "fingerprint": store.fingerprint})
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
             raise

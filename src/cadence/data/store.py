@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from cadence.data.batching import IGNORE_INDEX, Example, TokenDataset
+from cadence.output_files import atomic_write_json
 
 STORE_FORMAT = "cadence-token-store"
 """The ``format`` field of every store.json: how a directory given to ``--data`` is recognised as a store."""
@@ -198,7 +199,7 @@ class StoreWriter:
             "splits": {split: self._rows.get(split, 0) for split in splits},
             "sha256": checksums,
         }
-        write_json_atomically(self.directory / META_FILE, full)
+        atomic_write_json(self.directory / META_FILE, full, indent=1, sort_keys=True)
         _remember_verified(self.directory, names)
 
     def abort(self) -> None:
@@ -227,7 +228,7 @@ def _remember_verified(directory: Path, names: Sequence[str]) -> None:
     simply verified at every open)."""
     try:
         identity = {name: _stat_identity(directory / name) for name in [META_FILE, *names]}
-        write_json_atomically(directory / VERIFIED_FILE, {"files": identity})
+        atomic_write_json(directory / VERIFIED_FILE, {"files": identity})
     except OSError:
         pass
 
@@ -239,16 +240,6 @@ def _verified_before(directory: Path, names: Sequence[str]) -> bool:
         return all(files.get(name) == _stat_identity(directory / name) for name in [META_FILE, *names])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
-
-
-def write_json_atomically(path: Path, content: dict[str, Any]) -> None:
-    """Write ``path`` through a temporary sibling and a rename: readers see the old file or the whole new one."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(content, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -545,5 +536,4 @@ __all__ = [
     "INDEX_COLUMNS", "META_FILE", "STORE_FORMAT", "STORE_VERSION", "TOKENS_FILE", "VERIFIED_FILE", "PackedSequences",
     "StoreDamaged", "file_sha256",
     "StoreKind", "StoreWriter", "StoredExamples", "TokenFile", "TokenStore", "length_histogram", "token_dtype", "usable_rows",
-    "write_json_atomically",
 ]

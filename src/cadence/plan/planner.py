@@ -37,13 +37,13 @@ from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.recompute import CHECKPOINTING_MODES
 from cadence.models.hf import packed_attention_supported
+from cadence.output_files import atomic_write_json
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
 from cadence.plan.trials import CUT_DEFAULTS, DECISION_FIELDS, TrialResult, TrialSetup, run_trial
 from cadence.profiling.flops import matmul_speed
 from cadence.report.document import write_report
 from cadence.training.prepare import load_run_data
-from cadence.training.run_dir import atomic_write_json
 from cadence.verify.equivalence import compare_gradients, compare_losses
 
 PLAN_FILE = "plan.json"

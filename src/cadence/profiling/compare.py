@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from cadence.errors import UsageError
 from cadence.formatting import format_bytes, format_number, format_seconds, format_share, format_si
+from cadence.output_files import atomic_write_bytes
 from cadence.profiling.report import (
     draw_phase_bars,
     mean_sd,
@@ -31,7 +32,6 @@ from cadence.profiling.report import (
 )
 from cadence.report import render as plots
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Plot, Report, Table, to_html, to_markdown
-from cadence.training.run_dir import atomic_write_bytes
 
 if TYPE_CHECKING:  # matplotlib itself is imported on the first plot (cadence.report.render.new_figure)
     from matplotlib.figure import Figure

@@ -36,12 +36,12 @@ from cadence.engine.windows import epoch_windows
 from cadence.errors import Problem, UsageError
 from cadence.memory.meter import live_training_bytes, quiet_native_stderr
 from cadence.models import MODEL_CONFIGS, CompileClock
+from cadence.output_files import atomic_write_json
 from cadence.profiling.flops import hf_model_flops_per_token, measured_peak_flops, model_flops_per_token
 from cadence.profiling.report import PROFILE_FILE, compile_line, profile_report
 from cadence.report.document import write_report
 from cadence.training.components import build_components
 from cadence.training.prepare import prepare
-from cadence.training.run_dir import atomic_write_json
 
 PHASES = ("data_wait", "forward", "backward", "gradient_sync", "unscale_clip", "optimizer_step",
           "zero_grad_scheduler", "logging_checkpointing")

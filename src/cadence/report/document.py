@@ -14,9 +14,9 @@ from typing import Any
 from cadence.errors import UsageError
 from cadence.formatting import finite
 from cadence.input_files import read_regular_file
+from cadence.output_files import atomic_write_bytes
 from cadence.report import render as plots
 from cadence.report.render import Plot, Report, to_html, to_markdown
-from cadence.training.run_dir import atomic_write_bytes
 
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"

@@ -30,7 +30,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from cadence.training.run_dir import CHECKPOINTS_DIR, WEIGHTS_FILE, atomic_write_json, save_weights, writing
+from cadence.output_files import atomic_write_json, fsync_directory
+from cadence.training.run_dir import CHECKPOINTS_DIR, WEIGHTS_FILE, save_weights, writing
 from cadence.training.state_file import StateFileError, read_state, state_file_names, write_state
 
 STATE_STEM = "training_state"
@@ -121,7 +122,7 @@ def _write_atomically(run_dir: Path, *, step: int, weights: Mapping[str, torch.T
         if final.exists():  # the same step written again (a final save after a periodic one): replace it whole
             shutil.rmtree(final)
         os.replace(staging, final)
-        _fsync_dir(root)
+        fsync_directory(root)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -237,15 +238,3 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
 
 class CheckpointUnreadable(ValueError):
     """A checkpoint's files verify against its manifest but do not parse as a cadence checkpoint."""
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the rename itself durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -10,7 +10,6 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -21,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from cadence.errors import CadenceFailure
+from cadence.output_files import atomic_write_bytes, atomic_write_json, finite, fsync_file
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -28,37 +28,6 @@ SUMMARY_FILE = "summary.json"
 WEIGHTS_FILE = "model.safetensors"
 CHECKPOINTS_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` so that ``path`` holds either the old content or all of the new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; run files are meant to be read by others
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(_finite(obj), indent=2, sort_keys=False) + "\n").encode("utf-8"))
-
-
-def _finite(value: Any) -> Any:
-    """JSON has no inf/nan: non-finite floats become null rather than invalid JSON that other tools reject."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
 
 
 def weights_for_safetensors(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -76,8 +45,7 @@ def save_weights(weights: Mapping[str, torch.Tensor], path: Path, metadata: dict
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         save_file(weights_for_safetensors(weights), str(tmp), metadata=metadata)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
+        fsync_file(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
@@ -128,7 +96,7 @@ class RunWriter:
 
     def log_step(self, row: dict[str, Any]) -> None:
         with writing(str(self.root / METRICS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
-            self._metrics.write(json.dumps(_finite(row)) + "\n")
+            self._metrics.write(json.dumps(finite(row)) + "\n")
             self._metrics.flush()
         if self._tb is not None:
             step = int(row["step"])

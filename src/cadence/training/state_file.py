@@ -26,6 +26,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from cadence.output_files import fsync_file
+
 STRUCTURE_SUFFIX = ".json"
 TENSORS_SUFFIX = ".safetensors"
 _FORMAT = "cadence-state/1"
@@ -53,7 +55,7 @@ def write_state(folder: Path, stem: str, state: Any) -> None:
     # safetensors refuses tensors that share storage and non-contiguous ones: each gets its own compact copy.
     save_file({key: value.detach().to("cpu").contiguous().clone() for key, value in tensors.items()},
               str(folder / tensors_name))
-    _fsync(folder / tensors_name)
+    fsync_file(folder / tensors_name)
     with open(folder / structure_name, "w", encoding="utf-8") as handle:
         json.dump(structure, handle, allow_nan=True)
         handle.flush()
@@ -146,8 +148,3 @@ def _hashable(key: Any) -> Any:
     if isinstance(key, list):  # a tuple key decodes through _TUPLE; a bare list cannot be a dict key
         raise StateFileError("a dict key is a list")
     return key
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
