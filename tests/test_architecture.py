@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cadence"
 
 LAYERS: list[set[str]] = [
     {"errors", "formatting"},
-    {"input_files", "output_files"},
+    {"input_files", "output_files", "process_locks"},
     {"data", "models"},
     {"memory"},
     {"engine"},

@@ -359,3 +359,39 @@ def test_a_sources_entry_pointing_at_another_store_is_not_followed(tmp_path: Pat
     entry.write_text(json.dumps(forged))
     with pytest.warns(UserWarning, match="not built from this source"):
         assert as_lists(load_data(one, 32, 0.0, cache_dir=cache).train) == expected
+
+
+def _hold_the_build_lock(cache: Path, ready: Path) -> None:
+    import fcntl
+
+    with open(cache / "build.lock", "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        ready.touch()
+        os.kill(os.getpid(), signal.SIGSTOP)  # a prepare-data stopped mid-build: alive, holding the lock
+
+
+def test_waiting_on_a_stopped_build_names_its_holder_and_gives_up(tmp_path: Path, monkeypatch) -> None:
+    """Issue 29 item 5: the wait used to print nothing and never end."""
+    import cadence.data.cache as cache_module
+
+    cache, ready = tmp_path / "cache", tmp_path / "ready"
+    (cache / "stores").mkdir(parents=True)
+    (cache / "sources").mkdir()
+    holder = multiprocessing.get_context("fork").Process(target=_hold_the_build_lock, args=(cache, ready))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        monkeypatch.setattr(cache_module, "BUILD_LOCK_WAIT_S", 0.5)
+        path = tmp_path / "t.txt"
+        path.write_bytes(sample_text(2000))
+        with pytest.warns(UserWarning, match=f"waiting for another process .*pid {holder.pid}"):
+            with pytest.raises(UsageError) as gave_up:
+                load_data(path, 32, 0.0, cache_dir=cache)
+        problem = gave_up.value.problems[0]
+        assert problem.where == "--data-cache" and f"pid {holder.pid}" in problem.message
+        assert "still locked by another build after" in problem.message
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join()

@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from typing import Any
 from cadence.data.store import STORE_VERSION, StoreDamaged, StoreKind, StoreWriter, TokenStore
 from cadence.errors import UsageError
 from cadence.output_files import atomic_write_json
+from cadence.process_locks import lock_holder
 
 STORES = "stores"
 SOURCES = "sources"
@@ -117,7 +119,7 @@ def open_or_build(recipe: Recipe, cache_dir: Path | None) -> Opened:
     found, _ = _known(cache_dir, source_file, recipe)
     if found is not None:
         return Opened(store=found, built=False)
-    with _build_lock(cache_dir):
+    with _build_lock(cache_dir, recipe.source):
         found, damage = _known(cache_dir, source_file, recipe)  # another process may have built it meanwhile
         if found is not None:
             return Opened(store=found, built=False)
@@ -208,11 +210,34 @@ def _build(recipe: Recipe, directory: Path) -> TokenStore:
     return TokenStore.open(directory)
 
 
+BUILD_LOCK_WAIT_S = 3600.0
+"""How long a process waits for another's store build before giving up: an hour is several 3 GB builds, while a
+holder that was stopped (SIGSTOP, a suspended terminal) would otherwise keep every later run waiting forever."""
+
+
 @contextlib.contextmanager
-def _build_lock(cache_dir: Path) -> Iterator[None]:
-    """An exclusive flock on the cache's lock file. The kernel releases it when its holder dies, however it dies."""
+def _build_lock(cache_dir: Path, source: str) -> Iterator[None]:
+    """An exclusive flock on the cache's lock file. The kernel releases it when its holder dies, however it dies.
+    A wait says who holds it, and ends after :data:`BUILD_LOCK_WAIT_S` with an error naming the holder."""
     with open(cache_dir / LOCK_FILE, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock_holder(cache_dir / LOCK_FILE)
+            warnings.warn(f"waiting for another process to finish building a token store in {cache_dir} ({holder}); "
+                          f"giving up after {BUILD_LOCK_WAIT_S / 60:g} minutes", stacklevel=3)
+            deadline = time.monotonic() + BUILD_LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise UsageError.single("--data-cache", (
+                            f"{cache_dir} is still locked by another build after {BUILD_LOCK_WAIT_S / 60:g} minutes "
+                            f"({lock_holder(cache_dir / LOCK_FILE)}); stop that process, or give another "
+                            f"--data-cache to build {source} there")) from None
+                    time.sleep(0.2)
         try:
             yield
         finally:
