@@ -32,6 +32,9 @@ COMMON = ["--seq-len", "32", "--max-steps", str(STEPS), "--lr", "3e-3", "--warmu
           "--checkpoint-every", "3"]
 TESTS = Path(__file__).resolve().parent
 
+# Every test here starts real gloo processes: part of make test, left out of make test-fast.
+pytestmark = pytest.mark.slow
+
 
 def cadence(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """The cadence command in a fresh process (the launcher starts its ranks as further processes)."""

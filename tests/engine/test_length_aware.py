@@ -147,6 +147,7 @@ def test_bad_length_aware_flags_name_the_flag(tmp_path, capsys, extra: list[str]
     assert f"cadence: error: {flag}:" in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--packing"], ["--micro-batch-tokens", "96"]])
 def test_a_resumed_length_aware_run_is_bitwise_the_uninterrupted_one(tmp_path, extra: list[str]) -> None:
     data = write_jsonl(tmp_path / "data.jsonl")
@@ -165,6 +166,7 @@ def test_a_resumed_length_aware_run_is_bitwise_the_uninterrupted_one(tmp_path, e
     assert whole.keys() == cut.keys() and all(torch.equal(whole[name], cut[name]) for name in whole)  # bitwise
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--packing"], ["--micro-batch-tokens", "96"], ["--micro-batch-order", "by-length"]])
 def test_a_length_aware_window_interrupted_mid_way_resumes_bitwise(tmp_path, monkeypatch, extra: list[str]) -> None:
     """--checkpoint-mid-window with a cut: SIGTERM lands during the first micro-batch of step 3; the checkpoint

@@ -59,6 +59,7 @@ def run_plan(tmp_path: Path, *extra: str) -> tuple[int, Path]:
     return code, out
 
 
+@pytest.mark.slow
 def test_plan_end_to_end_and_train_with_it(tmp_path):
     code, out = run_plan(tmp_path, "--precision", "fp32")
     assert code == 0
@@ -82,6 +83,7 @@ def test_plan_end_to_end_and_train_with_it(tmp_path):
     assert len(read_metrics(run)) == 2
 
 
+@pytest.mark.slow
 def test_train_flag_contradicting_the_plan_is_a_usage_error(tmp_path, capsys):
     code, out = run_plan(tmp_path, "--precision", "fp32", "--activation-checkpointing", "none")
     assert code == 0
@@ -133,6 +135,7 @@ def test_a_trial_setup_is_the_verify_setup_plus_its_accumulation() -> None:
     assert setup.describe() == "micro 2 x accum 4, bf16, recompute full, offload none"
 
 
+@pytest.mark.slow
 def test_plan_measures_cuts_by_length_on_variable_length_data_and_train_follows(tmp_path):
     """Issue 15: on prompt/completion data the choice is measured again sorted by length, under a token budget and
     packed; plan.json and the report show each cut's real-token share and throughput, the fastest that fits is the
@@ -163,6 +166,7 @@ def test_plan_measures_cuts_by_length_on_variable_length_data_and_train_follows(
         assert config[key] == plan["choice"][key]
 
 
+@pytest.mark.slow
 def test_a_plan_on_full_text_sequences_says_why_it_measured_no_cut(tmp_path):
     code, out = run_plan(tmp_path, "--precision", "fp32", "--activation-checkpointing", "none", "--max-trials", "1")
     assert code == 0

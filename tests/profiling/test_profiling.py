@@ -100,6 +100,7 @@ def test_a_padding_bound_step_is_named_with_its_fix(order, fix):
     assert verdict({**result, "padding_fraction": 0.1}, None)["kind"] == "compute-bound"
 
 
+@pytest.mark.slow
 def test_profile_reports_the_padding_of_variable_length_data(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl")
     for name, extra in (("drawn", ["--micro-batch-order", "drawn"]), ("sorted", [])):  # by-length: the default

@@ -157,6 +157,7 @@ def test_fixed_micro_batch_over_budget_fails_with_a_clear_message(tmp_path, caps
     assert "out of memory at micro-batch 16" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_auto_with_a_token_budget_halves_the_budget_and_keeps_the_losses(tmp_path):
     """Measured at seq 48 on gpt-tiny: one micro-batch of 1536 positions peaks at ~42 MiB, 384 at ~27 MiB; under a
     30 MiB budget auto halves 1536 -> 768 -> 384 (or less) and trains what a fixed budget of 384 trains."""
@@ -174,6 +175,7 @@ def test_auto_with_a_token_budget_halves_the_budget_and_keeps_the_losses(tmp_pat
     assert summary["final_micro_batch_tokens"] <= 384 and summary["effective_batch_size"] == 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unit", ["rows", "tokens"])
 def test_auto_with_packing_shrinks_the_packed_window_and_keeps_the_losses(tmp_path, unit: str) -> None:
     """--packing with auto: 64 examples a window packed into rows of 48 (about 40 rows, 1,900 positions) over a

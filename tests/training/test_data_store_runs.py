@@ -68,6 +68,7 @@ def test_resume_refuses_data_whose_content_changed(tmp_path: Path, capsys) -> No
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_resume_accepts_the_same_content_under_another_name_or_as_a_store(tmp_path: Path, capsys) -> None:
     data = write_jsonl(tmp_path / "data.jsonl")
     cache, run = tmp_path / "cache", tmp_path / "run"

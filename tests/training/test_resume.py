@@ -59,6 +59,7 @@ def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 8
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
     data = data_file(tmp_path)
     assert main(args(data, tmp_path / "whole")) == 0
