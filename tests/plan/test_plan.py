@@ -136,7 +136,7 @@ def test_a_trial_setup_is_the_verify_setup_plus_its_accumulation() -> None:
 
 
 @pytest.mark.slow
-def test_plan_measures_cuts_by_length_on_variable_length_data_and_train_follows(tmp_path):
+def test_plan_measures_cuts_by_length_on_variable_length_data_and_train_follows(tmp_path, capsys):
     """Issue 15: on prompt/completion data the choice is measured again sorted by length, under a token budget and
     packed; plan.json and the report show each cut's real-token share and throughput, the fastest that fits is the
     choice when clearly faster, the quality check runs on the chosen cut, and train --plan cuts the same way."""
@@ -159,11 +159,21 @@ def test_plan_measures_cuts_by_length_on_variable_length_data_and_train_follows(
     assert plan["quality"]["gradient"]["passed"] and plan["quality"]["gradient"]["relative_error"] < 1e-5
     assert "Cutting the windows by length" in (out / "report.md").read_text()
 
+    # Issue 28 item 1: exactly the command plan prints, without --data, trains on the plan's data (it used to take
+    # the built-in corpus without a word).
     run = tmp_path / "run"
-    assert main(["train", "--plan", str(out / "plan.json"), *common, "--max-steps", "2", "--out", str(run)]) == 0
+    assert main(["train", "--plan", str(out / "plan.json"), "--data-cache", str(tmp_path / "cache"), "--max-steps",
+                 "2", "--out", str(run)]) == 0
     config = json.loads((run / "config.json").read_text())
     for key in ("micro_batch_order", "micro_batch_tokens", "packing"):
         assert config[key] == plan["choice"][key]
+    assert config["data"] == str(data.resolve()) and config["data_fingerprint"] == plan["source"]["data_fingerprint"]
+    # Other data may be given: it is said on the console.
+    other = write_jsonl(tmp_path / "other.jsonl", count=64)
+    capsys.readouterr()
+    assert main(["train", "--plan", str(out / "plan.json"), "--data", str(other), "--data-cache",
+                 str(tmp_path / "cache"), "--max-steps", "1", "--out", str(tmp_path / "other-run")]) == 0
+    assert f"warning: training on --data {other}, while the plan" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -432,6 +433,10 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
         "parameters": model.num_parameters,
         "seq_len": seq_len,
         "data": data.description,
+        # What train --plan reads again unless told otherwise: the plan's decision holds for this data and cut.
+        "source": {"data": str(config.data.resolve()) if config.data is not None else None,
+                   "data_fingerprint": data.fingerprint, "text_field": config.text_field,
+                   "prompt_field": config.prompt_field, "completion_field": config.completion_field},
         "tokens_per_epoch": tokens_per_epoch,
         "device": str(device),
         "effective_batch_size": config.effective_batch_size,
@@ -483,8 +488,23 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
         decided.update(model=plan["model"], seq_len=plan["seq_len"], effective_batch_size=None)
         if plan.get("model_config"):  # a Hugging Face model's --model-config overrides
             decided["model_config"] = list(plan["model_config"])
+        source = plan.get("source") or {}  # plans written before sources were recorded have none
+        if not isinstance(source, dict):
+            raise TypeError("its source is not an object")
     except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise UsageError.single("--plan", f"{path} is not a cadence plan.json ({err})") from None
+    if "data" not in given and "data" in source:
+        # The plan measured this data: training on other data would train with a decision made for that one.
+        decided["data"] = Path(source["data"]) if source["data"] is not None else None
+        for name in ("text_field", "prompt_field", "completion_field"):
+            if name not in given and isinstance(source.get(name), str):
+                decided[name] = source[name]
+    elif "data" in given and "data" in source:
+        planned = source["data"] or "the built-in corpus"
+        given_data = str(config.data.resolve()) if config.data is not None else "the built-in corpus"
+        if given_data != planned:
+            warnings.warn(f"training on --data {config.data or 'the built-in corpus'}, while the plan {path} was made "
+                          f"on {planned}: its decision was measured on that data", stacklevel=2)
     problems = []
     for name, value in decided.items():
         if name in given and value is not None and getattr(config, name) != value:
