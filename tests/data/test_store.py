@@ -395,3 +395,21 @@ def test_waiting_on_a_stopped_build_names_its_holder_and_gives_up(tmp_path: Path
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.join()
+
+
+def test_a_byte_store_with_ids_beyond_the_model_s_vocabulary_is_refused_before_training(tmp_path: Path, capsys) -> None:
+    """Issue 29 item 12: a crafted byte store (resealed, ids >= 256 under a wider dtype) used to fail mid-run."""
+    from cadence.cli import main
+
+    store = _examples_store(tmp_path / "s")
+    tokens = np.fromfile(store / "tokens.bin", dtype=np.uint8).astype("<u2")
+    tokens[10] = 300
+    tokens.tofile(store / "tokens.bin")
+    meta = json.loads((store / "store.json").read_text())
+    meta.update(dtype="uint16", vocab_size=512, tokenizer="bytes")
+    (store / "store.json").write_text(json.dumps(meta))
+    _reseal(store)
+    assert main(["train", "--data", str(store), "--seq-len", "16", "--micro-batch-size", "2", "--grad-accum-steps",
+                 "1", "--max-steps", "1", "--val-fraction", "0", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--data" in err and "beyond gpt-tiny's vocabulary of 256" in err and not (tmp_path / "run").exists()

@@ -154,3 +154,24 @@ def test_resume_refuses_a_store_with_other_tokens_than_the_checkpoint_s(tmp_path
     assert main(args(data, run, tmp_path / "cache", "--resume")) == 2
     err = capsys.readouterr().err
     assert "--data" in err and "holds other tokens than the one the checkpoint was trained on" in err
+
+
+def test_a_store_truncated_while_the_run_reads_it_ends_in_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Issue 29 item 11: the StoreDamaged raised mid-run used to end in a traceback."""
+    from cadence.training import loop
+
+    data = write_jsonl(tmp_path / "data.jsonl")
+    cache = tmp_path / "cache"
+    real_after_step = loop.TrainingRun.after_step
+
+    def truncate_after_the_first_step(self, place, outcome, caught):  # type: ignore[no-untyped-def]
+        for tokens in (cache / "stores").glob("*/tokens.bin"):
+            with open(tokens, "r+b") as handle:
+                handle.truncate(10)
+        return real_after_step(self, place, outcome, caught)
+
+    monkeypatch.setattr(loop.TrainingRun, "after_step", truncate_after_the_first_step)
+    assert main(args(data, tmp_path / "run", cache, "--prefetch-windows", "0")) == 1
+    err = capsys.readouterr().err
+    assert "cadence: training failed: " in err and "shorter than its store.json says" in err and "--resume" in err
+    assert "Traceback" not in err

@@ -230,3 +230,55 @@ def test_resume_still_continues_cadence_s_own_runs_and_starts_an_empty_directory
     (empty / "model.safetensors").unlink()
     assert main(args(data, empty, "--resume", steps=2)) == 0  # killed before any checkpoint: starts over
     assert [row["step"] for row in read_metrics(empty)] == [1, 2]
+
+
+def _reseal(checkpoint: Path) -> None:
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["sha256"] = {name: hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
+                          for name in manifest["sha256"]}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _weights_of_another_size(checkpoint: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    name = next(iter(weights))
+    weights[name] = weights[name].flatten()[:-1].clone()
+    save_file(weights, str(checkpoint / "model.safetensors"))
+
+
+def _moments_of_another_size(checkpoint: Path) -> None:
+    state = read_state(checkpoint, "training_state")
+    moments = next(iter(state["optimizer"]["state"].values()))
+    moments["exp_avg"] = moments["exp_avg"].flatten()[:3].clone()
+    write_state(checkpoint, "training_state", state)
+
+
+def _no_param_groups(checkpoint: Path) -> None:
+    state = read_state(checkpoint, "training_state")
+    state["optimizer"]["param_groups"] = []
+    write_state(checkpoint, "training_state", state)
+
+
+def _engine_without_steps(checkpoint: Path) -> None:
+    state = read_state(checkpoint, "training_state")
+    del state["engine"]["steps"]
+    write_state(checkpoint, "training_state", state)
+
+
+@pytest.mark.parametrize("damage", [_weights_of_another_size, _moments_of_another_size, _no_param_groups,
+                                    _engine_without_steps], ids=lambda damage: damage.__name__.strip("_"))
+def test_a_checkpoint_that_verifies_but_does_not_fit_is_refused_in_one_line(tmp_path, capsys, damage):
+    """Issue 29 item 13: a valid manifest over wrong contents used to end in a ValueError or KeyError traceback."""
+    data, out = data_file(tmp_path), tmp_path / "run"
+    assert main(args(data, out)) == 0
+    checkpoint = checkpoint_dirs(out)[-1]
+    damage(checkpoint)
+    _reseal(checkpoint)
+    before = snapshot(out)
+    capsys.readouterr()
+    assert main(args(data, out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "does not fit this run" in err and "Traceback" not in err
+    assert snapshot(out) == before

@@ -32,6 +32,8 @@ class DataSplits:
     """The token store the examples are read from (None for examples built in memory)."""
     store_digest: str | None = None
     """The store's :attr:`TokenStore.digest` (which tokens exactly), for a resume to compare."""
+    vocab_size: int | None = None
+    """Every token id is below this (the store verified it): the model's vocabulary must hold it."""
 
 
 def split_validation(examples: TokenDataset, val_fraction: float) -> tuple[TokenDataset, TokenDataset | None]:
@@ -81,7 +83,8 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
         if val is not None:
             description += f"; {len(train)} train / {len(val)} validation"
         return DataSplits(train=train, val=val, description=description + cache_note, truncated=0,
-                          fingerprint=fingerprint, store=store.path, store_digest=store.digest)
+                          fingerprint=fingerprint, store=store.path, store_digest=store.digest,
+                          vocab_size=int(meta["vocab_size"]))
 
     strict = meta.get("source_format") == "jsonl"
     parts: dict[str, tuple[StoredExamples, int]] = {}
@@ -125,7 +128,7 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
         description += f"; {skipped} rows skipped (empty, or no target left)"
     return DataSplits(train=train, val=val or None, description=description + cache_note, truncated=truncated,
                       fingerprint=store.fingerprint, store=store.path,
-                      store_digest=store.digest)
+                      store_digest=store.digest, vocab_size=int(meta["vocab_size"]))
 
 
 __all__ = ["DataSplits", "split_validation", "splits_from_store"]

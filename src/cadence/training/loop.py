@@ -22,6 +22,7 @@ import torch
 from cadence import __version__
 from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches
+from cadence.data.store import StoreDamaged
 from cadence.distributed.ranks import (
     SINGLE,
     Ranks,
@@ -117,13 +118,8 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
     # One run at a time in a run directory: claimed before any data is read, held until the end. The check that
     # --out may be written is made under the lock, so a second run started meanwhile can never have filled it.
     lock = claim_run_directory(out, resume=config.resume, ranks=ranks)
-    try:
-        prep = _on_every_rank(lambda: prepare(config, ranks=ranks, out=out), ranks)
-    except BaseException:
-        if lock is not None:
-            lock.release()  # removes the directory the claim created: bad input leaves nothing behind
-        raise
-    run = TrainingRun(prep, lock=lock, stream=stream, live=live)
+    run = TrainingRun(_prepared_under(lock, lambda: prepare(config, ranks=ranks, out=out), ranks), lock=lock,
+                      stream=stream, live=live)
     try:
         with run.stop, run.progress, fp32_matmul(config.fp32_matmul), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -269,6 +265,10 @@ class TrainingRun:
                 # The producer may already be in the next epoch: the epoch is the window's, taken as it is run.
                 self.epoch = place.epoch
                 yield place
+        except StoreDamaged as damaged:
+            # The store was verified when the run opened it: it changed under the run (truncated, rewritten).
+            raise TrainingFailed(f"{damaged}; the checkpoints so far are intact: restore the data (a cached store "
+                                 f"is rebuilt from its source), then --resume") from None
         finally:
             self.prefetcher.close()
 
@@ -491,6 +491,17 @@ class TrainingRun:
             "stopped_by": self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere else None),
             "resumed_from_step": self.start.step if self.start else None,
         }
+
+
+def _prepared_under(lock: RunDirectoryLock | None, prepare_run: Callable[[], Prepared], ranks: Ranks) -> Prepared:
+    """``prepare_run()`` on every rank while rank 0 holds the run directory; on bad input the lock is released,
+    which removes the directory the claim created, so that bad input leaves nothing behind."""
+    try:
+        return _on_every_rank(prepare_run, ranks)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
 
 
 def _on_every_rank(check: Callable[[], T], ranks: Ranks) -> T:

@@ -19,7 +19,7 @@ from cadence.data import DataSplits, default_cache_dir, is_store, load_data, ope
 from cadence.data.hf import as_tokenizer, is_hf_data, load_hf_data
 from cadence.distributed.ranks import SINGLE, Ranks, broadcast_from_main, rank_device
 from cadence.errors import UsageError
-from cadence.models import MODEL_NAMES, model_context_length, repeated_blocks
+from cadence.models import MODEL_CONFIGS, MODEL_NAMES, model_context_length, repeated_blocks
 from cadence.models.hf import HFModel, build_hf_model, packed_attention_supported, parse_model_overrides
 
 
@@ -87,6 +87,12 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
                                              "masking_utils.find_packed_sequence_indices, transformers 4.54 or later); "
                                              "use --micro-batch-order by-length instead")
     data = load_run_data(config, seq_len, hf, ranks=ranks)
+    model_vocab = hf.vocab_size if hf else MODEL_CONFIGS[config.model].vocab_size
+    if data.vocab_size is not None and data.vocab_size > model_vocab:
+        # An id past the embedding would be an IndexError mid-run (a crafted store, or one made for another model).
+        raise UsageError.single("--data", f"{data.store or config.data} holds token ids up to {data.vocab_size - 1}, "
+                                          f"beyond {config.model}'s vocabulary of {model_vocab}; build the store for "
+                                          f"this model (cadence prepare-data --model ...)")
     micro = config.resolved_micro_batch_size(world_size)
     grad_accum_steps = config.resolved_grad_accum_steps(world_size)
     effective = micro * grad_accum_steps * world_size

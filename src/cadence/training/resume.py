@@ -176,15 +176,27 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
                 f"cut into micro-batches as it was to continue it (resume with {saved!r})")))
     if problems:
         raise UsageError(problems)
-    load_full_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"])
-    if state["scheduler"] is not None:
-        parts.scheduler.load_state_dict(state["scheduler"])
-    parts.engine.load_state_dict(state["engine"])
-    restore_rng_state(state["rng"])
-    position = state["data_position"]
-    kept = _truncate_metrics(run_dir, rows, windows=int(state["engine"]["windows"])) if main else []
-    point = ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=int(position["epoch"]),
-                        windows_done_in_epoch=int(position["window_in_epoch"]), kept_rows=kept,
+    try:
+        # A checkpoint whose manifest verifies can still hold states that do not fit this run (crafted, or written
+        # by another model): each load below raises on its own terms, and all of them are one refusal, before the
+        # metrics (the only file a resume changes) are touched.
+        load_full_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"])
+        _check_optimizer_state_shapes(parts.optimizer)
+        if state["scheduler"] is not None:
+            parts.scheduler.load_state_dict(state["scheduler"])
+        parts.engine.load_state_dict(state["engine"])
+        restore_rng_state(state["rng"])
+        position = state["data_position"]
+        windows_done, epoch, window_in_epoch = (int(state["engine"]["windows"]), int(position["epoch"]),
+                                                int(position["window_in_epoch"]))
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as err:
+        what = f"missing {err}" if isinstance(err, KeyError) else str(err).splitlines()[0][:300]
+        raise UsageError([Problem(where="--resume", message=(
+            f"{checkpoint.path} verifies against its manifest but does not fit this run ({what}); nothing was "
+            f"changed: resume from another checkpoint (remove this one) or start a new --out"))]) from None
+    kept = _truncate_metrics(run_dir, rows, windows=windows_done) if main else []
+    point = ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=epoch,
+                        windows_done_in_epoch=window_in_epoch, kept_rows=kept,
                         saved_config=dict(checkpoint.info.get("resolved_config", {})))
     if partial:
         # The interrupted window's accumulated gradients go back exactly where they were.
@@ -195,6 +207,18 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
                                       loss_sum=float(partial["loss_sum"]))
         point.partial_micro_batch_size = int(partial["micro_batch_size"])
     return point
+
+
+def _check_optimizer_state_shapes(optimizer: Any) -> None:
+    """torch's load_state_dict takes moments of any shape; one that does not match its parameter would fail at the
+    first step, mid-run. (Offloaded and FSDP2-sharded optimizers keep their own layout and are left to themselves.)"""
+    for group in getattr(optimizer, "param_groups", []):
+        for parameter in group["params"]:
+            for name, value in optimizer.state.get(parameter, {}).items():
+                if name != "step" and hasattr(value, "shape") and value.shape != parameter.shape \
+                        and type(parameter).__name__ != "DTensor":
+                    raise ValueError(f"optimizer state {name} of shape {tuple(value.shape)} for a parameter of shape "
+                                     f"{tuple(parameter.shape)}")
 
 
 def _metrics_rows(run_dir: Path) -> tuple[list[dict[str, Any]], str | None]:
