@@ -175,3 +175,37 @@ def test_a_store_truncated_while_the_run_reads_it_ends_in_one_line(tmp_path: Pat
     err = capsys.readouterr().err
     assert "cadence: training failed: " in err and "shorter than its store.json says" in err and "--resume" in err
     assert "Traceback" not in err
+
+
+def _file_size_limit(limit_bytes: int):  # type: ignore[no-untyped-def]
+    """RLIMIT_FSIZE in the child: a write past it fails with EFBIG, as a full disk fails with ENOSPC."""
+    import resource
+    import signal
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return apply
+
+
+@pytest.mark.parametrize("kind", ["text", "jsonl"])
+def test_a_store_build_that_runs_out_of_space_is_one_line_and_leaves_nothing(tmp_path: Path, kind: str) -> None:
+    """Issue 29 item 6: a full cache file system while building a store ended in an ENOSPC traceback."""
+    import subprocess
+    import sys
+
+    if kind == "text":
+        data = tmp_path / "big.txt"
+        data.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 50_000)  # 2.2 MB of tokens
+    else:
+        data = tmp_path / "big.jsonl"
+        data.write_text("".join(json.dumps({"text": f"example {i} " * 40}) + "\n" for i in range(6000)))
+    cadence = str(Path(sys.executable).with_name("cadence"))
+    result = subprocess.run([cadence, *args(data, tmp_path / "run", tmp_path / "cache")], capture_output=True,
+                            text=True, timeout=300, preexec_fn=_file_size_limit(1 << 20))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("cadence: data failed:")]
+    assert "cannot write the token store" in line and "--data-cache" in line
+    assert not (tmp_path / "run").exists()
+    assert [p.name for p in (tmp_path / "cache" / "stores").iterdir()] == []

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.data.store import STORE_VERSION, StoreDamaged, StoreKind, StoreWriter, TokenStore
-from cadence.errors import UsageError
+from cadence.errors import CadenceFailure, UsageError
 from cadence.output_files import atomic_write_json
 from cadence.process_locks import lock_holder
 
@@ -143,10 +143,21 @@ def open_or_build(recipe: Recipe, cache_dir: Path | None) -> Opened:
             (final / BUILT_FOR / source_file.stem).touch()
             atomic_write_json(source_file, {"store": final.name, "source": recipe.source,
                                             "fingerprint": store.fingerprint})
-        except BaseException:
+        except BaseException as failure:
             shutil.rmtree(building, ignore_errors=True)
+            if isinstance(failure, OSError):  # the source's own read errors are UsageErrors by now: this is a write
+                reason = (failure.strerror or str(failure)).lower()
+                raise StoreWriteFailed(f"cannot write the token store of {recipe.source} in {cache_dir}: {reason}; "
+                                       f"free space there, or give --data-cache a directory with room") from None
             raise
         return Opened(store=TokenStore.open(final), built=True)
+
+
+class StoreWriteFailed(CadenceFailure):
+    """A token store could not be written (a full disk, a file size limit): nothing of the build is left behind, and
+    the next run builds it again."""
+
+    label = "data failed"
 
 
 def _prepare(cache_dir: Path) -> None:
@@ -276,4 +287,5 @@ def _alive(pid: str) -> bool:
     return True
 
 
-__all__ = ["BuildResult", "Opened", "Recipe", "default_cache_dir", "open_or_build", "store_key", "write_store"]
+__all__ = ["BuildResult", "Opened", "Recipe", "StoreWriteFailed", "default_cache_dir", "open_or_build", "store_key",
+           "write_store"]
