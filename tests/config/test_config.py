@@ -267,3 +267,27 @@ def test_a_value_outside_a_choice_is_read_then_named_by_validation(tmp_path: Pat
     assert problems["--lr-schedule"] == "'step' is not one of constant, linear, cosine"
     assert problems["--device"] == "'tpu' is not one of auto, cpu, cuda"
     assert problems["--strategy"] == "'zero' is not one of ddp, fsdp"
+
+
+@pytest.mark.parametrize("flag_name, value", [
+    ("--out", "{tmp}/" + "a" * 300),
+    ("--out", "{tmp}/" + "b/" * 2600),
+    ("--data", "{tmp}/" + "c" * 300 + ".txt"),
+    ("--data-cache", "{tmp}/" + "d" * 300),
+])
+def test_a_path_the_file_system_cannot_hold_is_one_line_naming_its_flag(tmp_path, capsys, flag_name, value):
+    """Issue 29 item 7: a 300-byte name or a 5,000-byte path ended in an ENAMETOOLONG traceback."""
+    from cadence.cli import main
+
+    assert main(["train", flag_name, value.format(tmp=tmp_path), "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cadence: error: {flag_name}: ") and "Traceback" not in err and "bytes" in err
+
+
+def test_a_long_path_from_a_toml_file_is_named_too(tmp_path, capsys):
+    from cadence.cli import main
+
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'out = "{tmp_path}/{"e" * 300}"\nmax_steps = 1\n')
+    assert main(["train", "--config", str(toml)]) == 2
+    assert capsys.readouterr().err.startswith("cadence: error: --out: a name in ")

@@ -36,6 +36,12 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
 
     ``launched``: this process was started by torchrun (or is about to start ``world_size`` of them)."""
 
+    # A name the file system cannot hold makes every later check of it (exists, is_dir) raise ENAMETOOLONG: such
+    # paths are reported first, alone.
+    too_long = [Problem(where=flag(name), message=problem) for name in PATH_FIELDS
+                if (problem := path_length_problem(getattr(config, name))) is not None]
+    if too_long:
+        raise UsageError(too_long)
     problems: list[Problem] = []
 
     def bad(name: str, message: str) -> None:
@@ -199,6 +205,29 @@ def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]
             bad("effective_batch_size", f"{effective} contradicts --grad-accum-steps {accum} x --micro-batch-size "
                                         f"{micro} x {world_size} process(es); give one of the two")
     return problems
+
+
+PATH_FIELDS = ("data", "data_cache", "out", "save_hf", "plan")
+"""The TrainConfig fields that name a file or directory."""
+
+
+def path_length_problem(path: Path | None) -> str | None:
+    """Why the file system cannot take ``path`` as a name (a component over NAME_MAX bytes, the whole over
+    PATH_MAX), or None."""
+    if path is None:
+        return None
+    try:
+        name_max, path_max = os.pathconf("/", "PC_NAME_MAX"), os.pathconf("/", "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):  # no pathconf here: the common Linux limits
+        name_max, path_max = 255, 4096
+    encoded = os.fsencode(path)
+    if len(encoded) >= path_max:
+        return f"the path is {len(encoded):,} bytes long; this system takes at most {path_max - 1:,}"
+    longest = max((len(part) for part in encoded.split(b"/")), default=0)
+    if longest > name_max:
+        return (f"a name in {str(path)[:60]}... is {longest} bytes long; this file system takes at most {name_max} "
+                f"bytes per name")
+    return None
 
 
 def is_cadence_config(path: Path) -> bool:
