@@ -209,3 +209,27 @@ def test_a_store_build_that_runs_out_of_space_is_one_line_and_leaves_nothing(tmp
     assert "cannot write the token store" in line and "--data-cache" in line
     assert not (tmp_path / "run").exists()
     assert [p.name for p in (tmp_path / "cache" / "stores").iterdir()] == []
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_parallel_jsonl_build_prints_no_worker_traceback(tmp_path: Path) -> None:
+    """Issue 29 item 14: the workers used to finish their ranges and print BrokenPipeError tracebacks."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = tmp_path / "big.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i} " * 8, "completion": f"answer {i} " * 30}) + "\n"
+                            for i in range(150_000)))
+    cadence = str(Path(sys.executable).with_name("cadence"))
+    cache = tmp_path / "cache"
+    child = subprocess.Popen([cadence, *args(data, tmp_path / "run", cache)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list((cache / "stores").glob(".build-*/parts/*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
+    time.sleep(1.0)  # any worker left would print its traceback by now (its stderr is the pipe read above)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert child.returncode != 0

@@ -8,9 +8,11 @@ worker taking a range of lines; text needs no parsing (bytes are the tokens), on
 from __future__ import annotations
 
 import codecs
+import ctypes
 import hashlib
 import multiprocessing
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -182,8 +184,22 @@ def _results(tasks: list[tuple[Path, int, int, Path]], workers: int) -> Iterator
         return
     # fork: the workers need nothing but this module's functions, and start in milliseconds (spawn would import
     # torch again in each). They touch no torch state, so forking a process that has used torch is safe here.
-    with multiprocessing.get_context("fork").Pool(min(workers, len(tasks))) as pool:
+    with multiprocessing.get_context("fork").Pool(min(workers, len(tasks)), initializer=_quiet_worker) as pool:
         yield from pool.imap(_parse_task, tasks)
+
+
+def _quiet_worker() -> None:
+    """A parsing worker leaves signals to its parent: Ctrl-C is the parent's to handle (it ends the pool), and a
+    worker whose parent is gone (SIGTERM, SIGKILL) dies with it instead of finishing its range and printing a
+    BrokenPipeError traceback for a result nobody reads."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux): killed the moment the parent dies
+    except (OSError, AttributeError):  # not Linux: the pool's own shutdown still ends the workers
+        pass
+    if os.getppid() == 1:  # the parent died before the line above took effect
+        os._exit(0)
 
 
 def jsonl_recipe(path: Path, stream: IO[str] | None, *, workers: int | None = None,
