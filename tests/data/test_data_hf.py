@@ -265,3 +265,27 @@ def test_damaged_cache_is_rebuilt(tmp_path: Path) -> None:
     again = load(path, cache_dir=cache, tokenizer=tok)
     assert tok.calls and as_lists(again.train) == first
     assert json.loads((store / "store.json").read_text())["version"] == STORE_VERSION
+
+
+@pytest.mark.parametrize("name, content, says", [
+    ("ragged.csv", b"text,other\nhello,1\nworld,2,3,4\n", "Expected 2 fields in line 3, saw 4"),
+    ("binary.json", b"\x00\x01\x02binary", "JSON parse error"),
+    ("corrupt.parquet", b"not parquet\n", "Parquet magic bytes not found"),
+])
+def test_a_malformed_datasets_file_is_one_line_with_the_real_cause(tmp_path, name, content, says):
+    """Issue 29 item 15: the datasets library printed its own line first, and cadence's then said only "An error
+    occurred while generating the dataset"."""
+    import subprocess
+    import sys
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    cadence = str(Path(sys.executable).with_name("cadence"))
+    result = subprocess.run([cadence, "train", "--data", str(path), "--max-steps", "1", "--data-cache",
+                             str(tmp_path / "cache"), "--out", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"cadence: error: --data: could not read ") and says in lines[0], \
+        result.stderr
+    assert "<class" not in lines[0]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
+import re
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -160,17 +162,41 @@ def _resolve(spec: Path | str) -> _Source:
     raise UsageError.single("--data", f"{text} is not {_ALLOWED}")
 
 
+class _Captured(logging.Handler):
+    """Keeps the error lines datasets logs while it loads: the cause of a failure that its exception only calls
+    "An error occurred while generating the dataset", for cadence's one line instead of a line of its own."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """No progress bars or info logs from datasets while loading, then restore its (process-wide) settings."""
+def _quiet_datasets() -> Iterator[_Captured]:
+    """No progress bars or logs from datasets while loading (its errors are captured, not printed), then restore
+    its (process-wide) settings."""
     import datasets.utils.logging as ds_logging
 
     verbosity, bars = ds_logging.get_verbosity(), ds_logging.is_progress_bar_enabled()
     ds_logging.set_verbosity_error()
     ds_logging.disable_progress_bar()
+    library_logger = logging.getLogger("datasets")
+    handlers, propagate = list(library_logger.handlers), library_logger.propagate
+    captured = _Captured()
+    for handler in handlers:
+        library_logger.removeHandler(handler)
+    library_logger.addHandler(captured)
+    library_logger.propagate = False
     try:
-        yield
+        yield captured
     finally:
+        library_logger.removeHandler(captured)
+        for handler in handlers:
+            library_logger.addHandler(handler)
+        library_logger.propagate = propagate
         ds_logging.set_verbosity(verbosity)
         if bars:
             ds_logging.enable_progress_bar()
@@ -182,8 +208,9 @@ def _open(source: _Source, arrow_cache: Path) -> dict[str, Any]:
         import datasets
     except ImportError:
         raise UsageError.single("--data", "this data needs the datasets package: pip install 'cadence[hf]'") from None
+    captured = None
     try:
-        with _quiet_datasets():
+        with _quiet_datasets() as captured:
             if source.format != "saved":
                 # Our own cache_dir: load_dataset would otherwise write Arrow copies under the user's home directory.
                 return {"train": datasets.load_dataset(source.format, data_files=str(source.path.resolve()),
@@ -193,6 +220,10 @@ def _open(source: _Source, arrow_cache: Path) -> dict[str, Any]:
         # datasets fails on files without rows with messages that do not say so ("StopIteration").
         empty = source.path.is_file() and source.path.stat().st_size == 0 or "corresponds to no data" in str(error)
         why = "it has no rows" if empty else " ".join(str(error).split())[:300] or type(error).__name__
+        if not empty and "error occurred while generating the dataset" in why and captured and captured.lines:
+            # datasets logged the real cause ("Failed to read file ... with error <class ...>: ..."): say that.
+            cause = re.sub(r"^<class '[\w.]+'>: ", "", captured.lines[-1].split(" with error ", 1)[-1])
+            why = " ".join(cause.split())[:300]
         raise UsageError.single("--data", f"could not read {source.describe()}: {why}") from None
     if isinstance(loaded, datasets.Dataset):
         return {"train": loaded}
