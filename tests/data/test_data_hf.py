@@ -286,6 +286,6 @@ def test_a_malformed_datasets_file_is_one_line_with_the_real_cause(tmp_path, nam
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"cadence: error: --data: could not read ") and says in lines[0], \
+    assert len(lines) == 1 and lines[0].startswith("cadence: error: --data: could not read ") and says in lines[0], \
         result.stderr
     assert "<class" not in lines[0]
