@@ -384,6 +384,7 @@ def test_waiting_on_a_stopped_build_names_its_holder_and_gives_up(tmp_path: Path
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
         monkeypatch.setattr(cache_module, "BUILD_LOCK_WAIT_S", 0.5)
+        monkeypatch.setattr(cache_module, "BUILD_LOCK_NOTICE_S", 0.1)
         path = tmp_path / "t.txt"
         path.write_bytes(sample_text(2000))
         with pytest.warns(UserWarning, match=f"waiting for another process .*pid {holder.pid}"):

@@ -221,6 +221,8 @@ def _build(recipe: Recipe, directory: Path) -> TokenStore:
     return TokenStore.open(directory)
 
 
+BUILD_LOCK_NOTICE_S = 5.0
+"""A wait for another process's build longer than this is said on the console, naming the holder."""
 BUILD_LOCK_WAIT_S = 3600.0
 """How long a process waits for another's store build before giving up: an hour is several 3 GB builds, while a
 holder that was stopped (SIGSTOP, a suspended terminal) would otherwise keep every later run waiting forever."""
@@ -234,15 +236,19 @@ def _build_lock(cache_dir: Path, source: str) -> Iterator[None]:
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = lock_holder(cache_dir / LOCK_FILE)
-            warnings.warn(f"waiting for another process to finish building a token store in {cache_dir} ({holder}); "
-                          f"giving up after {BUILD_LOCK_WAIT_S / 60:g} minutes", stacklevel=3)
-            deadline = time.monotonic() + BUILD_LOCK_WAIT_S
+            started = time.monotonic()
+            deadline, said = started + BUILD_LOCK_WAIT_S, False
             while True:
                 try:
                     fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    # The ranks of one run wait on each other's build for moments: only a longer wait is news.
+                    if not said and time.monotonic() - started >= BUILD_LOCK_NOTICE_S:
+                        said = True
+                        warnings.warn(f"waiting for another process to finish building a token store in {cache_dir} "
+                                      f"({lock_holder(cache_dir / LOCK_FILE)}); giving up after "
+                                      f"{BUILD_LOCK_WAIT_S / 60:g} minutes", stacklevel=3)
                     if time.monotonic() >= deadline:
                         raise UsageError.single("--data-cache", (
                             f"{cache_dir} is still locked by another build after {BUILD_LOCK_WAIT_S / 60:g} minutes "
