@@ -122,6 +122,10 @@ CASES: list[tuple[str, Builder, str]] = [
     ("strategy-fsdp-one-process", flags("--strategy", "fsdp"), "--strategy"),
     ("sync-every-micro-step-with-ddp", flags("--sync-every-micro-step"), "--sync-every-micro-step"),
     ("collective-timeout-0", flags("--collective-timeout", "0"), "--collective-timeout"),
+    # Issue 29 item 9: 1e30 overflowed torch's timedelta with two processes (and was accepted with one).
+    ("collective-timeout-1e30", flags("--collective-timeout", "1e30"), "--collective-timeout"),
+    ("collective-timeout-1e30-two-processes", flags("--collective-timeout", "1e30", "--nproc-per-node", "2"),
+     "--collective-timeout"),
     ("nproc-per-node-0", flags("--nproc-per-node", "0"), "--nproc-per-node"),
     ("nproc-effective-not-divisible", flags("--nproc-per-node", "2", "--micro-batch-size", "4",
                                             "--effective-batch-size", "12"), "--effective-batch-size"),

@@ -440,3 +440,17 @@ def test_broken_json_names_the_file_and_line(tmp_path: Path, plan_dir: Path) -> 
     assert "plan.json is not valid JSON" in str(_usage_error(plan_dir))
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     assert "metrics.jsonl:2 is not valid JSON" in str(_usage_error(tmp_path))
+
+
+@pytest.mark.parametrize("row", ['{"step": "x"}', '{"step": -3}', '{"step": true}', '{"step": 1.5}'])
+def test_report_refuses_metrics_whose_step_is_not_a_count(tmp_path, capsys, row):
+    """Issue 29 item 16: a row {"step": "x"} gave exit 0 and a report of "x optimizer steps"."""
+    from cadence.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": "gpt-tiny", "effective_batch_size": 8}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "tokens": 10, "samples": 2}\n' + row + "\n")
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl:2" in err and "not a count of optimizer steps" in err and "Traceback" not in err

@@ -207,6 +207,10 @@ def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]
     return problems
 
 
+MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600
+"""The longest --collective-timeout: a week is longer than any collective should wait, and far inside the limits of
+the timedelta and the milliseconds torch converts it to."""
+
 PATH_FIELDS = ("data", "data_cache", "out", "save_hf", "plan")
 """The TrainConfig fields that name a file or directory."""
 
@@ -326,8 +330,10 @@ def distributed_problems(config: TrainConfig, world_size: int, launched: bool) -
     if config.sync_every_micro_step and config.strategy != "fsdp":
         bad("sync_every_micro_step", "only helps --strategy fsdp (DDP keeps whole gradients on every rank either way, "
                                      "so syncing every micro-batch would only add communication)")
-    if not math.isfinite(config.collective_timeout) or config.collective_timeout <= 0:
-        bad("collective_timeout", f"must be a positive number of seconds, got {config.collective_timeout:g}")
+    if not math.isfinite(config.collective_timeout) or not 0 < config.collective_timeout <= MAX_COLLECTIVE_TIMEOUT_S:
+        # torch turns the timeout into a timedelta (and its C++ into milliseconds): 1e30 s overflowed both.
+        bad("collective_timeout", f"must be a positive number of seconds up to {MAX_COLLECTIVE_TIMEOUT_S:,} (7 days), "
+                                  f"got {config.collective_timeout:g}")
     if launched:
         if config.checkpoint_mid_window and world_size > 1:
             bad("checkpoint_mid_window", "works with one process: mid-window, each rank holds different, not yet "

@@ -178,6 +178,10 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             raise MetricsUnreadable(path, number, f"is not valid JSON ({err.msg})") from None
         if not isinstance(row, dict) or "step" not in row:
             raise MetricsUnreadable(path, number, "is not a metrics row (a JSON object with a step)")
+        step = row["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            # A report of "x optimizer steps" is worse than none: the step is a count, or the row is not ours.
+            raise MetricsUnreadable(path, number, f"has step {step!r}, not a count of optimizer steps")
         rows.append(row)
     return rows
 
