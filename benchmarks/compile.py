@@ -37,6 +37,7 @@ from bench_env import environment, write_results  # noqa: E402
 
 from cadence.config import TrainConfig  # noqa: E402
 from cadence.data import pack_bytes  # noqa: E402
+from cadence.engine.cut import Cut
 from cadence.engine.step import Engine  # noqa: E402
 from cadence.engine.windows import epoch_windows  # noqa: E402
 from cadence.memory.recompute import apply_activation_checkpointing  # noqa: E402
@@ -84,8 +85,8 @@ def main() -> int:
     load_before = os.getloadavg()
     results = {}
     for recompute in MODES:
-        windows = list(itertools.islice(epoch_windows(data, micro_batch_size=micro, grad_accum_steps=accum, seed=0,
-                                                      epoch=0), 2 + rounds * steps))
+        windows = list(itertools.islice(epoch_windows(data, cut=Cut(micro_batch_size=micro), grad_accum_steps=accum,
+                                                      seed=0, epoch=0), 2 + rounds * steps))
         runs = {"eager": engine(model_name, recompute, compiled=False),
                 "compiled": engine(model_name, recompute, compiled=True)}
         losses: dict[str, list[float]] = {name: [] for name in runs}

@@ -30,6 +30,7 @@ from bench_env import environment, write_results
 
 from cadence import Engine, Window, epoch_windows, prefetch
 from cadence.data import pack_bytes
+from cadence.engine.cut import Cut
 from cadence.models import GPT, MODEL_CONFIGS
 from cadence.profiling.profiler import ProfileSettings, StepProfiler
 
@@ -62,7 +63,7 @@ def profile_once(depth: int, *, delay: float, steps: int, out: Path) -> dict:
     model = GPT(MODEL_CONFIGS[MODEL])
     engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), max_grad_norm=1.0)
     settings = ProfileSettings(active=steps, tokens_per_step=MICRO * ACCUM * SEQ_LEN)
-    windows = slow(epoch_windows(data, micro_batch_size=MICRO, grad_accum_steps=ACCUM, seed=0, epoch=0), delay)
+    windows = slow(epoch_windows(data, cut=Cut(micro_batch_size=MICRO), grad_accum_steps=ACCUM, seed=0, epoch=0), delay)
     losses = []
     with prefetch(windows, depth=depth) as ahead, StepProfiler(engine, out=out, settings=settings) as profiler:
         for window in ahead:

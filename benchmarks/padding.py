@@ -30,6 +30,7 @@ from bench_env import cpu_bf16, environment, write_results
 
 from cadence.config import TrainConfig
 from cadence.data import TokenDataset, make_example
+from cadence.engine.cut import Cut
 from cadence.engine.step import Engine
 from cadence.engine.windows import epoch_windows
 from cadence.models import GPT, MODEL_CONFIGS
@@ -87,9 +88,11 @@ def main() -> int:
             torch.manual_seed(0)
             model = build(model_name, seq_len)
             engine = Engine(model, build_optimizer(model, TrainConfig(lr=1e-3)), precision=precision, max_grad_norm=1.0)
-            windows = epoch_windows(data, micro_batch_size=micro, grad_accum_steps=accum, seed=0, epoch=0,
-                                    order=order, micro_batch_tokens=budget if budgeted else None,
-                                    pack_length=seq_len if packing else None)
+            windows = epoch_windows(data,
+                                    cut=Cut(micro_batch_size=micro, order=order,
+                                            micro_batch_tokens=budget if budgeted else None,
+                                            pack_length=seq_len if packing else None),
+                                    grad_accum_steps=accum, seed=0, epoch=0)
             runs[mode] = {"engine": engine, "windows": windows, "losses": [], "rates": [], "tokens": 0, "padded": 0}
             # Step 1 warms up; step 2 measures the peak memory (the profiler slows it: not timed).
             for number in range(2):

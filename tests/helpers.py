@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: a tiny GPT, sample text and variable-length prompt/completion data.
+"""Helpers shared by the tests: a tiny GPT, sample text, variable-length prompt/completion data, and the command
+line run in this process or in one of its own.
 
 Test modules import them from here (``from helpers import tiny_model``; pytest puts tests/ on the path), never from
 conftest.py or from another test module; conftest.py only turns some of them into fixtures.
@@ -6,8 +7,12 @@ conftest.py or from another test module; conftest.py only turns some of them int
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -103,3 +108,31 @@ def cpu_has_bf16() -> bool:
         return True
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
     return flags is None or bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+# ------------------------------------------------------------------------------------------------ the command line
+CADENCE = str(Path(sys.executable).with_name("cadence"))
+"""The installed console script, for tests that need a process of its own (signals, locks, two runs at once)."""
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``cadence ARGV`` in this process: (exit status, stdout, stderr)."""
+    from cadence.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
+
+
+def spawn(argv: list[str]) -> subprocess.Popen[str]:
+    """``cadence ARGV`` as a process of its own (stdout discarded, stderr kept)."""
+    return subprocess.Popen([CADENCE, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def train_args(data: Path | str, out: Path, *extra: str, steps: int, seq_len: int = 32, micro: int = 4,
+               accum: int = 2, cache: Path | None = None) -> list[str]:
+    """A small ``cadence train`` on ``data`` into ``out``: no validation split, a checkpoint every 2 steps."""
+    return ["train", "--data", str(data), *(["--data-cache", str(cache)] if cache is not None else []),
+            "--seq-len", str(seq_len), "--micro-batch-size", str(micro), "--grad-accum-steps", str(accum),
+            "--max-steps", str(steps), "--val-fraction", "0", "--checkpoint-every", "2", "--out", str(out), *extra]

@@ -7,23 +7,56 @@ import dataclasses
 
 import pytest
 
-from cadence.cli import OPTION_GROUPS, main
+from cadence.cli import OTHER_OPTION_SECTIONS, app, main
 from cadence.config import TrainConfig
+from cadence.config.schema import SECTIONS, Section, command_fields, flag
+from cadence.plan.planner import PlanOptions
+from cadence.profiling.profiler import ProfileOptions
+from cadence.training.prepare_data import PrepareDataOptions
+from cadence.verify.check import VerifyOptions
 
 
-def test_every_training_flag_is_in_exactly_one_help_group() -> None:
-    grouped = [name for names in OPTION_GROUPS.values() for name in names]
-    assert len(grouped) == len(set(grouped))
-    fields = {field.name for field in dataclasses.fields(TrainConfig)}
-    assert fields <= set(grouped), sorted(fields - set(grouped))
-    assert set(grouped) - fields == {"config_file", "nproc_per_node"}  # the CLI's own training flags
+def test_every_training_flag_has_one_section_and_the_help_shows_them_all() -> None:
+    for field in dataclasses.fields(TrainConfig):
+        assert isinstance(field.metadata.get("section"), Section), field.name
+    titles = [section.title for section in SECTIONS]
+    assert len(titles) == len(set(titles))
+    assert {field.metadata["section"] for field in dataclasses.fields(TrainConfig)} == set(SECTIONS)
+    assert set(OTHER_OPTION_SECTIONS) == {"config_file", "nproc_per_node"}  # the CLI's own training flags
+
+
+@pytest.mark.parametrize(("command", "own"), [("train", None), ("plan", PlanOptions), ("profile", ProfileOptions),
+                                              ("verify", VerifyOptions), ("prepare-data", PrepareDataOptions)])
+def test_a_command_takes_exactly_the_flags_of_its_sections(command: str, own: type | None) -> None:
+    """Which train flags a command takes comes from the schema's sections alone: the command's options are its
+    own options dataclass's plus the fields of the sections that name it."""
+    options = {name for param in app.commands[command].params for name in param.opts}
+    own_names = {f.name for f in dataclasses.fields(own)} if own else set()
+    for name in (f.name for f in dataclasses.fields(TrainConfig)):
+        if name not in own_names:  # prepare-data's --out is its own (a store directory), not train's
+            assert (flag(name) in options) == (name in command_fields(command)), (command, name)
+
+
+@pytest.mark.parametrize(("command", "takes", "refuses"), [
+    # Every command that runs a step takes the model, data, batch, cut and precision of a run.
+    ("plan", ["--model-config", "--packing", "--micro-batch-tokens", "--fp32-matmul", "--lr-schedule"],
+     ["--compile", "--resume", "--max-steps", "--strategy"]),
+    ("profile", ["--model-config", "--packing", "--compile", "--prefetch-windows", "--plan"],
+     ["--resume", "--max-steps", "--eval-every"]),
+    ("verify", ["--model-config", "--packing", "--micro-batch-order", "--weight-decay", "--strategy"],
+     ["--memory-budget", "--fp32-matmul", "--lr-schedule", "--out", "--plan"]),
+    ("prepare-data", ["--model", "--text-field", "--seq-len"], ["--packing", "--precision"]),
+])
+def test_what_each_command_takes(command: str, takes: list[str], refuses: list[str]) -> None:
+    options = {name for param in app.commands[command].params for name in param.opts}
+    assert set(takes) <= options and not set(refuses) & options
 
 
 def test_train_help_is_grouped_and_shows_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--help"]) == 0
     text = capsys.readouterr().out
     headings = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert headings == [*OPTION_GROUPS, "Other"]
+    assert headings == [*(section.title for section in SECTIONS), "Other"]
     for shown in ("--precision [fp32|bf16|fp16]", "--activation-checkpointing [none|full|selective]",
                   "--lr-schedule [constant|linear|cosine]", "--strategy [ddp|fsdp]", "--micro-batch-size N|auto"):
         assert shown in text, shown

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
-from cadence.cli import main
 from cadence.training.run_dir import read_metrics
 
 METRIC_FIELDS = ("step", "micro_steps", "samples", "tokens", "loss", "grad_norm", "lr", "loss_scale", "skipped",
@@ -28,13 +26,6 @@ def _text_file(directory: Path) -> Path:
     return path
 
 
-def _run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(argv)
-    return status, out.getvalue(), err.getvalue()
-
-
 def _metrics(run: Path) -> list[dict]:
     return read_metrics(run)
 
@@ -48,7 +39,7 @@ def _no_hidden_leftovers(root: Path) -> None:
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
     base = tmp_path_factory.mktemp("train")
     out = base / "run"
-    status, _, err = _run(["train", "--data", str(_text_file(base)), "--out", str(out), *RUN_FLAGS,
+    status, _, err = run_cli(["train", "--data", str(_text_file(base)), "--out", str(out), *RUN_FLAGS,
                            "--max-steps", "4", "--eval-every", "2"])
     return out, status, err
 
@@ -141,7 +132,7 @@ def test_toml_config_with_a_flag_that_wins(tmp_path: Path) -> None:
     config.write_text(f'max_steps = 2\ndata = "{_text_file(tmp_path)}"\nseq_len = 32\nmicro_batch_size = 4\n'
                       f"lr = 1\n", encoding="utf-8")  # an int for a float field is accepted
     out = tmp_path / "run"
-    status, _, err = _run(["train", "--config", str(config), "--max-steps", "3", "--lr", "0.002", "--out", str(out)])
+    status, _, err = run_cli(["train", "--config", str(config), "--max-steps", "3", "--lr", "0.002", "--out", str(out)])
     assert status == 0, err
     assert [row["step"] for row in _metrics(out)] == [1, 2, 3]
     resolved = json.loads((out / "config.json").read_text())
@@ -151,7 +142,7 @@ def test_toml_config_with_a_flag_that_wins(tmp_path: Path) -> None:
 
 def test_checkpoint_every(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    status, _, err = _run(["train", "--data", str(_text_file(tmp_path)), "--out", str(out), *RUN_FLAGS,
+    status, _, err = run_cli(["train", "--data", str(_text_file(tmp_path)), "--out", str(out), *RUN_FLAGS,
                            "--max-steps", "4", "--checkpoint-every", "2"])
     assert status == 0, err
     checkpoints = out / "checkpoints"

@@ -23,53 +23,58 @@ import click
 from cadence import __version__
 from cadence.audit.run import run_script
 from cadence.config import DEVICE_CHOICES, TrainConfig, flag, hint_types, read_field_docs, resolve_device
+from cadence.config.schema import (
+    DISTRIBUTED,
+    FIELD_NAMES,
+    FROM_PLAN,
+    SECTIONS,
+    Section,
+    command_fields,
+    section_of,
+)
 from cadence.config.sources import build_config, given_keys
 from cadence.distributed.launch import arguments_without_nproc, launch
 from cadence.distributed.ranks import SINGLE, start, stop, torchrun_ranks
 from cadence.errors import CadenceFailure, UsageError
-from cadence.plan.planner import PLAN_TRAIN_FIELDS, PlanOptions, apply_plan, make_plan
+from cadence.plan.planner import PlanOptions, apply_plan, make_plan
 from cadence.profiling.compare import terminal_summary, write_comparison
-from cadence.profiling.profiler import PROFILE_TRAIN_FIELDS, ProfileOptions, run_profile
+from cadence.profiling.profiler import ProfileOptions, run_profile
 from cadence.rebuild import build_report
 from cadence.training.loop import train
-from cadence.training.prepare_data import PREPARE_DATA_TRAIN_FIELDS, PrepareDataOptions, prepare_data
-from cadence.verify.check import VERIFY_TRAIN_FIELDS, VerifyOptions, run_verify
+from cadence.training.prepare_data import PrepareDataOptions, prepare_data
+from cadence.verify.check import VerifyOptions, run_verify
 
-OPTION_GROUPS: dict[str, tuple[str, ...]] = {
-    "Data": ("data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len", "val_fraction",
-             "micro_batch_order", "micro_batch_tokens", "packing", "prefetch_windows"),
-    "Model": ("model", "model_config", "compile"),
-    "Batch": ("micro_batch_size", "grad_accum_steps", "effective_batch_size", "auto_grow_after", "last_window"),
-    "Precision and memory": ("precision", "fp32_matmul", "activation_checkpointing", "offload", "memory_budget"),
-    "Optimizer": ("lr", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "max_skipped_steps"),
-    "Schedule and evaluation": ("lr_schedule", "warmup_steps", "min_lr_ratio", "max_steps", "seed", "eval_every",
-                                "eval_batches"),
-    "Run directory": ("config_file", "plan", "out", "resume", "checkpoint_every", "keep_checkpoints",
-                      "checkpoint_mid_window", "log_every", "save_hf"),
-    "Device and distributed": ("device", "nproc_per_node", "strategy", "sync_every_micro_step", "collective_timeout"),
-}
-"""How --help groups the training flags (every TrainConfig field is in one group: a test holds it); a command's own
-options come first, under its name."""
+OTHER_OPTION_SECTIONS: dict[str, Section] = {"config_file": FROM_PLAN, "nproc_per_node": DISTRIBUTED}
+"""The --help section of the options that are not TrainConfig fields (those have their section in the schema)."""
 
 
 class GroupedCommand(click.Command):
-    """A command whose --help lists its options in OPTION_GROUPS' sections instead of one flat list of dozens."""
+    """A command whose --help lists train's flags under their schema sections instead of one flat list of dozens;
+    the command's own options come first, under its name."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        group_of = {name: group for group, names in OPTION_GROUPS.items() for name in names}
+        fields = set(FIELD_NAMES)
         sections: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is None:
                 continue
-            own = f"{(self.name or 'command').capitalize()} options"
-            group = "Other" if "--help" in param.opts else group_of.get(param.name or "", own)
-            sections.setdefault(group, []).append(record)
-        order = [group for group in sections if group not in OPTION_GROUPS and group != "Other"]
-        order += [group for group in OPTION_GROUPS if group in sections] + (["Other"] if "Other" in sections else [])
-        for group in order:
-            with formatter.section(group):
-                formatter.write_dl(sections[group])
+            name = param.name or ""
+            if "--help" in param.opts:
+                title = "Other"
+            elif name in fields:
+                title = section_of(name).title
+            elif name in OTHER_OPTION_SECTIONS:
+                title = OTHER_OPTION_SECTIONS[name].title
+            else:
+                title = f"{(self.name or 'command').capitalize()} options"
+            sections.setdefault(title, []).append(record)
+        schema_order = [section.title for section in SECTIONS]
+        order = [title for title in sections if title not in schema_order and title != "Other"]
+        order += [title for title in schema_order if title in sections] + (["Other"] if "Other" in sections else [])
+        for title in order:
+            with formatter.section(title):
+                formatter.write_dl(sections[title])
 
 
 @click.group(
@@ -161,6 +166,23 @@ def dataclass_options(cls: type, names: tuple[str, ...] | None = None) -> Callab
     return decorate
 
 
+def _own_options(cls: type, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A command's own options (``cls``: its options dataclass; the given ones, the rest at their defaults) and
+    train's flags, which every command turns into a TrainConfig the same way (:func:`_train_config`)."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    return (cls(**{k: v for k, v in options.items() if k in own and v is not None}),
+            {k: v for k, v in options.items() if k not in own})
+
+
+def _train_config(config_file: Path | None, flags: dict[str, Any]) -> TrainConfig:
+    """Flags over the --config file over the defaults, and then --plan's decision (where the command takes --plan:
+    a flag that contradicts the plan is an error)."""
+    config = build_config(toml_path=config_file, flags=flags)
+    if config.plan is not None:
+        config = apply_plan(config, given_keys(toml_path=config_file, flags=flags))
+    return config
+
+
 def config_file_option(command: Any) -> Any:
     return click.option(
         "--config", "config_file", type=click.Path(path_type=Path), default=None,
@@ -177,16 +199,12 @@ def nproc_option(command: Any) -> Any:
 
 @app.command("train", cls=GroupedCommand)
 @config_file_option
-@dataclass_options(TrainConfig)
+@dataclass_options(TrainConfig, command_fields("train"))
 @nproc_option
 @click.pass_context
 def train_command(ctx: click.Context, config_file: Path | None, nproc_per_node: int | None, **options: Any) -> None:
     """Train a model; writes a run directory (config.json, metrics.jsonl, summary.json, model.safetensors)."""
-
-    config = build_config(toml_path=config_file, flags=options)
-    if config.plan is not None:
-
-        config = apply_plan(config, given_keys(toml_path=config_file, flags=options))
+    config = _train_config(config_file, options)
     _on_every_rank(ctx, "train", config, nproc_per_node, lambda ranks: train(config, ranks=ranks))
 
 
@@ -225,15 +243,12 @@ def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_
 
 @app.command("plan", cls=GroupedCommand)
 @config_file_option
-@dataclass_options(TrainConfig, PLAN_TRAIN_FIELDS)
+@dataclass_options(TrainConfig, command_fields("plan"))
 @dataclass_options(PlanOptions)
 def plan_command(config_file: Path | None, **options: Any) -> None:
     """Choose micro-batch, accumulation, recompute, offload and precision under --memory-budget for
     --effective-batch-size, by estimate and measured trials; writes plan.json and a report."""
-
-    plan_fields = {f.name for f in dataclasses.fields(PlanOptions)}
-    plan_options = PlanOptions(**{k: v for k, v in options.items() if k in plan_fields and v is not None})
-    flags = {k: v for k, v in options.items() if k not in plan_fields}
+    plan_options, flags = _own_options(PlanOptions, options)
     constrained = given_keys(toml_path=config_file, flags=flags)
     config = build_config(toml_path=config_file, flags=flags)
     make_plan(config, plan_options, constrained=constrained)
@@ -241,7 +256,7 @@ def plan_command(config_file: Path | None, **options: Any) -> None:
 
 @app.command("profile", cls=GroupedCommand)
 @config_file_option
-@dataclass_options(TrainConfig, PROFILE_TRAIN_FIELDS)
+@dataclass_options(TrainConfig, command_fields("profile"))
 @dataclass_options(ProfileOptions)
 @click.option("--compare", nargs=2, type=click.Path(path_type=Path), default=None, metavar="RUN_A RUN_B",
               help="Compare two profile directories side by side instead of profiling (is B faster or leaner than A "
@@ -249,9 +264,7 @@ def plan_command(config_file: Path | None, **options: Any) -> None:
 def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None, **options: Any) -> None:
     """Profile a few training steps: time and memory per phase, top operators, tokens/s, MFU and a verdict;
     writes trace.json (Chrome/Perfetto), profile.json and a report."""
-    profile_fields = {f.name for f in dataclasses.fields(ProfileOptions)}
     if compare is not None:
-
         given = [flag(k) for k, v in options.items() if v not in (None, ()) and k != "out"]
         if given or config_file is not None:
             raise UsageError.single(given[0] if given else "--config", "--compare takes only RUN_A RUN_B (and --out)")
@@ -261,18 +274,13 @@ def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None,
         click.echo("written: " + ", ".join(str(path) for path in paths))
         return
 
-    profile_options = ProfileOptions(**{k: v for k, v in options.items() if k in profile_fields and v is not None})
-    flags = {k: v for k, v in options.items() if k not in profile_fields}
-    config = build_config(toml_path=config_file, flags=flags)
-    if config.plan is not None:
-
-        config = apply_plan(config, given_keys(toml_path=config_file, flags=flags))
-    run_profile(config, profile_options)
+    profile_options, flags = _own_options(ProfileOptions, options)
+    run_profile(_train_config(config_file, flags), profile_options)
 
 
 @app.command("verify", cls=GroupedCommand)
 @config_file_option
-@dataclass_options(TrainConfig, VERIFY_TRAIN_FIELDS)
+@dataclass_options(TrainConfig, command_fields("verify"))
 @dataclass_options(VerifyOptions)
 @click.option("--json", "as_json", is_flag=True, default=False, help="Print the result as JSON.")
 @nproc_option
@@ -281,11 +289,8 @@ def verify_command(ctx: click.Context, config_file: Path | None, as_json: bool, 
                    **options: Any) -> None:
     """Check that a configuration (micro-batch x accumulation, precision, recompute, offload) gives the gradient of
     the whole effective batch in fp32; exit status 1 when it does not."""
-
-    verify_fields = {f.name for f in dataclasses.fields(VerifyOptions)}
-    verify_options = VerifyOptions(**{k: v for k, v in options.items() if k in verify_fields and v is not None})
-    flags = {k: v for k, v in options.items() if k not in verify_fields}
-    config = build_config(toml_path=config_file, flags=flags)
+    verify_options, flags = _own_options(VerifyOptions, options)
+    config = _train_config(config_file, flags)
     _on_every_rank(ctx, "verify", config, nproc_per_node,
                    lambda ranks: run_verify(config, verify_options, as_json=as_json, ranks=ranks))
 
@@ -304,15 +309,13 @@ def audit_command(as_json: bool, strict: bool, command: tuple[str, ...]) -> None
 
 
 @app.command("prepare-data", cls=GroupedCommand)
-@dataclass_options(TrainConfig, PREPARE_DATA_TRAIN_FIELDS)
+@dataclass_options(TrainConfig, command_fields("prepare-data"))
 @dataclass_options(PrepareDataOptions)
 def prepare_data_command(**options: Any) -> None:
     """Tokenise --data once into a memory-mapped token store (in --data-cache, or --out DIR) and print what it
     holds: examples, tokens, targets and a length histogram. cadence train then opens it in milliseconds."""
-    own = {f.name for f in dataclasses.fields(PrepareDataOptions)}
-    prepare_options = PrepareDataOptions(**{k: v for k, v in options.items() if k in own and v is not None})
-    config = build_config(toml_path=None, flags={k: v for k, v in options.items() if k not in own})
-    prepare_data(config, prepare_options)
+    prepare_options, flags = _own_options(PrepareDataOptions, options)
+    prepare_data(build_config(toml_path=None, flags=flags), prepare_options)
 
 
 @app.command("report", no_args_is_help=True)

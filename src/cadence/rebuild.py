@@ -6,7 +6,9 @@ is why it sits above them all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from cadence.errors import UsageError
 from cadence.plan.report import PLAN_FILE, plan_report
@@ -14,6 +16,15 @@ from cadence.profiling.report import PROFILE_FILE, profile_report
 from cadence.report.document import WHERE, write_report
 from cadence.report.runs import run_report
 from cadence.training.run_dir import METRICS_FILE
+
+DIRECTORY_KINDS: tuple[tuple[str, Callable[[Path], Any], str], ...] = (
+    (PLAN_FILE, plan_report, "a plan ({file}, written by cadence plan)"),
+    # Before metrics.jsonl: a profile directory may hold one as well.
+    (PROFILE_FILE, profile_report, "a profile ({file}, written by cadence profile)"),
+    (METRICS_FILE, run_report, "a run ({file}, written by cadence train)"),
+)
+"""The directories cadence writes, each told by the file it holds (the first that matches decides), with the
+report builder of the package that knows it."""
 
 
 def build_report(path: Path) -> list[Path]:
@@ -27,16 +38,8 @@ def build_report(path: Path) -> list[Path]:
         raise UsageError.single(WHERE, f"{root} does not exist")
     if not root.is_dir():
         raise UsageError.single(WHERE, f"{root} is a file; give the run or plan directory that holds it")
-    if (root / PLAN_FILE).is_file():
-        report = plan_report(root)
-    elif (root / PROFILE_FILE).is_file():  # before metrics.jsonl: a profile directory may hold one as well
-        report = profile_report(root)
-    elif (root / METRICS_FILE).is_file():
-        report = run_report(root)
-    else:
-        raise UsageError.single(
-            WHERE, f"{root} holds neither a run ({METRICS_FILE}, written by cadence train), a plan ({PLAN_FILE}, "
-                   f"written by cadence plan) nor a profile ({PROFILE_FILE}, written by cadence profile)")
-    return write_report(report, root)
-
-
+    for file, build, _ in DIRECTORY_KINDS:
+        if (root / file).is_file():
+            return write_report(build(root), root)
+    kinds = [what.format(file=file) for file, _, what in DIRECTORY_KINDS]
+    raise UsageError.single(WHERE, f"{root} holds neither {', '.join(kinds[:-1])} nor {kinds[-1]}")

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpe
 from helpers import prompt_completion_dataset, tiny_model  # noqa: E402
 
 from cadence.distributed.ranks import ProcessGroupCollective, start, stop, wrap_model  # noqa: E402
+from cadence.engine.cut import Cut
 from cadence.engine.step import Engine  # noqa: E402
 from cadence.engine.windows import epoch_windows  # noqa: E402
 
@@ -36,8 +37,8 @@ def main() -> None:
     engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), max_grad_norm=1.0,
                     collective=ProcessGroupCollective(ranks, device))
     before_micro_batch: list[tuple[int, int]] = []  # (micro-batch index, all-reduces so far)
-    windows = epoch_windows(prompt_completion_dataset(count=64), micro_batch_size=2, grad_accum_steps=ACCUM, seed=0,
-                            epoch=0, world_size=ranks.world_size, rank=ranks.rank)
+    windows = epoch_windows(prompt_completion_dataset(count=64), cut=Cut(micro_batch_size=2), grad_accum_steps=ACCUM,
+                            seed=0, epoch=0, world_size=ranks.world_size, rank=ranks.rank)
     for _, window in zip(range(STEPS), windows):
         engine.step(window, on_micro_batch=lambda index: before_micro_batch.append((index, len(calls))))
     if ranks.is_main:

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpe
 from helpers import prompt_completion_dataset, tiny_model  # noqa: E402
 
 from cadence.distributed.ranks import ProcessGroupCollective, start, stop, wrap_model  # noqa: E402
+from cadence.engine.cut import Cut
 from cadence.engine.step import Engine  # noqa: E402
 from cadence.engine.windows import epoch_windows  # noqa: E402
 
@@ -33,8 +34,8 @@ def run(ranks, wrap_precision: str) -> dict:
                     collective=ProcessGroupCollective(ranks, device))
     grad_dtypes: set[str] = set()
     losses = []
-    windows = epoch_windows(prompt_completion_dataset(count=64), micro_batch_size=2, grad_accum_steps=ACCUM, seed=0,
-                            epoch=0, world_size=ranks.world_size, rank=ranks.rank)
+    windows = epoch_windows(prompt_completion_dataset(count=64), cut=Cut(micro_batch_size=2), grad_accum_steps=ACCUM,
+                            seed=0, epoch=0, world_size=ranks.world_size, rank=ranks.rank)
     for _, window in zip(range(STEPS), windows):
         # The gradients as the optimizer receives them: recorded just before it steps.
         handle = engine.optimizer.register_step_pre_hook(

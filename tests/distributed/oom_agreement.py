@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpe
 from helpers import prompt_completion_dataset, tiny_model  # noqa: E402
 
 from cadence.distributed.ranks import ProcessGroupCollective, start, stop, wrap_model  # noqa: E402
+from cadence.engine.cut import Cut
 from cadence.engine.step import Engine, token_cross_entropy_sum  # noqa: E402
 from cadence.engine.windows import Batch, epoch_windows  # noqa: E402
 from cadence.training.autobatch import MicroBatchController  # noqa: E402
@@ -34,10 +35,10 @@ def main() -> None:
 
     engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), max_grad_norm=1.0, loss_fn=loss_fn,
                     collective=ProcessGroupCollective(ranks, device), agree_on_out_of_memory=True)
-    controller = MicroBatchController(start=4, grow_after=1000, log=lambda text: None)
+    controller = MicroBatchController(cut=Cut(micro_batch_size=4), grow_after=1000, log=lambda text: None)
     retries = []
-    windows = epoch_windows(prompt_completion_dataset(count=64), micro_batch_size=4, grad_accum_steps=2, seed=0,
-                            epoch=0, world_size=ranks.world_size, rank=ranks.rank)
+    windows = epoch_windows(prompt_completion_dataset(count=64), cut=Cut(micro_batch_size=4), grad_accum_steps=2,
+                            seed=0, epoch=0, world_size=ranks.world_size, rank=ranks.rank)
     losses = []
     for _, window in zip(range(3), windows):
         result, retried = controller.step(engine, window)

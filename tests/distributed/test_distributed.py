@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from cadence.cli import main
 from cadence.data import load_data
+from cadence.engine.cut import Cut
 from cadence.engine.windows import epoch_windows
 from cadence.training.run_dir import read_metrics
 
@@ -132,8 +133,8 @@ def test_the_two_ranks_hold_different_target_counts_in_every_window(runs: dict[s
     """What makes the test above sharp: a per-rank normalisation would get each of these windows wrong."""
     train = load_data(runs["data"], 32, 0.0).train
     per_rank = [[window.targets for epoch in (0, 1)  # 48 examples: 3 windows of 16 per epoch
-                 for window in epoch_windows(train, micro_batch_size=2, grad_accum_steps=4, seed=0, epoch=epoch,
-                                             world_size=2, rank=rank)]
+                 for window in epoch_windows(train, cut=Cut(micro_batch_size=2), grad_accum_steps=4, seed=0,
+                                             epoch=epoch, world_size=2, rank=rank)]
                 for rank in (0, 1)]
     assert len(per_rank[0]) == STEPS
     assert all(a != b for a, b in zip(*per_rank)), per_rank

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from cadence import Engine
 from cadence.cli import main
 from cadence.data import TokenDataset
+from cadence.engine.cut import Cut
 from cadence.engine.schedules import build_lr_scheduler
-from cadence.engine.windows import cut_micro_batches, epoch_windows
+from cadence.engine.windows import epoch_windows
 from cadence.training.run_dir import read_metrics
 
 EFFECTIVE = 8
@@ -29,8 +30,9 @@ def engine_run(dataset: TokenDataset, *, micro: int, order: str, tokens: int | N
     optimizer = make_optimizer(model)
     scheduler = build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=2, max_steps=STEPS)
     engine = Engine(model, optimizer, scheduler=scheduler, max_grad_norm=0.5)
-    windows = epoch_windows(dataset, micro_batch_size=micro, grad_accum_steps=EFFECTIVE // micro, seed=0, epoch=0,
-                            order=order, micro_batch_tokens=tokens, pack_length=pack)
+    windows = epoch_windows(dataset,
+                            cut=Cut(micro_batch_size=micro, order=order, micro_batch_tokens=tokens, pack_length=pack),
+                            grad_accum_steps=EFFECTIVE // micro, seed=0, epoch=0)
     results = [engine.step(window) for window, _ in zip(windows, range(STEPS))]
     return results, model
 
@@ -94,7 +96,8 @@ def test_a_budget_cut_keeps_every_sample_once_longest_first_within_the_budget() 
     indices = list(range(40))
     lengths = dataset.lengths(indices)
     for budget in (40, 64, 100, 1000):
-        groups = cut_micro_batches(indices, dataset, micro_batch_size=4, micro_batch_tokens=budget)
+        groups = [[indices[row[0]] for row in rows]
+                  for rows in Cut(micro_batch_size=4, micro_batch_tokens=budget).plan(lengths)]
         assert sorted(i for group in groups for i in group) == indices
         flat = [lengths[i] for group in groups for i in group]
         assert flat == sorted(flat, reverse=True)
@@ -107,10 +110,10 @@ def test_ranks_agree_on_the_micro_batch_count_and_share_the_window() -> None:
     """Under a token budget each rank's slice needs its own number of micro-batches; every rank runs the largest
     (padding micro-batches fill), and the ranks' samples are exactly the one-process window's."""
     dataset = prompt_completion_dataset(count=48)
-    options = dict(micro_batch_size=2, grad_accum_steps=4, seed=0, epoch=0, order="by-length", micro_batch_tokens=50)
-    whole = list(epoch_windows(dataset, **options, world_size=1, rank=0))
-    ranks = [list(epoch_windows(dataset, micro_batch_size=2, grad_accum_steps=2, seed=0, epoch=0, order="by-length",
-                                micro_batch_tokens=50, world_size=2, rank=r)) for r in range(2)]
+    whole = list(epoch_windows(dataset, cut=Cut(micro_batch_size=2, order="by-length", micro_batch_tokens=50),
+                               grad_accum_steps=4, seed=0, epoch=0, world_size=1, rank=0))
+    ranks = [list(epoch_windows(dataset, cut=Cut(micro_batch_size=2, order="by-length", micro_batch_tokens=50),
+                                grad_accum_steps=2, seed=0, epoch=0, world_size=2, rank=r)) for r in range(2)]
     for one, (mine, theirs) in zip(whole, zip(*ranks, strict=True), strict=True):
         assert len(mine) == len(theirs)  # DDP pairs collectives by order
         assert mine.samples + theirs.samples == one.samples and mine.targets + theirs.targets == one.targets
@@ -224,18 +227,25 @@ def test_an_interrupted_window_is_not_continued_with_another_cut(tmp_path, monke
     assert main([*common, "--packing", "--resume"]) == 0
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["indices kept", "built from batches"])
 @pytest.mark.parametrize("source", ["drawn", "packed"])
 @pytest.mark.parametrize("cut", [dict(), dict(order="by-length"), dict(micro_batch_tokens=60),
                                  dict(pack_length=40), dict(pack_length=24, micro_batch_tokens=48)])
-def test_cut_window_recuts_any_window_to_the_same_gradient(source: str, cut: dict) -> None:
-    """verify, plan and auto re-cut windows they are handed (unpacked or packed) rather than the dataset: the same
-    examples, targets and tokens, and the one-window gradient, whatever the cut."""
-    from cadence.engine.windows import cut_window, window_examples
+def test_recut_recuts_any_window_to_the_same_gradient(source: str, cut: dict, kept: bool) -> None:
+    """verify, plan and auto re-cut windows they are handed (unpacked or packed): from the samples' indices when
+    the window was cut from a dataset, else from the examples in its batches. The same examples, targets and
+    tokens, and the one-window gradient, whatever the cut."""
+    import dataclasses
+
+    from cadence.engine.windows import recut, window_examples
 
     dataset = prompt_completion_dataset(count=16)
-    (window,) = list(epoch_windows(dataset, micro_batch_size=16, grad_accum_steps=1, seed=0, epoch=0,
-                                   pack_length=40 if source == "packed" else None))
-    again = cut_window(window, micro_batch_size=3, **cut)
+    packed = 40 if source == "packed" else None
+    (window,) = list(epoch_windows(dataset, cut=Cut(micro_batch_size=16, pack_length=packed), grad_accum_steps=1,
+                                   seed=0, epoch=0))
+    if not kept:
+        window = dataclasses.replace(window, drawn=None)
+    again = recut(window, Cut(micro_batch_size=3, **cut))
     assert (again.samples, again.targets, again.tokens) == (window.samples, window.targets, window.tokens)
     examples = sorted(tuple(e["input_ids"].tolist()) for e in window_examples(window))
     assert examples == sorted(tuple(e["input_ids"].tolist()) for e in window_examples(again))
@@ -250,14 +260,18 @@ def test_cut_window_recuts_any_window_to_the_same_gradient(source: str, cut: dic
     assert abs(losses[1] - losses[0]) <= 1e-5 * losses[0]
 
 
-def test_cut_window_shares_a_window_between_ranks_like_epoch_windows() -> None:
-    from cadence.engine.windows import cut_window
+@pytest.mark.parametrize("kept", [True, False], ids=["indices kept", "built from batches"])
+def test_recut_shares_a_window_between_ranks_like_epoch_windows(kept: bool) -> None:
+    import dataclasses
+
+    from cadence.engine.windows import recut
 
     dataset = prompt_completion_dataset(count=16)
-    (whole,) = list(epoch_windows(dataset, micro_batch_size=16, grad_accum_steps=1, seed=0, epoch=0))
-    shares = [cut_window(whole, micro_batch_size=2, micro_batch_tokens=50, world_size=2, rank=r) for r in range(2)]
-    direct = [next(epoch_windows(dataset, micro_batch_size=2, grad_accum_steps=4, seed=0, epoch=0, world_size=2,
-                                 rank=r, micro_batch_tokens=50)) for r in range(2)]
+    (whole,) = list(epoch_windows(dataset, cut=Cut(micro_batch_size=16), grad_accum_steps=1, seed=0, epoch=0))
+    whole = whole if kept else dataclasses.replace(whole, drawn=None)
+    shares = [recut(whole, Cut(micro_batch_size=2, micro_batch_tokens=50), world_size=2, rank=r) for r in range(2)]
+    direct = [next(epoch_windows(dataset, cut=Cut(micro_batch_size=2, micro_batch_tokens=50), grad_accum_steps=4,
+                                 seed=0, epoch=0, world_size=2, rank=r)) for r in range(2)]
     for mine, theirs in zip(shares, direct, strict=True):
         assert (mine.samples, mine.targets, mine.tokens, len(mine), mine.largest_share) == (
             theirs.samples, theirs.targets, theirs.tokens, len(theirs), theirs.largest_share)
@@ -273,15 +287,15 @@ def test_packing_with_recompute_and_bf16_keeps_the_gradient(recompute: str, prec
     from cadence.verify.equivalence import GRADIENT_TOLERANCE, Setup, flat, parameter_gradients
 
     dataset = prompt_completion_dataset(count=16)
-    (window,) = list(epoch_windows(dataset, micro_batch_size=16, grad_accum_steps=1, seed=0, epoch=0))
-    reference = flat(parameter_gradients(tiny_model, window, Setup(micro_batch_size=16)))
+    (window,) = list(epoch_windows(dataset, cut=Cut(micro_batch_size=16), grad_accum_steps=1, seed=0, epoch=0))
+    reference = flat(parameter_gradients(tiny_model, window, Setup(cut=Cut(micro_batch_size=16))))
 
     def checkpointed() -> torch.nn.Module:
         model = tiny_model()
         apply_activation_checkpointing(model, recompute)
         return model
 
-    packed = flat(parameter_gradients(checkpointed, window, Setup(micro_batch_size=2, precision=precision,
-                                                                   pack_length=40)))
+    packed = flat(parameter_gradients(checkpointed, window, Setup(cut=Cut(micro_batch_size=2, pack_length=40),
+                                                                   precision=precision)))
     error = float((packed - reference).norm() / reference.norm())
     assert error < (1e-5 if precision == "fp32" else GRADIENT_TOLERANCE["bf16"]), error

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from cadence import Window, epoch_windows, prefetch
 from cadence.cli import main
 from cadence.engine import Engine
+from cadence.engine.cut import Cut
 from cadence.engine.prefetch import THREAD_NAME, pin_tensors
 from cadence.models import GPT, MODEL_CONFIGS
 from cadence.training.checkpoint import checkpoint_dirs, load_checkpoint
@@ -45,10 +46,10 @@ def test_order_is_kept_at_every_depth():
     dataset = prompt_completion_dataset()
     for depth in (0, 1, 3):
         assert list(prefetch(iter(range(50)), depth=depth)) == list(range(50))
-        direct = list(epoch_windows(dataset, micro_batch_size=3, grad_accum_steps=2, seed=5, epoch=1,
-                                    order="by-length"))
-        ahead = list(prefetch(epoch_windows(dataset, micro_batch_size=3, grad_accum_steps=2, seed=5, epoch=1,
-                                            order="by-length"), depth=depth))
+        direct = list(epoch_windows(dataset, cut=Cut(micro_batch_size=3, order="by-length"), grad_accum_steps=2,
+                                    seed=5, epoch=1))
+        ahead = list(prefetch(epoch_windows(dataset, cut=Cut(micro_batch_size=3, order="by-length"),
+                                            grad_accum_steps=2, seed=5, epoch=1), depth=depth))
         assert len(ahead) == len(direct) == 7
         assert all(windows_equal(a, b) for a, b in zip(ahead, direct))
     assert not prefetch_threads()  # each ran out, so each joined its thread
@@ -133,7 +134,7 @@ def test_pinning_reaches_every_micro_batch_tensor(monkeypatch):
         return copy
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
-    window = next(epoch_windows(prompt_completion_dataset(), micro_batch_size=3, grad_accum_steps=2, seed=0,
+    window = next(epoch_windows(prompt_completion_dataset(), cut=Cut(micro_batch_size=3), grad_accum_steps=2, seed=0,
                                 epoch=0))
     place = pin_tensors(EpochWindow(0, 1, window))
     assert isinstance(place, EpochWindow) and place[:2] == (0, 1) and windows_equal(place.window, window)
@@ -220,8 +221,8 @@ def test_the_micro_batch_loop_never_synchronises_the_host(precision):
     torch.manual_seed(0)
     model = GPT(MODEL_CONFIGS["gpt-tiny"]).cuda()
     engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), precision=precision, max_grad_norm=1.0)
-    windows = epoch_windows(prompt_completion_dataset(count=64), micro_batch_size=4, grad_accum_steps=4, seed=0,
-                            epoch=0)
+    windows = epoch_windows(prompt_completion_dataset(count=64), cut=Cut(micro_batch_size=4), grad_accum_steps=4,
+                            seed=0, epoch=0)
     with prefetch(windows, depth=2, pin_memory=True) as ahead:
         engine.step(next(ahead))  # warm-up: lazy initialisations (cuBLAS, the optimizer state) are not the loop's
         window = next(ahead)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cadence.engine.cut import Cut
 from cadence.engine.windows import count_targets, count_tokens, iter_windows, make_window
 
 
@@ -76,8 +77,8 @@ def test_one_rank_shares_are_the_single_process_windows(variable_dataset, micro,
 
     expected = list(iter_windows(iterate_micro_batches(variable_dataset, micro, seed=5, epoch=2), accum,
                                  micro_batch_size=micro, last_window=last_window))
-    got = list(epoch_windows(variable_dataset, micro_batch_size=micro, grad_accum_steps=accum, seed=5, epoch=2,
-                             last_window=last_window))
+    got = list(epoch_windows(variable_dataset, cut=Cut(micro_batch_size=micro), grad_accum_steps=accum, seed=5,
+                             epoch=2, last_window=last_window))
     assert len(got) == len(expected)
     for mine, theirs in zip(got, expected):
         assert (mine.targets, mine.tokens, mine.samples, mine.short, mine.padding) == (
@@ -92,9 +93,9 @@ def test_rank_shares_are_disjoint_and_their_union_is_the_single_process_window(v
     number of ranks times a micro-batch), so some ranks run padding micro-batches."""
     from cadence.engine.windows import epoch_windows
 
-    single = list(epoch_windows(variable_dataset, micro_batch_size=2 * 2 * world, grad_accum_steps=1, seed=1,
+    single = list(epoch_windows(variable_dataset, cut=Cut(micro_batch_size=2 * 2 * world), grad_accum_steps=1, seed=1,
                                 epoch=0))
-    shares = [list(epoch_windows(variable_dataset, micro_batch_size=2, grad_accum_steps=2, seed=1, epoch=0,
+    shares = [list(epoch_windows(variable_dataset, cut=Cut(micro_batch_size=2), grad_accum_steps=2, seed=1, epoch=0,
                                  world_size=world, rank=rank)) for rank in range(world)]
     assert all(len(rank_windows) == len(single) for rank_windows in shares)
     for index, whole in enumerate(single):
@@ -112,37 +113,40 @@ def test_a_rank_with_fewer_samples_in_the_short_last_window_runs_padding(variabl
     from cadence.engine.windows import epoch_windows
 
     # 40 examples in windows of 1 x 2 x 3 = 6: the last holds 4, shared 2 / 1 / 1.
-    last = [list(epoch_windows(variable_dataset, micro_batch_size=1, grad_accum_steps=2, seed=0, epoch=0,
+    last = [list(epoch_windows(variable_dataset, cut=Cut(micro_batch_size=1), grad_accum_steps=2, seed=0, epoch=0,
                                world_size=3, rank=rank))[-1] for rank in range(3)]
     assert [(w.samples, len(w.micro_batches), w.padding) for w in last] == [(2, 2, 0), (1, 2, 1), (1, 2, 1)]
     assert all(int((w.micro_batches[-1]["labels"] != -100).sum()) == 0 for w in last[1:])
 
 
 def test_resplitting_a_rank_share_keeps_every_rank_in_step(variable_dataset):
-    """--micro-batch-size auto re-cuts a window after an out-of-memory: padded shares must still give every rank
-    the same number of micro-batches (the largest share's), at any new size."""
-    from cadence.engine.windows import epoch_windows, resplit_window
+    """--micro-batch-size auto re-cuts a window after an out-of-memory: each rank re-cuts its own share (the same
+    samples and targets) and pads to the most micro-batches any rank needs, so every rank runs as many."""
+    from cadence.engine.windows import epoch_windows, pad_to_micro_batches, recut
 
     world = 3
-    last = [list(epoch_windows(variable_dataset, micro_batch_size=4, grad_accum_steps=1, seed=0, epoch=0,
+    last = [list(epoch_windows(variable_dataset, cut=Cut(micro_batch_size=4), grad_accum_steps=1, seed=0, epoch=0,
                                world_size=world, rank=rank))[-1] for rank in range(world)]
     assert [w.samples for w in last] == [2, 1, 1]  # 40 = 3 x 12 + 4: the short last window
     for size in (2, 1):
-        cut = [resplit_window(w, size) for w in last]
+        mine = [recut(w, Cut(micro_batch_size=size)) for w in last]
+        most = max(len(w) - w.padding for w in mine)
+        cut = [pad_to_micro_batches(w, most) for w in mine]
         assert len({len(w.micro_batches) for w in cut}) == 1, size
+        assert [len(w) - w.padding for w in mine] == [-(-2 // size), 1, 1]
         assert [w.targets for w in cut] == [w.targets for w in last]
         assert [w.samples for w in cut] == [2, 1, 1]
 
 
 def test_a_share_of_a_whole_window_is_what_epoch_windows_gives_that_rank(variable_dataset):
-    from cadence.engine.windows import epoch_windows, window_share
+    from cadence.engine.windows import epoch_windows, recut
 
-    whole = list(epoch_windows(variable_dataset, micro_batch_size=12, grad_accum_steps=1, seed=4, epoch=0))
+    whole = list(epoch_windows(variable_dataset, cut=Cut(micro_batch_size=12), grad_accum_steps=1, seed=4, epoch=0))
     for rank in range(3):
-        shares = list(epoch_windows(variable_dataset, micro_batch_size=2, grad_accum_steps=2, seed=4, epoch=0,
-                                    world_size=3, rank=rank))
+        shares = list(epoch_windows(variable_dataset, cut=Cut(micro_batch_size=2), grad_accum_steps=2, seed=4,
+                                    epoch=0, world_size=3, rank=rank))
         for window, expected in zip(whole, shares, strict=True):
-            got = window_share(window, 2, world_size=3, rank=rank)
+            got = recut(window, Cut(micro_batch_size=2), world_size=3, rank=rank)
             assert (got.targets, got.samples, got.padding, len(got.micro_batches)) == (
                 expected.targets, expected.samples, expected.padding, len(expected.micro_batches))
             assert sorted(_ids(got)) == sorted(_ids(expected))

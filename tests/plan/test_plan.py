@@ -11,6 +11,7 @@ from helpers import sample_text
 
 from cadence.cli import main
 from cadence.config import TrainConfig
+from cadence.engine.cut import Cut
 from cadence.plan.planner import PlanOptions, build_candidates, choose_trials, divisors
 from cadence.plan.trials import TrialSetup
 from cadence.training.run_dir import read_metrics
@@ -125,8 +126,8 @@ def test_plan_options_defaults_are_sane():
 
 
 def test_a_trial_setup_is_the_verify_setup_plus_its_accumulation() -> None:
-    setup = TrialSetup(micro_batch_size=2, grad_accum_steps=4, precision="bf16", activation_checkpointing="full",
-                       offload="none")
+    setup = TrialSetup(cut=Cut(micro_batch_size=2), grad_accum_steps=4, precision="bf16",
+                       activation_checkpointing="full", offload="none")
     assert isinstance(setup, Setup)  # the quality check compares exactly the configuration the plan chose
     assert setup.as_dict() == {"micro_batch_size": 2, "grad_accum_steps": 4, "precision": "bf16",
                                "activation_checkpointing": "full", "offload": "none"}

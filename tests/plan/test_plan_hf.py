@@ -12,8 +12,9 @@ from helpers import sample_text
 
 from cadence.cli import main
 from cadence.config import TrainConfig
+from cadence.config.schema import command_fields
 from cadence.plan.models import plan_model
-from cadence.plan.planner import PLAN_TRAIN_FIELDS, build_candidates
+from cadence.plan.planner import build_candidates
 from cadence.training.run_dir import read_metrics
 
 pytest.importorskip("transformers")
@@ -30,7 +31,7 @@ def text_file(tmp_path: Path) -> Path:
 
 
 def test_plan_fields_take_the_hf_options():
-    assert {"model_config", "text_field", "prompt_field", "completion_field"} <= set(PLAN_TRAIN_FIELDS)
+    assert {"model_config", "text_field", "prompt_field", "completion_field"} <= set(command_fields("plan"))
 
 
 def test_hf_candidates_use_the_hf_estimate():

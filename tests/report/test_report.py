@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
-import io
 import json
 import re
 import shutil
@@ -14,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import run_cli
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
@@ -49,11 +48,10 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("report")
     data = base / "tiny.txt"
     data.write_text(PARAGRAPH * 16, encoding="utf-8")  # ~3.5 KB: ~100 sequences of 32 bytes
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "4",
-                       "--grad-accum-steps", "2", "--max-steps", "4", "--eval-every", "2", "--out", str(base / "run")])
-    assert status == 0, err.getvalue()
+    status, _, err = run_cli(["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "4",
+                              "--grad-accum-steps", "2", "--max-steps", "4", "--eval-every", "2",
+                              "--out", str(base / "run")])
+    assert status == 0, err
     return base / "run"
 
 
@@ -445,7 +443,6 @@ def test_broken_json_names_the_file_and_line(tmp_path: Path, plan_dir: Path) -> 
 @pytest.mark.parametrize("row", ['{"step": "x"}', '{"step": -3}', '{"step": true}', '{"step": 1.5}'])
 def test_report_refuses_metrics_whose_step_is_not_a_count(tmp_path, capsys, row):
     """Issue 29 item 16: a row {"step": "x"} gave exit 0 and a report of "x optimizer steps"."""
-    from cadence.cli import main
 
     run = tmp_path / "run"
     run.mkdir()

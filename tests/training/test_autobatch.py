@@ -11,43 +11,44 @@ from helpers import prompt_completion_dataset, tiny_model, write_jsonl
 from cadence import Engine, iter_windows
 from cadence.cli import main
 from cadence.data import iterate_micro_batches
-from cadence.engine.windows import resplit_window, resplit_window_by_tokens
+from cadence.engine.cut import Cut
+from cadence.engine.windows import recut
 from cadence.training.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.training.run_dir import read_metrics
 
 
-def test_resplit_keeps_samples_targets_and_tokens():
+def test_recut_keeps_samples_targets_and_tokens():
     dataset = prompt_completion_dataset(count=16)
     (window, *_) = iter_windows(iterate_micro_batches(dataset, 8, 0, 0), 2)
     for size in (4, 3, 1):
-        again = resplit_window(window, size)
+        again = recut(window, Cut(micro_batch_size=size))
         assert [int(b["labels"].shape[0]) for b in again.micro_batches][0] == size
         assert (again.samples, again.targets, again.tokens) == (window.samples, window.targets, window.tokens)
         # trimmed: no micro-batch ends in a column without any target
         assert all((b["labels"][:, -1] != -100).any() for b in again.micro_batches)
 
 
-def test_resplit_window_gives_the_same_step():
+def test_recut_window_gives_the_same_step():
     dataset = prompt_completion_dataset(count=16)
     window = next(iter_windows(iterate_micro_batches(dataset, 8, 0, 0), 2))
     results, models = [], []
     for size in (8, 2, 1):
         model = tiny_model()
         engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5)
-        results.append(engine.step(resplit_window(window, size)))
+        results.append(engine.step(recut(window, Cut(micro_batch_size=size))))
         models.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert results[1].loss == pytest.approx(results[0].loss, rel=1e-6)
     assert results[2].loss == pytest.approx(results[0].loss, rel=1e-6)
     assert float((models[2] - models[0]).norm() / models[0].norm()) < 1e-5
 
 
-def test_token_resplit_keeps_the_window_within_each_budget():
+def test_token_recut_keeps_the_window_within_each_budget():
     dataset = prompt_completion_dataset(count=16)
     window = next(iter_windows(iterate_micro_batches(dataset, 8, 0, 0), 2))
     model = tiny_model()
     expected = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5).step(window)
     for budget in (200, 64, 20, 1):
-        again = resplit_window_by_tokens(window, budget)
+        again = recut(window, Cut(micro_batch_size=1, micro_batch_tokens=budget))
         assert (again.samples, again.targets, again.tokens) == (window.samples, window.targets, window.tokens)
         for batch in again.micro_batches:
             rows, width = batch["labels"].shape
@@ -81,7 +82,7 @@ def window_of(samples: int, micro: int):
 
 def test_controller_halves_then_grows_back_with_backoff():
     logs: list[str] = []
-    controller = MicroBatchController(start=16, grow_after=2, log=logs.append)
+    controller = MicroBatchController(cut=Cut(micro_batch_size=16), grow_after=2, log=logs.append)
     engine = FailingEngine(limit=4)
     window = window_of(32, 16)
     result, retries = controller.step(engine, window)
@@ -99,20 +100,21 @@ def test_controller_halves_then_grows_back_with_backoff():
 
 
 def test_controller_gives_up_below_one():
-    controller = MicroBatchController(start=2, grow_after=5, log=lambda _: None)
+    controller = MicroBatchController(cut=Cut(micro_batch_size=2), grow_after=5, log=lambda _: None)
     with pytest.raises(MicroBatchTooLarge, match="even at micro-batch 1"):
         controller.step(FailingEngine(limit=0), window_of(4, 2))
 
 
 def test_controller_halves_a_token_budget_until_the_rows_fit():
     logs: list[str] = []
-    controller = MicroBatchController(start=8 * 40, grow_after=50, log=logs.append, unit="tokens")
+    controller = MicroBatchController(cut=Cut(micro_batch_size=8, micro_batch_tokens=8 * 40), grow_after=50,
+                                      log=logs.append)
     engine = FailingEngine(limit=2)
     result, retries = controller.step(engine, window_of(16, 8))
     assert result == "ok" and retries >= 1 and engine.sizes[-1] <= 2 < engine.sizes[0]
     assert controller.current < 8 * 40 and any("retrying the window at" in line for line in logs)
     with pytest.raises(MicroBatchTooLarge, match="one sequence per micro-batch"):
-        MicroBatchController(start=64, grow_after=5, log=lambda _: None, unit="tokens").step(
+        MicroBatchController(cut=Cut(micro_batch_size=2, micro_batch_tokens=64), grow_after=5, log=lambda _: None).step(
             FailingEngine(limit=0), window_of(4, 2))
 
 
@@ -200,11 +202,12 @@ def test_a_packed_row_is_repacked_shorter_when_the_budget_drops_below_it() -> No
     from cadence.engine.windows import epoch_windows
 
     dataset = prompt_completion_dataset(count=16)
-    (window,) = list(epoch_windows(dataset, micro_batch_size=16, grad_accum_steps=1, seed=0, epoch=0, pack_length=40))
+    (window,) = list(epoch_windows(dataset, cut=Cut(micro_batch_size=16, pack_length=40), grad_accum_steps=1, seed=0,
+                                   epoch=0))
     model = tiny_model()
     expected = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5).step(window)
     longest = max(int(b["labels"].shape[1]) for b in window.micro_batches)
-    again = resplit_window_by_tokens(window, 24, pack_length=24)
+    again = recut(window, Cut(micro_batch_size=16, micro_batch_tokens=24, pack_length=24))
     assert max(int(b["labels"].shape[1]) for b in again.micro_batches) < longest
     assert (again.samples, again.targets, again.tokens) == (window.samples, window.targets, window.tokens)
     model = tiny_model()
@@ -218,8 +221,9 @@ def test_a_packed_row_of_two_examples_can_still_be_cut_finer() -> None:
     from cadence.training.autobatch import _one_example_per_micro_batch
 
     dataset = prompt_completion_dataset(count=16)
-    (window,) = list(epoch_windows(dataset, micro_batch_size=1, grad_accum_steps=16, seed=0, epoch=0, pack_length=40))
+    (window,) = list(epoch_windows(dataset, cut=Cut(micro_batch_size=1, pack_length=40), grad_accum_steps=16, seed=0,
+                                   epoch=0))
     assert any(int((b["position_ids"][0, 1:] == 0).sum()) >= 1 for b in window.micro_batches)
     assert not _one_example_per_micro_batch(window)
-    alone = resplit_window_by_tokens(window, 1, pack_length=1)
+    alone = recut(window, Cut(micro_batch_size=1, micro_batch_tokens=1, pack_length=1))
     assert _one_example_per_micro_batch(alone) and alone.targets == window.targets

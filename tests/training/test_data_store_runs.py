@@ -8,16 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import write_jsonl
+from helpers import train_args, write_jsonl
 
 from cadence.cli import main
 from cadence.training.run_dir import read_metrics
 
 
 def args(data: Path, out: Path, cache: Path, *extra: str, steps: int = 4) -> list[str]:
-    return ["train", "--data", str(data), "--data-cache", str(cache), "--seq-len", "48", "--micro-batch-size", "2",
-            "--grad-accum-steps", "2", "--max-steps", str(steps), "--val-fraction", "0", "--checkpoint-every", "2",
-            "--out", str(out), *extra]
+    return train_args(data, out, *extra, steps=steps, seq_len=48, micro=2, cache=cache)
 
 
 def losses(run: Path) -> list[float]:

@@ -10,21 +10,18 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import sample_text
+from helpers import sample_text, spawn, train_args
 from safetensors.torch import load_file
 
 from cadence.cli import main
 from cadence.training.checkpoint import checkpoint_dirs, load_checkpoint, prune_checkpoints, verify_checkpoint
 from cadence.training.resume import schedule_note
 from cadence.training.run_dir import read_metrics
-
-CADENCE = str(Path(sys.executable).with_name("cadence"))
 
 
 def data_file(tmp_path: Path) -> Path:
@@ -34,8 +31,7 @@ def data_file(tmp_path: Path) -> Path:
 
 
 def args(data: Path, out: Path, *extra: str, steps: int = 8) -> list[str]:
-    return ["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "4", "--grad-accum-steps", "2",
-            "--max-steps", str(steps), "--val-fraction", "0", "--checkpoint-every", "2", "--out", str(out), *extra]
+    return train_args(data, out, *extra, steps=steps)
 
 
 def same_run(a: Path, b: Path) -> None:
@@ -174,10 +170,6 @@ def test_divergence_stops_after_max_skipped_steps(tmp_path, capsys):
     assert "3 optimizer steps in a row were skipped" in err and "non-finite gradients" in err
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["skipped"] and rows[-3]["skipped"]
-
-
-def spawn(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([CADENCE, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow

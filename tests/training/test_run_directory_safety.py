@@ -10,12 +10,11 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import sample_text
+from helpers import CADENCE, sample_text, train_args
 
 from cadence.cli import main
 from cadence.errors import UsageError
@@ -23,8 +22,6 @@ from cadence.training.checkpoint import checkpoint_dirs
 from cadence.training.lock import RunDirectoryLock
 from cadence.training.run_dir import read_metrics
 from cadence.training.state_file import read_state, write_state
-
-CADENCE = str(Path(sys.executable).with_name("cadence"))
 
 
 def data_file(tmp_path: Path, name: str = "text.txt", seed_bytes: bytes = b"") -> Path:
@@ -34,8 +31,7 @@ def data_file(tmp_path: Path, name: str = "text.txt", seed_bytes: bytes = b"") -
 
 
 def args(data: Path | str, out: Path, *extra: str, steps: int = 4) -> list[str]:
-    return ["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "4", "--grad-accum-steps", "2",
-            "--max-steps", str(steps), "--val-fraction", "0", "--checkpoint-every", "2", "--out", str(out), *extra]
+    return train_args(data, out, *extra, steps=steps)
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

@@ -12,6 +12,7 @@ from helpers import prompt_completion_dataset
 
 from cadence.cli import main
 from cadence.data import collate, iterate_micro_batches, load_data
+from cadence.engine.cut import Cut
 from cadence.engine.windows import iter_windows, make_window
 from cadence.models import build_model
 from cadence.verify.check import verify
@@ -35,7 +36,7 @@ def test_every_fp32_split_of_the_builtin_models_passes(model):
         return build_model(model)
 
     for micro in (8, 1) if model == "gpt-base" else (8, 4, 2, 1):
-        result = verify(factory, windows, Setup(micro_batch_size=micro))
+        result = verify(factory, windows, Setup(cut=Cut(micro_batch_size=micro)))
         assert result.passed, (model, micro, result.relative_error)
         assert result.relative_error < 1e-5 and not result.findings
 
@@ -60,7 +61,7 @@ def tiny_factory():
 
 
 def test_mean_reduced_loss_on_variable_length_data_fails_with_its_finding():
-    result = verify(tiny_factory, variable_windows(), Setup(micro_batch_size=2), loss_fn=MeanLoss())
+    result = verify(tiny_factory, variable_windows(), Setup(cut=Cut(micro_batch_size=2)), loss_fn=MeanLoss())
     assert not result.passed
     assert [f.code for f in result.findings] == ["mean-reduced-loss"]
     assert result.relative_error > 0.1
@@ -84,7 +85,7 @@ def test_batchnorm_model_fails_with_its_finding():
         torch.manual_seed(0)
         return BatchNormLM()
 
-    result = verify(factory, variable_windows(), Setup(micro_batch_size=2))
+    result = verify(factory, variable_windows(), Setup(cut=Cut(micro_batch_size=2)))
     assert not result.passed
     assert "batchnorm" in [f.code for f in result.findings] and "norm" in result.findings[0].message
     assert result.relative_error > 1e-3  # the split really changes the math
@@ -106,7 +107,7 @@ def test_dropout_is_turned_off_and_reported():
         torch.manual_seed(0)
         return DropoutLM()
 
-    result = verify(factory, variable_windows(), Setup(micro_batch_size=1))
+    result = verify(factory, variable_windows(), Setup(cut=Cut(micro_batch_size=1)))
     assert result.passed and [f.code for f in result.findings] == ["dropout"]
     assert result.findings[0].level == "info"
 
@@ -116,14 +117,14 @@ def test_padding_with_labels_is_an_error():
     batch = collate([dataset[i] for i in range(4)])
     batch["attention_mask"] = (batch["labels"] != -100).long()
     batch["labels"] = torch.where(batch["labels"] == -100, torch.zeros_like(batch["labels"]), batch["labels"])
-    result = verify(tiny_factory, [make_window([batch])], Setup(micro_batch_size=2))
+    result = verify(tiny_factory, [make_window([batch])], Setup(cut=Cut(micro_batch_size=2)))
     assert "padding-in-loss" in [f.code for f in result.findings] and not result.passed
 
 
 def test_parameters_after_k_steps():
-    result = verify(tiny_factory, variable_windows(3), Setup(micro_batch_size=2), steps=3)
+    result = verify(tiny_factory, variable_windows(3), Setup(cut=Cut(micro_batch_size=2)), steps=3)
     assert result.parameters_after_steps["passed"] and result.parameters_after_steps["relative_distance"] < 1e-4
-    bad = verify(tiny_factory, variable_windows(3), Setup(micro_batch_size=2), steps=3, loss_fn=MeanLoss())
+    bad = verify(tiny_factory, variable_windows(3), Setup(cut=Cut(micro_batch_size=2)), steps=3, loss_fn=MeanLoss())
     assert not bad.parameters_after_steps["passed"]
 
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
+from cadence.engine.cut import MicroBatchOrder
 from cadence.engine.precision import PrecisionName
 from cadence.engine.schedules import LRScheduleName
-from cadence.engine.windows import LastWindow, MicroBatchOrder
+from cadence.engine.windows import LastWindow
 from cadence.memory.offload import OffloadMode
 from cadence.memory.recompute import CheckpointingMode
 
@@ -36,6 +37,53 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+@dataclass(frozen=True)
+class Section:
+    """A group of TrainConfig fields: one heading of every command's --help, and the unit in which the other
+    commands take train's flags. ``cadence train`` takes every section; a new field joins a section and with it the
+    commands that take that section (no list of field names per command to keep)."""
+
+    title: str
+    commands: frozenset[str]
+    """The commands besides train that take the section's flags."""
+
+
+def _section(title: str, *commands: str) -> Section:
+    return Section(title=title, commands=frozenset(commands))
+
+
+# The run's math and shape, which every command that runs a step takes.
+MODEL = _section("Model", "plan", "profile", "verify", "prepare-data")
+DATA = _section("Data", "plan", "profile", "verify", "prepare-data")
+BATCH = _section("Batch", "plan", "profile", "verify")
+CUT = _section("Micro-batch cut", "plan", "profile", "verify")
+PRECISION = _section("Precision, recompute and offload", "plan", "profile", "verify")
+OPTIMIZER = _section("Optimizer", "plan", "profile", "verify")
+DEVICE = _section("Device and seed", "plan", "profile", "verify")
+DISTRIBUTED = _section("Distributed", "verify")
+# What a measurement of speed and memory also depends on (verify compares gradients exactly: fp32 matmuls stay exact).
+MEMORY = _section("Memory budget and matmuls", "plan", "profile")
+SCHEDULE = _section("LR schedule", "plan", "profile")
+SPEED = _section("Compilation and input pipeline", "profile")
+RUN_DIRECTORY = _section("Output", "plan", "profile")
+FROM_PLAN = _section("From a file or a plan", "profile")
+# A training run's own course.
+LENGTH = _section("Training length and auto micro-batch")
+VALIDATION = _section("Validation")
+CHECKPOINTS = _section("Checkpoints, resume and export")
+
+SECTIONS: tuple[Section, ...] = (MODEL, DATA, BATCH, CUT, PRECISION, MEMORY, SPEED, OPTIMIZER, SCHEDULE, LENGTH,
+                                 VALIDATION, DEVICE, DISTRIBUTED, RUN_DIRECTORY, CHECKPOINTS, FROM_PLAN)
+"""In --help order."""
+
+
+def setting(default: Any, section: Section, *, changes_math: bool = False) -> Any:
+    """A TrainConfig field: its default, its section, and whether it changes the math (the gradient, the update or
+    the data order: a resume refuses another value of such a field; the micro-batch split, recompute or offload may
+    change)."""
+    return dataclasses.field(default=default, metadata={"section": section, "changes_math": changes_math})
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything ``cadence train`` needs. Field docstrings are the CLI help.
@@ -43,134 +91,134 @@ class TrainConfig:
     A choice field is typed with its Literal (``precision: PrecisionName``) for readers and type checkers; its value
     comes from the command line or a TOML file at run time, so ``validate`` still checks it and names the flag."""
 
-    model: str = "gpt-tiny"
+    model: str = setting("gpt-tiny", MODEL, changes_math=True)
     """Built-in model (gpt-tiny ~1M parameters, gpt-small ~10M, gpt-base ~85M); hf:TYPE, a Hugging Face causal LM
     built offline from its config class (hf:llama, hf:gpt2, hf:qwen2, hf:mistral ...; sizes from --model-config); or
     a local model directory saved by save_pretrained."""
-    model_config: list[str] | None = None
+    model_config: list[str] | None = setting(None, MODEL, changes_math=True)
     """KEY=VALUE overrides of a Hugging Face model's config (repeat the flag), e.g. hidden_size=256."""
-    data: Path | None = None
+    data: Path | None = setting(None, DATA)
     """Training data: omitted = the built-in corpus (Python's standard library source); a .txt file or a directory
     is packed into --seq-len sequences; a .jsonl file holds {"text"} or {"prompt", "completion"} examples;
     hf:PATH is a dataset saved by datasets' save_to_disk; .parquet, .csv and .json files are read with datasets; a
     token store directory written by cadence prepare-data --out."""
-    data_cache: Path | None = None
+    data_cache: Path | None = setting(None, DATA)
     """Directory of token stores: every source is tokenised once into a memory-mapped store there and reopened in
     milliseconds while its content stays the same; default ~/.cache/cadence/data."""
-    text_field: str = "text"
+    text_field: str = setting("text", DATA)
     """Column of a datasets source holding the text."""
-    prompt_field: str = "prompt"
+    prompt_field: str = setting("prompt", DATA)
     """Column of a datasets source holding the prompt (no loss on it)."""
-    completion_field: str = "completion"
+    completion_field: str = setting("completion", DATA)
     """Column of a datasets source holding the completion (the loss is on it)."""
-    seq_len: int | None = None
+    seq_len: int | None = setting(None, DATA, changes_math=True)
     """Tokens per sequence (bytes); default: the model's context length."""
-    micro_batch_size: int | Literal["auto"] = 8
+    micro_batch_size: int | Literal["auto"] = setting(8, BATCH)
     """Sequences per forward/backward pass (what must fit in memory), or auto: start at --effective-batch-size /
     (--grad-accum-steps x processes), halve it (doubling accumulation, same math) whenever a window runs out of
     memory, and try growing back after --auto-grow-after good steps."""
-    grad_accum_steps: int | None = None
+    grad_accum_steps: int | None = setting(None, BATCH)
     """Micro-batches accumulated per optimizer step; default 1, or derived from --effective-batch-size."""
-    effective_batch_size: int | None = None
+    effective_batch_size: int | None = setting(None, BATCH, changes_math=True)
     """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps."""
-    micro_batch_order: MicroBatchOrder = "by-length"
+    micro_batch_order: MicroBatchOrder = setting("by-length", CUT)
     """How a window's samples are cut into micro-batches: by-length (longest first, so each micro-batch pads little)
     or drawn (in the epoch's order). The window's samples and its gradient are the same either way; only the
     padding computed changes. Equal lengths (text) keep the drawn order."""
-    micro_batch_tokens: int | None = None
+    micro_batch_tokens: int | None = setting(None, CUT)
     """Cut each window's length-sorted samples into micro-batches of at most N padded positions (rows x longest
     row) instead of --micro-batch-size rows: many short rows or few long ones, a memory peak set by N."""
-    packing: bool = False
+    packing: bool = setting(False, CUT)
     """Pack each window's examples into rows of --seq-len tokens (several per row), with attention that never
     crosses from one example into another (position ids restart per example); --micro-batch-size then counts rows.
     The same samples and gradient as unpacked, with almost no padding."""
-    precision: PrecisionName = "fp32"
+    precision: PrecisionName = setting("fp32", PRECISION, changes_math=True)
     """Compute precision: fp32, bf16 (autocast, no loss scaling) or fp16 (autocast with a GradScaler)."""
-    activation_checkpointing: CheckpointingMode = "none"
+    activation_checkpointing: CheckpointingMode = setting("none", PRECISION)
     """Recompute activations in backward: none, full (each block keeps only its input) or selective (keep matmul and
     attention outputs, recompute norms, GELU and adds)."""
-    offload: OffloadMode = "none"
+    offload: OffloadMode = setting("none", PRECISION)
     """none, activations (saved tensors in host memory) or optimizer (optimizer state and update on the CPU). On a
     CPU-only machine both run but save nothing: host and device memory are the same."""
-    compile: bool = False
+    compile: bool = setting(False, SPEED)
     """Compile each transformer block with torch.compile (inductor), block by block as torchtitan does, so that
     recompute and FSDP2 wrap compiled blocks and parameter names stay the same. The first steps (and each new
     sequence length) pay the compile time, reported apart in the summary and the profile; CPU needs a C++ compiler."""
-    prefetch_windows: int = 1
+    prefetch_windows: int = setting(1, SPEED)
     """Windows prepared ahead in a background thread (cut into micro-batches, collated and, on CUDA, pinned for an
     asynchronous copy) while the current one computes; 0 prepares each window in the loop's own thread. The data
     order, and so every loss, is the same for any value; memory grows by one window of batches per step ahead."""
-    fp32_matmul: Fp32Matmul = "tf32"
+    fp32_matmul: Fp32Matmul = setting("tf32", MEMORY)
     """How CUDA runs fp32 matrix multiplies (and convolutions): tf32 (TensorFloat-32 tensor cores: about 1e-3
     relative error per product, several times faster on Ampere and later) or exact (full fp32). Under bf16/fp16 only
     the ops autocast leaves in fp32 are affected; CPU matmuls are always exact. Set for the run only."""
-    memory_budget: str | None = None
+    memory_budget: str | None = setting(None, MEMORY)
     """Peak memory allowed per process, e.g. 512MiB or 2GiB. CUDA: the allocator is capped there (a real OOM past
     it); CPU: every step is measured by the profiler and a micro-batch past it counts as out of memory."""
-    auto_grow_after: int = 50
+    auto_grow_after: int = setting(50, LENGTH)
     """With --micro-batch-size auto: good optimizer steps after a halving before trying a larger micro-batch again."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = setting(1.0, OPTIMIZER, changes_math=True)
     """Clip the total gradient norm to this, once per optimizer step after unscaling; 0 turns clipping off."""
-    lr: float = 1e-3
+    lr: float = setting(1e-3, OPTIMIZER, changes_math=True)
     """Peak learning rate (AdamW)."""
-    weight_decay: float = 0.1
+    weight_decay: float = setting(0.1, OPTIMIZER, changes_math=True)
     """AdamW weight decay, applied to matrices and embeddings only (not to biases and norms)."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = setting(0.9, OPTIMIZER, changes_math=True)
     """AdamW beta1."""
-    adam_beta2: float = 0.95
+    adam_beta2: float = setting(0.95, OPTIMIZER, changes_math=True)
     """AdamW beta2."""
-    lr_schedule: LRScheduleName = "cosine"
+    lr_schedule: LRScheduleName = setting("cosine", SCHEDULE, changes_math=True)
     """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
-    warmup_steps: int = 0
+    warmup_steps: int = setting(0, SCHEDULE, changes_math=True)
     """Optimizer steps of linear LR warmup."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = setting(0.1, SCHEDULE, changes_math=True)
     """Floor of the linear and cosine decay, as a fraction of --lr."""
-    max_steps: int = 100
+    max_steps: int = setting(100, LENGTH, changes_math=True)
     """Optimizer steps to train (skipped fp16 steps do not count)."""
-    seed: int = 0
+    seed: int = setting(0, DEVICE, changes_math=True)
     """Seed for weights and data order."""
-    last_window: LastWindow = "step"
+    last_window: LastWindow = setting("step", LENGTH, changes_math=True)
     """The short last window of an epoch: step (normalised by its own target count) or drop."""
-    val_fraction: float = 0.05
+    val_fraction: float = setting(0.05, VALIDATION, changes_math=True)
     """Fraction of the data held out for validation (the last examples); 0 = no validation split."""
-    eval_every: int = 0
+    eval_every: int = setting(0, VALIDATION)
     """Evaluate the validation loss every N optimizer steps and at the end; 0 = never."""
-    eval_batches: int = 20
+    eval_batches: int = setting(20, VALIDATION)
     """Validation micro-batches per evaluation (always the same ones, so evaluations compare)."""
-    device: DeviceName = "auto"
+    device: DeviceName = setting("auto", DEVICE)
     """auto (CUDA when available, else CPU), cpu or cuda."""
-    out: Path | None = None
+    out: Path | None = setting(None, RUN_DIRECTORY)
     """Run directory to create; default runs/<date>-<time>. An existing non-empty directory is refused."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = setting(0, CHECKPOINTS)
     """Save a checkpoint every N optimizer steps (and at the end) into OUT/checkpoints/step-N; 0 = none."""
-    keep_checkpoints: int = 0
+    keep_checkpoints: int = setting(0, CHECKPOINTS)
     """Keep only the newest N checkpoints; 0 keeps all."""
-    resume: bool = False
+    resume: bool = setting(False, CHECKPOINTS)
     """Continue the run in --out from its newest intact checkpoint, as if it had never stopped (same losses, data
     order and LR); with no checkpoint yet, start fresh. Refused when the configuration changes the math."""
-    checkpoint_mid_window: bool = False
+    checkpoint_mid_window: bool = setting(False, CHECKPOINTS)
     """On SIGTERM/SIGINT in the middle of a window, stop after the current micro-batch and checkpoint the gradients
     accumulated so far, so that no micro-batch's work is lost; --resume continues the window there."""
-    max_skipped_steps: int = 50
+    max_skipped_steps: int = setting(50, LENGTH)
     """Stop (exit status 1) after this many optimizer steps in a row were skipped (fp16 overflow or non-finite
     gradients): the run has diverged."""
-    log_every: int = 10
+    log_every: int = setting(10, CHECKPOINTS)
     """Print a progress line every N optimizer steps when the output is not a terminal."""
-    save_hf: Path | None = None
+    save_hf: Path | None = setting(None, CHECKPOINTS)
     """Also save the final model with save_pretrained into this directory (Hugging Face models), so that it loads in
     transformers unchanged."""
-    strategy: Strategy = "ddp"
+    strategy: Strategy = setting("ddp", DISTRIBUTED)
     """With several processes (--nproc-per-node or torchrun): ddp (each rank holds the whole model; gradients are
     all-reduced once per window) or fsdp (FSDP2 fully_shard: parameters, gradients and optimizer state sharded over
     the ranks, gathered block by block)."""
-    sync_every_micro_step: bool = False
+    sync_every_micro_step: bool = setting(False, DISTRIBUTED)
     """With --strategy fsdp: reduce-scatter gradients after every micro-batch instead of once per window. Each rank
     then keeps 1/world of the gradients instead of all of them, at accumulation-times the communication; worth it
     when memory matters more than bandwidth."""
-    collective_timeout: float = 600.0
+    collective_timeout: float = setting(600.0, DISTRIBUTED)
     """Seconds a collective waits for the other ranks before the run fails (a rank that hangs; one that dies is
     noticed at once)."""
-    plan: Path | None = None
+    plan: Path | None = setting(None, FROM_PLAN)
     """A plan.json from cadence plan: train with its decision (micro-batch, accumulation, precision, recompute,
     offload, model and seq-len). A flag that contradicts the plan is an error."""
 
@@ -205,6 +253,22 @@ class TrainConfig:
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def section_of(name: str) -> Section:
+    """The section of the TrainConfig field ``name``."""
+    return {f.name: f.metadata["section"] for f in dataclasses.fields(TrainConfig)}[name]
+
+
+def command_fields(command: str) -> tuple[str, ...]:
+    """The TrainConfig fields (train's flags) that ``command`` takes: every field for train, else the fields of the
+    sections that name the command."""
+    return tuple(f.name for f in dataclasses.fields(TrainConfig)
+                 if command == "train" or command in f.metadata["section"].commands)
+
+
+MATH_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["changes_math"])
+"""The fields a resume must find unchanged (see :func:`setting`)."""
 
 
 def hint_types(hint: Any) -> set[Any]:

@@ -18,9 +18,10 @@ from cadence.config.schema import (
     flag,
     parse_size,
 )
+from cadence.engine.cut import MICRO_BATCH_ORDER_CHOICES
 from cadence.engine.precision import PRECISIONS, precision_problem
 from cadence.engine.schedules import LR_SCHEDULES
-from cadence.engine.windows import LAST_WINDOW_CHOICES, MICRO_BATCH_ORDER_CHOICES
+from cadence.engine.windows import LAST_WINDOW_CHOICES
 from cadence.errors import Problem, UsageError
 from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.recompute import CHECKPOINTING_MODES

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from cadence.data import files_fingerprint
 from cadence.data.cache import BuildResult, Recipe, open_or_build
+from cadence.data.load import files_fingerprint
 from cadence.data.progress import BuildProgress
 from cadence.data.splits import DataSplits, splits_from_store
 from cadence.data.store import StoreWriter

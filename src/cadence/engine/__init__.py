@@ -3,6 +3,7 @@
 Usable from a user's own loop: ``from cadence.engine import Engine, iter_windows, prefetch``.
 """
 
+from cadence.engine.cut import Cut
 from cadence.engine.precision import PRECISIONS, Precision, PrecisionName
 from cadence.engine.prefetch import Prefetcher, prefetch
 from cadence.engine.schedules import LR_SCHEDULES, build_lr_scheduler, lr_factor
@@ -16,12 +17,13 @@ from cadence.engine.windows import (
     epoch_windows,
     iter_windows,
     make_window,
+    recut,
     shift_hf_labels,
 )
 
 __all__ = [
-    "IGNORE_INDEX", "LR_SCHEDULES", "PRECISIONS", "Batch", "Engine", "LossFn", "PartialWindow", "Precision",
+    "IGNORE_INDEX", "LR_SCHEDULES", "PRECISIONS", "Batch", "Cut", "Engine", "LossFn", "PartialWindow", "Precision",
     "PrecisionName", "Prefetcher", "SingleProcess", "StepResult", "Window", "build_lr_scheduler", "count_targets",
-    "count_tokens", "epoch_windows", "iter_windows", "lr_factor", "make_window", "prefetch", "shift_hf_labels",
+    "count_tokens", "epoch_windows", "iter_windows", "lr_factor", "make_window", "prefetch", "recut", "shift_hf_labels",
     "token_cross_entropy_sum",
 ]

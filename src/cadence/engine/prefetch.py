@@ -6,9 +6,9 @@ in a thread, ``depth`` windows ahead of the loop, and optionally copies each mic
 host memory there: on CUDA, a host-to-device copy is only asynchronous from pinned memory, so the engine's
 ``non_blocking`` copy of the next micro-batch is queued behind the current kernels instead of waiting for them. ::
 
-    from cadence import Engine, epoch_windows, prefetch
+    from cadence import Cut, Engine, epoch_windows, prefetch
 
-    windows = epoch_windows(dataset, micro_batch_size=8, grad_accum_steps=4, seed=0, epoch=0)
+    windows = epoch_windows(dataset, cut=Cut(micro_batch_size=8), grad_accum_steps=4, seed=0, epoch=0)
     with prefetch(windows, depth=2, pin_memory=torch.cuda.is_available()) as ahead:
         for window in ahead:
             engine.step(window)

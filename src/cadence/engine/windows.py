@@ -3,6 +3,9 @@
 The target count of the whole window must be known BEFORE the first backward, because every micro-batch's loss is
 divided by it: that is what makes any split (micro x accum x world) give the gradient of one big batch. Micro-batches
 are small index tensors, so holding one window of them in memory costs nothing next to the activations.
+
+How a window's samples are cut into micro-batches is a :class:`~cadence.engine.cut.Cut`; this module applies it: to a
+dataset's epoch (:func:`epoch_windows`) and to a window again (:func:`recut`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Literal
 import torch
 
 from cadence.data.batching import IGNORE_INDEX, PAD_TOKEN_ID, Example, collate, epoch_order
+from cadence.engine.cut import Cut, rank_bounds
 
 Batch = Mapping[str, torch.Tensor]
 """A micro-batch: ``input_ids`` [B, T] and ``labels`` [B, T] (-100 = no loss), or anything a custom loss reads."""
@@ -22,8 +26,6 @@ Batch = Mapping[str, torch.Tensor]
 LastWindow = Literal["step", "drop"]
 LAST_WINDOW_CHOICES: tuple[LastWindow, ...] = ("step", "drop")
 
-MicroBatchOrder = Literal["drawn", "by-length"]
-MICRO_BATCH_ORDER_CHOICES: tuple[MicroBatchOrder, ...] = ("drawn", "by-length")
 
 def count_targets(batch: Batch) -> int:
     """Loss-bearing targets of a micro-batch: labels != -100. A fully masked micro-batch has zero, not an error."""
@@ -80,6 +82,9 @@ class Window:
     positions: int = 0
     """Positions the forward computes over the real micro-batches (rows x width, right padding included); minus
     ``tokens``, the padding. 0 when unknown."""
+    drawn: DrawnSamples | None = None
+    """This process's samples as drawn from the dataset, for a window :func:`epoch_windows` cut: :func:`recut` plans
+    a new cut from them (None: a window built from batches)."""
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -170,97 +175,86 @@ def iter_windows(
         yield make_window(pending, epoch=epoch, short=True, counter=counter, hf_labels=hf_labels)
 
 
-def resplit_window(window: Window, micro_batch_size: int, *, counter: WindowCounter | None = None) -> Window:
-    """The same samples in micro-batches of ``micro_batch_size`` (the last may be smaller): same window, same math.
+def recut(window: Window, cut: Cut, *, world_size: int = 1, rank: int = 0,
+          counter: WindowCounter | None = None) -> Window:
+    """The same window cut again by ``cut`` (and, when ``world_size`` > 1, rank ``rank``'s share of it): the same
+    samples, so the same gradient; only the micro-batches change. This is what lets ``cadence verify`` and
+    ``cadence plan`` compare cuts and splits on one window, and ``--micro-batch-size auto`` halve a window that ran
+    out of memory.
 
-    Micro-batches are right-padded to a common width before they are re-cut (input 0, label -100), then each new
-    micro-batch is trimmed after its last target column. With a causal model neither changes any target's loss:
-    positions after a target are never attended to by it, and padded positions carry no loss. This is what lets
-    ``--micro-batch-size auto`` retry an out-of-memory window at half the size and get the same gradient.
-    """
-    if micro_batch_size < 1:
-        raise ValueError("micro_batch_size must be >= 1")
-    batches = window.micro_batches[:len(window.micro_batches) - window.padding]
-    if not batches:  # this rank holds no sample of the window: padding only, as many as the largest share needs
-        return _padded(window, [], micro_batch_size, counter)
-    merged = _merged_rows(batches)
-    total = int(merged["labels"].shape[0])
-    chunks = []
-    for start in range(0, total, micro_batch_size):
-        chunk = {key: value[start:start + micro_batch_size] for key, value in merged.items()}
-        chunks.append(_trim_after_last_target(chunk))
-    return _padded(window, chunks, micro_batch_size, counter)
+    A window cut from a dataset (:func:`epoch_windows`) keeps its samples' indices, so it is planned again from
+    them and collated once, exactly as :func:`epoch_windows` would have cut it. A window built from batches
+    (:func:`iter_windows`) has its examples taken back out of them (:func:`window_examples`: rows trimmed after
+    their last target, packed rows split where their position ids restart); in drawn order, rows keep every key
+    they had (an attention mask, position ids).
 
-
-def cut_window(window: Window, *, micro_batch_size: int, order: MicroBatchOrder = "drawn",
-               micro_batch_tokens: int | None = None, pack_length: int | None = None, world_size: int = 1,
-               rank: int = 0, counter: WindowCounter | None = None) -> Window:
-    """The same window re-cut the way :func:`epoch_windows` cuts one from the dataset, starting from its batches.
-
-    The window's examples are taken back out of its micro-batches (:func:`window_examples`: rows trimmed after their
-    last target, packed rows split where their position ids restart), rank ``rank``'s contiguous share is taken when
-    ``world_size`` > 1 (then ``window`` must be the whole window), and that share is cut like ``epoch_windows``:
-    in order, by length, by a token budget, or packed into rows of ``pack_length``. With several ranks every rank
-    computes every rank's cut, so all agree on the micro-batch count (the rest is padding micro-batches).
-
-    The gradient does not change (the same examples, the same targets, the whole window's normalisation): this is
-    what lets ``cadence verify`` and ``cadence plan`` check a cut, and ``--micro-batch-size auto`` halve a token
-    budget or the rows of a packed window.
-    """
-    if micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError("micro_batch_size and world_size must be >= 1, and 0 <= rank < world_size")
-    if micro_batch_tokens is not None and micro_batch_tokens < 1:
-        raise ValueError("micro_batch_tokens must be >= 1")
+    ``world_size`` > 1 takes the rank's contiguous share of a whole window, padded to the micro-batch count of the
+    rank that needs the most (every rank computes every rank's cut, so they agree without talking). A window that is
+    already one rank's share (``largest_share`` set) is cut with ``world_size`` 1; how many micro-batches the other
+    ranks' shares need is then the caller's to agree on (:func:`pad_to_micro_batches`)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError("world_size must be >= 1 and 0 <= rank < world_size")
     if world_size > 1 and window.largest_share is not None:
         raise ValueError("cutting one rank's share of a window needs the whole window")
+    drawn = window.drawn
+    if drawn is not None:
+        bounds = rank_bounds(len(drawn.ids), world_size)
+        shares = [drawn.ids[bounds[r]:bounds[r + 1]] for r in range(world_size)]
+        return _window_of_shares(drawn.source, shares, cut, rank=rank, epoch=window.epoch, short=window.short,
+                                 counter=counter, largest_share=window.largest_share if world_size == 1 else
+                                 (bounds[1] - bounds[0]))
+    if not cut.by_length:
+        return _resplit_rows(window, cut.micro_batch_size, world_size=world_size, rank=rank, counter=counter)
     examples = window_examples(window)
-    if pack_length is not None and any(set(example) != {"input_ids", "labels"} for example in examples):
+    if cut.pack_length is not None and any(set(example) != {"input_ids", "labels"} for example in examples):
         raise ValueError("packing re-cuts batches of input_ids and labels only (an attention_mask or other "
                          "per-position input would have to be packed too)")
-    base, extra = divmod(len(examples), world_size)
-    bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
-    cuts = []
-    for r in range(world_size):
-        share = examples[bounds[r]:bounds[r + 1]]
-        lengths = [int(example["labels"].shape[0]) for example in share]
-        if pack_length is not None:
-            rows = [[share[k] for k in row] for row in pack_rows(lengths, pack_length)]
-            groups = _cut_by_length([sum(int(e["labels"].shape[0]) for e in row) for row in rows],
-                                    micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens)
-            cuts.append([[rows[k] for k in group] for group in groups])
-        else:
-            if order == "drawn" and micro_batch_tokens is None:
-                groups = [list(range(at, min(at + micro_batch_size, len(share))))
-                          for at in range(0, len(share), micro_batch_size)]
-            else:
-                groups = _cut_by_length(lengths, micro_batch_size=micro_batch_size,
-                                        micro_batch_tokens=micro_batch_tokens)
-            cuts.append([[[share[k]] for k in group] for group in groups])
-    batches: list[Batch] = [_collate_rows(rows) for rows in cuts[rank]]
+    bounds = rank_bounds(len(examples), world_size)
+    plans = [cut.plan([int(e["labels"].shape[0]) for e in examples[bounds[r]:bounds[r + 1]]])
+             for r in range(world_size)]
+    mine = examples[bounds[rank]:bounds[rank + 1]]
+    batches: list[Batch] = [_collate_rows([[mine[k] for k in row] for row in rows]) for rows in plans[rank]]
+    samples = window.samples if world_size == 1 else len(mine)
+    return _assembled(batches, most=max(len(plan) for plan in plans), samples=samples, window=window,
+                      largest_share=window.largest_share if world_size == 1 else bounds[1] - bounds[0],
+                      counter=counter)
+
+
+def _resplit_rows(window: Window, micro_batch_size: int, *, world_size: int, rank: int,
+                  counter: WindowCounter | None) -> Window:
+    """A window built from batches, its rows (rank ``rank``'s contiguous share of them) in drawn order in
+    micro-batches of ``micro_batch_size``. Rows are right-padded to a common width (input 0, label -100), then each
+    micro-batch is trimmed after its last target column: with a causal model neither changes any target's loss."""
+    real = window.micro_batches[:len(window.micro_batches) - window.padding]
+    chunks: list[Batch] = []
+    if real:
+        merged = _merged_rows(real)
+        bounds = rank_bounds(int(merged["labels"].shape[0]), world_size)
+        mine = {key: value[bounds[rank]:bounds[rank + 1]] for key, value in merged.items()}
+        total = bounds[rank + 1] - bounds[rank]
+        chunks = [_trim_after_last_target({key: value[at:at + micro_batch_size] for key, value in mine.items()})
+                  for at in range(0, total, micro_batch_size)]
+        largest = bounds[1] - bounds[0]
+        samples = window.samples if world_size == 1 else total
+    else:  # this rank holds no sample of the window: padding only
+        largest, samples = 0, 0
+    if world_size > 1:
+        most = -(-largest // micro_batch_size)
+        share: int | None = largest
+    else:
+        most, share = len(chunks), window.largest_share
+    return _assembled(chunks, most=most, samples=samples, window=window, largest_share=share, counter=counter)
+
+
+def _assembled(batches: list[Batch], *, most: int, samples: int, window: Window, largest_share: int | None,
+               counter: WindowCounter | None, drawn: DrawnSamples | None = None) -> Window:
+    """``batches`` counted, with padding micro-batches up to ``most``, as a window in ``window``'s place."""
     counted = make_window(batches, counter=counter) if batches else None
-    padding = [padding_micro_batch() for _ in range(max(len(cut) for cut in cuts) - len(batches))]
-    samples = window.samples if world_size == 1 else bounds[rank + 1] - bounds[rank]
+    padding = [padding_micro_batch() for _ in range(most - len(batches))]
     return Window(micro_batches=[*batches, *padding], targets=counted.targets if counted else 0,
                   tokens=counted.tokens if counted else 0, samples=samples if counted else 0,
                   positions=counted.positions if counted else 0, epoch=window.epoch, short=window.short,
-                  padding=len(padding), largest_share=bounds[1] - bounds[0] if world_size > 1 else None)
-
-
-def resplit_window_by_tokens(window: Window, micro_batch_tokens: int, *, pack_length: int | None = None,
-                             counter: WindowCounter | None = None) -> Window:
-    """This process's part of ``window`` re-cut longest first into micro-batches of at most ``micro_batch_tokens``
-    padded positions (packed into rows of ``pack_length`` first, when given): what ``--micro-batch-size auto`` does
-    with a token budget after an out-of-memory. Each rank cuts only its own part, so with several processes the
-    caller must still agree with the others on the micro-batch count (:func:`pad_to_micro_batches`)."""
-    if micro_batch_tokens < 1:
-        raise ValueError("micro_batch_tokens must be >= 1")
-    if window.largest_share is not None and window.samples == 0:
-        return Window(micro_batches=[], targets=0, tokens=0, samples=0, epoch=window.epoch, short=window.short,
-                      largest_share=window.largest_share)
-    mine = dataclasses.replace(window, largest_share=None)
-    cut = cut_window(mine, micro_batch_size=max(1, len(window_examples(mine))), order="by-length",
-                     micro_batch_tokens=micro_batch_tokens, pack_length=pack_length, counter=counter)
-    return dataclasses.replace(cut, largest_share=window.largest_share)
+                  padding=len(padding), largest_share=largest_share, drawn=drawn)
 
 
 def pad_to_micro_batches(window: Window, count: int) -> Window:
@@ -316,38 +310,11 @@ def _collate_rows(rows: Sequence[Sequence[dict[str, torch.Tensor]]]) -> dict[str
     return collate_packed([[Example(input_ids=e["input_ids"], labels=e["labels"]) for e in row] for row in rows])
 
 
-def window_share(window: Window, micro_batch_size: int, *, world_size: int, rank: int,
-                 counter: WindowCounter | None = None) -> Window:
-    """Rank ``rank``'s share of a whole window, cut into micro-batches: the same contiguous, balanced slice of its
-    samples as ``epoch_windows`` gives that rank, padded to the largest share's micro-batch count."""
-    rows = _merged_rows(window.micro_batches[:len(window.micro_batches) - window.padding])
-    total = int(rows["labels"].shape[0])
-    base, extra = divmod(total, world_size)
-    bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
-    mine = {key: value[bounds[rank]:bounds[rank + 1]] for key, value in rows.items()}
-    share = Window(micro_batches=[mine] if bounds[rank + 1] > bounds[rank] else [], targets=0, tokens=0,
-                   samples=bounds[rank + 1] - bounds[rank],
-                   epoch=window.epoch, short=window.short, largest_share=bounds[1] - bounds[0])
-    return resplit_window(share, micro_batch_size, counter=counter)
-
-
 def _merged_rows(batches: Sequence[Batch]) -> dict[str, torch.Tensor]:
     """All rows of ``batches`` in one batch, right-padded to a common width (input 0, label -100)."""
     width = max(int(b["labels"].shape[1]) for b in batches)
     padded = [_pad_to_width(batch, width) for batch in batches]
     return {key: torch.cat([batch[key] for batch in padded]) for key in padded[0]}
-
-
-def _padded(window: Window, chunks: list[Batch], micro_batch_size: int, counter: WindowCounter | None) -> Window:
-    """``chunks`` as ``window`` re-cut, plus the padding micro-batches that match the largest rank share's count."""
-    needed = len(chunks) if window.largest_share is None else -(-window.largest_share // micro_batch_size)
-    padding = [padding_micro_batch() for _ in range(needed - len(chunks))]
-    counted = make_window(chunks, counter=counter) if chunks else None
-    return Window(micro_batches=[*chunks, *padding], targets=counted.targets if counted else 0,
-                  # The samples are the window's: a re-cut moves them, and packed rows hold several per row.
-                  tokens=counted.tokens if counted else 0, samples=window.samples if counted else 0,
-                  positions=counted.positions if counted else 0, epoch=window.epoch, short=window.short,
-                  padding=len(padding), largest_share=window.largest_share)
 
 
 def _pad_to_width(batch: Batch, width: int) -> dict[str, torch.Tensor]:
@@ -381,110 +348,76 @@ def _trim_after_last_target(batch: dict[str, torch.Tensor]) -> dict[str, torch.T
 def epoch_windows(
     examples: Sequence[Example],
     *,
-    micro_batch_size: int,
+    cut: Cut,
     grad_accum_steps: int,
     seed: int,
     epoch: int,
     world_size: int = 1,
     rank: int = 0,
     last_window: LastWindow = "step",
-    order: MicroBatchOrder = "drawn",
-    micro_batch_tokens: int | None = None,
-    pack_length: int | None = None,
 ) -> Iterator[Window]:
-    """This process's windows of one epoch: its disjoint share of each global window.
+    """This process's windows of one epoch: its disjoint share of each global window, cut into micro-batches by
+    ``cut`` (:class:`~cadence.engine.cut.Cut`).
 
-    A global window is the next ``micro x accum x world`` samples of the epoch's permutation (the same permutation
-    for every split), so window by window the union over ranks is exactly what one process sees with the same
-    effective batch. Each rank takes a contiguous slice of it: equal slices of ``micro x accum``, or, in the epoch's
-    short last window, slices that differ by at most one sample.
+    A global window is the next ``cut.micro_batch_size x grad_accum_steps x world_size`` samples of the epoch's
+    permutation (the same permutation for every split), so window by window the union over ranks is exactly what
+    one process sees with the same effective batch. Each rank takes a contiguous slice of it: equal slices, or, in
+    the epoch's short last window, slices that differ by at most one sample.
 
-    How a rank's slice is cut into micro-batches changes nothing but the cost, because the loss is normalised by
-    the whole window's target count: ``order="drawn"`` cuts it in drawn order, ``micro_batch_size`` at a time;
-    ``"by-length"`` sorts it longest first, so each micro-batch holds examples of similar length and pads little;
-    ``micro_batch_tokens`` (sorted too) cuts it into micro-batches of at most that many padded positions (rows x
-    longest row) instead of a fixed number of rows. ``pack_length`` packs the slice's examples into rows of at most
-    that many tokens (first-fit, longest first), each example restarting its ``position_ids`` at 0, which the model
-    turns into attention that never crosses from one example into another; rows are then cut into micro-batches
-    like samples (``micro_batch_size`` rows, or by ``micro_batch_tokens``). The window's samples, and so its
-    gradient, are the same.
+    How a rank's slice is cut changes nothing but the cost, because the loss is normalised by the whole window's
+    target count: in drawn order, longest first, by a token budget, or packed into rows (each example restarting
+    its ``position_ids`` at 0, which the model turns into attention that never crosses from one example into
+    another). The window's samples, and so its gradient, are the same.
 
     Every rank must run the same number of micro-batches per window (DDP and FSDP2 pair their collectives by
     order), so a rank whose slice needs fewer gets *padding micro-batches*: one position with no target. They add
     nothing to the loss, the gradient or the counts, and keep the collectives in step. Every rank computes every
     rank's cut (they all hold the permutation and the lengths), so they agree on that number without talking.
+
+    Each window keeps its samples' indices (``window.drawn``), so :func:`recut` cuts it again from them.
     """
-    if micro_batch_size < 1 or grad_accum_steps < 1 or world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError("micro_batch_size, grad_accum_steps and world_size must be >= 1, and 0 <= rank < world_size")
-    if micro_batch_tokens is not None and micro_batch_tokens < 1:
-        raise ValueError("micro_batch_tokens must be >= 1")
+    if grad_accum_steps < 1 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError("grad_accum_steps and world_size must be >= 1, and 0 <= rank < world_size")
     # The permutation stays one integer tensor (4 bytes per example, not a Python int each): with millions of
     # examples it is the only per-example state in memory. Only the current window becomes a Python list.
     permutation = epoch_order(len(examples), seed, epoch)
-    per_window = micro_batch_size * grad_accum_steps * world_size
+    per_window = cut.micro_batch_size * grad_accum_steps * world_size
     for start in range(0, len(permutation), per_window):
         window_ids = permutation[start:start + per_window].tolist()
         short = len(window_ids) < per_window
         if short and last_window == "drop":
             return
-        base, extra = divmod(len(window_ids), world_size)
-        bounds = [r * base + min(r, extra) for r in range(world_size + 1)]
-        if pack_length is None:
-            cuts = [[[[i] for i in group] for group in cut_micro_batches(
-                window_ids[bounds[r]:bounds[r + 1]], examples, micro_batch_size=micro_batch_size, order=order,
-                micro_batch_tokens=micro_batch_tokens)] for r in range(world_size)]
-        else:
-            cuts = [pack_micro_batches(window_ids[bounds[r]:bounds[r + 1]], examples, pack_length=pack_length,
-                                       rows_per_micro_batch=micro_batch_size, micro_batch_tokens=micro_batch_tokens)
-                    for r in range(world_size)]
-        batches = [collate([examples[row[0]] for row in rows]) if pack_length is None
-                   else collate_packed([[examples[i] for i in row] for row in rows]) for rows in cuts[rank]]
-        real = make_window(batches, epoch=epoch, short=short) if batches else None
-        if real is not None and pack_length is not None:
-            real.samples = sum(len(row) for rows in cuts[rank] for row in rows)  # examples, not packed rows
-        # The rank with the most micro-batches sets how many every rank runs.
-        padding = [padding_micro_batch() for _ in range(max(len(cut) for cut in cuts) - len(batches))]
-        yield Window(
-            micro_batches=batches + padding,
-            targets=real.targets if real else 0,
-            tokens=real.tokens if real else 0,
-            samples=real.samples if real else 0,
-            positions=real.positions if real else 0,
-            epoch=epoch,
-            short=short,
-            padding=len(padding),
-            largest_share=bounds[1] - bounds[0] if world_size > 1 else None,
-        )
+        bounds = rank_bounds(len(window_ids), world_size)
+        shares = [window_ids[bounds[r]:bounds[r + 1]] for r in range(world_size)]
+        yield _window_of_shares(examples, shares, cut, rank=rank, epoch=epoch, short=short, counter=None,
+                                largest_share=bounds[1] - bounds[0] if world_size > 1 else None)
 
 
-def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Positions of ``lengths`` packed into rows of at most ``capacity``: first-fit, longest first (a stable sort,
-    so equal lengths keep their order). An example longer than ``capacity`` gets a row of its own."""
-    rows: list[list[int]] = []
-    fill: list[int] = []
-    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
-        for row, used in enumerate(fill):
-            if used + lengths[k] <= capacity:
-                rows[row].append(k)
-                fill[row] += lengths[k]
-                break
-        else:
-            rows.append([k])
-            fill.append(lengths[k])
-    return rows
+class DrawnSamples:
+    """The samples of a window cut from a dataset: their indices (in drawn order) and the dataset. A plain class,
+    not a dataclass or a sequence, so that prefetch's pinning leaves the dataset alone."""
+
+    __slots__ = ("ids", "source")
+
+    def __init__(self, ids: Sequence[int], source: Sequence[Example]) -> None:
+        self.ids = list(ids)
+        self.source = source
 
 
-def pack_micro_batches(indices: Sequence[int], examples: Sequence[Example], *, pack_length: int,
-                       rows_per_micro_batch: int, micro_batch_tokens: int | None = None) -> list[list[list[int]]]:
-    """One rank's slice of a window packed into rows (lists of dataset indices) and cut into micro-batches of rows:
-    ``rows_per_micro_batch`` at a time, or by ``micro_batch_tokens`` padded positions, fullest rows first."""
-    ids = list(indices)
-    lengths = example_lengths(examples, ids)
-    packed = pack_rows(lengths, pack_length)
-    rows = [[ids[k] for k in row] for row in packed]
-    fills = [sum(lengths[k] for k in row) for row in packed]
-    groups = _cut_by_length(fills, micro_batch_size=rows_per_micro_batch, micro_batch_tokens=micro_batch_tokens)
-    return [[rows[k] for k in group] for group in groups]
+def _window_of_shares(source: Sequence[Example], shares: Sequence[Sequence[int]], cut: Cut, *, rank: int, epoch: int,
+                      short: bool, counter: WindowCounter | None, largest_share: int | None) -> Window:
+    """Rank ``rank``'s window from every rank's share of dataset indices: each share planned by ``cut`` (every rank
+    computes every rank's plan, to pad to the largest count), this rank's collated once."""
+    plans = [cut.plan(example_lengths(source, share) if cut.by_length else [0] * len(share)) for share in shares]
+    mine = list(shares[rank])
+    if cut.pack_length is None:
+        batches = [collate([source[mine[row[0]]] for row in rows]) for rows in plans[rank]]
+    else:
+        batches = [collate_packed([[source[mine[k]] for k in row] for row in rows]) for rows in plans[rank]]
+    window = Window(micro_batches=[], targets=0, tokens=0, samples=0, epoch=epoch, short=short)
+    # Samples are examples, not packed rows.
+    return _assembled(batches, most=max(len(plan) for plan in plans), samples=len(mine), window=window,
+                      largest_share=largest_share, counter=counter, drawn=DrawnSamples(mine, source))
 
 
 def collate_packed(rows: Sequence[Sequence[Example]]) -> dict[str, torch.Tensor]:
@@ -516,35 +449,20 @@ def example_lengths(examples: Sequence[Example], indices: Sequence[int]) -> list
     return [len(examples[i].input_ids) for i in indices]
 
 
-def cut_micro_batches(indices: Sequence[int], examples: Sequence[Example], *, micro_batch_size: int,
-                      order: MicroBatchOrder = "drawn", micro_batch_tokens: int | None = None) -> list[list[int]]:
-    """One rank's slice of a window cut into micro-batches of dataset indices (see :func:`epoch_windows`).
-
-    Sorting is stable and longest first: equal lengths keep their drawn order, and the largest micro-batch comes
-    first, so a window that does not fit in memory fails on its first micro-batch, before any backward."""
-    ids = list(indices)
-    if order == "drawn" and micro_batch_tokens is None:
-        return [ids[at:at + micro_batch_size] for at in range(0, len(ids), micro_batch_size)]
-    groups = _cut_by_length(example_lengths(examples, ids), micro_batch_size=micro_batch_size,
-                            micro_batch_tokens=micro_batch_tokens)
-    return [[ids[k] for k in group] for group in groups]
-
-
-def _cut_by_length(lengths: Sequence[int], *, micro_batch_size: int, micro_batch_tokens: int | None) -> list[list[int]]:
-    """Positions of ``lengths``, longest first (stable), in groups of ``micro_batch_size``, or in groups of at most
-    ``micro_batch_tokens`` padded positions (rows x the group's longest)."""
-    ranked = sorted(range(len(lengths)), key=lambda k: -lengths[k])
-    if micro_batch_tokens is None:
-        return [ranked[at:at + micro_batch_size] for at in range(0, len(ranked), micro_batch_size)]
-    groups: list[list[int]] = []
-    for k in ranked:
-        # Longest first: a group's width is its first item's length, so it holds budget // width rows (at least
-        # one: an item longer than the budget runs alone rather than not at all).
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= micro_batch_tokens:
-            groups[-1].append(k)
-        else:
-            groups.append([k])
-    return groups
+def count_examples(batch: Batch) -> int:
+    """Examples in a micro-batch: its rows, or, for packed rows (``position_ids`` restarting at 0), the examples in
+    them that have a target (a packed row's filler is not one)."""
+    positions = batch.get("position_ids")
+    if positions is None or positions.ndim != 2:
+        return count_samples(batch)
+    labels = batch["labels"]
+    count = 0
+    for row in range(int(labels.shape[0])):
+        begins = (positions[row] == 0).nonzero().flatten().tolist()
+        begins = begins if begins and begins[0] == 0 else [0, *begins]
+        ends = [*begins[1:], int(labels.shape[1])]
+        count += sum(bool((labels[row, b:e] != IGNORE_INDEX).any()) for b, e in zip(begins, ends))
+    return count
 
 
 def padding_micro_batch() -> dict[str, torch.Tensor]:

@@ -17,19 +17,12 @@ from cadence.config import TrainConfig
 from cadence.memory.estimate import MemoryEstimate, estimate_step_memory
 from cadence.memory.estimate_hf import estimate_hf_step_memory
 from cadence.models import MODEL_CONFIGS, MODEL_NAMES, build_model, model_context_length
-from cadence.models.hf import HFModel, ModelShape, build_hf_model, parse_model_overrides
+from cadence.models.hf import HFModel, ModelShape
+from cadence.training.prepare import build_run_hf
 
 
 def is_built_in(config: TrainConfig) -> bool:
     return config.model in MODEL_NAMES
-
-
-def fresh_hf(config: TrainConfig) -> HFModel | None:
-    """A newly built (seeded, like ``cadence train``'s) Hugging Face model, or None for a built-in model."""
-    if is_built_in(config):
-        return None
-    torch.manual_seed(config.seed)
-    return build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])))
 
 
 @dataclass(kw_only=True)
@@ -58,20 +51,22 @@ class PlanModel:
 
     def build(self) -> torch.nn.Module:
         """A fresh model with the seed's initial weights."""
-        hf = fresh_hf(self.config)
+        hf = build_run_hf(self.config, warn=False)
         if hf is not None:
             return hf.model
         torch.manual_seed(self.config.seed)
         return build_model(self.config.model)
 
 
-def plan_model(config: TrainConfig) -> PlanModel:
+def plan_model(config: TrainConfig, *, hf: HFModel | None = None) -> PlanModel:
+    """What the plan needs of ``config``'s model; ``hf``: the Hugging Face model the run already built, if any."""
     if is_built_in(config):
         return PlanModel(config=config, shape=None, model_type=None,
                          num_parameters=MODEL_CONFIGS[config.model].num_parameters(),
                          context_length=model_context_length(config.model))
-    hf = fresh_hf(config)
-    assert hf is not None
+    hf = hf or build_run_hf(config, warn=False)
+    if hf is None:
+        raise ValueError(f"{config.model} is neither a built-in model nor a Hugging Face one")
     return PlanModel(config=config, shape=hf.shape, model_type=str(getattr(hf.config, "model_type", "")),
                      num_parameters=hf.shape.num_parameters, context_length=hf.context_length,
                      tokenizer=hf.tokenizer, hf=hf)

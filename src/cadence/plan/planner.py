@@ -26,11 +26,11 @@ from typing import IO, Any
 
 import torch
 
-from cadence.config import TrainConfig, resolve_device, validate
-from cadence.data import DataSplits, iterate_micro_batches
+from cadence.config import TrainConfig, validate
+from cadence.data import DataSplits
 from cadence.data.text import PackedSequences
+from cadence.engine.cut import CUT_FLAG_DEFAULTS, Cut
 from cadence.engine.precision import PRECISIONS, precision_problem
-from cadence.engine.windows import iter_windows
 from cadence.errors import CadenceFailure, Problem, UsageError
 from cadence.formatting import format_bytes
 from cadence.input_files import read_regular_file
@@ -41,10 +41,10 @@ from cadence.models.hf import packed_attention_supported
 from cadence.output_files import atomic_write_json
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
-from cadence.plan.trials import CUT_DEFAULTS, DECISION_FIELDS, TrialResult, TrialSetup, run_trial
+from cadence.plan.trials import DECISION_FIELDS, TrialResult, TrialSetup, run_trial
 from cadence.profiling.flops import matmul_speed
 from cadence.report.document import write_report
-from cadence.training.prepare import load_run_data
+from cadence.training.prepare import Prepared, prepare
 from cadence.verify.equivalence import compare_gradients, compare_losses
 
 PLAN_FILE = "plan.json"
@@ -55,17 +55,6 @@ CONFIRM_TOP = 2
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.1, "full": 1.35}
 OFFLOAD_COST = {"none": 1.0, "activations": 1.3, "optimizer": 1.5}
 """Prior relative cost per token, used only to order which candidates to measure first, never to decide."""
-
-PLAN_TRAIN_FIELDS = (
-    "model", "model_config", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len",
-    "micro_batch_size", "effective_batch_size", "precision", "activation_checkpointing", "offload",
-    "micro_batch_order", "micro_batch_tokens", "packing", "memory_budget", "max_grad_norm", "lr", "weight_decay",
-    "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "seed", "device", "out",
-)
-"""The train flags `cadence plan` accepts. A given micro-batch, precision, recompute or offload constrains the search
-to that value (a given cut, --micro-batch-order/-tokens or --packing, is kept for every candidate instead of
-measured); the training hyper-parameters are those of the loss comparison."""
-
 
 @dataclass(kw_only=True)
 class PlanOptions:
@@ -112,6 +101,9 @@ def validate_plan(config: TrainConfig, options: PlanOptions) -> None:
     if config.micro_batch_size == "auto":
         problems.append(Problem(where="--micro-batch-size", message="auto is what a plan decides; give a number "
                                                                      "to constrain the plan, or leave it out"))
+    if config.grad_accum_steps is not None:
+        problems.append(Problem(where="--grad-accum-steps", message="is what a plan decides from "
+                                "--effective-batch-size; give --micro-batch-size to constrain the split"))
     for name, minimum in (("trial_steps", 3), ("max_trials", 0), ("quality_steps", 1)):
         if getattr(options, name) < minimum:
             problems.append(Problem(where="--" + name.replace("_", "-"),
@@ -124,16 +116,16 @@ def validate_plan(config: TrainConfig, options: PlanOptions) -> None:
         raise UsageError(problems)
 
 
-CUT_FLAGS = ("micro_batch_order", "micro_batch_tokens", "packing")
+CUT_FLAGS = tuple(CUT_FLAG_DEFAULTS)
+"""Train's cut flags beyond the micro-batch size: a plan keeps the cut the user gave, or measures cuts itself."""
 
 
-def given_cut(config: TrainConfig, constrained: set[str], seq_len: int) -> dict[str, Any]:
+def given_cut(config: TrainConfig, constrained: set[str], micro_batch_size: int, seq_len: int) -> Cut:
     """The cut the user gave (--micro-batch-order, --micro-batch-tokens, --packing), kept for every candidate; with
     none given, candidates are measured in drawn order and :func:`_compare_cuts` measures the cuts for the choice."""
     if not constrained & set(CUT_FLAGS):
-        return {}
-    return {"micro_batch_order": config.micro_batch_order, "micro_batch_tokens": config.micro_batch_tokens,
-            "pack_length": seq_len if config.packing else None}
+        return Cut(micro_batch_size=micro_batch_size)
+    return Cut.from_flags(config, micro_batch_size=micro_batch_size, seq_len=seq_len)
 
 
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
@@ -165,9 +157,9 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
         for recompute in recomputes:
             for offload in offloads:
                 for micro in micro_sizes:
-                    setup = TrialSetup(micro_batch_size=micro, grad_accum_steps=effective // micro,
-                                       precision=precision, activation_checkpointing=recompute, offload=offload,
-                                       **given_cut(config, constrained, seq_len))
+                    setup = TrialSetup(cut=given_cut(config, constrained, micro, seq_len),
+                                       grad_accum_steps=effective // micro, precision=precision,
+                                       activation_checkpointing=recompute, offload=offload)
                     estimate = model.estimate(
                         micro_batch_size=micro, seq_len=seq_len, precision=precision, checkpointing=recompute,
                         offload=offload, device_type=device.type, grad_accum_steps=setup.grad_accum_steps,
@@ -222,15 +214,12 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         config = dataclasses.replace(config, micro_batch_size=1, grad_accum_steps=None)
     validate_plan(config, options)
     started = time.perf_counter()
-    device = resolve_device(config.device)
-    model = plan_model(config)
-    seq_len = config.seq_len or model.context_length
-    if seq_len > model.context_length:
-        raise UsageError.single("--seq-len", f"{seq_len} is above {config.model}'s context length of "
-                                             f"{model.context_length}")
-    # The same data path as train (a model's tokenizer, hf: datasets).
     out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    data = load_run_data(dataclasses.replace(config, val_fraction=0.0), seq_len, model.hf)
+    # The run the plan is about, assembled as train assembles it (the model, its checks, the data through the token
+    # store); every trial is a variant of it.
+    prep = prepare(dataclasses.replace(config, val_fraction=0.0), out=out)
+    device, seq_len, data = prep.device, prep.seq_len, prep.data
+    model = plan_model(config, hf=prep.hf)
     budget = int(config.memory_budget_bytes() or 0)
     effective = int(config.effective_batch_size or 0)
     if config.out is None and out.exists():
@@ -252,7 +241,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     while queue and trials_left > 0:
         candidate = queue.pop(0)
         trials_left -= 1
-        _measure(candidate, config, data, device, seq_len, budget, options, say)
+        _measure(candidate, prep, budget, options, say)
         measured.append(candidate)
         if options.max_trials and not candidate.measured.fits:  # type: ignore[union-attr]
             smaller = _next_smaller(candidates, candidate)  # the estimate was optimistic: step down in this group
@@ -264,7 +253,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         # keeps each one's faster measurement: a decision between close candidates should not be a coin toss.
         for candidate in sorted(feasible, key=lambda c: -c.measured.tokens_per_s)[:CONFIRM_TOP]:  # type: ignore
             first = candidate.measured
-            _measure(candidate, config, data, device, seq_len, budget, options, say, label="confirm")
+            _measure(candidate, prep, budget, options, say, label="confirm")
             if first and candidate.measured and (candidate.measured.tokens_per_s or 0) < (first.tokens_per_s or 0):
                 candidate.measured = dataclasses.replace(candidate.measured, tokens_per_s=first.tokens_per_s,
                                                          step_time_s=first.step_time_s)
@@ -276,11 +265,11 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}. Try a larger --memory-budget, "
                          f"a smaller --seq-len or a smaller model.")
     chosen = max(feasible, key=lambda c: c.measured.tokens_per_s)  # type: ignore[union-attr]
-    chosen, cuts = (_compare_cuts(config, chosen, data, device, seq_len, budget, options, say, model, notes)
+    chosen, cuts = (_compare_cuts(prep, chosen, budget, options, say, model, notes)
                     if not constrained & set(CUT_FLAGS) else (chosen, []))
     say(f"choice: {chosen.id} {chosen.setup.describe()} at {chosen.measured.tokens_per_s:,.0f} tokens/s, "  # type: ignore
         f"peak {format_bytes(chosen.measured.peak_bytes)}")  # type: ignore[union-attr]
-    quality = _quality_check(config, chosen, data, device, seq_len, budget, options, model)
+    quality = _quality_check(prep, chosen, budget, options, model)
     say(f"quality: gradient relative error {quality['gradient']['relative_error']:.2e} "
         f"({'pass' if quality['gradient']['passed'] else 'FAIL'}), loss within "
         f"{quality['loss']['max_relative_difference']:.2%} of fp32 ({'pass' if quality['loss']['passed'] else 'FAIL'})")
@@ -302,12 +291,12 @@ VARIABLE_LENGTHS = 0.95
 for cuts by length to be measured."""
 
 
-def _compare_cuts(config: TrainConfig, chosen: Candidate, data: DataSplits, device: torch.device, seq_len: int,
-                  budget: int, options: PlanOptions, say: Callable[[str], None], model: PlanModel,
-                  notes: list[str]) -> tuple[Candidate, list[dict[str, Any]]]:
+def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions, say: Callable[[str], None],
+                  model: PlanModel, notes: list[str]) -> tuple[Candidate, list[dict[str, Any]]]:
     """For data of variable lengths, the chosen configuration measured again with its windows cut by length, by a
     token budget and packed: the same samples per window and the same gradient, less padding. The fastest that fits
     replaces drawn order when it is clearly faster. Returns the (possibly re-cut) choice and one row per cut."""
+    data, seq_len = prep.data, prep.seq_len
     if isinstance(data.train, PackedSequences):
         notes.append("the data is text cut into full sequences of --seq-len: there is no padding, so cuts by length "
                      "and packing were not measured")
@@ -320,9 +309,9 @@ def _compare_cuts(config: TrainConfig, chosen: Candidate, data: DataSplits, devi
         return chosen, []
     micro = chosen.setup.micro_batch_size
     variants: list[tuple[str, dict[str, Any]]] = [
-        ("by-length", {"micro_batch_order": "by-length"}),
+        ("by-length", {"order": "by-length"}),
         # The budget is the chosen micro-batch's worst case (micro x seq-len): the same memory bound as the choice.
-        ("token budget", {"micro_batch_order": "by-length", "micro_batch_tokens": micro * seq_len}),
+        ("token budget", {"order": "by-length", "micro_batch_tokens": micro * seq_len}),
         ("packing", {"pack_length": seq_len, "micro_batch_tokens": micro * seq_len}),
     ]
     if model.hf is not None and not packed_attention_supported():
@@ -340,9 +329,10 @@ def _compare_cuts(config: TrainConfig, chosen: Candidate, data: DataSplits, devi
     rows = [_cut_row("drawn", chosen, chosen)]
     tried = [chosen]
     for name, fields in variants:
+        cut = dataclasses.replace(chosen.setup.cut, **fields)
         variant = Candidate(id=f"{chosen.id}-{name.replace(' ', '-')}", estimate=chosen.estimate,
-                            setup=dataclasses.replace(chosen.setup, **fields))
-        _measure(variant, config, data, device, seq_len, budget, options, say, label="cut")
+                            setup=dataclasses.replace(chosen.setup, cut=cut))
+        _measure(variant, prep, budget, options, say, label="cut")
         tried.append(variant)
         rows.append(_cut_row(name, variant, chosen))
     fitting = [c for c in tried[1:] if c.measured and c.measured.fits and c.measured.tokens_per_s]
@@ -359,17 +349,16 @@ def _compare_cuts(config: TrainConfig, chosen: Candidate, data: DataSplits, devi
 def _cut_row(name: str, candidate: Candidate, drawn: Candidate) -> dict[str, Any]:
     result, base = candidate.measured, drawn.measured
     rate = result.tokens_per_s if result else None
-    return {"cut": name, "id": candidate.id, **candidate.setup.cut_dict(),
+    return {"cut": name, "id": candidate.id, **candidate.setup.cut.flags(),
             "real_share": result.real_share if result else None, "tokens_per_s": rate,
             "ratio": rate / base.tokens_per_s if rate and base and base.tokens_per_s else None,
             "peak_bytes": result.peak_bytes if result else None, "fits": bool(result and result.fits),
             "error": result.error if result else None, "chosen": False}
 
 
-def _measure(candidate: Candidate, config: TrainConfig, data: DataSplits, device: torch.device, seq_len: int,
-             budget: int, options: PlanOptions, say: Callable[[str], None], label: str = "trial") -> None:
-    result = run_trial(config, candidate.setup, device=device, seq_len=seq_len, data=data,
-                       steps=options.trial_steps, budget_bytes=budget)
+def _measure(candidate: Candidate, prep: Prepared, budget: int, options: PlanOptions, say: Callable[[str], None],
+             label: str = "trial") -> None:
+    result = run_trial(prep, candidate.setup, steps=options.trial_steps, budget_bytes=budget)
     candidate.measured = result
     candidate.status = "measured" if result.error is None else f"measured: {result.error}"
     rate = f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s else "-"
@@ -383,21 +372,19 @@ def _next_smaller(candidates: list[Candidate], candidate: Candidate) -> Candidat
     return max(smaller, key=lambda c: c.setup.micro_batch_size, default=None)
 
 
-def _quality_check(config: TrainConfig, chosen: Candidate, data: DataSplits, device: torch.device, seq_len: int,
-                   budget: int, options: PlanOptions, model: PlanModel) -> dict[str, Any]:
-    setup = chosen.setup
-    window = next(iter(iter_windows(iterate_micro_batches(data.train, setup.micro_batch_size, config.seed, 0),
-                                    setup.grad_accum_steps, micro_batch_size=setup.micro_batch_size)))
+def _quality_check(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions,
+                   model: PlanModel) -> dict[str, Any]:
+    setup, device = chosen.setup, prep.device
+    window = next(prep.windows(0, whole=True))  # the first window of the trials' samples, re-cut as ``setup`` cuts it
 
     def model_factory() -> torch.nn.Module:
         return model.build().to(device)
 
     gradient = compare_gradients(model_factory, window, setup)
     steps = max(3, options.quality_steps)
-    chosen_run = run_trial(config, setup, device=device, seq_len=seq_len, data=data, steps=steps, budget_bytes=budget)
+    chosen_run = run_trial(prep, setup, steps=steps, budget_bytes=budget)
     reference_setup = dataclasses.replace(setup, precision="fp32")
-    reference_run = run_trial(config, reference_setup, device=device, seq_len=seq_len, data=data, steps=steps,
-                              budget_bytes=budget)
+    reference_run = run_trial(prep, reference_setup, steps=steps, budget_bytes=budget)
     loss = compare_losses(chosen_run.losses, reference_run.losses, setup.precision)
     return {"gradient": gradient.as_dict(), "loss": {**loss.as_dict(), "reference": reference_run.losses,
                                                      "reference_setup": reference_setup.describe()}}
@@ -452,13 +439,12 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
             "explanation": baseline.dominant,
         },
         "candidates": [row(c) for c in candidates],
-        "choice": {"id": chosen.id, **chosen.setup.as_dict(), **chosen.setup.cut_dict(),
+        "choice": {"id": chosen.id, **chosen.setup.train_flags(),
                    "reason": f"highest measured throughput ({rate:,.0f} tokens/s) among the measured candidates "
                              f"whose measured peak is within the budget; every candidate has the same effective "
                              f"batch of {config.effective_batch_size}"
-                             + (f"; its windows are cut{chosen.setup.describe_cut().replace(', ', ' ', 1)}, which "
-                                f"computes less padding for the same gradient" if chosen.setup.cuts_by_length
-                                else "")},
+                             + (f"; its windows are cut ({chosen.setup.cut.describe()}) to compute less padding "
+                                f"for the same gradient" if chosen.setup.cut.by_length else "")},
         "quality": quality,
         "notes": notes + [f"estimates: {n}" for n in baseline.notes],
         "training": {key: value for key, value in config.to_json_dict().items()
@@ -484,7 +470,7 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
         plan = json.loads(content.decode("utf-8"))
         choice = plan["choice"]
         decided = {name: choice[name] for name in DECISION_FIELDS}
-        decided.update({name: choice.get(name, default) for name, default in CUT_DEFAULTS.items()})
+        decided.update({name: choice.get(name, default) for name, default in CUT_FLAG_DEFAULTS.items()})
         decided.update(model=plan["model"], seq_len=plan["seq_len"], effective_batch_size=None)
         if plan.get("model_config"):  # a Hugging Face model's --model-config overrides
             decided["model_config"] = list(plan["model_config"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cadence.engine.cut import Cut
 from cadence.formatting import format_bytes, format_hms, format_number
 from cadence.report import render as plots
 from cadence.report.document import plot_block, read_json_object, times
@@ -21,6 +22,8 @@ def plan_report(root: Path) -> Report:
     plan = read_json_object(root / PLAN_FILE)
     candidates = [c for c in plan.get("candidates") or [] if isinstance(c, dict)]
     choice = plan.get("choice") if isinstance(plan.get("choice"), dict) else None
+    if choice is not None and isinstance(plan.get("seq_len"), int):
+        choice = {**choice, "seq_len": plan["seq_len"]}  # --packing's row length, for the chosen cut in words
     chosen_id = choice.get("id") if choice else None
     chosen = next((c for c in candidates if c.get("id") == chosen_id), None)
     budget = plan.get("memory_budget_bytes") if plots.finite(plan.get("memory_budget_bytes")) else None
@@ -140,12 +143,8 @@ def _decision(root: Path, choice: dict[str, Any] | None, chosen: dict[str, Any] 
     flags = (f"--micro-batch-size {choice.get('micro_batch_size')} --grad-accum-steps {choice.get('grad_accum_steps')} "
              f"--precision {choice.get('precision')} --activation-checkpointing "
              f"{choice.get('activation_checkpointing', 'none')} --offload {choice.get('offload', 'none')}")
-    # train's default order is by-length; a plan's "drawn" must be said (a plan.json without it means drawn).
-    flags += f" --micro-batch-order {choice.get('micro_batch_order') or 'drawn'}"
-    if choice.get("micro_batch_tokens"):
-        flags += f" --micro-batch-tokens {choice['micro_batch_tokens']}"
-    if choice.get("packing"):
-        flags += " --packing"
+    # train's default order is by-length, so a plan's "drawn" must be said (a plan.json without it means drawn).
+    flags += " " + " ".join(_chosen_cut(choice).command_line())
     reason = str(choice.get("reason") or "not given").rstrip(".")
     return [Paragraph(text=f"**Chosen: {choice.get('id', '?')}**: {_config_text(choice)}{_cut_text(choice)}{figures}."),
             Paragraph(text=f"**Why:** {reason}."),
@@ -154,16 +153,16 @@ def _decision(root: Path, choice: dict[str, Any] | None, chosen: dict[str, Any] 
             Paragraph(text=f"**Quality check: {quality_verdict(quality)}**{_quality_line(quality)}")]
 
 
+def _chosen_cut(choice: dict[str, Any]) -> Cut:
+    """The chosen configuration's cut, from plan.json's choice (a plan without the cut flags means drawn rows)."""
+    return Cut.from_flags(choice, micro_batch_size=int(choice.get("micro_batch_size") or 1),
+                          seq_len=int(choice.get("seq_len") or 1))
+
+
 def _cut_text(choice: dict[str, Any]) -> str:
     """How the chosen configuration cuts each window, when it is not the drawn order (empty otherwise)."""
-    parts = []
-    if choice.get("micro_batch_order") not in (None, "drawn"):
-        parts.append(f"micro-batch order {choice['micro_batch_order']}")
-    if choice.get("micro_batch_tokens"):
-        parts.append(f"at most {choice['micro_batch_tokens']:,} tokens per micro-batch")
-    if choice.get("packing"):
-        parts.append("packed rows")
-    return f", windows cut with {', '.join(parts)}" if parts else ""
+    described = _chosen_cut(choice).describe()
+    return f", windows cut: {described}" if described else ""
 
 
 def _why_none(candidates: list[dict[str, Any]], budget: float | None) -> str:

@@ -11,15 +11,11 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from cadence.config import TrainConfig
-from cadence.data import DataSplits
-from cadence.engine.windows import epoch_windows
-from cadence.plan.models import fresh_hf
+from cadence.engine.precision import fp32_matmul
 from cadence.training.components import build_components
 from cadence.training.prepare import Prepared
 from cadence.verify.equivalence import Setup
@@ -28,12 +24,11 @@ MIN_TRIAL_STEPS = 3
 """Warm-up, memory and at least one timed step."""
 
 
-DECISION_FIELDS = ("micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing", "offload")
-"""What a plan decides, in plan.json's order: a verify Setup and the accumulation that makes the effective batch."""
-
-CUT_DEFAULTS: dict[str, Any] = {"micro_batch_order": "drawn", "micro_batch_tokens": None, "packing": False}
-"""How the chosen configuration cuts each window (train's flags of those names, with their defaults), decided after
-it for data of variable lengths; a plan.json without them (before issue 15) means these defaults."""
+DECISION_FIELDS: tuple[str, ...] = ("micro_batch_size", "grad_accum_steps",
+                                   *(f.name for f in dataclasses.fields(Setup) if f.name != "cut"))
+"""What a plan decides, in plan.json's order: the split of the effective batch, then how the verify Setup computes
+a window (each of its fields, so a new one is decided and recorded too). plan.json records the setup's cut next to
+them, as train's cut flags."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,14 +41,14 @@ class TrialSetup(Setup):
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in DECISION_FIELDS}
 
-    def cut_dict(self) -> dict[str, Any]:
-        """The cut as train's flags (``packing`` is a switch; its row length is the sequence length)."""
-        return {"micro_batch_order": self.micro_batch_order, "micro_batch_tokens": self.micro_batch_tokens,
-                "packing": self.pack_length is not None}
+    def train_flags(self) -> dict[str, Any]:
+        """The setup as train's flags (TrainConfig fields): the decision and the cut."""
+        return {**self.as_dict(), **self.cut.flags()}
 
     def describe(self) -> str:
+        cut = self.cut.describe()
         return (f"micro {self.micro_batch_size} x accum {self.grad_accum_steps}, {self.precision}, "
-                f"recompute {self.activation_checkpointing}, offload {self.offload}{self.describe_cut()}")
+                f"recompute {self.activation_checkpointing}, offload {self.offload}" + (f", {cut}" if cut else ""))
 
 
 @dataclass(kw_only=True)
@@ -75,49 +70,36 @@ class TrialResult:
         return dataclasses.asdict(self)
 
 
-def trial_prepared(base: TrainConfig, setup: TrialSetup, *, device: torch.device, seq_len: int, data: DataSplits,
-                   max_steps: int) -> Prepared:
-    """A Prepared for ``setup`` without re-validating or re-loading the data (the plan did both once); a Hugging
-    Face model is built afresh (seeded) for every trial."""
-    config = dataclasses.replace(
-        base, micro_batch_size=setup.micro_batch_size, grad_accum_steps=setup.grad_accum_steps,
-        effective_batch_size=None, precision=setup.precision, activation_checkpointing=setup.activation_checkpointing,
-        offload=setup.offload, max_steps=max_steps, memory_budget=None, **setup.cut_dict(),
-    )
-    return Prepared(
-        config=config, device=device, seq_len=seq_len, micro_batch_size=setup.micro_batch_size,
-        grad_accum_steps=setup.grad_accum_steps, effective_batch_size=setup.micro_batch_size * setup.grad_accum_steps,
-        world_size=1, data=data, out=Path("-"), memory_budget_bytes=None,  # trials write nothing
-        hf=fresh_hf(config),
-    )
+def trial_run(prep: Prepared, setup: TrialSetup, *, steps: int) -> Prepared:
+    """The plan's run (``prep``: its data loaded and checked once) with ``setup``'s decision and cut, for ``steps``
+    optimizer steps; no budget guard (the trial measures the peak itself) and nothing written."""
+    return prep.variant(**setup.train_flags(), effective_batch_size=None, max_steps=steps, memory_budget=None)
 
 
-def run_trial(base: TrainConfig, setup: TrialSetup, *, device: torch.device, seq_len: int, data: DataSplits,
-              steps: int, budget_bytes: int) -> TrialResult:
+def run_trial(prep: Prepared, setup: TrialSetup, *, steps: int, budget_bytes: int) -> TrialResult:
     """Run ``steps`` windows of ``setup`` and measure them; out-of-memory is a result (fits False), not an error."""
     steps = max(steps, MIN_TRIAL_STEPS)
-    prep = trial_prepared(base, setup, device=device, seq_len=seq_len, data=data, max_steps=steps)
-    parts = build_components(prep)
-    # The windows train would run: the epoch's permutation, cut as the setup says.
-    windows = epoch_windows(data.train, micro_batch_size=setup.micro_batch_size,
-                            grad_accum_steps=setup.grad_accum_steps, seed=base.seed, epoch=0,
-                            order=setup.micro_batch_order, micro_batch_tokens=setup.micro_batch_tokens,
-                            pack_length=setup.pack_length)
+    trial = trial_run(prep, setup, steps=steps)
+    device = trial.device
+    parts = build_components(trial)
+    windows = trial.windows(0)  # the windows train would run: the epoch's permutation, cut as the setup says
     peak: int | None = None
     tokens = positions = 0
     rates: list[float] = []
     times: list[float] = []
     losses: list[float | None] = []
     try:
-        for number, window in zip(range(steps), windows):
-            result = parts.engine.step(window, measure_memory=number == 1)
-            losses.append(result.loss)
-            tokens, positions = tokens + result.tokens, positions + result.tokens + result.padded_positions
-            if number == 1 or device.type == "cuda":
-                peak = max(peak or 0, result.peak_memory_bytes or 0)
-            if number >= 2:
-                rates.append(result.tokens_per_s)
-                times.append(result.step_time_s)
+        # fp32 matmuls as the run will set them (tf32 on CUDA by default): they change the speed being measured.
+        with fp32_matmul(trial.config.fp32_matmul):
+            for number, window in zip(range(steps), windows):
+                result = parts.engine.step(window, measure_memory=number == 1)
+                losses.append(result.loss)
+                tokens, positions = tokens + result.tokens, positions + result.tokens + result.padded_positions
+                if number == 1 or device.type == "cuda":
+                    peak = max(peak or 0, result.peak_memory_bytes or 0)
+                if number >= 2:
+                    rates.append(result.tokens_per_s)
+                    times.append(result.step_time_s)
     except torch.OutOfMemoryError as err:
         return TrialResult(peak_bytes=peak, fits=False, tokens_per_s=None, step_time_s=None, losses=losses,
                            error=f"out of memory: {str(err).splitlines()[0]}")

@@ -32,7 +32,6 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import prefetch
 from cadence.engine.step import Engine
-from cadence.engine.windows import epoch_windows
 from cadence.errors import Problem, UsageError
 from cadence.memory.meter import live_training_bytes, quiet_native_stderr
 from cadence.models import MODEL_CONFIGS, CompileClock
@@ -342,16 +341,6 @@ def load_profile(directory: Path) -> dict[str, Any]:
     return json.loads((directory / PROFILE_FILE).read_text(encoding="utf-8"))
 
 
-PROFILE_TRAIN_FIELDS = (
-    "model", "model_config", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size",
-    "micro_batch_order", "micro_batch_tokens", "packing", "precision", "activation_checkpointing", "offload",
-    "memory_budget", "compile", "prefetch_windows", "fp32_matmul", "max_grad_norm", "lr", "weight_decay",
-    "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "seed", "device", "out", "plan",
-)
-"""The train flags `cadence profile` accepts: what shapes a step. --memory-budget is the limit the memory-bound
-verdict compares against (the profiler measures memory itself, so the CPU budget guard is not used)."""
-
-
 @dataclass(kw_only=True)
 class ProfileOptions:
     """What `cadence profile` measures."""
@@ -399,10 +388,7 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
         epoch = 0
         while True:
             # Cut as cadence train cuts them (the length-aware orders included), so the profile is the run's.
-            yield from epoch_windows(prep.data.train, micro_batch_size=prep.micro_batch_size,
-                                     grad_accum_steps=prep.grad_accum_steps, seed=config.seed, epoch=epoch,
-                                     order=config.micro_batch_order, micro_batch_tokens=config.micro_batch_tokens,
-                                     pack_length=prep.seq_len if config.packing else None)
+            yield from prep.windows(epoch)
             epoch += 1
 
     print(f"profiling {config.model} on {prep.device}: 1 wait + 1 warm-up + {options.steps} profiled steps",

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.config import TrainConfig
+from cadence.engine.cut import Cut
 from cadence.errors import UsageError
 from cadence.formatting import format_bytes, format_hms, format_number
 from cadence.report import render as plots
@@ -246,12 +247,10 @@ def _shape_flags(config: dict[str, Any], summary: dict[str, Any]) -> str:
     for name in ("activation_checkpointing", "offload"):
         if get(name) not in (None, "none"):
             flags.append(f"--{name.replace('_', '-')} {get(name)}")
-    if get("micro_batch_order") not in (None, "by-length"):
-        flags.append(f"--micro-batch-order {get('micro_batch_order')}")
-    if get("micro_batch_tokens"):
-        flags.append(f"--micro-batch-tokens {get('micro_batch_tokens')}")
-    if get("packing"):
-        flags.append("--packing")
+    # train's default order (by-length) goes without saying; the record of an older run may lack the cut flags.
+    cut = Cut.from_flags({"micro_batch_order": "by-length", **config}, micro_batch_size=1,
+                         seq_len=int(get("seq_len") or 1))
+    flags += cut.command_line(default_order="by-length")
     if get("compile"):
         flags.append("--compile")
     if get("memory_budget"):

@@ -22,14 +22,9 @@ from typing import Any, Literal
 
 import torch
 
+from cadence.engine.cut import Cut
 from cadence.engine.step import Engine, StepResult
-from cadence.engine.windows import (
-    Window,
-    pad_to_micro_batches,
-    resplit_window,
-    resplit_window_by_tokens,
-    window_examples,
-)
+from cadence.engine.windows import Window, count_examples, pad_to_micro_batches, recut
 
 
 class MicroBatchTooLarge(RuntimeError):
@@ -39,14 +34,12 @@ class MicroBatchTooLarge(RuntimeError):
 class MicroBatchController:
     """Chooses the micro-batch size of each window; see the module docstring."""
 
-    def __init__(self, *, start: int, grow_after: int, log: Callable[[str], None] = print,
-                 unit: Literal["rows", "tokens"] = "rows", pack_length: int | None = None) -> None:
-        self.unit = unit
-        """What ``start`` and ``current`` count: rows per micro-batch, or padded positions (a token budget)."""
-        self.pack_length = pack_length
-        """--packing's row length (the sequence length), or None: a token budget below it packs shorter rows."""
-        self.start = start
-        self.current = start
+    def __init__(self, *, cut: Cut, grow_after: int, log: Callable[[str], None] = print) -> None:
+        self.cut = cut
+        """The run's cut, at the size it starts with (its windows come cut so)."""
+        self.start = cut.size
+        self.current = cut.size
+        """The size the next window is cut at (:meth:`Cut.resized`): rows, or a token budget."""
         self.grow_after = grow_after
         self._wait = grow_after
         self._good_steps = 0
@@ -71,17 +64,23 @@ class MicroBatchController:
             self._after_success()
             return result, retries
 
+    @property
+    def unit(self) -> Literal["rows", "tokens"]:
+        """What ``start`` and ``current`` count: rows per micro-batch, or padded positions (a token budget)."""
+        return "tokens" if self.cut.micro_batch_tokens is not None else "rows"
+
     def _cut(self, engine: Engine, window: Window) -> Window:
-        if self.unit == "tokens":  # the window was cut at the starting budget; below it, re-cut
-            if self.current >= self.start:
-                return window
-            pack_length = min(self.pack_length, self.current) if self.pack_length else None
-            cut = resplit_window_by_tokens(window, self.current, pack_length=pack_length, counter=engine.counter)
-            if window.largest_share is not None:
-                cut = pad_to_micro_batches(cut, _most_micro_batches(engine, len(cut), window.largest_share))
-            return cut
-        return window if self.current >= _largest_micro_batch(window) else resplit_window(
-            window, self.current, counter=engine.counter)
+        if self.current >= self.start:  # the window came cut at the starting size
+            return window
+        smaller = self.cut.resized(self.current)
+        if window.largest_share is None:
+            if self.unit == "rows" and self.current >= _largest_micro_batch(window):
+                return window  # every micro-batch is already small enough (an epoch's short last window)
+            return recut(window, smaller, counter=engine.counter)
+        # Several ranks: every rank re-cuts its own share (the same decision on every rank, since what follows is a
+        # collective), then runs as many micro-batches as the rank that needs the most.
+        cut = recut(window, smaller, counter=engine.counter)
+        return pad_to_micro_batches(cut, _most_micro_batches(engine, len(cut) - cut.padding, window.largest_share))
 
     def _after_oom(self, engine: Engine, err: torch.OutOfMemoryError, window: Window, attempt: Window) -> None:
         if engine.device.type == "cuda":
@@ -139,13 +138,8 @@ def _largest_micro_batch(window: Window) -> int:
 def _one_example_per_micro_batch(window: Window) -> bool:
     """No budget can cut ``window`` finer: every micro-batch is one row holding one example (a packed row's filler,
     which has no target, is not an example)."""
-    for batch in window.micro_batches[:len(window) - window.padding]:
-        if int(batch["labels"].shape[0]) > 1:
-            return False
-        alone = Window(micro_batches=[batch], targets=0, tokens=0, samples=0)
-        if "position_ids" in batch and len(window_examples(alone)) > 1:
-            return False
-    return True
+    return all(int(batch["labels"].shape[0]) == 1 and count_examples(batch) <= 1
+               for batch in window.micro_batches[:len(window) - window.padding])
 
 
 def _most_micro_batches(engine: Engine, mine: int, bound: int) -> int:

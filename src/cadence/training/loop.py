@@ -37,7 +37,7 @@ from cadence.distributed.ranks import (
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import Prefetcher, prefetch
 from cadence.engine.step import Engine, PartialWindow, StepResult, WindowInterrupted
-from cadence.engine.windows import Window, epoch_windows, padding_micro_batch
+from cadence.engine.windows import Window, padding_micro_batch
 from cadence.errors import CadenceFailure, UsageError
 from cadence.formatting import format_bytes
 from cadence.models.hf import save_hf
@@ -47,7 +47,7 @@ from cadence.training.components import Components, build_components
 from cadence.training.lock import RunDirectoryLock, claim_run_directory
 from cadence.training.prepare import Prepared, checked_run_directory, prepare
 from cadence.training.progress import TrainProgress
-from cadence.training.resume import ResumePoint, StopOnSignal, restore, schedule_note, window_cut
+from cadence.training.resume import ResumePoint, StopOnSignal, restore, schedule_note
 from cadence.training.run_dir import NoWriter, RunWriter
 
 T = TypeVar("T")
@@ -181,7 +181,7 @@ class TrainingRun:
         self.resolved: dict[str, Any] = _resolved_config(prep, self.parameters)
         # Before the writer opens metrics.jsonl.
         self.start: ResumePoint | None = restore(prep.out, self.resolved, self.parts, prep.micro_batch_size,
-                                                           window_cut(config)) \
+                                                           prep.cut.flags()) \
             if config.resume else None
         # Every check has passed: only now is anything in the run directory written.
         self.writer: RunWriter = RunWriter(prep.out) if self.ranks.is_main else NoWriter()
@@ -209,10 +209,8 @@ class TrainingRun:
         self.progress.resumed(self.start.kept_rows if self.start else [])
         # With a token budget, auto halves the budget (positions per micro-batch) rather than the rows.
         self.controller = MicroBatchController(
-            start=config.micro_batch_tokens or prep.micro_batch_size, grow_after=config.auto_grow_after,
-            log=lambda text: self.progress.message(f"auto micro-batch: {text}"),
-            unit="tokens" if config.micro_batch_tokens else "rows",
-            pack_length=prep.seq_len if config.packing else None)
+            cut=prep.cut, grow_after=config.auto_grow_after,
+            log=lambda text: self.progress.message(f"auto micro-batch: {text}"))
         self.budget_on_cpu: bool = prep.memory_budget_bytes is not None and prep.device.type == "cpu"
 
     def close_metrics(self) -> None:
@@ -276,17 +274,11 @@ class TrainingRun:
         """Every window from the resume point on, epoch after epoch, without end. It runs in the prefetch thread, so
         it reads nothing the loop changes (the step count, ``self.epoch``): the windows are a function of the
         configuration and the resume point alone."""
-        config, prep = self.config, self.prep
         epoch = self.start.epoch if self.start else 0
         skip = self.start.windows_done_in_epoch if self.start else 0
         while True:
             # This rank's share of each window (all of it with one process); the same windows for any split.
-            windows = epoch_windows(
-                prep.data.train, micro_batch_size=prep.micro_batch_size, grad_accum_steps=prep.grad_accum_steps,
-                seed=config.seed, epoch=epoch, world_size=self.ranks.world_size, rank=self.ranks.rank,
-                last_window=config.last_window, order=config.micro_batch_order,
-                micro_batch_tokens=config.micro_batch_tokens, pack_length=prep.seq_len if config.packing else None,
-            )
+            windows = self.prep.windows(epoch)
             # A resumed run skips the windows its checkpoint had done: same permutation, same windows after.
             for window_in_epoch, window in enumerate(itertools.islice(windows, skip, None), start=skip + 1):
                 yield EpochWindow(epoch, window_in_epoch, window)
@@ -414,7 +406,7 @@ class TrainingRun:
                   "mid_window": True},
             partial_window={"micro_batches_done": interrupted.partial.micro_batches_done,
                             "loss_sum": interrupted.partial.loss_sum, "micro_batch_size": self.prep.micro_batch_size,
-                            **window_cut(self.config), "grads": grads},
+                            **self.prep.cut.flags(), "grads": grads},
         )
 
     def finish(self) -> dict[str, Any]:

@@ -6,8 +6,10 @@ anything half-written.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +20,8 @@ from cadence.config import TrainConfig, resolve_device, validate
 from cadence.data import DataSplits, default_cache_dir, is_store, load_data, open_prepared_store, splits_from_store
 from cadence.data.hf import as_tokenizer, is_hf_data, load_hf_data
 from cadence.distributed.ranks import SINGLE, Ranks, broadcast_from_main, rank_device
+from cadence.engine.cut import Cut
+from cadence.engine.windows import Window, epoch_windows
 from cadence.errors import UsageError
 from cadence.models import MODEL_CONFIGS, MODEL_NAMES, model_context_length, repeated_blocks
 from cadence.models.hf import HFModel, build_hf_model, packed_attention_supported, parse_model_overrides
@@ -42,6 +46,37 @@ class Prepared:
     ranks: Ranks = SINGLE
     """This process among the run's processes (one, unless torchrun started several)."""
 
+    @property
+    def cut(self) -> Cut:
+        """How every window of this run is cut into micro-batches: train's cut flags at the resolved micro-batch size
+        (``--packing`` packs rows of the sequence length)."""
+        return Cut.from_flags(self.config, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
+
+    def windows(self, epoch: int, *, whole: bool = False) -> Iterator[Window]:
+        """This rank's windows of ``epoch``, exactly as ``cadence train`` runs them. ``whole``: every window whole
+        (all ranks' samples, one micro-batch) on every rank, for a caller that re-cuts each window for the
+        configurations it compares (``cadence verify``, the plan's quality check); the samples are the same."""
+        if whole:
+            return epoch_windows(self.data.train, cut=Cut(micro_batch_size=self.effective_batch_size),
+                                 grad_accum_steps=1, seed=self.config.seed, epoch=epoch,
+                                 last_window=self.config.last_window)
+        return epoch_windows(self.data.train, cut=self.cut, grad_accum_steps=self.grad_accum_steps,
+                             seed=self.config.seed, epoch=epoch, world_size=self.ranks.world_size,
+                             rank=self.ranks.rank, last_window=self.config.last_window)
+
+    def variant(self, **changes: object) -> Prepared:
+        """This run with some of its settings changed (``changes``: TrainConfig fields; a plan's trials change the
+        decision and the cut), without validating or loading the data again: the checks this run passed hold for
+        the variant, whose settings the caller chose among the valid ones. A Hugging Face model is built afresh,
+        seeded as ``prepare`` built it, so every variant starts from the same weights."""
+        config = dataclasses.replace(self.config, **changes)  # type: ignore[arg-type]
+        micro = config.resolved_micro_batch_size(self.world_size)
+        accum = config.resolved_grad_accum_steps(self.world_size)
+        return dataclasses.replace(
+            self, config=config, micro_batch_size=micro, grad_accum_steps=accum,
+            effective_batch_size=micro * accum * self.world_size, memory_budget_bytes=config.memory_budget_bytes(),
+            hf=build_run_hf(config, warn=False) if self.hf is not None else None)
+
 
 def checked_run_directory(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Path:
     """Validate the configuration (every problem at once) and return the run directory it names: --out, or
@@ -64,12 +99,8 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     world_size = ranks.world_size
     if out is None:
         out = checked_run_directory(config, ranks=ranks)
-    hf = None
-    if config.model not in MODEL_NAMES:
-        torch.manual_seed(config.seed)
-        hf = build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])))
-        for note in hf.notes:
-            warnings.warn(note, stacklevel=2)
+    hf = build_run_hf(config, warn=True)
+    if hf is not None:
         if config.compile:  # checked here, before the run directory is created
             try:
                 repeated_blocks(hf.model)
@@ -107,6 +138,19 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
         memory_budget_bytes=config.memory_budget_bytes(), hf=hf, ranks=ranks,
     )
+
+
+def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
+    """The run's Hugging Face model (``--model hf:TYPE --model-config K=V``, or a local directory), built with the
+    run's seed so every build has the same initial weights; None for a built-in model. ``warn``: say its notes
+    (dropout left on, ...) as warnings, once per run."""
+    if config.model in MODEL_NAMES:
+        return None
+    torch.manual_seed(config.seed)
+    hf = build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])))
+    for note in hf.notes if warn else ():
+        warnings.warn(note, stacklevel=3)
+    return hf
 
 
 def load_run_data(config: TrainConfig, seq_len: int, hf: HFModel | None, *, ranks: Ranks = SINGLE) -> DataSplits:

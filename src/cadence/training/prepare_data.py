@@ -23,9 +23,6 @@ from cadence.formatting import format_bytes
 from cadence.models import MODEL_NAMES
 from cadence.models.hf import model_tokenizer
 
-PREPARE_DATA_TRAIN_FIELDS = ("model", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len")
-"""The train flags `cadence prepare-data` accepts: what decides the tokens (and --seq-len, to show its effect)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class PrepareDataOptions:
@@ -52,6 +49,10 @@ def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO
     stream = stream or sys.stdout
     if config.seq_len is not None and config.seq_len < 1:
         raise UsageError.single("--seq-len", f"must be at least 1, got {config.seq_len}")
+    if config.model_config:
+        # The tokens depend on the model's tokenizer only, which its config overrides never change.
+        raise UsageError.single("--model-config", "changes the model, not its tokenizer: the tokens prepare-data "
+                                                  "writes are the same without it (give it to cadence train)")
     started = time.perf_counter()
     recipe = None
     tokenizer = None if config.model in MODEL_NAMES else model_tokenizer(config.model)
@@ -118,4 +119,4 @@ def describe(summary: dict[str, Any], *, train_data: Path | None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PREPARE_DATA_TRAIN_FIELDS", "PrepareDataOptions", "describe", "prepare_data"]
+__all__ = ["PrepareDataOptions", "describe", "prepare_data"]

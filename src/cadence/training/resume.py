@@ -17,7 +17,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from cadence.config.schema import MATH_FIELDS
 from cadence.distributed.ranks import broadcast_from_main, load_full_state, optimizer_state_format, unwrap
+from cadence.engine.cut import CUT_FLAG_DEFAULTS
 from cadence.engine.schedules import lr_factor
 from cadence.engine.step import PartialWindow
 from cadence.errors import Problem, UsageError
@@ -31,15 +33,12 @@ from cadence.training.checkpoint import (
 )
 from cadence.training.run_dir import CHECKPOINTS_DIR, METRICS_FILE, MetricsUnreadable, read_metrics, rewrite_metrics
 
-MATH_FIELDS = (
-    "model", "data_fingerprint", "data_store_digest", "seq_len", "effective_batch_size", "seed", "precision", "lr", "weight_decay",
-    "adam_beta1", "adam_beta2", "lr_schedule", "warmup_steps", "min_lr_ratio", "max_steps", "max_grad_norm",
-    "last_window", "val_fraction",
-)
-"""What must match between the checkpoint's run and the resumed one: each changes the math or the data order.
-The micro-batch split, recompute and offload may change (they give the same gradient); so may logging. The data is
-compared by its content's fingerprint, not by the spelling of its path: the same file named another way (a relative
-path from elsewhere, an absolute path, a link) resumes; other content under the same name is refused."""
+RESUME_CHECKED = (*MATH_FIELDS, "data_fingerprint", "data_store_digest")
+"""What must match between the checkpoint's run and the resumed one: the fields that change the math or the data
+order (``changes_math`` in the schema), and the data itself. The micro-batch split, the cut, recompute and offload
+may change (they give the same gradient); so may logging. The data is compared by its content's fingerprint and the
+token store's digest, not by the spelling of its path: the same file named another way (a relative path from
+elsewhere, an absolute path, a link) resumes; other content under the same name is refused."""
 
 _FLAG_OF = {"data_fingerprint": "--data", "data_store_digest": "--data"}
 
@@ -61,8 +60,8 @@ class ResumePoint:
 def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Problem]:
     """The math-changing fields that differ, each named by its flag."""
     problems = []
-    for name in MATH_FIELDS:
-        if name not in saved or saved.get(name) == current.get(name):
+    for name in RESUME_CHECKED:
+        if name not in saved or _same(name, saved.get(name), current.get(name)):
             continue
         if name == "max_steps" and isinstance(current.get(name), int) and current[name] > int(saved[name]):
             continue  # training longer than planned: allowed (see schedule_note)
@@ -85,6 +84,14 @@ def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Pr
     return problems
 
 
+def _same(name: str, saved: Any, current: Any) -> bool:
+    if name == "model_config" and isinstance(saved, list) and isinstance(current, list):
+        # KEY=VALUE overrides, the last of a key winning: given in another order, the same model.
+        return dict(str(item).partition("=")[::2] for item in saved) == dict(
+            str(item).partition("=")[::2] for item in current)
+    return bool(saved == current)
+
+
 def schedule_note(saved: dict[str, Any], current: dict[str, Any], steps_done: int) -> str | None:
     """What raising --max-steps on a resume does to the LR schedule, for the console (None when it was not raised).
 
@@ -105,21 +112,12 @@ def schedule_note(saved: dict[str, Any], current: dict[str, Any], steps_done: in
             f"is {new:.3g} instead of {old:.3g}")
 
 
-def window_cut(config: Any) -> dict[str, Any]:
-    """How the run cuts a window into micro-batches beyond its micro-batch size (train's flags). A mid-window
-    checkpoint records it: the resumed run continues the interrupted window from its next micro-batch, which is only
-    the right one if the window is cut the same way. (Between windows the cut is free to change: it changes the
-    cost, not the math.)"""
-    return {"micro_batch_order": config.micro_batch_order, "micro_batch_tokens": config.micro_batch_tokens,
-            "packing": bool(config.packing)}
-
-
 def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
             micro_batch_size: int | None = None, cut: dict[str, Any] | None = None) -> ResumePoint | None:
     """Load the newest intact checkpoint of ``run_dir`` into ``parts`` (training.components.Components); None if there is none.
 
-    Raises UsageError when the configuration changes the math, or when ``micro_batch_size`` or ``cut`` (the run's,
-    if given: :func:`window_cut`) differs from that of a window the checkpoint interrupted. Call before the run
+    Raises UsageError when the configuration changes the math, or when ``micro_batch_size`` or ``cut`` (the run's
+    cut flags, if given: :meth:`cadence.engine.cut.Cut.flags`) differs from that of a window the checkpoint interrupted. Call before the run
     writer opens metrics.jsonl.
     Under several processes every rank calls it and all load the checkpoint rank 0 chose; rank 0 alone tidies the
     run directory.
@@ -168,8 +166,11 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
             f"{micro_batch_size} differs from the {int(partial['micro_batch_size'])} of the window the checkpoint "
             f"interrupted")))
     for name, value in (cut or {}).items() if partial else ():
-        # Checkpoints from before cuts existed were all drawn, unbudgeted and unpacked.
-        saved = partial.get(name, {"micro_batch_order": "drawn", "micro_batch_tokens": None, "packing": False}[name])
+        # A mid-window checkpoint records the cut its window was cut by (the same keys), so that window is
+        # continued from the micro-batch it stopped at, which is only the right one under the same cut. (Between
+        # windows the cut is free to change: it changes the cost, not the math.) Older checkpoints lack the keys:
+        # their windows were all drawn, unbudgeted and unpacked.
+        saved = partial.get(name, CUT_FLAG_DEFAULTS[name])
         if saved != value:
             problems.append(Problem(where="--" + name.replace("_", "-"), message=(
                 f"{value!r} differs from the {saved!r} of the window the checkpoint interrupted: that window must be "

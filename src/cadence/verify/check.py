@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,6 @@ from typing import Any
 
 import torch
 
-from cadence.data import iterate_micro_batches
 from cadence.distributed.ranks import (
     SINGLE,
     ProcessGroupCollective,
@@ -32,8 +32,9 @@ from cadence.distributed.ranks import (
     full_model_state,
     wrap_model,
 )
+from cadence.engine.cut import Cut
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
-from cadence.engine.windows import IGNORE_INDEX, Batch, Window, iter_windows, make_window
+from cadence.engine.windows import IGNORE_INDEX, Batch, Window, make_window
 from cadence.errors import CadenceFailure, UsageError
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import build_model
@@ -177,6 +178,7 @@ def verify(
     reference_loss_fn: LossFn = token_cross_entropy_sum,
     steps: int = 0,
     build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+    max_grad_norm: float = 1.0,
     reference_in_one_pass: bool = True,
     ranks: Ranks = SINGLE,
 ) -> VerifyResult:
@@ -185,7 +187,8 @@ def verify(
     ``loss_fn`` is the loss under test (it must return the SUM of per-target losses); ``reference_loss_fn`` is the
     exact one the reference uses (next-token cross-entropy summed over labels != -100 by default). Under torchrun
     (``ranks``) the configuration runs on all ranks, each on its share of every window, through DDP or FSDP2; the
-    reference is always one process.
+    reference is always one process. ``build_optimizer`` and ``max_grad_norm`` (clipping, 0 = off) are those of the
+    K steps.
     """
     build = _dropout_off(build_model)
     window = _as_window(windows[0])
@@ -203,7 +206,7 @@ def verify(
     per_parameter.sort(key=lambda row: -float(row["relative_error"]))
     result = VerifyResult(
         # A cut by length, budget or packing runs as many micro-batches as it needs: count them.
-        setup=setup, grad_accum_steps=len(split_for(setup, window, ranks)) if setup.cuts_by_length
+        setup=setup, grad_accum_steps=len(split_for(setup, window, ranks)) if setup.cut.by_length
         else -(-window.samples // (setup.micro_batch_size * ranks.world_size)),
         world_size=ranks.world_size,
         effective_batch_size=window.samples,
@@ -214,7 +217,7 @@ def verify(
     )
     if steps > 0:
         result.parameters_after_steps = _compare_after_steps(build, windows, setup, loss_fn, reference_loss_fn, steps,
-                                                             build_optimizer, ranks)
+                                                             build_optimizer, max_grad_norm, ranks)
     return result
 
 
@@ -222,18 +225,19 @@ def _reference_gradients(build: Callable[[], torch.nn.Module], window: Window, m
                          loss_fn: LossFn) -> dict[str, torch.Tensor]:
     """The whole window in fp32 in one pass; if that runs out of memory, accumulated at micro-batch 1."""
     try:
-        return parameter_gradients(build, window, Setup(micro_batch_size=micro), loss_fn=loss_fn)
+        return parameter_gradients(build, window, Setup(cut=Cut(micro_batch_size=micro)), loss_fn=loss_fn)
     except torch.OutOfMemoryError:
         if micro == 1:
             raise
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return parameter_gradients(build, window, Setup(micro_batch_size=1), loss_fn=loss_fn)
+        return parameter_gradients(build, window, Setup(cut=Cut(micro_batch_size=1)), loss_fn=loss_fn)
 
 
 def _compare_after_steps(build: Callable[[], torch.nn.Module], windows: Sequence[Window | Sequence[Batch]],
                          setup: Setup, loss_fn: LossFn, reference_loss_fn: LossFn, steps: int,
                          build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None,
+                         max_grad_norm: float,
                          ranks: Ranks = SINGLE) -> dict[str, Any]:
     if len(windows) < steps:
         raise ValueError(f"--steps {steps} needs {steps} windows, got {len(windows)}")
@@ -247,7 +251,7 @@ def _compare_after_steps(build: Callable[[], torch.nn.Module], windows: Sequence
         device = next(model.parameters()).device
         model = wrap_model(model, run_ranks, device, precision=run_setup.precision)
         engine = Engine(model, make_optimizer(model), precision=run_setup.precision,
-                        max_grad_norm=1.0, loss_fn=user_loss,
+                        max_grad_norm=max_grad_norm, loss_fn=user_loss,
                         collective=ProcessGroupCollective(run_ranks, device) if run_ranks.launched else None)
         for window in windows[:steps]:
             engine.step(split_for(run_setup, _as_window(window), run_ranks))
@@ -255,7 +259,7 @@ def _compare_after_steps(build: Callable[[], torch.nn.Module], windows: Sequence
         return {name: weights[name].detach().float().cpu() for name in names if name in weights}
 
     samples = _as_window(windows[0]).samples
-    reference = train(Setup(micro_batch_size=samples), reference_loss_fn, SINGLE)
+    reference = train(Setup(cut=Cut(micro_batch_size=samples)), reference_loss_fn, SINGLE)
     candidate = train(setup, loss_fn, ranks)
     distance = broadcast_from_main(
         float((flat(candidate) - flat(reference)).norm() / flat(reference).norm()) if ranks.is_main else None, ranks)
@@ -270,7 +274,8 @@ def format_result(result: VerifyResult) -> str:
     lines = [
         f"cadence verify: micro {s.micro_batch_size} x accum {result.grad_accum_steps}"
         + (f" x {result.world_size} processes" if result.world_size > 1 else "") + f" = {result.effective_batch_size}"
-        f", {s.precision}, recompute {s.activation_checkpointing}, offload {s.offload}{s.describe_cut()}",
+        f", {s.precision}, recompute {s.activation_checkpointing}, offload {s.offload}"
+        + (f", {s.cut.describe()}" if s.cut.by_length else ""),
         f"reference: {result.reference}",
         f"{'gradient relative error':<28}{result.relative_error:>12.3e}   tolerance {result.tolerance:.0e}",
         f"{'cosine similarity':<28}{result.cosine:>12.8f}",
@@ -288,14 +293,6 @@ def format_result(result: VerifyResult) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the command
-VERIFY_TRAIN_FIELDS = (
-    "model", "model_config", "data", "data_cache", "text_field", "prompt_field", "completion_field", "seq_len", "micro_batch_size", "grad_accum_steps", "effective_batch_size", "precision",
-    "activation_checkpointing", "offload", "micro_batch_order", "micro_batch_tokens", "packing", "lr", "seed", "device",
-    "strategy",
-)
-"""The train flags `cadence verify` accepts: what defines the configuration, and the LR of the --steps comparison."""
-
-
 @dataclass(kw_only=True)
 class VerifyOptions:
     """What `cadence verify` checks beyond the gradient of one window."""
@@ -322,11 +319,8 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ra
     if config.micro_batch_size == "auto":
         raise UsageError.single("--micro-batch-size", "verify checks one fixed micro-batch size; give a number")
     prep = prepare(dataclasses.replace(config, out=None, val_fraction=0.0), ranks=ranks)
-    windows = []
-    for window in iter_windows(iterate_micro_batches(prep.data.train, prep.effective_batch_size, config.seed, 0), 1):
-        windows.append(window)
-        if len(windows) >= max(1, options.steps):
-            break
+    # Whole windows of the run's samples: each configuration compared re-cuts them (the same samples, every rank).
+    windows = list(itertools.islice(prep.windows(0, whole=True), max(1, options.steps)))
     if len(windows) < max(1, options.steps):
         raise UsageError.single("--steps", f"the data holds only {len(windows)} windows of {prep.effective_batch_size}")
 
@@ -339,12 +333,11 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ra
         torch.manual_seed(config.seed)
         return build_model(config.model).to(prep.device)
 
-    setup = Setup(micro_batch_size=prep.micro_batch_size, precision=config.precision,
-                  activation_checkpointing=config.activation_checkpointing, offload=config.offload,
-                  micro_batch_order=config.micro_batch_order, micro_batch_tokens=config.micro_batch_tokens,
-                  pack_length=prep.seq_len if config.packing else None)
+    setup = Setup(cut=prep.cut, precision=config.precision, activation_checkpointing=config.activation_checkpointing,
+                  offload=config.offload)
     result = verify(model_factory, windows, setup, steps=options.steps,
-                    build_optimizer=lambda model: build_optimizer(model, config), ranks=ranks)
+                    build_optimizer=lambda model: build_optimizer(model, config),
+                    max_grad_norm=config.max_grad_norm, ranks=ranks)
     if ranks.is_main:
         print(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result), flush=True)
     if not result.passed:

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
+from cadence.engine.cut import Cut
 from cadence.engine.precision import PrecisionName
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
-from cadence.engine.windows import MicroBatchOrder, Window, cut_window, resplit_window, window_share
+from cadence.engine.windows import Window, recut
 from cadence.memory.offload import OffloadedOptimizer, OffloadMode
 from cadence.memory.recompute import CheckpointingMode, apply_activation_checkpointing
 
@@ -40,45 +41,26 @@ LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 3e-2}
 class Setup:
     """How one window is cut and computed (``cadence.plan.trials.TrialSetup`` adds the accumulation of a plan)."""
 
-    micro_batch_size: int
+    cut: Cut
+    """How the window is cut into micro-batches (its micro-batch size, order, token budget, packing)."""
     precision: PrecisionName = "fp32"
     activation_checkpointing: CheckpointingMode = "none"
     offload: OffloadMode = "none"
-    micro_batch_order: MicroBatchOrder = "drawn"
-    """``--micro-batch-order``: the window's samples in drawn order, or sorted by length before they are cut."""
-    micro_batch_tokens: int | None = None
-    """``--micro-batch-tokens``: cut by a budget of padded positions instead of ``micro_batch_size`` rows."""
-    pack_length: int | None = None
-    """``--packing``: the examples packed into rows of this many positions (the sequence length), or None."""
-
-    def describe(self) -> str:
-        return (f"micro {self.micro_batch_size}, {self.precision}, recompute {self.activation_checkpointing}, "
-                f"offload {self.offload}{self.describe_cut()}")
-
-    def describe_cut(self) -> str:
-        """How the window is cut beyond its micro-batch size, as a suffix ("" when in drawn order)."""
-        parts = [] if self.micro_batch_order == "drawn" else [f"order {self.micro_batch_order}"]
-        if self.micro_batch_tokens is not None:
-            parts.append(f"budget {self.micro_batch_tokens} positions")
-        if self.pack_length is not None:
-            parts.append(f"packed into rows of {self.pack_length}")
-        return "".join(", " + part for part in parts)
 
     @property
-    def cuts_by_length(self) -> bool:
-        return self.micro_batch_order != "drawn" or self.micro_batch_tokens is not None or self.pack_length is not None
+    def micro_batch_size(self) -> int:
+        return self.cut.micro_batch_size
+
+    def describe(self) -> str:
+        cut = self.cut.describe()
+        return (f"micro {self.micro_batch_size}, {self.precision}, recompute {self.activation_checkpointing}, "
+                f"offload {self.offload}" + (f", {cut}" if cut else ""))
 
 
 def split_for(setup: Setup, window: Window, ranks: Ranks = SINGLE) -> Window:
     """``window`` (a whole window) as ``setup`` runs it on this rank: its share, cut as the setup says."""
-    if setup.cuts_by_length:
-        return cut_window(window, micro_batch_size=setup.micro_batch_size, order=setup.micro_batch_order,
-                          micro_batch_tokens=setup.micro_batch_tokens, pack_length=setup.pack_length,
-                          world_size=ranks.world_size if ranks.launched else 1,
-                          rank=ranks.rank if ranks.launched else 0)
-    if ranks.launched:
-        return window_share(window, setup.micro_batch_size, world_size=ranks.world_size, rank=ranks.rank)
-    return resplit_window(window, setup.micro_batch_size)
+    return recut(window, setup.cut, world_size=ranks.world_size if ranks.launched else 1,
+                 rank=ranks.rank if ranks.launched else 0)
 
 
 @dataclass(kw_only=True)
@@ -154,7 +136,7 @@ def compare_gradients(
 ) -> GradientComparison:
     """``setup``'s window gradient against the exact reference: fp32 accumulation of the same window, no recompute,
     no offload, in micro-batches of ``reference_micro_batch_size`` (1 by default: it always fits in memory)."""
-    reference_setup = Setup(micro_batch_size=reference_micro_batch_size)
+    reference_setup = Setup(cut=Cut(micro_batch_size=reference_micro_batch_size))
     reference = flat(parameter_gradients(build_model, window, reference_setup))
     candidate = flat(parameter_gradients(build_model, window, setup))
     error = float((candidate - reference).norm() / reference.norm().clamp_min(1e-30))
