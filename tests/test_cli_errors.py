@@ -127,6 +127,9 @@ CASES: list[tuple[str, Builder, str]] = [
     ("collective-timeout-1e30-two-processes", flags("--collective-timeout", "1e30", "--nproc-per-node", "2"),
      "--collective-timeout"),
     ("nproc-per-node-0", flags("--nproc-per-node", "0"), "--nproc-per-node"),
+    # Issue 29 item 4: torch's launcher grew by gigabytes on this number; a CPU run takes at most one rank per core.
+    ("nproc-per-node-above-the-cores", flags("--nproc-per-node", "99999999999999999999", "--device", "cpu"),
+     "--nproc-per-node: 99999999999999999999 is more than the"),
     ("nproc-effective-not-divisible", flags("--nproc-per-node", "2", "--micro-batch-size", "4",
                                             "--effective-batch-size", "12"), "--effective-batch-size"),
     ("nproc-fsdp-fp16", flags("--nproc-per-node", "2", "--strategy", "fsdp", "--precision", "fp16"), "--precision"),

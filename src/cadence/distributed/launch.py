@@ -18,7 +18,9 @@ import uuid
 from pathlib import Path
 from types import FrameType
 
-from cadence.config import TrainConfig, validate
+from cadence.config import DEVICE_CHOICES, TrainConfig, validate
+from cadence.data.sources import available_cores
+from cadence.errors import Problem, UsageError
 
 NPROC_FLAG = "--nproc-per-node"
 
@@ -44,14 +46,21 @@ def launch(command: str, config: TrainConfig, nproc_per_node: int, rank_argument
     Bad flags are reported here, once, before any process starts; problems only the ranks can find (a malformed data
     file) are reported by rank 0.
     """
-    validate(config, world_size=nproc_per_node, launched=True)
+    problems = []
+    try:
+        validate(config, world_size=nproc_per_node, launched=True)
+    except UsageError as err:
+        problems = err.problems
+    too_many = nproc_problem(config, nproc_per_node)
+    if too_many is not None or problems:
+        raise UsageError([*problems, *([too_many] if too_many is not None else [])])
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if "OMP_NUM_THREADS" not in os.environ:
         # torchrun's convention (one thread per rank unless told), but sharing the cores rather than using one:
         # N ranks each spawning a thread per core would oversubscribe the CPU N times.
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, available_cores() // nproc_per_node))
     forwarding = Path("/proc").is_dir()  # the ranks are found as this process's children in /proc (Linux)
     launch_config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=f"cadence-{uuid.uuid4().hex[:12]}",
@@ -77,6 +86,29 @@ def launch(command: str, config: TrainConfig, nproc_per_node: int, rank_argument
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def nproc_problem(config: TrainConfig, nproc_per_node: int) -> Problem | None:
+    """Why this machine cannot run ``nproc_per_node`` ranks, or None: a CUDA run takes one GPU per rank, a CPU run
+    at most one rank per usable core. Checked before torch's launcher sees the number: asked for 10**20 processes,
+    it grew by gigabytes and ignored SIGTERM; asked for more ranks than cores, it started them all to crawl."""
+    if config.device not in DEVICE_CHOICES:
+        return None  # validate names the device
+    import torch
+
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        gpus = torch.cuda.device_count()
+        if 0 < gpus < nproc_per_node:  # no GPU at all: validate says --device cuda cannot run here
+            return Problem(where=NPROC_FLAG, message=(
+                f"{nproc_per_node} is more than the {gpus} GPU(s) of this machine (each rank takes its own GPU); "
+                f"give at most {gpus}"))
+        return None
+    cores = available_cores()
+    if nproc_per_node > cores:
+        return Problem(where=NPROC_FLAG, message=(
+            f"{nproc_per_node} is more than the {cores} CPU core(s) this process may use (a CPU run takes one core "
+            f"per rank); give at most {cores}"))
+    return None
 
 
 def _forward_to_ranks(number: int, frame: FrameType | None) -> None:
