@@ -4,9 +4,11 @@ The same as ``torchrun --standalone --nproc-per-node N -m cadence train ...``: t
 processes, watches them, and stops all of them as soon as one dies (so a dead rank never leaves the others hanging),
 and this module turns its report into one clear line.
 
-SIGTERM (a preemption) is passed on to the ranks rather than handled by the agent: the ranks agree to stop at the
-next window boundary, save a checkpoint and exit 0, exactly as one process does. (The agent's own handling would
-tear them down and end in a traceback whatever they managed to save.)
+SIGTERM (a preemption) and SIGINT (Ctrl-C) are passed on to the ranks rather than handled by the agent: the ranks
+agree to stop at the next window boundary, save a checkpoint and exit 0, exactly as one process does. (The agent's
+own handling would tear them down and end in a SignalException traceback whatever they managed to save.) The agent
+starts each rank in a session of its own, so a Ctrl-C at the terminal reaches the launcher alone, and the ranks hear
+it from here once, not twice (a second signal stops a rank at once).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from cadence.data.sources import available_cores
 from cadence.errors import Problem, UsageError
 
 NPROC_FLAG = "--nproc-per-node"
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""Passed on to the ranks, which stop after the current window (training.resume.StopOnSignal)."""
+INTERRUPTED = 130
+"""A rank's exit status after a second Ctrl-C (its line says aborted)."""
 
 
 def arguments_without_nproc(argv: list[str]) -> list[str]:
@@ -68,23 +74,24 @@ def launch(command: str, config: TrainConfig, nproc_per_node: int, rank_argument
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
         # Check on the ranks every 0.1 s: a rank that dies brings the others down within seconds.
         monitor_interval=0.1,
-        signals_to_handle="SIGINT,SIGHUP,SIGQUIT" if forwarding else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        signals_to_handle="SIGHUP,SIGQUIT" if forwarding else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     )
-    previous = signal.signal(signal.SIGTERM, _forward_to_ranks) if forwarding else None
+    previous = {number: signal.signal(number, _forward_to_ranks) for number in FORWARDED_SIGNALS} if forwarding else {}
     try:
         elastic_launch(launch_config, sys.executable)("-m", "cadence", command, *rank_arguments)
     except ChildFailedError as failed:
         codes = {rank: failure.exitcode for rank, failure in failed.failures.items()}
-        if len(set(codes.values())) == 1 and next(iter(codes.values())) in (1, 2):
-            # Every rank ended the same way (bad input, a failed verify, an agreed divergence): rank 0 has said why.
+        if len(set(codes.values())) == 1 and next(iter(codes.values())) in (1, 2, INTERRUPTED):
+            # Every rank ended the same way (bad input, a failed verify, an agreed divergence, a second Ctrl-C):
+            # rank 0 has said why.
             return next(iter(codes.values()))
         what = "training" if command == "train" else command
         print(f"cadence: {what} failed: {describe_failures(codes)}; the other ranks were stopped",
               file=sys.stderr, flush=True)
         return 1
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     return 0
 
 
@@ -113,7 +120,11 @@ def nproc_problem(config: TrainConfig, nproc_per_node: int) -> Problem | None:
 
 def _forward_to_ranks(number: int, frame: FrameType | None) -> None:
     """Pass the signal to every child process (the ranks); the agent keeps watching them finish."""
-    for pid in child_pids(os.getpid()):
+    ranks = child_pids(os.getpid())
+    if not ranks and number == signal.SIGINT:
+        # No rank started yet (or all gone): nobody to stop at a window boundary, and a Ctrl-C must not be lost.
+        raise KeyboardInterrupt
+    for pid in ranks:
         try:
             os.kill(pid, number)
         except ProcessLookupError:
