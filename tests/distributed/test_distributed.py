@@ -474,15 +474,17 @@ def test_verify_on_two_ranks_gives_the_big_batch_gradient(tmp_path: Path, strate
 
 def test_bad_data_found_by_the_ranks_is_reported_once_and_nothing_is_written(tmp_path: Path) -> None:
     """The flags pass the launcher's check; the malformed line is found by every rank while loading, and rank 0
-    alone reports it (the ranks agree first, so none goes on alone)."""
+    alone reports it (the ranks agree first, so none goes on alone). Nothing else reaches stderr: torch's launcher
+    logged each rank's exit after cadence's line (issue 29 item 15)."""
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "a", "completion": "bc"}\n{oops\n')
     out = tmp_path / "run"
     result = cadence("train", "--nproc-per-node", "2", "--data", str(data), "--seq-len", "32", "--max-steps", "2",
                      "--out", str(out))
     assert result.returncode == 2, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("cadence:")]
+    errors = result.stderr.splitlines()
     assert len(errors) == 1 and errors[0].startswith(f"cadence: error: {data}:2: not valid JSON"), errors
+    assert result.stdout == ""
     assert not out.exists()
 
 

@@ -13,10 +13,13 @@ it from here once, not twice (a second signal stops a rank at once).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -78,7 +81,8 @@ def launch(command: str, config: TrainConfig, nproc_per_node: int, rank_argument
     )
     previous = {number: signal.signal(number, _forward_to_ranks) for number in FORWARDED_SIGNALS} if forwarding else {}
     try:
-        elastic_launch(launch_config, sys.executable)("-m", "cadence", command, *rank_arguments)
+        with torch_launcher_logs_held():
+            elastic_launch(launch_config, sys.executable)("-m", "cadence", command, *rank_arguments)
     except ChildFailedError as failed:
         codes = {rank: failure.exitcode for rank, failure in failed.failures.items()}
         if len(set(codes.values())) == 1 and next(iter(codes.values())) in (1, 2, INTERRUPTED):
@@ -93,6 +97,48 @@ def launch(command: str, config: TrainConfig, nproc_per_node: int, rank_argument
         for number, handler in previous.items():
             signal.signal(number, handler)
     return 0
+
+
+TORCH_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+"""The loggers of torch's elastic agent and launcher, which log each rank's exit as an error line."""
+
+
+class _Held(logging.Handler):
+    """Keeps the records it is given instead of printing them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def torch_launcher_logs_held() -> Iterator[list[logging.LogRecord]]:
+    """Hold what torch's launcher logs while it runs the ranks. Its lines ("failed (exitcode: 2) local_rank: 0 ...")
+    said again, in torch's words, what the ranks and :func:`launch` say in one cadence line, after it. They are
+    printed only if the launcher itself fails (not a rank: then its traceback needs them)."""
+    held = _Held()
+    loggers = [logging.getLogger(name) for name in TORCH_LAUNCHER_LOGGERS]
+    propagating = [logger.propagate for logger in loggers]
+    for logger in loggers:
+        # Not passed up to torch's handler; a handler here also keeps Python's last-resort printer from them.
+        logger.addHandler(held)
+        logger.propagate = False
+    try:
+        yield held.records
+    except Exception as err:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        if not isinstance(err, ChildFailedError):
+            for record in held.records:
+                print(logging.Formatter("%(levelname)s:%(name)s: %(message)s").format(record), file=sys.stderr)
+        raise
+    finally:
+        for logger, propagate in zip(loggers, propagating, strict=True):
+            logger.removeHandler(held)
+            logger.propagate = propagate
 
 
 def nproc_problem(config: TrainConfig, nproc_per_node: int) -> Problem | None:
