@@ -101,6 +101,8 @@ CASES: list[tuple[str, Builder, str]] = [
     ("max-steps-not-an-int", flags("--seq-len", "16", "--max-steps", "1.5", fast=False), "--max-steps"),
     ("max-grad-norm-negative", flags("--max-grad-norm", "-1"), "--max-grad-norm"),
     ("prefetch-windows-negative", flags("--prefetch-windows", "-1"), "--prefetch-windows"),
+    # Issue 29: each window ahead waits in memory; a million had no cap.
+    ("prefetch-windows-1000000", flags("--prefetch-windows", "1000000"), "--prefetch-windows: must be at most 64"),
     ("max-grad-norm-inf", flags("--max-grad-norm", "inf"), "--max-grad-norm"),
     ("warmup-equals-max-steps", flags("--seq-len", "16", "--max-steps", "5", "--warmup-steps", "5", fast=False),
      "--warmup-steps"),
