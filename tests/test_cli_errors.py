@@ -144,6 +144,11 @@ CASES: list[tuple[str, Builder, str]] = [
     ("missing-flag-value", lambda tmp: [*FAST, "--lr"], "--lr"),
     # ---------------------------------------------------------------- --data
     ("data-missing", lambda tmp: ["--data", str(tmp / "nope.txt"), *FAST], "--data"),
+    # Issue 29: Path("") is ".", so --data "" trained on the current directory (and --data-cache "" filled it).
+    ("data-empty-path", flags("--data", ""), "--data: the path is empty"),
+    ("data-cache-empty-path", flags("--data-cache", ""), "--data-cache: the path is empty"),
+    ("out-empty-path", flags("--out", ""), "--out: the path is empty"),
+    ("config-data-empty-path", config_file('data = ""\n'), "data: '' is not a valid path string"),
     ("data-empty-txt", data_file("empty.txt", b""), "--data"),
     ("data-csv-without-text-field", data_file("table.csv", "a,b\n1,2\n"), "--text-field"),
     ("data-unknown-suffix", data_file("table.xlsx", "a,b\n1,2\n"), "--data"),
