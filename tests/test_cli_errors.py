@@ -101,6 +101,8 @@ CASES: list[tuple[str, Builder, str]] = [
     ("max-steps-not-an-int", flags("--seq-len", "16", "--max-steps", "1.5", fast=False), "--max-steps"),
     ("max-grad-norm-negative", flags("--max-grad-norm", "-1"), "--max-grad-norm"),
     ("prefetch-windows-negative", flags("--prefetch-windows", "-1"), "--prefetch-windows"),
+    # Issue 29: each window ahead waits in memory; a million had no cap.
+    ("prefetch-windows-1000000", flags("--prefetch-windows", "1000000"), "--prefetch-windows: must be at most 64"),
     ("max-grad-norm-inf", flags("--max-grad-norm", "inf"), "--max-grad-norm"),
     ("warmup-equals-max-steps", flags("--seq-len", "16", "--max-steps", "5", "--warmup-steps", "5", fast=False),
      "--warmup-steps"),
@@ -127,6 +129,9 @@ CASES: list[tuple[str, Builder, str]] = [
     ("collective-timeout-1e30-two-processes", flags("--collective-timeout", "1e30", "--nproc-per-node", "2"),
      "--collective-timeout"),
     ("nproc-per-node-0", flags("--nproc-per-node", "0"), "--nproc-per-node"),
+    # Issue 29 item 4: torch's launcher grew by gigabytes on this number; a CPU run takes at most one rank per core.
+    ("nproc-per-node-above-the-cores", flags("--nproc-per-node", "99999999999999999999", "--device", "cpu"),
+     "--nproc-per-node: 99999999999999999999 is more than the"),
     ("nproc-effective-not-divisible", flags("--nproc-per-node", "2", "--micro-batch-size", "4",
                                             "--effective-batch-size", "12"), "--effective-batch-size"),
     ("nproc-fsdp-fp16", flags("--nproc-per-node", "2", "--strategy", "fsdp", "--precision", "fp16"), "--precision"),
@@ -139,6 +144,11 @@ CASES: list[tuple[str, Builder, str]] = [
     ("missing-flag-value", lambda tmp: [*FAST, "--lr"], "--lr"),
     # ---------------------------------------------------------------- --data
     ("data-missing", lambda tmp: ["--data", str(tmp / "nope.txt"), *FAST], "--data"),
+    # Issue 29: Path("") is ".", so --data "" trained on the current directory (and --data-cache "" filled it).
+    ("data-empty-path", flags("--data", ""), "--data: the path is empty"),
+    ("data-cache-empty-path", flags("--data-cache", ""), "--data-cache: the path is empty"),
+    ("out-empty-path", flags("--out", ""), "--out: the path is empty"),
+    ("config-data-empty-path", config_file('data = ""\n'), "data: '' is not a valid path string"),
     ("data-empty-txt", data_file("empty.txt", b""), "--data"),
     ("data-csv-without-text-field", data_file("table.csv", "a,b\n1,2\n"), "--text-field"),
     ("data-unknown-suffix", data_file("table.xlsx", "a,b\n1,2\n"), "--data"),

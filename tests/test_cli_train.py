@@ -153,3 +153,15 @@ def test_checkpoint_every(tmp_path: Path) -> None:
                                                            "training_state.json", "training_state.safetensors"]
         assert json.loads((folder / "checkpoint.json").read_text())["step"] == step
     _no_hidden_leftovers(out)
+
+
+@pytest.mark.parametrize(("text", "extra"), [("-" * 2000, []), ("x" * 65, ["--packing"])], ids=["dashes", "packed-x"])
+def test_text_of_one_repeated_character_trains(tmp_path: Path, text: str, extra: list[str]) -> None:
+    """Issue 29 item 10: its next-token labels equal its inputs, which the one-time Hugging Face label check took for
+    HF style labels (a ValueError traceback, the run directory left behind)."""
+    data = tmp_path / "same.txt"
+    data.write_text(text, encoding="utf-8")
+    status, _, err = run_cli(["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "1",
+                              "--max-steps", "2", "--out", str(tmp_path / "run"), *extra])
+    assert status == 0, err
+    assert "Traceback" not in err and (tmp_path / "run" / "model.safetensors").is_file()

@@ -103,6 +103,19 @@ class _WholeNumberOrAuto(click.ParamType):
 MICRO_BATCH_SIZE = _WholeNumberOrAuto()
 
 
+class _Path(click.Path):
+    """A file or directory; never the empty string, which Path() reads as "." (--data "" trained on the current
+    directory)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, str) and value == "":
+            self.fail("the path is empty (give . for the current directory)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+PATH = _Path(path_type=Path)
+
+
 def _click_type(hint: Any) -> click.ParamType:
     """int, float, str (a Literal of choices too), Path and their ``| None`` forms (a missing flag is always None:
     "not given")."""
@@ -110,7 +123,7 @@ def _click_type(hint: Any) -> click.ParamType:
     if int in args and str in args:
         return MICRO_BATCH_SIZE
     if Path in args:
-        return click.Path(path_type=Path)
+        return PATH
     if int in args:
         return click.INT
     if float in args:
@@ -185,7 +198,7 @@ def _train_config(config_file: Path | None, flags: dict[str, Any]) -> TrainConfi
 
 def config_file_option(command: Any) -> Any:
     return click.option(
-        "--config", "config_file", type=click.Path(path_type=Path), default=None,
+        "--config", "config_file", type=PATH, default=None,
         help="TOML file with the same names (with '_' instead of '-'); flags win over it.",
     )(command)
 
@@ -258,7 +271,7 @@ def plan_command(config_file: Path | None, **options: Any) -> None:
 @config_file_option
 @dataclass_options(TrainConfig, command_fields("profile"))
 @dataclass_options(ProfileOptions)
-@click.option("--compare", nargs=2, type=click.Path(path_type=Path), default=None, metavar="RUN_A RUN_B",
+@click.option("--compare", nargs=2, type=PATH, default=None, metavar="RUN_A RUN_B",
               help="Compare two profile directories side by side instead of profiling (is B faster or leaner than A "
                    "beyond the measured run-to-run noise?).")
 def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None, **options: Any) -> None:
@@ -319,7 +332,7 @@ def prepare_data_command(**options: Any) -> None:
 
 
 @app.command("report", no_args_is_help=True)
-@click.argument("run_dir", type=click.Path(path_type=Path), metavar="DIR")
+@click.argument("run_dir", type=PATH, metavar="DIR")
 def report_command(run_dir: Path) -> None:
     """(Re)build report.md and report.html (and the plots beside them) of DIR: a run directory (cadence train), a
     plan directory (cadence plan) or a profile directory (cadence profile)."""

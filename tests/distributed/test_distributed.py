@@ -291,38 +291,60 @@ def test_launcher_arguments_and_failure_lines() -> None:
     assert describe_failures({1: -signal.SIGTERM}) == "rank 1 was killed by SIGTERM"
 
 
-def test_sigterm_to_the_launcher_stops_every_rank_at_a_window_boundary_with_a_checkpoint(tmp_path: Path) -> None:
-    """Preemption: the launcher passes SIGTERM on; the ranks agree on the window to stop after, save, exit 0; the
-    resumed run ends where an uninterrupted one does."""
+SIGNAL_ARGS = ["--seq-len", "32", "--max-steps", "30", "--lr", "3e-3", "--val-fraction", "0", "--micro-batch-size",
+               "2", "--grad-accum-steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-rank run of SIGNAL_ARGS that no signal stopped: what every interrupted and resumed run must end as."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    data = write_jsonl(root / "examples.jsonl")
+    assert cadence("train", "--nproc-per-node", "2", "--data", str(data), *SIGNAL_ARGS,
+                   "--out", str(root / "run")).returncode == 0
+    return root / "run"
+
+
+@pytest.mark.parametrize(("name", "to_group"), [("SIGTERM", False), ("SIGINT", True), ("SIGINT", False)],
+                         ids=["sigterm-to-the-launcher", "ctrl-c-to-the-group", "sigint-to-the-launcher"])
+def test_a_signal_stops_every_rank_at_a_window_boundary_with_a_checkpoint(tmp_path: Path, uninterrupted: Path,
+                                                                          name: str, to_group: bool) -> None:
+    """Preemption (SIGTERM) and Ctrl-C (SIGINT to the terminal's process group, issue 29 item 8): the launcher passes
+    the signal on; the ranks agree on the window to stop after, save, exit 0 as one process does (Ctrl-C used to end
+    in torch's SignalException traceback, exit 1); the resumed run ends where an uninterrupted one does."""
     data = write_jsonl(tmp_path / "examples.jsonl")
     out = tmp_path / "run"
-    args = ["--data", str(data), "--seq-len", "32", "--max-steps", "30", "--lr", "3e-3", "--val-fraction", "0",
-            "--micro-batch-size", "2", "--grad-accum-steps", "4"]
+    args = ["--data", str(data), *SIGNAL_ARGS]
+    # A session of its own, as a shell gives a foreground job: the group's signal reaches the launcher and nothing
+    # of pytest's.
     launcher = subprocess.Popen([sys.executable, "-m", "cadence", "train", "--nproc-per-node", "2", *args,
-                                 "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
             assert launcher.poll() is None, launcher.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.1)
-        launcher.send_signal(signal.SIGTERM)
+        number = signal.Signals[name]
+        if to_group:
+            os.killpg(launcher.pid, number)
+        else:
+            launcher.send_signal(number)
         _, stderr = launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, stderr[-3000:]
-    assert "stopped by SIGTERM after step" in stderr
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-3000:]
+    assert f"stopped by {name} after step" in stderr
     stopped_at = len(read_metrics(out))
     assert stopped_at < 30 and (out / "checkpoints" / f"step-{stopped_at}").is_dir()
-    train_two_ranks_args = ["train", "--nproc-per-node", "2", *args, "--out", str(out), "--resume"]
-    assert cadence(*train_two_ranks_args).returncode == 0
-    reference = tmp_path / "reference"
-    assert cadence("train", "--nproc-per-node", "2", *args, "--out", str(reference)).returncode == 0
+    assert cadence("train", "--nproc-per-node", "2", *args, "--out", str(out), "--resume").returncode == 0
     # Exact: the checkpoint holds the whole state, and gloo sums the same two gradients in the same order.
-    assert [row["loss"] for row in read_metrics(out)] == [row["loss"] for row in read_metrics(reference)]
+    assert [row["loss"] for row in read_metrics(out)] == [row["loss"] for row in read_metrics(uninterrupted)]
     assert relative_l2(load_file(str(out / "model.safetensors")),
-                       load_file(str(reference / "model.safetensors"))) == 0.0
+                       load_file(str(uninterrupted / "model.safetensors"))) == 0.0
 
 
 def test_auto_micro_batch_under_two_ranks_halves_on_every_rank_together(tmp_path: Path) -> None:
@@ -453,15 +475,17 @@ def test_verify_on_two_ranks_gives_the_big_batch_gradient(tmp_path: Path, strate
 
 def test_bad_data_found_by_the_ranks_is_reported_once_and_nothing_is_written(tmp_path: Path) -> None:
     """The flags pass the launcher's check; the malformed line is found by every rank while loading, and rank 0
-    alone reports it (the ranks agree first, so none goes on alone)."""
+    alone reports it (the ranks agree first, so none goes on alone). Nothing else reaches stderr: torch's launcher
+    logged each rank's exit after cadence's line (issue 29 item 15)."""
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "a", "completion": "bc"}\n{oops\n')
     out = tmp_path / "run"
     result = cadence("train", "--nproc-per-node", "2", "--data", str(data), "--seq-len", "32", "--max-steps", "2",
                      "--out", str(out))
     assert result.returncode == 2, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("cadence:")]
+    errors = result.stderr.splitlines()
     assert len(errors) == 1 and errors[0].startswith(f"cadence: error: {data}:2: not valid JSON"), errors
+    assert result.stdout == ""
     assert not out.exists()
 
 

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from cadence import Engine, iter_windows, shift_hf_labels, token_cross_entropy_sum  # noqa: E402
+from cadence.errors import CadenceFailure  # noqa: E402
 
 
 def gpt2(seed: int = 0) -> GPT2LMHeadModel:
@@ -95,7 +96,30 @@ def test_unshifted_labels_given_to_the_default_loss_are_refused() -> None:
     model = gpt2()
     engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1))
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match="hf_labels=True"):
+    with pytest.raises(ValueError, match="hf_labels=True") as refused:
         engine.step([hf_batch(examples(), "right")])
+    # In a cadence command: one line, no traceback (issue 29 item 10).
+    assert isinstance(refused.value, CadenceFailure)
+    assert [line.split(":", 1)[0] for line in refused.value.lines()] == ["training failed"]
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # nothing trained
     assert engine.steps == 0
+
+
+def test_labels_equal_to_inputs_are_refused_only_when_next_token_labels_cannot_explain_them() -> None:
+    """Issue 29 item 10: text of one repeated character has next-token labels equal to its inputs; only a target
+    followed by another token in the same example proves Hugging Face labels. Packed examples end where the position
+    ids start again, padded ones where the attention mask does."""
+    from cadence.engine.step import looks_like_hf_labels
+
+    dashes = torch.full((2, 16), ord("-"))
+    assert not looks_like_hf_labels({"input_ids": dashes, "labels": dashes.clone()})
+    packed = torch.tensor([[ord("a")] * 8 + [ord("b")] * 8])
+    two_examples = torch.tensor([list(range(8)) * 2])
+    assert not looks_like_hf_labels({"input_ids": packed, "labels": packed.clone(), "position_ids": two_examples})
+    assert looks_like_hf_labels({"input_ids": packed, "labels": packed.clone()})  # one example: a then b
+    padded = torch.tensor([[ord("a")] * 10 + [0] * 6])
+    labels = torch.where(padded == 0, -100, padded)
+    mask = (padded != 0).long()
+    assert not looks_like_hf_labels({"input_ids": padded, "labels": labels, "attention_mask": mask})
+    varied = torch.arange(32).reshape(2, 16)
+    assert looks_like_hf_labels({"input_ids": varied, "labels": varied.clone()})

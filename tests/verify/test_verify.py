@@ -175,3 +175,15 @@ def test_cli_verify_fails_a_packing_whose_attention_leaks(tmp_path, capsys, monk
     assert main(["verify", "--data", str(data), "--seq-len", "48", "--micro-batch-size", "2", "--grad-accum-steps",
                  "4", "--data-cache", str(tmp_path / "cache"), "--packing"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("text", "extra"), [("-" * 2000, []), ("x" * 65, ["--packing"])], ids=["dashes", "packed-x"])
+def test_cli_verifies_text_of_one_repeated_character(tmp_path, capsys, text, extra):
+    """Issue 29 item 10: next-token labels equal to the inputs (one repeated character) are not Hugging Face labels."""
+    data = tmp_path / "same.txt"
+    data.write_text(text, encoding="utf-8")
+    status = main(["verify", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "1", "--grad-accum-steps",
+                   "2", *extra])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "Traceback" not in captured.err and "PASS" in captured.out

@@ -147,7 +147,8 @@ class TrainConfig:
     prefetch_windows: int = setting(1, SPEED)
     """Windows prepared ahead in a background thread (cut into micro-batches, collated and, on CUDA, pinned for an
     asynchronous copy) while the current one computes; 0 prepares each window in the loop's own thread. The data
-    order, and so every loss, is the same for any value; memory grows by one window of batches per step ahead."""
+    order, and so every loss, is the same for any value; memory grows by one window of batches per step ahead (at
+    most 64)."""
     fp32_matmul: Fp32Matmul = setting("tf32", MEMORY)
     """How CUDA runs fp32 matrix multiplies (and convolutions): tf32 (TensorFloat-32 tensor cores: about 1e-3
     relative error per product, several times faster on Ampere and later) or exact (full fp32). Under bf16/fp16 only

@@ -77,7 +77,7 @@ def _convert(value: Any, hint: Any) -> Any:
     if isinstance(value, bool):
         return _INVALID
     if Path in args:
-        return Path(value) if isinstance(value, str) else _INVALID
+        return Path(value) if isinstance(value, str) and value else _INVALID  # "" would be read as "."
     if int in args and isinstance(value, int):
         return value
     if str in args and isinstance(value, str):

@@ -83,7 +83,9 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     choice("activation_checkpointing", CHECKPOINTING_MODES)
     choice("offload", OFFLOAD_MODES)
     choice("fp32_matmul", FP32_MATMUL_CHOICES)
-    at_least("prefetch_windows", 0)
+    if at_least("prefetch_windows", 0) and config.prefetch_windows > MAX_PREFETCH_WINDOWS:
+        bad("prefetch_windows", f"must be at most {MAX_PREFETCH_WINDOWS}, got {config.prefetch_windows} (each window "
+                                f"ahead waits collated in memory; 1 or 2 already hide the data's preparation)")
     at_least("auto_grow_after", 1)
     if config.memory_budget is not None:
         try:
@@ -211,6 +213,10 @@ def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]
 MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600
 """The longest --collective-timeout: a week is longer than any collective should wait, and far inside the limits of
 the timedelta and the milliseconds torch converts it to."""
+
+MAX_PREFETCH_WINDOWS = 64
+"""The most --prefetch-windows: every window ahead holds its collated micro-batches (pinned, on CUDA) until the loop
+takes it, so a million grew memory without bound; a few already keep the accelerator fed."""
 
 PATH_FIELDS = ("data", "data_cache", "out", "save_hf", "plan")
 """The TrainConfig fields that name a file or directory."""

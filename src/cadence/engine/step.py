@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from cadence.engine.precision import Precision, PrecisionName
 from cadence.engine.windows import IGNORE_INDEX, Batch, Window, WindowCounter, make_window
+from cadence.errors import CadenceFailure
 from cadence.memory.meter import StepMemoryMeter
 from cadence.memory.offload import activation_offload
 
@@ -98,14 +99,36 @@ def _keyword_inputs(module_type: type) -> frozenset[str]:
 
 
 def looks_like_hf_labels(batch: Batch) -> bool:
-    """Whether ``labels`` equal ``input_ids`` at every target (at least 8 of them): the Hugging Face convention,
-    which cadence's loss would read as "predict the current token". Real next-token labels never match all of them."""
+    """Whether the labels are surely Hugging Face style, which cadence's loss would read as "predict the current
+    token": ``labels`` equal ``input_ids`` at every target (at least 8 of them), AND some target's next position in
+    the same example holds another token.
+
+    Equality alone is no proof: next-token labels of text of one repeated character ("-----") equal its inputs too.
+    Next-token labels have ``labels[t] == input_ids[t + 1]`` within an example, so equal labels are next-token labels
+    only where each token is followed by itself; one target followed by another token rules them out. The example
+    ends where the attention mask turns to padding or the position ids start again (packed rows)."""
     labels, inputs = batch["labels"], batch["input_ids"]
-    if labels.shape != inputs.shape:
+    if labels.shape != inputs.shape or labels.dim() == 0:
         return False
     targets = labels != IGNORE_INDEX
     count = int(targets.sum())
-    return count >= 8 and bool((labels[targets] == inputs[targets]).all())
+    if count < 8 or not bool((labels[targets] == inputs[targets]).all()):
+        return False
+    continues = targets[..., :-1].clone()  # position t is a target and t + 1 continues its example
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    if isinstance(mask, torch.Tensor) and mask.shape == inputs.shape:
+        continues &= mask[..., 1:] != 0
+    if isinstance(positions, torch.Tensor) and positions.shape == inputs.shape:
+        continues &= positions[..., 1:] == positions[..., :-1] + 1
+    return bool((inputs[..., 1:] != inputs[..., :-1])[continues].any())
+
+
+class HuggingFaceLabels(CadenceFailure, ValueError):
+    """Hugging Face style labels (equal to ``input_ids``) given to cadence's next-token loss. A ``ValueError`` for a
+    user's own loop, and one ``training failed`` line (no traceback) when it happens in a cadence command. The rank
+    whose micro-batch it is finds it (the others hold other data), so that rank reports it."""
+
+    label = "training failed"
 
 
 class Collective(Protocol):
@@ -281,7 +304,7 @@ class Engine:
         self._labels_checked = True
         batch = window.micro_batches[0]
         if isinstance(batch, Mapping) and "labels" in batch and "input_ids" in batch and looks_like_hf_labels(batch):
-            raise ValueError(
+            raise HuggingFaceLabels(
                 "the labels equal input_ids at every target: a Hugging Face style batch (the model shifts labels "
                 "itself). cadence's loss reads labels[t] as the token after input_ids[t]; build the windows with "
                 "iter_windows(..., hf_labels=True) or make_window(..., hf_labels=True), or give "
