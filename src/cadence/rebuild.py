@@ -41,5 +41,7 @@ def build_report(path: Path) -> list[Path]:
     for file, build, _ in DIRECTORY_KINDS:
         if (root / file).is_file():
             return write_report(build(root), root)
-    kinds = [what.format(file=file) for file, _, what in DIRECTORY_KINDS]
+    # Said run first (what most people look for), whatever the order the kinds are told apart in.
+    shown = sorted(DIRECTORY_KINDS, key=lambda kind: kind[0] != METRICS_FILE)
+    kinds = [what.format(file=file) for file, _, what in shown]
     raise UsageError.single(WHERE, f"{root} holds neither {', '.join(kinds[:-1])} nor {kinds[-1]}")
