@@ -40,7 +40,14 @@ from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import build_model
 from cadence.training.components import build_optimizer
 from cadence.training.prepare import prepare
-from cadence.verify.equivalence import GRADIENT_TOLERANCE, Setup, flat, parameter_gradients, split_for
+from cadence.verify.equivalence import (
+    GRADIENT_TOLERANCE,
+    Setup,
+    flat,
+    parameter_gradients,
+    split_for,
+    without_dropout,
+)
 
 PARAMETER_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
 """Relative L2 distance of the parameters after --steps K optimizer steps against the reference run that passes.
@@ -158,17 +165,6 @@ def loss_findings(build_model: Callable[[], torch.nn.Module], window: Window, lo
     return []
 
 
-def _dropout_off(build_model: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
-    def build() -> torch.nn.Module:
-        model = build_model()
-        for module in model.modules():
-            if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-                module.p = 0.0
-        return model
-
-    return build
-
-
 def verify(
     build_model: Callable[[], torch.nn.Module],
     windows: Sequence[Window | Sequence[Batch]],
@@ -190,7 +186,7 @@ def verify(
     reference is always one process. ``build_optimizer`` and ``max_grad_norm`` (clipping, 0 = off) are those of the
     K steps.
     """
-    build = _dropout_off(build_model)
+    build = without_dropout(build_model)
     window = _as_window(windows[0])
     findings = model_findings(build_model()) + data_findings(window) + loss_findings(build, window, loss_fn)
     reference_micro = window.samples if reference_in_one_pass else 1
