@@ -84,6 +84,7 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     choice("offload", OFFLOAD_MODES)
     choice("fp32_matmul", FP32_MATMUL_CHOICES)
     at_least("prefetch_windows", 0)
+    at_least("loss_chunk_tokens", 0)
     at_least("auto_grow_after", 1)
     if config.memory_budget is not None:
         try:
