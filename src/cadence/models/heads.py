@@ -115,21 +115,15 @@ def output_head(model: nn.Module) -> OutputHead:
 
 
 @contextlib.contextmanager
-def head_bypassed(head: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """While active, calling ``head`` returns its input unchanged (no logits are made); yields the list of the inputs
-    it was called with. The module's own hooks still run around the call (only its ``forward`` is replaced, on the
-    instance), and the class's ``forward`` is back afterwards, however the block ends."""
-    captured: list[torch.Tensor] = []
-
-    def bypass(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        captured.append(hidden)
-        return hidden
-
+def head_replaced(head: nn.Module, forward: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """While active, calling ``head`` runs ``forward`` instead of the module's own. The module's hooks still run
+    around the call (only ``forward`` is replaced, on the instance), and the class's ``forward`` is back afterwards,
+    however the block ends."""
     had_own = "forward" in head.__dict__
     saved = head.__dict__.get("forward")
-    head.forward = bypass  # type: ignore[method-assign]
+    head.forward = forward  # type: ignore[method-assign]
     try:
-        yield captured
+        yield
     finally:
         if had_own:
             head.forward = saved  # type: ignore[method-assign]
@@ -137,41 +131,70 @@ def head_bypassed(head: nn.Module) -> Iterator[list[torch.Tensor]]:
             del head.forward
 
 
+@contextlib.contextmanager
+def head_bypassed(head: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """While active, calling ``head`` returns its input unchanged (no logits are made); yields the list of the inputs
+    it was called with (see :func:`head_replaced`)."""
+    captured: list[torch.Tensor] = []
+
+    def bypass(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        captured.append(hidden)
+        return hidden
+
+    with head_replaced(head, bypass):
+        yield captured
+
+
+PROBE_LOGIT_RANGE = 60.0
+"""The probe's stand-in logits are uniform in +-60: far outside the range where soft-capping (cap 20 or 30) or a scale
+would look like the identity, so that a post-processing the transform does not reproduce cannot pass unnoticed."""
+
+
 def chunking_problem(model: nn.Module, vocab_size: int) -> str | None:
     """Why the chunked loss cannot reproduce ``model``'s logits, or None when it can.
 
     Beyond :func:`output_head`'s config checks, a probe on 6 tokens (eval mode, no gradients, a generator of its
-    own) runs the model once whole and once with the head bypassed: the head must be called exactly once, on hidden
-    states of every position, and the head (with the known transform) applied to them must give the model's logits.
-    Without a known transform the model must return the head's output itself: a forward that makes new logits out
-    of it post-processes them in some way cadence has not been taught."""
+    own) runs the model with its head replaced by one that records its input and returns large random stand-in
+    logits: the head must be called exactly once, on hidden states of every position, and the model must return the
+    stand-in logits as they are, or exactly as the known transform changes them. A forward that does anything else
+    to the logits (scales, caps, trims or adds to them in a way cadence has not been taught) is refused. Last, the
+    head applied to the recorded hidden states must give the model's own logits."""
     try:
         head = output_head(model)
     except UnsupportedHead as err:
         return str(err)
     inner = innermost(model)
-    ids = torch.randint(0, vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(next(inner.parameters()).device)
+    device = next(inner.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (1, 6), generator=generator).to(device)
+    standin = ((torch.rand(1, 6, vocab_size, generator=generator) * 2 - 1) * PROBE_LOGIT_RANGE).to(device)
+    captured: list[torch.Tensor] = []
+
+    def record(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        captured.append(hidden)
+        return standin.to(hidden.dtype) if hidden.is_floating_point() else standin
+
     was_training = inner.training
     inner.eval()
     try:
         with torch.no_grad():
-            whole = _logits(inner(ids))
-            with head_bypassed(head.module) as captured:
-                bypassed = _logits(inner(ids))
+            whole = _logits(inner(ids)).float()
+            with head_replaced(head.module, record):
+                returned = _logits(inner(ids)).float()
             if len(captured) != 1 or captured[0].shape[:2] != ids.shape:
                 return (f"its forward calls the output head {len(captured)} times, or not on every position: cadence "
                         f"cannot apply the head chunk by chunk in its place")
-            if head.transform is None and bypassed is not captured[0]:
-                return ("its forward changes the logits after the output head (as logit soft-capping or scaling "
-                        "do), in a way cadence does not reproduce chunk by chunk")
+            expected = standin.float() if head.transform is None else head.transform(standin.float())
+            if returned.shape != expected.shape or not torch.allclose(returned, expected, rtol=1e-5, atol=1e-4):
+                known = f" beyond what cadence reproduces ({head.described})" if head.described else ""
+                return (f"its forward changes the logits after the output head{known}, as logit soft-capping, "
+                        f"scaling or trimming do; cadence cannot compute that loss chunk by chunk")
             rebuilt = head.module(captured[0]).float()
             if head.transform is not None:
                 rebuilt = head.transform(rebuilt)
-            if whole.shape != rebuilt.shape or not torch.allclose(whole.float(), rebuilt, rtol=1e-4, atol=1e-5):
-                what = f" ({head.described})" if head.described else ""
-                return (f"the output head applied by cadence{what} does not give the model's own logits: its forward "
-                        f"computes them in some other way")
+            if whole.shape != rebuilt.shape or not torch.allclose(whole, rebuilt, rtol=1e-4, atol=1e-5):
+                return ("the output head applied to the hidden states it is given does not give the model's own "
+                        "logits: its forward computes them in some other way")
     finally:
         inner.train(was_training)
     return None
@@ -183,5 +206,5 @@ def _logits(output: Any) -> torch.Tensor:
 
 __all__ = [
     "LOGIT_TRANSFORMS", "LogitTransform", "OutputHead", "REFUSED_CONFIG_KEYS", "UnsupportedHead", "chunking_problem",
-    "head_bypassed", "innermost", "output_head",
+    "PROBE_LOGIT_RANGE", "head_bypassed", "head_replaced", "innermost", "output_head",
 ]
