@@ -173,3 +173,21 @@ def test_evaluation_uses_the_chunked_loss_too() -> None:
     whole = Engine(gpt, build_optimizer(gpt, TrainConfig())).evaluate(held_out)
     chunked = Engine(gpt, build_optimizer(gpt, TrainConfig()), loss_fn=ChunkedCrossEntropy(8)).evaluate(held_out)
     assert chunked == pytest.approx(whole, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_compiled_blocks_with_the_chunked_loss_give_the_eager_whole_logits_losses() -> None:
+    """--compile compiles the blocks only: the head and the chunks stay eager around them."""
+    from cadence.models import compile_blocks, compile_problem
+
+    if compile_problem(torch.device("cpu")) is not None:
+        pytest.skip("torch.compile does not run here")
+    torch._dynamo.reset()
+    steps = windows(2)
+    whole_losses, whole_weights = train(model(), token_cross_entropy_sum, steps=steps)
+    compiled = model()
+    compile_blocks(compiled)
+    losses, weights = train(compiled, ChunkedCrossEntropy(16), steps=steps)
+    assert losses == pytest.approx(whole_losses, rel=1e-5)
+    assert relative_l2(weights, whole_weights) < 1e-4
