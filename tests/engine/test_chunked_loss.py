@@ -67,6 +67,9 @@ def test_only_the_target_positions_reach_the_head() -> None:
     ChunkedCrossEntropy(8)(gpt, micro_batch).backward()
     # The bypassed call, the forward's chunks, then the backward's recomputes (last first).
     assert rows == [2, 40] + [8, 8, 4] + [4, 8, 8]
+    rows.clear()
+    ChunkedCrossEntropy(20)(gpt, micro_batch).backward()
+    assert rows == [2, 40] + [20]  # one chunk holds every target: nothing to gain from recomputing it
 
 
 def test_the_head_keeps_its_own_forward_after_the_loss() -> None:

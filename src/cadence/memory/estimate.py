@@ -391,24 +391,27 @@ class StepReplay:
     def _chunked_loss_forward(self, head_input: str) -> None:
         """--loss-chunk-tokens: the head's input (``head_input``, fp32, every position) is gathered at the target
         positions and freed; each chunk then makes its logits, their fp32 copy and the log-softmax, and lets them go
-        (the checkpoint keeps only its input rows: views of the gathered tensor, which it holds itself)."""
+        (the checkpoint keeps only its input rows: views of the gathered tensor, which it holds itself). A single
+        chunk (every target in it) is not checkpointed: it keeps what the whole-logits loss keeps, for its rows."""
         v, c, a, targets = self.cfg.vocab_size, self.c, self.act, self.targets
+        single = len(self._chunks()) == 1
         self.alloc("positions", targets * _INDEX, "activations")  # nonzero: kept by index_select's backward
         self.alloc("targets", targets * _INDEX, "activations")  # the gathered labels, held by the checkpoints
         self.alloc("hg", targets * c * FP32_BYTES, "activations")  # the gathered hidden states
         self.held.update({"hg", "targets"})
         self.free(head_input)  # index_select keeps only the positions: nothing holds every position's state
-        self._weight("w.head", v * c, saved=False)  # autocast's copy, cached over the chunks until autocast exits
-        for size in self._chunks()[:1]:  # the first chunk is the largest; every chunk lets everything go
-            if self.lowp:
-                self.alloc("rows", size * c * a, "activations")  # the head's cast of the chunk's rows
-            self.alloc("logits", size * v * a, "activations")
-            if self.lowp:
-                self.alloc("logits.f32", size * v * FP32_BYTES, "activations")  # the loss is computed in fp32
-                self.free("logits")  # nothing holds the head's own output once it is cast
-            self.alloc("lsm", size * v * FP32_BYTES, "activations")  # log_softmax
-            self.free("rows", "logits", "logits.f32", "lsm")  # the chunk's loss is a scalar; nothing was saved
-        self.free("w.head")
+        self._weight("w.head", v * c, saved=single)  # autocast's copy, cached over the chunks until autocast exits
+        size = self._chunks()[0]  # the first chunk is the largest; every chunk lets everything go
+        if self.lowp:
+            self.alloc("rows", size * c * a, "activations")  # the head's cast of the chunk's rows
+        self.alloc("logits", size * v * a, "activations")
+        if self.lowp:
+            self.alloc("logits.f32", size * v * FP32_BYTES, "activations")  # the loss is computed in fp32
+            self.free("logits")  # nothing holds the head's own output once it is cast
+        self.alloc("lsm", size * v * FP32_BYTES, "activations")  # log_softmax
+        self.free("logits", "logits.f32")
+        if not single:
+            self.free("rows", "lsm", "w.head")  # the chunk's loss is a scalar; the checkpoint saved nothing
 
     def _chunked_loss_backward(self, head_param: str) -> None:
         """The chunks in backward, last first: each recomputes its logits (the head's weight cast again under
@@ -419,15 +422,18 @@ class StepReplay:
         self._bring_back("positions", "targets")
         chunks = list(reversed(self._chunks()))
         for index, size in enumerate(chunks):
-            if self.lowp:
-                self._weight("w.head", v * c, saved=False)
-                self.alloc("rows", size * c * a, "activations")
-            self.alloc("logits", size * v * a, "activations")
-            if self.lowp:
-                self.alloc("logits.f32", size * v * FP32_BYTES, "activations")
-                self.free("logits")
-            self.alloc("lsm", size * v * FP32_BYTES, "activations")  # the last tensor the backward needs: the
-            self.free("logits", "logits.f32")  # recompute stops here and lets its intermediates go
+            if len(chunks) == 1:
+                self._bring_back("lsm", "rows", "w.head")  # kept by the forward, as the whole-logits loss keeps them
+            else:
+                if self.lowp:
+                    self._weight("w.head", v * c, saved=False)
+                    self.alloc("rows", size * c * a, "activations")
+                self.alloc("logits", size * v * a, "activations")
+                if self.lowp:
+                    self.alloc("logits.f32", size * v * FP32_BYTES, "activations")
+                    self.free("logits")
+                self.alloc("lsm", size * v * FP32_BYTES, "activations")  # the last tensor the backward needs: the
+                self.free("logits", "logits.f32")  # recompute stops here and lets its intermediates go
             self.alloc("dlsm", size * v * FP32_BYTES, "temporaries")  # nll_loss backward
             self.alloc("dlogits.f32", size * v * FP32_BYTES, "temporaries")  # log_softmax backward
             self.free("dlsm", "lsm")
