@@ -36,7 +36,7 @@ from cadence.training.components import build_loss, build_optimizer
 CHUNKS = (0, 256, 1024, 4096)
 LLAMA = {"vocab_size": 32000, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
          "intermediate_size": 688, "max_position_embeddings": 512}
-"""A llama of small width (256, 4 layers, 22M parameters of which 16M are the embedding and the head) with the
+"""A llama of small width (256, 4 layers: 19.5M parameters, 16.4M of them the embedding and the head) with the
 32,000-token vocabulary of Llama 1 and 2."""
 QUICK_LLAMA = {**LLAMA, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
 
