@@ -319,8 +319,9 @@ class Engine:
         ``prefetch`` gives on CUDA), the loss is summed on the device, the memory meter does nothing per segment on
         CUDA, and nothing is read back, so the host queues micro-batch after micro-batch while the device runs
         (tests/engine/test_prefetch.py checks it under ``torch.cuda.set_sync_debug_mode("error")``). The exceptions
-        are asked for: a stop request reads the loss sum back once, and with several ranks under
-        --micro-batch-size auto the out-of-memory agreement is a tiny all-reduce read after each forward and backward.
+        are asked for: a stop request reads the loss sum back once, with several ranks under --micro-batch-size auto
+        the out-of-memory agreement is a tiny all-reduce read after each forward and backward, and the chunked loss
+        (--loss-chunk-tokens) reads the micro-batch's target count, which sets the shapes of its chunks.
 
         ``window_targets`` is the whole window's target count over all processes. ``on_micro_batch``,
         ``stop_requested`` and ``resume`` are ``step``'s. On any failure but WindowInterrupted the partial gradients
