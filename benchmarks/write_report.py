@@ -78,6 +78,9 @@ SECTIONS = (
             ".venv/bin/python benchmarks/input_overlap.py", lambda data: render_input_overlap(data), optional=True),
     Section("compile.json", "torch.compile: --compile against eager on this machine (issue 16)",
             ".venv/bin/python benchmarks/compile.py", lambda data: render_compile(data), optional=True),
+    Section("loss_chunking.json", "Chunked LM head and loss: --loss-chunk-tokens (issue 26)",
+            ".venv/bin/python benchmarks/loss_chunking.py", lambda data: render_loss_chunking(data), ("transformers",),
+            optional=True),
     # Shown only once a GPU run left gpu.json: the dry run writes gpu_quick.json, which is never shown.
     Section("gpu.json", "GPU: the CUDA path on one device (issue 16)", "make bench-gpu", sections.render_gpu,
             ("accelerate", "lightning"), optional=True),
@@ -404,6 +407,61 @@ def render_compile(data: dict) -> list[str]:
         "stay the library calls eager makes. On a CPU those matmuls are most of a step, so the gain is what the "
         "fused ops cost eagerly; on a GPU, where each small op is a kernel launch and a round trip through memory, "
         "the same fusion is worth more (`make bench-gpu` measures it there).")
+    return lines
+
+
+def render_loss_chunking(data: dict) -> list[str]:
+    """Issue 26's chunked loss: peak memory and time per chunk size and model, and what they say about the default."""
+    models = data["models"]
+    llama = data["llama_config"]
+    transformers_version = data["environment"]["versions"].get("transformers")
+    lines = sections.para(
+        f"One engine per chunk size, each built as `cadence train` builds it (same seed, AdamW, clipping at 1.0), on "
+        f"the same windows of the built-in corpus, {data['precision']}, one torch thread: step 1 warms up, step 2 "
+        "is measured by cadence's own memory meter (the peak `summary.json` reports), then "
+        f"{data['rounds']} rounds step every chunk size once on the round's window, in a rotating order. Time: the "
+        "median over rounds of each step's time over the whole-logits step of the same round, as wall time and as "
+        "the process's CPU time (the work done, whatever else ran on the machine). 0 is all logits at once. The "
+        f"llama (transformers {transformers_version}) has width {llama['hidden_size']}, "
+        f"{llama['num_hidden_layers']} layers and a vocabulary of {llama['vocab_size']:,}; gpt-small reads bytes "
+        f"(vocabulary 256). Load average {data['load_average_before']:.1f} before, "
+        f"{data['load_average_after']:.1f} after (2 cores: above 2, other work shared the machine and the wall times "
+        "are noisier than the CPU times).")
+    for name, model in models.items():
+        lines += sections.para(
+            f"**{name}** ({model['parameters'] / 1e6:.1f}M parameters, vocabulary {model['vocab_size']:,}), micro "
+            f"{model['micro_batch_size']} x {model['seq_len']} = {model['tokens_per_micro_batch']:,} target tokens:")
+        rows = [[chunk, f"{sections.mib(row['peak_memory_bytes'])} MiB", f"{row['peak_vs_whole']:.2f}x",
+                 f"{row['tokens_per_s']:,.0f}", f"{row['time_vs_whole']:.2f}x", f"{row['cpu_time_vs_whole']:.2f}x",
+                 f"{row['max_loss_difference']:.1e}"] for chunk, row in model["results"].items()]
+        lines += sections.table(["--loss-chunk-tokens", "peak", "vs 0", "tokens/s", "step time vs 0",
+                                 "CPU time vs 0", "max loss difference vs 0"], rows)
+    chunked = [(name, chunk, row) for name, model in models.items() for chunk, row in model["results"].items()
+               if chunk != "0"]
+    worst_loss = max(row["max_loss_difference"] for _, _, row in chunked)
+    lines.append(f"- every chunked run has the whole-logits losses to {worst_loss:.0e} relative (rounding: the chunks "
+                 "sum in another order)")
+    for name, model in models.items():
+        results = {chunk: row for chunk, row in model["results"].items() if chunk != "0"}
+        best = min(results, key=lambda chunk: results[chunk]["peak_vs_whole"])
+        saved = 1 - results[best]["peak_vs_whole"]
+        cost = max(row["cpu_time_vs_whole"] for row in results.values()) - 1
+        if saved < 0.02:
+            lines.append(f"- {name}: chunking saves nothing measurable ({saved:.0%} of the peak at best: the logits "
+                         f"of a {model['vocab_size']:,}-token vocabulary are a small part of it); CPU time "
+                         f"{cost:+.0%} at most")
+        else:
+            largest = max(results, key=int)
+            lines.append(f"- {name}: {best} cuts the peak to {results[best]['peak_vs_whole']:.2f}x, for "
+                         f"{results[best]['cpu_time_vs_whole'] - 1:+.0%} CPU time (the head's matmul again in the "
+                         "backward, chunk by chunk); a chunk at least as large as the micro-batch's targets is not "
+                         f"recomputed, so {largest} (one chunk: the target gathering alone) keeps the whole peak at "
+                         f"{results[largest]['cpu_time_vs_whole'] - 1:+.0%} CPU time")
+    lines.append("")
+    lines += sections.para(
+        "The default stays 0 (all logits at once): chunking is a memory lever that costs compute wherever the logits "
+        "are large enough for it to save memory, and saves nothing where they are small. It is the lever to pull "
+        "when the logits dominate the peak (large vocabularies, long micro-batches), as the other memory levers are.")
     return lines
 
 

@@ -103,6 +103,8 @@ CASES: list[tuple[str, Builder, str]] = [
     ("prefetch-windows-negative", flags("--prefetch-windows", "-1"), "--prefetch-windows"),
     # Issue 29: each window ahead waits in memory; a million had no cap.
     ("prefetch-windows-1000000", flags("--prefetch-windows", "1000000"), "--prefetch-windows: must be at most 64"),
+    ("loss-chunk-tokens-negative", flags("--loss-chunk-tokens", "-1"), "--loss-chunk-tokens"),
+    ("loss-chunk-tokens-not-an-int", flags("--loss-chunk-tokens", "1k"), "--loss-chunk-tokens"),
     ("max-grad-norm-inf", flags("--max-grad-norm", "inf"), "--max-grad-norm"),
     ("warmup-equals-max-steps", flags("--seq-len", "16", "--max-steps", "5", "--warmup-steps", "5", fast=False),
      "--warmup-steps"),
@@ -182,6 +184,12 @@ CASES: list[tuple[str, Builder, str]] = [
     ("model-config-negative-size",
      flags("--model", "hf:llama", "--model-config", "max_position_embeddings=-5", "--model-config", "hidden_size=32"),
      "--model-config"),
+    # A family whose forward trims its logits after the head: the chunked loss cannot reproduce it (issue 26).
+    ("loss-chunk-tokens-model-post-processes-logits",
+     flags("--model", "hf:inkling2_text", "--loss-chunk-tokens", "64", *(f"--model-config={key}={value}" for key, value in (
+         ("hidden_size", 32), ("num_hidden_layers", 1), ("num_attention_heads", 2), ("num_key_value_heads", 1),
+         ("head_dim", 16), ("intermediate_size", 64), ("vocab_size", 512)))),
+     "--loss-chunk-tokens: hf:inkling2_text: inkling2_text trims its padded vocabulary after the head"),
     # ---------------------------------------------------------------- --config
     ("config-missing", lambda tmp: ["--config", str(tmp / "nope.toml"), *FAST], "--config"),
     ("config-invalid-toml", config_file("lr = \n[[[\n"), "--config"),

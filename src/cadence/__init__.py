@@ -10,6 +10,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from cadence.engine import (  # noqa: E402
+    ChunkedCrossEntropy,
     Cut,
     Engine,
     Precision,
@@ -29,6 +30,7 @@ from cadence.engine import (  # noqa: E402
 from cadence.errors import Problem, UsageError  # noqa: E402
 
 __all__ = [
+    "ChunkedCrossEntropy",
     "Cut",
     "Engine",
     "Precision",

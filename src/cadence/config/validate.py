@@ -86,6 +86,7 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     if at_least("prefetch_windows", 0) and config.prefetch_windows > MAX_PREFETCH_WINDOWS:
         bad("prefetch_windows", f"must be at most {MAX_PREFETCH_WINDOWS}, got {config.prefetch_windows} (each window "
                                 f"ahead waits collated in memory; 1 or 2 already hide the data's preparation)")
+    at_least("loss_chunk_tokens", 0)
     at_least("auto_grow_after", 1)
     if config.memory_budget is not None:
         try:

@@ -3,6 +3,7 @@
 Usable from a user's own loop: ``from cadence.engine import Engine, iter_windows, prefetch``.
 """
 
+from cadence.engine.chunked_loss import ChunkedCrossEntropy
 from cadence.engine.cut import Cut
 from cadence.engine.precision import PRECISIONS, Precision, PrecisionName
 from cadence.engine.prefetch import Prefetcher, prefetch
@@ -22,7 +23,8 @@ from cadence.engine.windows import (
 )
 
 __all__ = [
-    "IGNORE_INDEX", "LR_SCHEDULES", "PRECISIONS", "Batch", "Cut", "Engine", "LossFn", "PartialWindow", "Precision",
+    "IGNORE_INDEX", "LR_SCHEDULES", "PRECISIONS", "Batch", "ChunkedCrossEntropy", "Cut", "Engine", "LossFn",
+    "PartialWindow", "Precision",
     "PrecisionName", "Prefetcher", "SingleProcess", "StepResult", "Window", "build_lr_scheduler", "count_targets",
     "count_tokens", "epoch_windows", "iter_windows", "lr_factor", "make_window", "prefetch", "recut", "shift_hf_labels",
     "token_cross_entropy_sum",

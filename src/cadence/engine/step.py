@@ -47,7 +47,7 @@ def token_cross_entropy_sum(model: torch.nn.Module, batch: Batch) -> torch.Tenso
     ``attention_mask`` it is passed to the model, with ``position_ids`` counted from each row's first real token
     (as ``transformers`` does when generating), so that left padding gives every example the positions it has
     alone; ``position_ids`` in the batch are passed as they are."""
-    logits = model(batch["input_ids"], **_attention_inputs(model, batch))
+    logits = model(batch["input_ids"], **attention_inputs(model, batch))
     if not isinstance(logits, torch.Tensor):  # Hugging Face style outputs
         logits = logits.logits
     # The loss is computed in fp32 even under autocast: a sum over thousands of targets in bf16 loses digits.
@@ -56,7 +56,13 @@ def token_cross_entropy_sum(model: torch.nn.Module, batch: Batch) -> torch.Tenso
     )
 
 
-def _attention_inputs(model: torch.nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+def reads_next_token_labels(loss_fn: LossFn) -> bool:
+    """Whether ``loss_fn`` is one of cadence's next-token losses (``labels[t]`` is the target of position t):
+    ``token_cross_entropy_sum``, or a loss marked with ``next_token_labels = True`` (the chunked loss)."""
+    return loss_fn is token_cross_entropy_sum or bool(getattr(loss_fn, "next_token_labels", False))
+
+
+def attention_inputs(model: torch.nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
     """The keyword inputs a padded batch needs beyond ``input_ids``, for a model whose forward takes them: none for
     cadence's right-padded batches, nor for a model that only takes ``input_ids`` (the built-in GPT, which a right-
     padded causal batch needs no mask for)."""
@@ -235,7 +241,7 @@ class Engine:
         forward and after its backward, all ranks learn whether any ran out of memory, and all raise together."""
         self.hf_labels = hf_labels
         """Windows given as plain lists hold Hugging Face style labels (equal to ``input_ids``): shift them."""
-        self._labels_checked = hf_labels or loss_fn is not token_cross_entropy_sum
+        self._labels_checked = hf_labels or not reads_next_token_labels(loss_fn)
         """The first window's labels are checked once for the Hugging Face convention (see ``step``)."""
         self.phases: PhaseRecorder | None = None
         """Set by cadence.profiling.profiler while a profile runs; None (no annotations, no cost) otherwise."""
@@ -336,8 +342,9 @@ class Engine:
         ``prefetch`` gives on CUDA), the loss is summed on the device, the memory meter does nothing per segment on
         CUDA, and nothing is read back, so the host queues micro-batch after micro-batch while the device runs
         (tests/engine/test_prefetch.py checks it under ``torch.cuda.set_sync_debug_mode("error")``). The exceptions
-        are asked for: a stop request reads the loss sum back once, and with several ranks under
-        --micro-batch-size auto the out-of-memory agreement is a tiny all-reduce read after each forward and backward.
+        are asked for: a stop request reads the loss sum back once, with several ranks under --micro-batch-size auto
+        the out-of-memory agreement is a tiny all-reduce read after each forward and backward, and the chunked loss
+        (--loss-chunk-tokens) reads the micro-batch's target count, which sets the shapes of its chunks.
 
         ``window_targets`` is the whole window's target count over all processes. ``on_micro_batch``,
         ``stop_requested`` and ``resume`` are ``step``'s. On any failure but WindowInterrupted the partial gradients

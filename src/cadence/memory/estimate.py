@@ -83,16 +83,21 @@ def estimate_step_memory(
     device_type: str = "cpu",
     optimizer: Literal["adamw"] = "adamw",
     grad_accum_steps: int = 1,
+    loss_chunk_tokens: int = 0,
+    target_tokens: int | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one step of ``GPT(config)`` trained the way :class:`cadence.engine.step.Engine` does.
 
     ``grad_accum_steps`` > 1 adds the fp32 gradients, held from the second micro-batch on, to the forward's peak;
     beyond 2 only the window's token ids grow (on cpu, where the whole window sits in the same memory). The
     optimizer is the one :func:`cadence.training.components.build_optimizer` makes (AdamW, matrices and biases in two groups).
+    ``loss_chunk_tokens`` > 0: the loss of :class:`cadence.engine.chunked_loss.ChunkedCrossEntropy` (--loss-chunk-tokens),
+    whose head sees only the micro-batch's ``target_tokens`` loss-bearing positions (None: every position has one).
     """
     problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
                               context_length=config.context_length, precision=precision,
-                              checkpointing=checkpointing, offload=offload, optimizer=optimizer)
+                              checkpointing=checkpointing, offload=offload, optimizer=optimizer,
+                              loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -101,13 +106,15 @@ def estimate_step_memory(
         config, tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
+        loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens,
     )
     return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
                                 on_device=on_device)
 
 
 def input_problems(*, micro_batch_size: int, seq_len: int, grad_accum_steps: int, context_length: int,
-                   precision: str, checkpointing: str, offload: str, optimizer: str = "adamw") -> list[str]:
+                   precision: str, checkpointing: str, offload: str, optimizer: str = "adamw",
+                   loss_chunk_tokens: int = 0, target_tokens: int | None = None) -> list[str]:
     """What is wrong with an estimate's arguments (shared by the built-in and the Hugging Face estimates)."""
     choices = {"precision": (precision, ("fp32", "bf16", "fp16")), "optimizer": (optimizer, ("adamw",)),
                "checkpointing": (checkpointing, ("none", "full", "selective")),
@@ -118,6 +125,10 @@ def input_problems(*, micro_batch_size: int, seq_len: int, grad_accum_steps: int
         problems.append("micro_batch_size, seq_len and grad_accum_steps must be >= 1")
     if seq_len > context_length:
         problems.append(f"seq_len {seq_len} exceeds the model's context length {context_length}")
+    if loss_chunk_tokens < 0:
+        problems.append(f"loss_chunk_tokens must be >= 0 (0: all logits at once), got {loss_chunk_tokens}")
+    if target_tokens is not None and not 0 <= target_tokens <= micro_batch_size * seq_len:
+        problems.append(f"target_tokens {target_tokens} is not between 0 and micro_batch_size x seq_len")
     return problems
 
 
@@ -162,9 +173,14 @@ class StepReplay:
 
     def __init__(
         self, config: GPTConfig, *, tokens: int, seq_len: int, precision: str, checkpointing: str,
-        offload_activations: bool, offload_optimizer: bool, on_device: bool,
+        offload_activations: bool, offload_optimizer: bool, on_device: bool, loss_chunk_tokens: int = 0,
+        target_tokens: int | None = None,
     ) -> None:
         self.cfg, self.n, self.t, self.c = config, tokens, seq_len, config.n_embd
+        self.chunk = loss_chunk_tokens
+        """--loss-chunk-tokens: 0 computes all logits at once; N > 0 the head and loss N target tokens at a time."""
+        self.targets = tokens if target_tokens is None else target_tokens
+        """Loss-bearing positions of a micro-batch: the only ones the chunked loss gives the head."""
         self.lowp = precision != "fp32"
         self.act = 2 if self.lowp else FP32_BYTES  # bytes per element of the compute dtype
         self.mode = checkpointing
@@ -176,6 +192,7 @@ class StepReplay:
         self.tensors: dict[str, tuple[int, str]] = {}  # live tensors by name: (bytes, category)
         self.grads: set[str] = set()  # parameters whose .grad exists
         self.offloaded: dict[str, tuple[int, str]] = {}  # saved tensors waiting in host memory
+        self.held: set[str] = set()  # kept on the device even under offload (a checkpoint's own references)
         self.host_bytes = self.peak = self.activation_peak = 0
         self.at_peak: dict[str, int] = {}
         self.peak_phase = self.phase = ""
@@ -264,14 +281,18 @@ class StepReplay:
         for layer in range(self.cfg.n_layer):
             self._block_forward(layer)
         self.alloc("lnf.stats", _STATS * n * FP32_BYTES, "activations")
-        self._normalised("hf")
-        self._weight("w.head", v * c, saved=True)
-        self.alloc("logits", n * v * a, "activations")
-        self.free("hf.f32")
-        if self.lowp:
-            self.alloc("logits.f32", n * v * FP32_BYTES, "activations")  # the loss is computed in fp32
-        self.alloc("lsm", n * v * FP32_BYTES, "activations")  # log_softmax output, saved by cross-entropy
-        self.free("logits", "logits.f32")  # the loss function returns: the logits were never saved
+        if self.chunk:
+            self.alloc("hf.f32", n * c * FP32_BYTES, "activations")  # ln_f's output (fp32), the head's input
+            self._chunked_loss_forward("hf.f32")
+        else:
+            self._normalised("hf")
+            self._weight("w.head", v * c, saved=True)
+            self.alloc("logits", n * v * a, "activations")
+            self.free("hf.f32")
+            if self.lowp:
+                self.alloc("logits.f32", n * v * FP32_BYTES, "activations")  # the loss is computed in fp32
+            self.alloc("lsm", n * v * FP32_BYTES, "activations")  # log_softmax output, saved by cross-entropy
+            self.free("logits", "logits.f32")  # the loss function returns: the logits were never saved
         # Leaving autocast clears its cast cache: weight copies that nothing saved (checkpointed blocks) or that
         # were saved to the host are freed.
         self.free(*(f"b{i}.{w}" for i in range(self.cfg.n_layer) for w in _WEIGHTS if w not in self.saved))
@@ -354,28 +375,113 @@ class StepReplay:
 
     def _keep(self, name: str) -> None:
         """A tensor saved for backward stays on the device, or (offload activations) waits in host memory."""
+        if name in self.held:
+            return
         if self.offload_activations and name in self.tensors and self.tensors[name][1] == "activations":
             self.offloaded[name] = self.tensors[name]
             self.host_bytes += self.tensors[name][0]
             self.free(name)
 
+    # ------------------------------------------------------------------------------------------------ chunked loss
+    def _chunks(self) -> list[int]:
+        """The chunks' sizes (target positions each), in the order the forward makes them."""
+        full, rest = divmod(self.targets, self.chunk)
+        return [self.chunk] * full + ([rest] if rest or not full else [])
+
+    def _chunked_loss_forward(self, head_input: str) -> None:
+        """--loss-chunk-tokens: the head's input (``head_input``, fp32, every position) is gathered at the target
+        positions and freed; each chunk then makes its logits, their fp32 copy and the log-softmax, and lets them go
+        (the checkpoint keeps only its input rows: views of the gathered tensor, which it holds itself). A single
+        chunk (every target in it) is not checkpointed: it keeps what the whole-logits loss keeps, for its rows."""
+        v, c, a, targets = self.cfg.vocab_size, self.c, self.act, self.targets
+        single = len(self._chunks()) == 1
+        self.alloc("positions", targets * _INDEX, "activations")  # nonzero: kept by index_select's backward
+        self.alloc("targets", targets * _INDEX, "activations")  # the gathered labels, held by the checkpoints
+        self.alloc("hg", targets * c * FP32_BYTES, "activations")  # the gathered hidden states
+        self.held.update({"hg", "targets"})
+        self.free(head_input)  # index_select keeps only the positions: nothing holds every position's state
+        self._weight("w.head", v * c, saved=single)  # autocast's copy, cached over the chunks until autocast exits
+        size = self._chunks()[0]  # the first chunk is the largest; every chunk lets everything go
+        if self.lowp:
+            self.alloc("rows", size * c * a, "activations")  # the head's cast of the chunk's rows
+        self.alloc("logits", size * v * a, "activations")
+        if self.lowp:
+            self.alloc("logits.f32", size * v * FP32_BYTES, "activations")  # the loss is computed in fp32
+            self.free("logits")  # nothing holds the head's own output once it is cast
+        self.alloc("lsm", size * v * FP32_BYTES, "activations")  # log_softmax
+        self.free("logits", "logits.f32")
+        if not single:
+            self.free("rows", "lsm", "w.head")  # the chunk's loss is a scalar; the checkpoint saved nothing
+
+    def _chunked_loss_backward(self, head_param: str) -> None:
+        """The chunks in backward, last first: each recomputes its logits (the head's weight cast again under
+        autocast: the recompute's own autocast has its own cache), runs the loss's backward and the head's, and lets
+        go of everything but its rows' gradient and the head weight's gradient, which add up over the chunks. Ends
+        with ``dhf``: the fp32 gradient of the head's input at every position (index_select's backward)."""
+        v, c, a = self.cfg.vocab_size, self.c, self.act
+        self._bring_back("positions", "targets")
+        chunks = list(reversed(self._chunks()))
+        for index, size in enumerate(chunks):
+            if len(chunks) == 1:
+                self._bring_back("lsm", "rows", "w.head")  # kept by the forward, as the whole-logits loss keeps them
+            else:
+                if self.lowp:
+                    self._weight("w.head", v * c, saved=False)
+                    self.alloc("rows", size * c * a, "activations")
+                self.alloc("logits", size * v * a, "activations")
+                if self.lowp:
+                    self.alloc("logits.f32", size * v * FP32_BYTES, "activations")
+                    self.free("logits")
+                self.alloc("lsm", size * v * FP32_BYTES, "activations")  # the last tensor the backward needs: the
+                self.free("logits", "logits.f32")  # recompute stops here and lets its intermediates go
+            self.alloc("dlsm", size * v * FP32_BYTES, "temporaries")  # nll_loss backward
+            self.alloc("dlogits.f32", size * v * FP32_BYTES, "temporaries")  # log_softmax backward
+            self.free("dlsm", "lsm")
+            if self.lowp:
+                self.alloc("dlogits", size * v * a, "temporaries")  # back to the logits' dtype
+                self.free("dlogits.f32")
+            self.alloc(f"dh{index}", size * c * a, "temporaries")  # the head's input gradient, this chunk's rows
+            if self.lowp:
+                # The weight's gradient in the compute dtype adds up in the cast's backward, over all chunks.
+                self.alloc("dw.new" if index else "dw.low", v * c * a, "temporaries")
+                self.free("dw.new")
+                self.alloc(f"dh{index}.f32", size * c * FP32_BYTES, "temporaries")  # the rows' cast, backward
+                self.free(f"dh{index}")
+            else:
+                self.param_grad(head_param, v * c)
+            self.free("dlogits", "dlogits.f32", "rows", "w.head")
+        if self.lowp:  # all chunks are in: the cast's backward makes the fp32 gradient of the parameter
+            self.free("dw.low")
+            self.param_grad(head_param, v * c)
+        pieces = [f"dh{i}" + (".f32" if self.lowp else "") for i in range(len(chunks))]
+        self.alloc("dhg", self.targets * c * FP32_BYTES, "temporaries")  # split's backward: the pieces joined
+        self.free(*pieces, "hg")
+        self.alloc("dhf", self.n * c * FP32_BYTES, "temporaries")  # index_select's backward: zeros + index_add
+        self.free("dhg", "positions", "targets")
+
     # ------------------------------------------------------------------------------------------------ backward
     def _backward(self) -> None:
         n, c, v, a = self.n, self.c, self.cfg.vocab_size, self.act
-        self._bring_back("lsm")
-        self.alloc("dlsm", n * v * FP32_BYTES, "temporaries")  # nll_loss backward
-        self.alloc("dlogits.f32", n * v * FP32_BYTES, "temporaries")  # log_softmax backward
-        self.free("dlsm", "lsm")
-        if self.lowp:
-            self.alloc("dlogits", n * v * a, "temporaries")  # back to the logits' dtype
-            self.free("dlogits.f32")
-        self._bring_back("hf", "w.head")
-        self.alloc("dhf", n * c * a, "temporaries")  # lm_head (tied to the token embedding)
-        self.param_grad("tok_emb", v * c)
-        self.free("dlogits", "dlogits.f32", "hf", "w.head")
         last = f"r{self.cfg.n_layer}"
-        self._bring_back(last, "lnf.stats")
-        self._norm_backward("dhf", "dres")
+        if self.chunk:
+            self._chunked_loss_backward("tok_emb")  # lm_head is tied to the token embedding
+            self._bring_back(last, "lnf.stats")
+            self.alloc("dres", n * c * FP32_BYTES, "temporaries")  # ln_f backward (its input gradient is fp32)
+            self.free("dhf")
+        else:
+            self._bring_back("lsm")
+            self.alloc("dlsm", n * v * FP32_BYTES, "temporaries")  # nll_loss backward
+            self.alloc("dlogits.f32", n * v * FP32_BYTES, "temporaries")  # log_softmax backward
+            self.free("dlsm", "lsm")
+            if self.lowp:
+                self.alloc("dlogits", n * v * a, "temporaries")  # back to the logits' dtype
+                self.free("dlogits.f32")
+            self._bring_back("hf", "w.head")
+            self.alloc("dhf", n * c * a, "temporaries")  # lm_head (tied to the token embedding)
+            self.param_grad("tok_emb", v * c)
+            self.free("dlogits", "dlogits.f32", "hf", "w.head")
+            self._bring_back(last, "lnf.stats")
+            self._norm_backward("dhf", "dres")
         self.param_grad("ln_f", 2 * c)
         self.free(last, "lnf.stats")
         for layer in reversed(range(self.cfg.n_layer)):

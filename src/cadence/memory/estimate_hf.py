@@ -58,11 +58,15 @@ def estimate_hf_step_memory(
     offload: str = "none",
     device_type: str = "cpu",
     grad_accum_steps: int = 1,
+    loss_chunk_tokens: int = 0,
+    target_tokens: int | None = None,
 ) -> MemoryEstimate:
-    """Predict the peak memory of one step of the Hugging Face model ``shape`` describes, trained by the Engine."""
+    """Predict the peak memory of one step of the Hugging Face model ``shape`` describes, trained by the Engine;
+    ``loss_chunk_tokens`` and ``target_tokens`` as in :func:`cadence.memory.estimate.estimate_step_memory`."""
     problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
                               context_length=shape.context_length, precision=precision,
-                              checkpointing=checkpointing, offload=offload)
+                              checkpointing=checkpointing, offload=offload, loss_chunk_tokens=loss_chunk_tokens,
+                              target_tokens=target_tokens)
     if not shape.num_heads or not shape.head_dim or not shape.intermediate_size:
         problems.append("the model's config gives no attention heads, head size or MLP width to estimate from")
     if problems:
@@ -72,6 +76,7 @@ def estimate_hf_step_memory(
         shape, block_style(model_type), tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
+        loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens,
     )
     return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
                                 on_device=on_device)
@@ -137,14 +142,18 @@ class HFStepReplay(StepReplay):
             self.alloc("rope", 2 * self.t * int(self.shape.head_dim or 1) * FP32_BYTES, "activations")
         for layer in range(self.shape.num_layers):
             self._hf_block_forward(layer)
-        self._norm_forward("nf", users=1)
-        self._weight("w.head", v * c, saved=True)
-        self.alloc("logits", n * v * a, "activations")
-        self.free("nf.out", "nf.out.f32")
-        if self.lowp:
-            self.alloc("logits.f32", n * v * FP32_BYTES, "activations")  # the loss is computed in fp32
-        self.alloc("lsm", n * v * FP32_BYTES, "activations")  # log_softmax output, saved by cross-entropy
-        self.free("logits", "logits.f32")
+        if self.chunk:
+            self._norm_forward("nf", users=0)  # the head's input stays fp32: each chunk casts its own rows
+            self._chunked_loss_forward("nf.out.f32" if self.lowp else "nf.out")
+        else:
+            self._norm_forward("nf", users=1)
+            self._weight("w.head", v * c, saved=True)
+            self.alloc("logits", n * v * a, "activations")
+            self.free("nf.out", "nf.out.f32")
+            if self.lowp:
+                self.alloc("logits.f32", n * v * FP32_BYTES, "activations")  # the loss is computed in fp32
+            self.alloc("lsm", n * v * FP32_BYTES, "activations")  # log_softmax output, saved by cross-entropy
+            self.free("logits", "logits.f32")
         # Leaving autocast clears its cast cache: copies of checkpointed blocks' weights are freed.
         if self.mode != "none":
             self.free(*(f"b{i}.{w}" for i in range(self.shape.num_layers) for w in self._block_weights()))
@@ -221,16 +230,22 @@ class HFStepReplay(StepReplay):
     # ------------------------------------------------------------------------------------------------ backward
     def _backward(self) -> None:
         n, c, v, a = self.n, self.c, self.shape.vocab_size, self.act
-        self.alloc("dlsm", n * v * FP32_BYTES, "temporaries")  # nll_loss backward
-        self.alloc("dlogits.f32", n * v * FP32_BYTES, "temporaries")  # log_softmax backward
-        self.free("dlsm", "lsm")
-        if self.lowp:
-            self.alloc("dlogits", n * v * a, "temporaries")
-            self.free("dlogits.f32")
-        self.alloc("dhf", n * c * a, "temporaries")
-        self.param_grad("lm_head" if not self.shape.tied_embeddings else "embed", v * c)
-        self.free("dlogits", "dlogits.f32", "w.head")
-        self._norm_backward("dhf", "dres")
+        head = "lm_head" if not self.shape.tied_embeddings else "embed"
+        if self.chunk:
+            self._chunked_loss_backward(head)
+            self.alloc("dres", n * c * FP32_BYTES, "temporaries")  # the final norm's backward (fp32 gradient in)
+            self.free("dhf")
+        else:
+            self.alloc("dlsm", n * v * FP32_BYTES, "temporaries")  # nll_loss backward
+            self.alloc("dlogits.f32", n * v * FP32_BYTES, "temporaries")  # log_softmax backward
+            self.free("dlsm", "lsm")
+            if self.lowp:
+                self.alloc("dlogits", n * v * a, "temporaries")
+                self.free("dlogits.f32")
+            self.alloc("dhf", n * c * a, "temporaries")
+            self.param_grad(head, v * c)
+            self.free("dlogits", "dlogits.f32", "w.head")
+            self._norm_backward("dhf", "dres")
         self.param_grad("norm_f", 2 * c)
         last = self.shape.num_layers
         self.free(*[k for k in self.tensors if k.startswith("nf.")], f"r{last}")

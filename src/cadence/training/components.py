@@ -11,8 +11,9 @@ import torch
 
 from cadence.config import TrainConfig
 from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
+from cadence.engine.chunked_loss import ChunkedCrossEntropy
 from cadence.engine.schedules import build_lr_scheduler
-from cadence.engine.step import Engine
+from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.memory.offload import OffloadedOptimizer
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import CompileClock, build_model, compile_blocks
@@ -38,6 +39,14 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
         # tensor); it also takes the fp16 scaler's inf check on the device. CPU keeps PyTorch's default.
         options["fused"] = True
     return torch.optim.AdamW(groups, **options)  # type: ignore[arg-type]
+
+
+def build_loss(config: TrainConfig) -> LossFn:
+    """The next-token loss: all logits at once, or the head and cross-entropy --loss-chunk-tokens targets at a time
+    (prepare() has checked that the model's logits can be made chunk by chunk)."""
+    if config.loss_chunk_tokens > 0:
+        return ChunkedCrossEntropy(config.loss_chunk_tokens)
+    return token_cross_entropy_sum
 
 
 @dataclass(kw_only=True)
@@ -79,7 +88,7 @@ def build_components(prep: Prepared) -> Components:
         total = torch.cuda.get_device_properties(prep.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), prep.device)
     engine = Engine(
-        model, optimizer, scheduler=scheduler, precision=config.precision,
+        model, optimizer, scheduler=scheduler, precision=config.precision, loss_fn=build_loss(config),
         max_grad_norm=config.max_grad_norm, offload_activations=config.offload == "activations",
         memory_budget_bytes=budget if prep.device.type == "cpu" else None,
         collective=ProcessGroupCollective(prep.ranks, prep.device) if prep.ranks.launched else None,

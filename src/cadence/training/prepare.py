@@ -24,6 +24,7 @@ from cadence.engine.cut import Cut
 from cadence.engine.windows import Window, epoch_windows
 from cadence.errors import UsageError
 from cadence.models import MODEL_CONFIGS, MODEL_NAMES, model_context_length, repeated_blocks
+from cadence.models.heads import chunking_problem
 from cadence.models.hf import HFModel, build_hf_model, packed_attention_supported, parse_model_overrides
 
 
@@ -101,6 +102,11 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
         out = checked_run_directory(config, ranks=ranks)
     hf = build_run_hf(config, warn=True)
     if hf is not None:
+        if config.loss_chunk_tokens > 0:  # a family whose logits cadence cannot make chunk by chunk is refused
+            problem = chunking_problem(hf.model, hf.vocab_size)
+            if problem is not None:
+                raise UsageError.single("--loss-chunk-tokens", (
+                    f"{config.model}: {problem}; train it with --loss-chunk-tokens 0 (all logits at once)"))
         if config.compile:  # checked here, before the run directory is created
             try:
                 repeated_blocks(hf.model)
