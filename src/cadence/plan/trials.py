@@ -115,3 +115,26 @@ def run_trial(prep: Prepared, setup: TrialSetup, *, steps: int, budget_bytes: in
         step_time_s=statistics.median(times), losses=losses, real_share=tokens / positions if positions else None,
     )
 
+
+def timed_round(prep: Prepared, setup: TrialSetup, *, steps: int) -> float | None:
+    """One round of timing ``setup``: one warm-up window (untimed: it allocates the optimizer state), then ``steps``
+    windows timed as training times them, throughput over the round (tokens / step time, no profiler, no memory
+    measurement). The same first windows of the epoch for every candidate, so every round sees the same samples.
+    None when it runs out of memory."""
+    trial = trial_run(prep, setup, steps=steps + 1)
+    parts = build_components(trial)
+    tokens, seconds = 0, 0.0
+    try:
+        with fp32_matmul(trial.config.fp32_matmul):
+            for number, window in zip(range(steps + 1), trial.windows(0)):
+                result = parts.engine.step(window)
+                if number >= 1:
+                    tokens, seconds = tokens + result.tokens, seconds + result.step_time_s
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del parts
+        if trial.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return tokens / seconds if seconds > 0 else None
+
