@@ -7,7 +7,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_type_hints
 
 from cadence.config.schema import (
     DEVICE_CHOICES,
@@ -16,6 +16,7 @@ from cadence.config.schema import (
     STRATEGIES,
     TrainConfig,
     flag,
+    hint_types,
     parse_size,
 )
 from cadence.engine.cut import MICRO_BATCH_ORDER_CHOICES
@@ -212,8 +213,9 @@ MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600
 """The longest --collective-timeout: a week is longer than any collective should wait, and far inside the limits of
 the timedelta and the milliseconds torch converts it to."""
 
-PATH_FIELDS = ("data", "data_cache", "out", "save_hf", "plan")
-"""The TrainConfig fields that name a file or directory."""
+PATH_FIELDS: tuple[str, ...] = tuple(name for name, hint in get_type_hints(TrainConfig).items()
+                                    if Path in hint_types(hint))
+"""The TrainConfig fields that name a file or directory (typed Path: a new one is checked as these are)."""
 
 
 def path_length_problem(path: Path | None) -> str | None:
