@@ -111,6 +111,12 @@ def test_nothing_fits_fails_with_the_smallest_measured_peak(tmp_path, capsys):
     (["plan", "--effective-batch-size", "8", "--memory-budget", "lots"], "--memory-budget"),
     (["plan", "--effective-batch-size", "8", "--memory-budget", "1GiB", "--micro-batch-size", "auto"],
      "--micro-batch-size"),
+    (["plan", "--effective-batch-size", "8", "--memory-budget", "1GiB", "--grad-accum-steps", "2"],
+     "--grad-accum-steps"),
+    (["plan", "--effective-batch-size", "8", "--memory-budget", "1GiB", "--rounds", "0"], "--rounds"),
+    (["plan", "--effective-batch-size", "8", "--memory-budget", "1GiB", "--time-budget", "0"], "--time-budget"),
+    (["plan", "--effective-batch-size", "8", "--memory-budget", "1GiB", "--time-budget", "nan"], "--time-budget"),
+    (["plan", "--effective-batch-size", "8", "--memory-budget", "1GiB", "--time-budget", "-5"], "--time-budget"),
     (["train", "--plan", "missing.json"], "--plan"),
 ])
 def test_plan_bad_input(argv, flag, capsys, tmp_path, monkeypatch):
@@ -169,6 +175,12 @@ def test_plan_measures_cuts_by_length_on_variable_length_data_and_train_follows(
     for key in ("micro_batch_order", "micro_batch_tokens", "packing"):
         assert config[key] == plan["choice"][key]
     assert config["data"] == str(data.resolve()) and config["data_fingerprint"] == plan["source"]["data_fingerprint"]
+    # Issue 28 item 3: the run's report puts the plan's predicted throughput beside the run's measured one.
+    chosen_row = next(c for c in plan["candidates"] + plan["cuts"] if c["id"] == plan["choice"]["id"])
+    assert plan["prediction"]["tokens_per_s"] == (chosen_row.get("measured") or chosen_row)["tokens_per_s"]
+    assert main(["report", str(run)]) == 0
+    report = (run / "report.md").read_text()
+    assert "Planned against measured" in report and "of the prediction" in report
     # Other data may be given: it is said on the console.
     other = write_jsonl(tmp_path / "other.jsonl", count=64)
     capsys.readouterr()

@@ -7,7 +7,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_type_hints
 
 from cadence.config.schema import (
     DEVICE_CHOICES,
@@ -16,6 +16,7 @@ from cadence.config.schema import (
     STRATEGIES,
     TrainConfig,
     flag,
+    hint_types,
     parse_size,
 )
 from cadence.engine.cut import MICRO_BATCH_ORDER_CHOICES
@@ -219,8 +220,9 @@ MAX_PREFETCH_WINDOWS = 64
 """The most --prefetch-windows: every window ahead holds its collated micro-batches (pinned, on CUDA) until the loop
 takes it, so a million grew memory without bound; a few already keep the accelerator fed."""
 
-PATH_FIELDS = ("data", "data_cache", "out", "save_hf", "plan")
-"""The TrainConfig fields that name a file or directory."""
+PATH_FIELDS: tuple[str, ...] = tuple(name for name, hint in get_type_hints(TrainConfig).items()
+                                    if Path in hint_types(hint))
+"""The TrainConfig fields that name a file or directory (typed Path: a new one is checked as these are)."""
 
 
 def path_length_problem(path: Path | None) -> str | None:

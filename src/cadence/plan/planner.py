@@ -5,8 +5,9 @@ diagnose (the analytic estimate of the configuration one would naively try: the 
    each with its estimated peak)
 -> measured trials (per precision/recompute/offload group, the largest micro-batch the estimate admits; when the
    measurement says it does not fit after all, the next smaller one)
--> decision (the highest measured throughput whose measured peak is within the budget: the effective batch is the
-   same for every candidate, so the math is too)
+-> decision (the front-runners timed again in alternating rounds (plan/measure.py); the highest median throughput
+   whose measured peak is within the budget, candidates tied with it within the rounds' noise going to the lower
+   peak: the effective batch is the same for every candidate, so the math is too), all within --time-budget
 -> quality check (the decision's window gradient against fp32 accumulation of the same window, and a short loss
    comparison against fp32).
 """
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -39,10 +41,10 @@ from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.recompute import CHECKPOINTING_MODES
 from cadence.models.hf import packed_attention_supported
 from cadence.output_files import atomic_write_json
+from cadence.plan.measure import Deadline, Rates, alternate, probe_precisions, ranked_with_ties, tied
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
-from cadence.plan.trials import DECISION_FIELDS, TrialResult, TrialSetup, run_trial
-from cadence.profiling.flops import matmul_speed
+from cadence.plan.trials import DECISION_FIELDS, TrialResult, TrialSetup, run_trial, timed_round
 from cadence.report.document import write_report
 from cadence.training.prepare import Prepared, prepare
 from cadence.verify.equivalence import compare_gradients, compare_losses
@@ -50,8 +52,13 @@ from cadence.verify.equivalence import compare_gradients, compare_losses
 PLAN_FILE = "plan.json"
 ESTIMATE_MARGIN = 1.15
 """Candidates whose estimate is up to 15% over the budget are still worth measuring: the estimate's tolerance."""
-CONFIRM_TOP = 2
-"""Front-runners measured a second time before the decision."""
+CONFIRM_TOP = 4
+"""Front-runners timed again in alternating rounds before the decision."""
+FRONT_RUNNER_SHARE = 0.2
+"""Candidates whose first measurement is at least this share of the best one's are front-runners. A busy machine
+slows one trial by several times (measured: 109 against 714 tokens/s for two gpt-tiny candidates with another
+process on the cores, in the order opposite to the quiet machine's), so a first measurement only rules out a
+candidate that is behind by more than such noise."""
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.1, "full": 1.35}
 OFFLOAD_COST = {"none": 1.0, "activations": 1.3, "optimizer": 1.5}
 """Prior relative cost per token, used only to order which candidates to measure first, never to decide."""
@@ -66,6 +73,12 @@ class PlanOptions:
     """Candidates measured at most; 0 measures every candidate (an exhaustive sweep)."""
     quality_steps: int = 6
     """Optimizer steps of the loss comparison against fp32."""
+    rounds: int = 3
+    """Alternating rounds (A B C A B C ...) in which the front-runners, and the cuts, are timed again; each one's
+    median decides, and two within the rounds' noise band are a tie, decided by the lower peak memory."""
+    time_budget: float = 300.0
+    """Seconds the plan may spend measuring. Trials are ordered by what they can teach (the fastest groups first)
+    and stop when it is spent, keeping time for the quality check; the plan says what it did not measure."""
 
 
 class PlanFailed(CadenceFailure):
@@ -81,6 +94,8 @@ class Candidate:
     estimate: MemoryEstimate
     status: str = "not measured"
     measured: TrialResult | None = None
+    rates: Rates | None = None
+    """The throughputs of its alternating rounds (front-runners and cuts), the first trial's included."""
 
     @property
     def group(self) -> tuple[str, str, str]:
@@ -91,7 +106,7 @@ def divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
 
-def validate_plan(config: TrainConfig, options: PlanOptions) -> None:
+def validate_plan(config: TrainConfig, options: PlanOptions, constrained: Collection[str] = ()) -> None:
     """Every problem of a plan request, each naming its flag."""
     problems: list[Problem] = []
     if config.effective_batch_size is None:
@@ -101,13 +116,16 @@ def validate_plan(config: TrainConfig, options: PlanOptions) -> None:
     if config.micro_batch_size == "auto":
         problems.append(Problem(where="--micro-batch-size", message="auto is what a plan decides; give a number "
                                                                      "to constrain the plan, or leave it out"))
-    if config.grad_accum_steps is not None:
+    if "grad_accum_steps" in constrained:
         problems.append(Problem(where="--grad-accum-steps", message="is what a plan decides from "
                                 "--effective-batch-size; give --micro-batch-size to constrain the split"))
-    for name, minimum in (("trial_steps", 3), ("max_trials", 0), ("quality_steps", 1)):
+    for name, minimum in (("trial_steps", 3), ("max_trials", 0), ("quality_steps", 1), ("rounds", 1)):
         if getattr(options, name) < minimum:
             problems.append(Problem(where="--" + name.replace("_", "-"),
                                     message=f"must be at least {minimum}, got {getattr(options, name)}"))
+    if not (options.time_budget > 0 and math.isfinite(options.time_budget)):
+        problems.append(Problem(where="--time-budget", message=f"must be a positive number of seconds, got "
+                                                                f"{options.time_budget}"))
     try:
         validate(config)
     except UsageError as err:
@@ -136,12 +154,9 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
     if "precision" in constrained:
         precisions = [config.precision]
     else:
-        speeds = {name: matmul_speed(name, device) for name in PRECISIONS if precision_problem(name, device) is None}
-        fastest = max(speeds.values())
-        precisions = [name for name, speed in speeds.items() if speed >= SLOW_PRECISION * fastest]
-        for name in sorted(set(speeds) - set(precisions)):
-            notes.append(f"{name} was left out: its matrix multiplies run at {speeds[name] / fastest:.0%} of the "
-                         f"fastest precision's on this {device.type} (measured), so it cannot win on throughput")
+        probe = probe_precisions([name for name in PRECISIONS if precision_problem(name, device) is None], device)
+        precisions = probe.kept
+        notes += probe.notes
     recomputes = [config.activation_checkpointing] if "activation_checkpointing" in constrained else list(
         CHECKPOINTING_MODES)
     if "offload" in constrained:
@@ -166,12 +181,6 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
                     )
                     candidates.append(Candidate(id=f"c{len(candidates) + 1:02d}", setup=setup, estimate=estimate))
     return candidates
-
-
-SLOW_PRECISION = 0.2
-"""A precision whose matmuls run below a fifth of the fastest one's is not a candidate: that is an emulated precision
-(fp16 on most CPUs runs at ~1% of bf16), not a close call. Closer calls are measured: a model is more than matmuls
-(fp32 matmuls at a third of bf16's AMX speed still train at 0.7x of bf16 on gpt-tiny)."""
 
 
 def precision_prior(device: torch.device) -> dict[str, float]:
@@ -212,7 +221,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     say = log or (lambda text: print(text, file=stream, flush=True))
     if "micro_batch_size" not in constrained:  # the plan decides it; the default 8 must not constrain validation
         config = dataclasses.replace(config, micro_batch_size=1, grad_accum_steps=None)
-    validate_plan(config, options)
+    validate_plan(config, options, constrained)
     started = time.perf_counter()
     out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
     # The run the plan is about, assembled as train assembles it (the model, its checks, the data through the token
@@ -237,8 +246,12 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
             candidate.status = "over budget (estimate)"
     queue = choose_trials(candidates, budget, options.max_trials, device)
     trials_left = len(candidates) if options.max_trials == 0 else options.max_trials
+    deadline = Deadline(options.time_budget, started=started)
     measured: list[Candidate] = []
     while queue and trials_left > 0:
+        if any(_feasible(c) for c in measured) and deadline.passed(_quality_reserve(measured, options)):
+            _out_of_time(queue, deadline, notes, "trials")
+            break
         candidate = queue.pop(0)
         trials_left -= 1
         _measure(candidate, prep, budget, options, say)
@@ -247,16 +260,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
             smaller = _next_smaller(candidates, candidate)  # the estimate was optimistic: step down in this group
             if smaller is not None and smaller.measured is None and smaller not in queue:
                 queue.insert(0, smaller)
-    feasible = [c for c in measured if c.measured and c.measured.fits and c.measured.tokens_per_s]
-    if len(feasible) > 1 and options.max_trials:
-        # Noise only ever slows a trial down (another process, a page fault), so a second round of the front-runners
-        # keeps each one's faster measurement: a decision between close candidates should not be a coin toss.
-        for candidate in sorted(feasible, key=lambda c: -c.measured.tokens_per_s)[:CONFIRM_TOP]:  # type: ignore
-            first = candidate.measured
-            _measure(candidate, prep, budget, options, say, label="confirm")
-            if first and candidate.measured and (candidate.measured.tokens_per_s or 0) < (first.tokens_per_s or 0):
-                candidate.measured = dataclasses.replace(candidate.measured, tokens_per_s=first.tokens_per_s,
-                                                         step_time_s=first.step_time_s)
+    feasible = [c for c in measured if _feasible(c)]
     if not feasible:
         smallest = min((c for c in measured if c.measured and c.measured.peak_bytes), default=None,
                        key=lambda c: c.measured.peak_bytes)  # type: ignore[union-attr]
@@ -264,8 +268,8 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
                   f"({smallest.setup.describe()})") if smallest else ""
         raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}. Try a larger --memory-budget, "
                          f"a smaller --seq-len or a smaller model.")
-    chosen = max(feasible, key=lambda c: c.measured.tokens_per_s)  # type: ignore[union-attr]
-    chosen, cuts = (_compare_cuts(prep, chosen, budget, options, say, model, notes)
+    chosen = _decide(feasible, prep, options, deadline, say, notes)
+    chosen, cuts = (_compare_cuts(prep, chosen, budget, options, say, model, notes, deadline)
                     if not constrained & set(CUT_FLAGS) else (chosen, []))
     say(f"choice: {chosen.id} {chosen.setup.describe()} at {chosen.measured.tokens_per_s:,.0f} tokens/s, "  # type: ignore
         f"peak {format_bytes(chosen.measured.peak_bytes)}")  # type: ignore[union-attr]
@@ -274,13 +278,91 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         f"({'pass' if quality['gradient']['passed'] else 'FAIL'}), loss within "
         f"{quality['loss']['max_relative_difference']:.2%} of fp32 ({'pass' if quality['loss']['passed'] else 'FAIL'})")
     plan = _plan_document(config, data, device, seq_len, budget, baseline, candidates, chosen, quality, notes,
-                          epoch_tokens(data), time.perf_counter() - started, model)
+                          epoch_tokens(data), time.perf_counter() - started, model, options.time_budget)
     plan["cuts"] = cuts
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / PLAN_FILE, plan)
     _write_report(out, say)
     say(f"plan written to {out / PLAN_FILE}; train with: cadence train --plan {out / PLAN_FILE}")
     return plan
+
+
+def _feasible(candidate: Candidate) -> bool:
+    return bool(candidate.measured and candidate.measured.fits and candidate.measured.tokens_per_s)
+
+
+def _quality_reserve(measured: list[Candidate], options: PlanOptions) -> float:
+    """Seconds to keep for the quality check: its two short runs and the gradient comparison, at the slowest
+    measured step time of a feasible candidate."""
+    step = max((c.measured.step_time_s or 0.0 for c in measured if _feasible(c)), default=0.0)  # type: ignore
+    return (2 * (max(3, options.quality_steps) + 1) + 2) * step
+
+
+def _out_of_time(left: list[Candidate], deadline: Deadline, notes: list[str], what: str) -> None:
+    for candidate in left:
+        candidate.status = "not measured: --time-budget spent"
+    if left:
+        notes.append(f"the --time-budget of {deadline.seconds:g} s was spent after {deadline.elapsed:.0f} s: "
+                     f"{len(left)} {what} were not measured ({', '.join(c.id for c in left)}); a larger "
+                     f"--time-budget measures them")
+
+
+def _simplicity(candidate: Candidate) -> tuple[int, ...]:
+    """Smaller is simpler: fewer levers pulled (recompute, offload, reduced precision), then less accumulation."""
+    setup = candidate.setup
+    return (CHECKPOINTING_MODES.index(setup.activation_checkpointing), OFFLOAD_MODES.index(setup.offload),
+            ("fp32", "bf16", "fp16").index(setup.precision), int(setup.cut.by_length), setup.grad_accum_steps)
+
+
+def _decide(feasible: list[Candidate], prep: Prepared, options: PlanOptions, deadline: Deadline,
+            say: Callable[[str], None], notes: list[str]) -> Candidate:
+    """The feasible candidate to train with. The front-runners (first measurements within FRONT_RUNNER_SHARE of the
+    best, at most CONFIRM_TOP) are timed again in alternating rounds; the fastest median wins, and candidates tied
+    with it within their noise go to the lowest measured peak, then the simplest configuration."""
+    best = max(c.measured.tokens_per_s for c in feasible)  # type: ignore[union-attr]
+    front = sorted((c for c in feasible if c.measured.tokens_per_s >= FRONT_RUNNER_SHARE * best),  # type: ignore
+                   key=lambda c: -c.measured.tokens_per_s)[:CONFIRM_TOP]  # type: ignore[union-attr]
+    for candidate in front:
+        candidate.rates = Rates(rounds=[candidate.measured.tokens_per_s])  # type: ignore[union-attr]
+    if len(front) > 1 and options.max_trials:
+        say(f"front-runners {', '.join(c.id for c in front)}: timing them again in up to {options.rounds} "
+            f"alternating rounds")
+        _alternate(front, prep, options, deadline, say, notes)
+    return _ranked(front, notes, "front-runners")
+
+
+def _alternate(items: list[Candidate], prep: Prepared, options: PlanOptions, deadline: Deadline,
+               say: Callable[[str], None], notes: list[str]) -> None:
+    def time_one(candidate: Candidate) -> float | None:
+        rate = timed_round(prep, candidate.setup, steps=max(1, options.trial_steps - 2))
+        if rate is not None:
+            candidate.rates.rounds.append(rate)  # type: ignore[union-attr]
+        say(f"  round {len(candidate.rates.rounds) - 1} {candidate.id}: "  # type: ignore[union-attr]
+            + (f"{rate:,.0f} tokens/s" if rate else "out of memory"))
+        return rate
+
+    done = alternate(items, options.rounds, time_one,
+                     should_stop=lambda: deadline.passed(_quality_reserve(items, options)))
+    if done < options.rounds:
+        notes.append(f"the --time-budget of {deadline.seconds:g} s allowed {done} of {options.rounds} alternating "
+                     f"rounds of {', '.join(c.id for c in items)}")
+
+
+def _ranked(items: list[Candidate], notes: list[str], what: str) -> Candidate:
+    """The winner of ``items`` by their rounds' medians, ties (within the noise band) said in the notes."""
+    winner, tie = ranked_with_ties(items, rates=lambda c: c.rates or Rates(), simplicity=_simplicity,
+                                   peak=lambda c: int(c.measured.peak_bytes or 0))  # type: ignore[union-attr]
+    for candidate in items:  # the median of the rounds is the candidate's throughput from here on
+        rates = candidate.rates
+        if rates is not None and rates.median is not None and candidate.measured is not None:
+            candidate.measured = dataclasses.replace(candidate.measured, tokens_per_s=rates.median)
+    if len(tie) > 1:
+        figures = "; ".join(f"{c.id} {c.rates.median:,.0f} +/- {c.rates.band:,.0f} tokens/s, peak "  # type: ignore
+                            f"{format_bytes(c.measured.peak_bytes)}" for c in tie)  # type: ignore[union-attr]
+        notes.append(f"{what} {', '.join(c.id for c in tie)} were tied within their measured noise ({figures}, "
+                     f"over {len(winner.rates.rounds)} rounds): {winner.id} was chosen for its lower peak memory, "  # type: ignore
+                     f"then the simpler configuration")
+    return winner
 
 
 CUT_GAIN = 1.03
@@ -292,7 +374,7 @@ for cuts by length to be measured."""
 
 
 def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions, say: Callable[[str], None],
-                  model: PlanModel, notes: list[str]) -> tuple[Candidate, list[dict[str, Any]]]:
+                  model: PlanModel, notes: list[str], deadline: Deadline) -> tuple[Candidate, list[dict[str, Any]]]:
     """For data of variable lengths, the chosen configuration measured again with its windows cut by length, by a
     token budget and packed: the same samples per window and the same gradient, less padding. The fastest that fits
     replaces drawn order when it is clearly faster. Returns the (possibly re-cut) choice and one row per cut."""
@@ -326,23 +408,48 @@ def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanO
     say(f"cuts: in drawn order {share:.0%} of the computed positions are real tokens; measuring the choice with "
         f"its windows cut {', '.join(name for name, _ in variants)} (a budget is {micro * seq_len} positions; same "
         f"samples, same gradient)")
-    rows = [_cut_row("drawn", chosen, chosen)]
+    names = {chosen.id: "drawn"}
     tried = [chosen]
     for name, fields in variants:
+        if deadline.passed(_quality_reserve(tried, options)):
+            notes.append(f"the --time-budget of {deadline.seconds:g} s was spent before the {name} cut was measured")
+            break
         cut = dataclasses.replace(chosen.setup.cut, **fields)
         variant = Candidate(id=f"{chosen.id}-{name.replace(' ', '-')}", estimate=chosen.estimate,
                             setup=dataclasses.replace(chosen.setup, cut=cut))
         _measure(variant, prep, budget, options, say, label="cut")
+        names[variant.id] = name
         tried.append(variant)
-        rows.append(_cut_row(name, variant, chosen))
-    fitting = [c for c in tried[1:] if c.measured and c.measured.fits and c.measured.tokens_per_s]
+    fitting = [c for c in tried[1:] if _feasible(c)]
+    if fitting:
+        # The cuts are the same math: only a clear, measured gain is worth another configuration. Timed in
+        # alternating rounds with the drawn order, as the front-runners were, so noise cannot crown one.
+        contenders = [chosen, *fitting]
+        for candidate in fitting:
+            candidate.rates = Rates(rounds=[candidate.measured.tokens_per_s])  # type: ignore[union-attr]
+        if chosen.rates is None:
+            chosen.rates = Rates(rounds=[chosen.measured.tokens_per_s])  # type: ignore[union-attr]
+        say(f"cuts {', '.join(names[c.id] for c in contenders)}: timing them again in up to {options.rounds} "
+            f"alternating rounds")
+        _alternate(contenders, prep, options, deadline, say, notes)
+        for candidate in contenders:
+            if candidate.rates is not None and candidate.rates.median is not None:
+                candidate.measured = dataclasses.replace(candidate.measured,  # type: ignore[arg-type]
+                                                         tokens_per_s=candidate.rates.median)
+    rows = [_cut_row(names[c.id], c, chosen) for c in tried]
     best = max(fitting, key=lambda c: c.measured.tokens_per_s, default=None)  # type: ignore[union-attr]
-    if best is not None and best.measured.tokens_per_s > CUT_GAIN * (measured.tokens_per_s or 0):  # type: ignore
+    drawn_rate = chosen.measured.tokens_per_s or 0  # type: ignore[union-attr]
+    if (best is not None and best.measured.tokens_per_s > CUT_GAIN * drawn_rate  # type: ignore[union-attr]
+            and not tied(best.rates or Rates(), chosen.rates or Rates())):
         for row in rows:
             row["chosen"] = row["id"] == best.id
         return best, rows
     rows[0]["chosen"] = True
-    notes.append("no cut by length was more than 3% faster than drawn order: the choice keeps drawn order")
+    if best is not None and best.measured.tokens_per_s > CUT_GAIN * drawn_rate:  # type: ignore[union-attr]
+        notes.append(f"the {names[best.id]} cut measured faster than drawn order, but within the rounds' noise: the "
+                     f"choice keeps drawn order")
+    else:
+        notes.append("no cut by length was more than 3% faster than drawn order: the choice keeps drawn order")
     return chosen, rows
 
 
@@ -353,7 +460,8 @@ def _cut_row(name: str, candidate: Candidate, drawn: Candidate) -> dict[str, Any
             "real_share": result.real_share if result else None, "tokens_per_s": rate,
             "ratio": rate / base.tokens_per_s if rate and base and base.tokens_per_s else None,
             "peak_bytes": result.peak_bytes if result else None, "fits": bool(result and result.fits),
-            "error": result.error if result else None, "chosen": False}
+            "error": result.error if result else None, "chosen": False,
+            "rounds": candidate.rates.as_dict() if candidate.rates else None}
 
 
 def _measure(candidate: Candidate, prep: Prepared, budget: int, options: PlanOptions, say: Callable[[str], None],
@@ -392,7 +500,8 @@ def _quality_check(prep: Prepared, chosen: Candidate, budget: int, options: Plan
 
 def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, seq_len: int, budget: int,
                    baseline: MemoryEstimate, candidates: list[Candidate], chosen: Candidate, quality: dict[str, Any],
-                   notes: list[str], tokens_per_epoch: int, duration: float, model: PlanModel) -> dict[str, Any]:
+                   notes: list[str], tokens_per_epoch: int, duration: float, model: PlanModel,
+                   time_budget: float) -> dict[str, Any]:
     def row(candidate: Candidate) -> dict[str, Any]:
         result = candidate.measured
         measured = None
@@ -408,7 +517,7 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
         return {"id": candidate.id, **candidate.setup.as_dict(), "estimated_peak_bytes": candidate.estimate.peak_bytes,
                 "estimated_by_category": candidate.estimate.by_category,
                 "fits_estimate": candidate.estimate.peak_bytes <= budget, "status": candidate.status,
-                "measured": measured}
+                "measured": measured, "rounds": candidate.rates.as_dict() if candidate.rates else None}
 
     rate = chosen.measured.tokens_per_s if chosen.measured else None
     return {
@@ -439,9 +548,18 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
             "explanation": baseline.dominant,
         },
         "candidates": [row(c) for c in candidates],
+        # What train --plan should see: the decision's throughput (the median of its rounds) and the time per epoch it
+        # implies; `cadence report` of the run puts the run's own figures beside them.
+        "prediction": {"tokens_per_s": rate, "tokens_per_s_band": chosen.rates.band if chosen.rates else None,
+                       "rounds": len(chosen.rates.rounds) if chosen.rates else 1,
+                       "seconds_per_epoch": tokens_per_epoch / rate if rate else None,
+                       "peak_bytes": chosen.measured.peak_bytes if chosen.measured else None},
+        "time_budget_s": time_budget,
         "choice": {"id": chosen.id, **chosen.setup.train_flags(),
-                   "reason": f"highest measured throughput ({rate:,.0f} tokens/s) among the measured candidates "
-                             f"whose measured peak is within the budget; every candidate has the same effective "
+                   "reason": f"highest measured throughput ({rate:,.0f} tokens/s, the median of "
+                             f"{len(chosen.rates.rounds) if chosen.rates else 1} alternating rounds) among the "
+                             f"measured candidates whose measured peak is within the budget, or the lowest peak among "
+                             f"those tied with it within the measured noise; every candidate has the same effective "
                              f"batch of {config.effective_batch_size}"
                              + (f"; its windows are cut ({chosen.setup.cut.describe()}) to compute less padding "
                                 f"for the same gradient" if chosen.setup.cut.by_length else "")},

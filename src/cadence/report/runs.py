@@ -49,6 +49,7 @@ def run_report(root: Path) -> Report:
                                      f"from {METRICS_FILE}."))
         summary = _summary_from_rows(rows)
     blocks.append(Bullets(items=_total_items(summary, rows)))
+    blocks += _planned_against_measured(config, summary)
     blocks += [Heading(text="What to try next"), Bullets(items=next_steps(root, config, summary, rows))]
     blocks += [Heading(text="Plots"), *_run_plots(rows, config, summary)]
     if rows:
@@ -274,6 +275,41 @@ def _model_and_data_flags(config: dict[str, Any]) -> list[str]:
     if get("seq_len"):
         flags.append(f"--seq-len {get('seq_len')}")
     return flags
+
+
+PLAN_MATCH = 0.15
+"""A plan's predicted throughput within this share of the run's measured one is a prediction that held."""
+
+
+def _planned_against_measured(config: dict[str, Any], summary: dict[str, Any]) -> list[Block]:
+    """For a run trained with --plan: the plan's predicted throughput and time per epoch beside the run's."""
+    plan_path = config.get("plan")
+    if not isinstance(plan_path, str):
+        return []
+    heading = Heading(text="Planned against measured")
+    try:
+        plan = read_json_object(Path(plan_path))
+    except UsageError:
+        return [heading, Paragraph(text=f"The plan {plan_path} this run was trained with can no longer be read, so "
+                                        f"its prediction cannot be compared.")]
+    prediction = plan.get("prediction") if isinstance(plan.get("prediction"), dict) else {}
+    predicted, measured = prediction.get("tokens_per_s"), summary.get("tokens_per_s")
+    if not (plots.finite(predicted) and plots.finite(measured) and predicted > 0):
+        return [heading, Paragraph(text=f"The plan {plan_path} records no predicted throughput (made before plans "
+                                        f"did), so there is nothing to compare.")]
+    ratio = measured / predicted
+    band = prediction.get("tokens_per_s_band")
+    items = [f"**Throughput:** planned {predicted:,.0f} tokens/s"
+             + (f" (+/- {band:,.0f} over {prediction.get('rounds')} rounds)" if plots.finite(band) and band else "")
+             + f", measured {measured:,.0f} tokens/s: {ratio:.2f}x of the prediction, "
+             + ("within" if abs(ratio - 1) <= PLAN_MATCH else "outside") + f" {PLAN_MATCH:.0%}"]
+    if plots.finite(prediction.get("seconds_per_epoch")):
+        items.append(f"**Time per epoch:** planned {format_hms(prediction['seconds_per_epoch'])}, at the measured "
+                     f"throughput {format_hms(prediction['seconds_per_epoch'] / ratio)}")
+    if plots.finite(prediction.get("peak_bytes")) and plots.finite(summary.get("peak_memory_bytes")):
+        items.append(f"**Peak memory:** planned {format_bytes(prediction['peak_bytes'])}, measured "
+                     f"{format_bytes(summary['peak_memory_bytes'])}")
+    return [heading, Bullets(items=items)]
 
 
 def _plan_flags(config: dict[str, Any]) -> str:

@@ -1,0 +1,116 @@
+"""Benchmark: does a plan predict the training it chooses, on a quiet machine and beside a CPU-bound process?
+
+Issue 28's setup: `cadence plan` of gpt-small (`--seq-len 256 --effective-batch-size 32 --memory-budget 384MiB`,
+default `--time-budget`), then `cadence train --plan` with no other flag than its length and --out, as a user
+would. Each condition (quiet, then with one `while True: pass` process per core but one beside it) records the
+plan's wall time against its time budget, its decision, the predicted tokens/s (the median of the decision's
+alternating rounds) and the training's measured tokens/s. Writes benchmarks/results/plan_prediction.json and prints
+the markdown block for BENCHMARKS.md.
+
+    .venv/bin/python benchmarks/plan_prediction.py [--quick] [--train-steps 30] [--conditions quiet loaded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from bench_env import environment
+
+from cadence.cli import main as cadence
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@contextlib.contextmanager
+def load(condition: str) -> Iterator[int]:
+    """``loaded``: CPU-bound processes beside the plan (all cores but one, at least one); ``quiet``: none."""
+    count = 0 if condition == "quiet" else max(1, (os.cpu_count() or 2) - 1)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield count
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+def run_condition(condition: str, args: argparse.Namespace, root: Path) -> dict:
+    plan_dir, run_dir = root / f"plan-{condition}", root / f"run-{condition}"
+    shape = ["--model", args.model, "--seq-len", str(args.seq_len), "--effective-batch-size", str(args.batch),
+             "--memory-budget", args.budget]
+    extra = ["--time-budget", str(args.time_budget)] if args.time_budget else []
+    with load(condition) as burners:
+        started = time.perf_counter()
+        assert cadence(["plan", *shape, *extra, "--out", str(plan_dir)]) == 0
+        plan_seconds = time.perf_counter() - started
+        assert cadence(["train", "--plan", str(plan_dir / "plan.json"), "--max-steps", str(args.train_steps),
+                        "--val-fraction", "0", "--out", str(run_dir)]) == 0
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    predicted, measured = plan["prediction"]["tokens_per_s"], summary["tokens_per_s"]
+    return {"condition": condition, "burners": burners, "plan_seconds": plan_seconds,
+            "time_budget_s": plan["time_budget_s"], "choice": plan["choice"], "prediction": plan["prediction"],
+            "train_steps": args.train_steps, "measured_tokens_per_s": measured,
+            "ratio": measured / predicted if predicted else None,
+            "notes": [note for note in plan["notes"] if "tied" in note or "time-budget" in note]}
+
+
+def render(data: dict) -> list[str]:
+    lines = [f"{data['model']} at seq {data['seq_len']}, effective batch {data['effective_batch_size']}, budget "
+             f"{data['budget']}: `cadence plan` (default `--time-budget`), then `cadence train --plan` for "
+             f"{data['conditions'][0]['train_steps']} steps. Loaded: CPU-bound processes beside both.", ""]
+    lines += ["| condition | plan time / budget | choice | predicted tokens/s | measured tokens/s | measured / predicted |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for row in data["conditions"]:
+        choice = row["choice"]
+        chosen = (f"{choice['id']}: micro {choice['micro_batch_size']} x {choice['grad_accum_steps']}, "
+                  f"{choice['precision']}, recompute {choice['activation_checkpointing']}")
+        band = row["prediction"].get("tokens_per_s_band")
+        predicted = f"{row['prediction']['tokens_per_s']:,.0f}" + (f" +/- {band:,.0f}" if band else "")
+        ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
+        lines.append(f"| {row['condition']} ({row['burners']} burners) | {row['plan_seconds']:.0f} s / "
+                     f"{row['time_budget_s']:.0f} s | {chosen} | {predicted} | {row['measured_tokens_per_s']:,.0f} "
+                     f"| {ratio} |")
+    notes = [note for row in data["conditions"] for note in row["notes"]]
+    if notes:
+        lines += ["", "The plans' notes on ties and the time budget:", ""] + [f"- {note}" for note in notes]
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-small")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--budget", default="384MiB")
+    parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument("--time-budget", type=float, default=None, help="default: the plan's own default")
+    parser.add_argument("--conditions", nargs="+", default=["quiet", "loaded"], choices=["quiet", "loaded"])
+    parser.add_argument("--quick", action="store_true", help="gpt-tiny, seq 64, a few steps: a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.model, args.seq_len, args.batch, args.budget, args.train_steps = "gpt-tiny", 64, 8, "256MiB", 4
+        args.time_budget = args.time_budget or 30.0
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [run_condition(condition, args, Path(tmp)) for condition in args.conditions]
+    data = {"environment": environment(), "model": args.model, "seq_len": args.seq_len,
+            "effective_batch_size": args.batch, "budget": args.budget, "conditions": rows}
+    out = RESULTS / ("plan_prediction_quick.json" if args.quick else "plan_prediction.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print("\n".join(render(data)))
+    print(f"written: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
