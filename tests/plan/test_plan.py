@@ -68,7 +68,11 @@ def test_plan_end_to_end_and_train_with_it(tmp_path):
     chosen = next(c for c in plan["candidates"] if c["id"] == plan["choice"]["id"])
     assert chosen["measured"]["fits"] and chosen["measured"]["peak_bytes"] <= plan["memory_budget_bytes"]
     measured = [c for c in plan["candidates"] if c["measured"] and c["measured"]["fits"]]
-    assert chosen["measured"]["tokens_per_s"] == max(c["measured"]["tokens_per_s"] for c in measured)
+    fastest = max(measured, key=lambda c: c["measured"]["tokens_per_s"])
+    if fastest["id"] != chosen["id"]:  # only a tie within the measured noise, which goes to the lower peak
+        assert any("tied within their measured noise" in note and fastest["id"] in note and chosen["id"] in note
+                   for note in plan["notes"]), plan["notes"]
+        assert chosen["measured"]["peak_bytes"] <= fastest["measured"]["peak_bytes"]
     assert plan["quality"]["gradient"]["passed"] and plan["quality"]["gradient"]["relative_error"] < 1e-5
     assert plan["quality"]["loss"]["passed"]
     assert plan["diagnosis"]["dominant"] in plan["diagnosis"]["estimate"]["by_category"]
@@ -136,9 +140,9 @@ def test_a_trial_setup_is_the_verify_setup_plus_its_accumulation() -> None:
                        activation_checkpointing="full", offload="none")
     assert isinstance(setup, Setup)  # the quality check compares exactly the configuration the plan chose
     assert setup.as_dict() == {"micro_batch_size": 2, "grad_accum_steps": 4, "precision": "bf16",
-                               "activation_checkpointing": "full", "offload": "none"}
+                               "activation_checkpointing": "full", "offload": "none", "loss_chunk_tokens": 0}
     assert list(setup.as_dict()) == ["micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing",
-                                     "offload"]  # plan.json's order
+                                     "offload", "loss_chunk_tokens"]  # plan.json's order
     assert setup.describe() == "micro 2 x accum 4, bf16, recompute full, offload none"
 
 

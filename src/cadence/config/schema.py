@@ -57,7 +57,7 @@ MODEL = _section("Model", "plan", "profile", "verify", "prepare-data")
 DATA = _section("Data", "plan", "profile", "verify", "prepare-data")
 BATCH = _section("Batch", "plan", "profile", "verify")
 CUT = _section("Micro-batch cut", "plan", "profile", "verify")
-PRECISION = _section("Precision, recompute and offload", "plan", "profile", "verify")
+PRECISION = _section("Precision and memory levers", "plan", "profile", "verify")
 OPTIMIZER = _section("Optimizer", "plan", "profile", "verify")
 DEVICE = _section("Device and seed", "plan", "profile", "verify")
 DISTRIBUTED = _section("Distributed", "verify")
@@ -153,7 +153,7 @@ class TrainConfig:
     """How CUDA runs fp32 matrix multiplies (and convolutions): tf32 (TensorFloat-32 tensor cores: about 1e-3
     relative error per product, several times faster on Ampere and later) or exact (full fp32). Under bf16/fp16 only
     the ops autocast leaves in fp32 are affected; CPU matmuls are always exact. Set for the run only."""
-    loss_chunk_tokens: int = setting(0, MEMORY)
+    loss_chunk_tokens: int = setting(0, PRECISION)
     """Compute the LM head and the cross-entropy N target tokens at a time, each chunk's logits recomputed in the
     backward, so that the [tokens x vocabulary] logits and their gradient never exist whole; only positions with a
     target reach the head. Same gradient (fp32: to rounding); a resume may change it. 0 (default): all logits at

@@ -39,15 +39,20 @@ class PlanModel:
     """The model built to read the shape (used for loading data with its tokenizer)."""
 
     def estimate(self, *, micro_batch_size: int, seq_len: int, precision: str, checkpointing: str,
-                 offload: str = "none", device_type: str = "cpu", grad_accum_steps: int = 1) -> MemoryEstimate:
+                 offload: str = "none", device_type: str = "cpu", grad_accum_steps: int = 1,
+                 loss_chunk_tokens: int = 0) -> MemoryEstimate:
         options: dict[str, Any] = {
             "micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision,
             "checkpointing": checkpointing, "offload": offload, "device_type": device_type,
-            "grad_accum_steps": grad_accum_steps,
+            "grad_accum_steps": grad_accum_steps, "loss_chunk_tokens": loss_chunk_tokens,
         }
         if self.shape is None:
             return estimate_step_memory(MODEL_CONFIGS[self.config.model], **options)
         return estimate_hf_step_memory(self.shape, model_type=str(self.model_type), **options)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size if self.shape is not None else MODEL_CONFIGS[self.config.model].vocab_size
 
     def build(self) -> torch.nn.Module:
         """A fresh model with the seed's initial weights."""

@@ -44,7 +44,7 @@ from cadence.output_files import atomic_write_json
 from cadence.plan.measure import Deadline, Rates, alternate, probe_precisions, ranked_with_ties, tied
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
-from cadence.plan.trials import DECISION_FIELDS, TrialResult, TrialSetup, run_trial, timed_round
+from cadence.plan.trials import DECISION_DEFAULTS, DECISION_FIELDS, TrialResult, TrialSetup, run_trial, timed_round
 from cadence.report.document import write_report
 from cadence.training.prepare import Prepared, prepare
 from cadence.verify.equivalence import compare_gradients, compare_losses
@@ -61,6 +61,7 @@ process on the cores, in the order opposite to the quiet machine's), so a first 
 candidate that is behind by more than such noise."""
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.1, "full": 1.35}
 OFFLOAD_COST = {"none": 1.0, "activations": 1.3, "optimizer": 1.5}
+CHUNK_COST = 1.15
 """Prior relative cost per token, used only to order which candidates to measure first, never to decide."""
 
 @dataclass(kw_only=True)
@@ -98,8 +99,9 @@ class Candidate:
     """The throughputs of its alternating rounds (front-runners and cuts), the first trial's included."""
 
     @property
-    def group(self) -> tuple[str, str, str]:
-        return (self.setup.precision, self.setup.activation_checkpointing, self.setup.offload)
+    def group(self) -> tuple[str, str, str, int]:
+        return (self.setup.precision, self.setup.activation_checkpointing, self.setup.offload,
+                self.setup.loss_chunk_tokens)
 
 
 def divisors(number: int) -> list[int]:
@@ -167,20 +169,52 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
         offloads = ["none"]
         notes.append("offload (activations or optimizer) saves nothing on a CPU-only machine: host memory is the "
                      "device memory. Offload candidates were left out rather than measured as if they helped.")
+    chunks = loss_chunk_options(config, constrained, model, seq_len, int(config.memory_budget_bytes() or 0), device,
+                                notes)
     candidates = []
     for precision in precisions:
         for recompute in recomputes:
             for offload in offloads:
-                for micro in micro_sizes:
-                    setup = TrialSetup(cut=given_cut(config, constrained, micro, seq_len),
-                                       grad_accum_steps=effective // micro, precision=precision,
-                                       activation_checkpointing=recompute, offload=offload)
-                    estimate = model.estimate(
-                        micro_batch_size=micro, seq_len=seq_len, precision=precision, checkpointing=recompute,
-                        offload=offload, device_type=device.type, grad_accum_steps=setup.grad_accum_steps,
-                    )
-                    candidates.append(Candidate(id=f"c{len(candidates) + 1:02d}", setup=setup, estimate=estimate))
+                for chunk in chunks:
+                    for micro in micro_sizes:
+                        setup = TrialSetup(cut=given_cut(config, constrained, micro, seq_len),
+                                           grad_accum_steps=effective // micro, precision=precision,
+                                           activation_checkpointing=recompute, offload=offload,
+                                           loss_chunk_tokens=chunk)
+                        estimate = model.estimate(
+                            micro_batch_size=micro, seq_len=seq_len, precision=precision, checkpointing=recompute,
+                            offload=offload, device_type=device.type, grad_accum_steps=setup.grad_accum_steps,
+                            loss_chunk_tokens=chunk,
+                        )
+                        candidates.append(Candidate(id=f"c{len(candidates) + 1:02d}", setup=setup,
+                                                    estimate=estimate))
     return candidates
+
+
+LOSS_CHUNKS = (1024, 256, 64)
+"""Loss chunk sizes a plan may try, largest (cheapest: fewest recomputed head matmuls) first."""
+CHUNK_SAVING = 0.9
+"""Loss chunking is a candidate only where the estimate says it cuts the peak of the smallest micro-batch by more
+than 10%: with a byte vocabulary the logits are a sliver of the memory, and chunking only costs time."""
+
+
+def loss_chunk_options(config: TrainConfig, constrained: set[str], model: PlanModel, seq_len: int, budget: int,
+                       device: torch.device, notes: list[str]) -> list[int]:
+    """The --loss-chunk-tokens values worth measuring: 0 (all logits at once) and, where the logits matter, the
+    largest chunk whose estimate at micro-batch 1 fits the budget (the smallest size when none does)."""
+    if "loss_chunk_tokens" in constrained:
+        return [config.loss_chunk_tokens]
+    def peak(chunk: int) -> int:
+        return model.estimate(micro_batch_size=1, seq_len=seq_len, precision="fp32", checkpointing="none",
+                              device_type=device.type, loss_chunk_tokens=chunk).peak_bytes
+    whole = peak(0)
+    sizes = [size for size in LOSS_CHUNKS if size < seq_len]
+    if not sizes or peak(sizes[-1]) > CHUNK_SAVING * whole:
+        notes.append(f"loss chunking was not a candidate: with a vocabulary of {model.vocab_size:,} the logits are "
+                     f"a small part of the estimated peak, so chunking them would only cost time")
+        return [0]
+    fitting = [size for size in sizes if peak(size) <= budget]
+    return [0, fitting[0] if fitting else sizes[-1]]
 
 
 def precision_prior(device: torch.device) -> dict[str, float]:
@@ -195,7 +229,7 @@ def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, dev
     if max_trials == 0:
         return list(candidates)
     prior = precision_prior(device)
-    leaders: dict[tuple[str, str, str], Candidate] = {}
+    leaders: dict[tuple[str, str, str, int], Candidate] = {}
     for candidate in candidates:
         if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
             continue
@@ -203,7 +237,8 @@ def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, dev
         if best is None or candidate.setup.micro_batch_size > best.setup.micro_batch_size:
             leaders[candidate.group] = candidate
     ordered = sorted(leaders.values(), key=lambda c: prior[c.setup.precision]
-                     * RECOMPUTE_COST[c.setup.activation_checkpointing] * OFFLOAD_COST[c.setup.offload])
+                     * RECOMPUTE_COST[c.setup.activation_checkpointing] * OFFLOAD_COST[c.setup.offload]
+                     * (CHUNK_COST if c.setup.loss_chunk_tokens else 1.0))
     return ordered[:max_trials]
 
 
@@ -308,10 +343,12 @@ def _out_of_time(left: list[Candidate], deadline: Deadline, notes: list[str], wh
 
 
 def _simplicity(candidate: Candidate) -> tuple[int, ...]:
-    """Smaller is simpler: fewer levers pulled (recompute, offload, reduced precision), then less accumulation."""
+    """Smaller is simpler: fewer levers pulled (recompute, offload, loss chunks, reduced precision), then less
+    accumulation."""
     setup = candidate.setup
     return (CHECKPOINTING_MODES.index(setup.activation_checkpointing), OFFLOAD_MODES.index(setup.offload),
-            ("fp32", "bf16", "fp16").index(setup.precision), int(setup.cut.by_length), setup.grad_accum_steps)
+            int(setup.loss_chunk_tokens > 0), ("fp32", "bf16", "fp16").index(setup.precision),
+            int(setup.cut.by_length), setup.grad_accum_steps)
 
 
 def _decide(feasible: list[Candidate], prep: Prepared, options: PlanOptions, deadline: Deadline,
@@ -587,7 +624,9 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
     try:
         plan = json.loads(content.decode("utf-8"))
         choice = plan["choice"]
-        decided = {name: choice[name] for name in DECISION_FIELDS}
+        # A lever a plan.json predates (it has no key for it) was not pulled: its default.
+        decided = {name: choice[name] if name in choice or name not in DECISION_DEFAULTS else DECISION_DEFAULTS[name]
+                   for name in DECISION_FIELDS}
         decided.update({name: choice.get(name, default) for name, default in CUT_FLAG_DEFAULTS.items()})
         decided.update(model=plan["model"], seq_len=plan["seq_len"], effective_batch_size=None)
         if plan.get("model_config"):  # a Hugging Face model's --model-config overrides

@@ -54,7 +54,8 @@ def plan_report(root: Path) -> Report:
 def _config_text(item: dict[str, Any]) -> str:
     return (f"{item.get('micro_batch_size', '?')} micro-batch x {item.get('grad_accum_steps', '?')} accumulation, "
             f"{item.get('precision', '?')}, recompute {item.get('activation_checkpointing', 'none')}, "
-            f"offload {item.get('offload', 'none')}")
+            f"offload {item.get('offload', 'none')}"
+            + (f", loss chunks of {item['loss_chunk_tokens']}" if item.get("loss_chunk_tokens") else ""))
 
 
 def _plan_setup(plan: dict[str, Any]) -> list[str]:

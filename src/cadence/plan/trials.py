@@ -30,6 +30,9 @@ DECISION_FIELDS: tuple[str, ...] = ("micro_batch_size", "grad_accum_steps",
 """What a plan decides, in plan.json's order: the split of the effective batch, then how the verify Setup computes
 a window (each of its fields, so a new one is decided and recorded too). plan.json records the setup's cut next to
 them, as train's cut flags."""
+DECISION_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Setup)
+                                     if f.name != "cut" and f.default is not dataclasses.MISSING}
+"""What a decision field is when a plan.json has no key for it (a lever added after the plan was made)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -49,7 +52,8 @@ class TrialSetup(Setup):
     def describe(self) -> str:
         cut = self.cut.describe()
         return (f"micro {self.micro_batch_size} x accum {self.grad_accum_steps}, {self.precision}, "
-                f"recompute {self.activation_checkpointing}, offload {self.offload}" + (f", {cut}" if cut else ""))
+                f"recompute {self.activation_checkpointing}, offload {self.offload}" + self.lever_text()
+                + (f", {cut}" if cut else ""))
 
 
 @dataclass(kw_only=True)

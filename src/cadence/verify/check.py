@@ -247,7 +247,7 @@ def _compare_after_steps(build: Callable[[], torch.nn.Module], windows: Sequence
         device = next(model.parameters()).device
         model = wrap_model(model, run_ranks, device, precision=run_setup.precision)
         engine = Engine(model, make_optimizer(model), precision=run_setup.precision,
-                        max_grad_norm=max_grad_norm, loss_fn=user_loss,
+                        max_grad_norm=max_grad_norm, loss_fn=run_setup.loss_for(user_loss),
                         collective=ProcessGroupCollective(run_ranks, device) if run_ranks.launched else None)
         for window in windows[:steps]:
             engine.step(split_for(run_setup, _as_window(window), run_ranks))
@@ -270,7 +270,7 @@ def format_result(result: VerifyResult) -> str:
     lines = [
         f"cadence verify: micro {s.micro_batch_size} x accum {result.grad_accum_steps}"
         + (f" x {result.world_size} processes" if result.world_size > 1 else "") + f" = {result.effective_batch_size}"
-        f", {s.precision}, recompute {s.activation_checkpointing}, offload {s.offload}"
+        f", {s.precision}, recompute {s.activation_checkpointing}, offload {s.offload}{s.lever_text()}"
         + (f", {s.cut.describe()}" if s.cut.by_length else ""),
         f"reference: {result.reference}",
         f"{'gradient relative error':<28}{result.relative_error:>12.3e}   tolerance {result.tolerance:.0e}",
@@ -330,7 +330,7 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ra
         return build_model(config.model).to(prep.device)
 
     setup = Setup(cut=prep.cut, precision=config.precision, activation_checkpointing=config.activation_checkpointing,
-                  offload=config.offload)
+                  offload=config.offload, loss_chunk_tokens=config.loss_chunk_tokens)
     result = verify(model_factory, windows, setup, steps=options.steps,
                     build_optimizer=lambda model: build_optimizer(model, config),
                     max_grad_norm=config.max_grad_norm, ranks=ranks)

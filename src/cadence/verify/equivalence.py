@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
+from cadence.engine.chunked_loss import ChunkedCrossEntropy
 from cadence.engine.cut import Cut
 from cadence.engine.precision import PrecisionName
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
@@ -46,6 +47,8 @@ class Setup:
     precision: PrecisionName = "fp32"
     activation_checkpointing: CheckpointingMode = "none"
     offload: OffloadMode = "none"
+    loss_chunk_tokens: int = 0
+    """``--loss-chunk-tokens``: the LM head and cross-entropy this many target tokens at a time (0: all at once)."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -54,7 +57,18 @@ class Setup:
     def describe(self) -> str:
         cut = self.cut.describe()
         return (f"micro {self.micro_batch_size}, {self.precision}, recompute {self.activation_checkpointing}, "
-                f"offload {self.offload}" + (f", {cut}" if cut else ""))
+                f"offload {self.offload}" + self.lever_text() + (f", {cut}" if cut else ""))
+
+    def lever_text(self) -> str:
+        """The levers beyond precision, recompute and offload, as a suffix ("" when none is pulled)."""
+        return f", loss chunks of {self.loss_chunk_tokens}" if self.loss_chunk_tokens else ""
+
+    def loss_for(self, loss_fn: LossFn) -> LossFn:
+        """The loss this setup computes: ``loss_fn``, or, when it is the default next-token loss and the setup chunks
+        it, the same loss a chunk of targets at a time (an exact lever: the reference keeps all logits at once)."""
+        if self.loss_chunk_tokens and loss_fn is token_cross_entropy_sum:
+            return ChunkedCrossEntropy(self.loss_chunk_tokens)
+        return loss_fn
 
 
 def split_for(setup: Setup, window: Window, ranks: Ranks = SINGLE) -> Window:
@@ -115,7 +129,7 @@ def parameter_gradients(
         optimizer = OffloadedOptimizer(model.parameters(), optimizer_class=_GradientRecorder)
         recorder = optimizer.inner  # type: ignore[assignment]
     engine = Engine(model, optimizer, precision=setup.precision, max_grad_norm=0.0,
-                    offload_activations=setup.offload == "activations", loss_fn=loss_fn,
+                    offload_activations=setup.offload == "activations", loss_fn=setup.loss_for(loss_fn),
                     collective=ProcessGroupCollective(ranks, device) if ranks.launched else None)
     split = split_for(setup, window, ranks)
     for _ in range(max_overflow_retries + 1):
