@@ -94,7 +94,7 @@ def test_two_plans_beside_a_cpu_bound_process_agree_or_say_they_are_tied(tmp_pat
     configuration, or each one reports the other's choice as tied with its own within the measured noise."""
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        plans = [_plan(tmp_path, f"busy-{k}", "--precision", "fp32", "--rounds", "3") for k in range(2)]
+        plans = [_plan(tmp_path, f"busy-{k}", "--precision", "fp32", "--rounds", "2") for k in range(2)]
     finally:
         burner.kill()
         burner.wait()
