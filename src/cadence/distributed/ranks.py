@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.config import Strategy
+from cadence.engine.noise_scale import FirstGradient, gradient_norm, local_first_gradient
 from cadence.memory.recompute import checkpoint_blocks
 
 
@@ -147,6 +148,11 @@ class ProcessGroupCollective:
         self.world_size = ranks.world_size
         # nccl reduces CUDA tensors only; gloo reduces CPU tensors.
         self._reduce_device = device if device.type == "cuda" else torch.device("cpu")
+        # The noise scale's view of a synchronising backward (watch_local_gradients): whether a hook is registered,
+        # whether it takes norms in the current backward, and their sum of squares so far.
+        self._watching = False
+        self._armed = False
+        self._local_sq: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def gradient_sync(self, model: torch.nn.Module, enabled: bool) -> Iterator[None]:
@@ -172,6 +178,77 @@ class ProcessGroupCollective:
         reduced = values.to(self._reduce_device)
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
         return reduced.cpu()
+
+    # ------------------------------------------------------------------------------------ the gradient noise scale
+    def watch_local_gradients(self, model: torch.nn.Module) -> None:
+        """Under DDP, register a communication hook that can take the norm of this rank's own gradient just before
+        DDP all-reduces it (the all-reduce itself is DDP's default, unchanged): a window of one micro-batch per rank
+        syncs inside its only backward, and the noise scale then compares this rank's gradient with the all-reduced
+        one. Call once, before the first backward, when the noise scale is measured (a model takes one hook only)."""
+        if self.ranks.strategy != "ddp":
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        # No annotations: DDP compares them with dist.GradBucket as real types, and this module's are strings.
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            if self._armed:
+                # Before the all-reduce averages the bucket in place: this rank's gradient, one bucket at a time
+                # (queued on the stream the all-reduce then waits on; nothing is read back).
+                squared = torch.linalg.vector_norm(bucket.buffer()).square()
+                self._local_sq = squared if self._local_sq is None else self._local_sq + squared
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, hook)  # type: ignore[operator]
+        self._watching = True
+
+    def first_gradient_problem(self, *, synced: bool) -> str | None:
+        """Why the first micro-batch's gradient cannot be read for the noise scale (None when it can); ``synced``:
+        that micro-batch is also the window's last, so its backward synchronises."""
+        every = self.ranks.sync_every_micro_step
+        if self.ranks.strategy == "fsdp":
+            if synced:
+                return ("under FSDP2 the window's only micro-batch is reduce-scattered inside its backward and no "
+                        "rank keeps its own gradient: accumulate 2 or more micro-batches, with "
+                        "--sync-every-micro-step")
+            if not every:
+                return ("under FSDP2 an unsynchronised micro-batch's gradient stays inside FSDP2's own parameter "
+                        "state, which has no public accessor; with --sync-every-micro-step it is in the sharded "
+                        "gradients, where its norm costs one small all-reduce")
+            return None
+        if (synced or every) and not self._watching:
+            return ("DDP all-reduces this micro-batch's gradient inside its backward, and no communication hook "
+                    "takes its local norm first (ProcessGroupCollective.watch_local_gradients)")
+        return None
+
+    @contextlib.contextmanager
+    def first_gradient(self, model: torch.nn.Module, *, synced: bool) -> Iterator[FirstGradient]:
+        """The window's first micro-batch's gradient for the noise scale (cadence.engine.noise_scale), read after
+        its backward: this rank's own under DDP (unsynchronised in the parameters, or taken by the hook of
+        ``watch_local_gradients`` before the all-reduce); under FSDP2 with --sync-every-micro-step the sharded,
+        reduced gradient of all ranks' first micro-batches, whose norm costs one scalar all-reduce."""
+        problem = self.first_gradient_problem(synced=synced)
+        if problem is not None:
+            yield FirstGradient(unavailable=problem)
+            return
+        if self.ranks.strategy == "fsdp":
+            found = FirstGradient(reduced=True)
+            yield found
+            found.norm = gradient_norm(model.parameters())  # DTensor shards: full_tensor() all-reduces the sum
+            return
+        if not (synced or self.ranks.sync_every_micro_step):
+            with local_first_gradient(model) as found:  # no_sync kept this rank's own gradient in the parameters
+                yield found
+            return
+        found = FirstGradient()
+        self._local_sq, self._armed = None, True
+        try:
+            yield found
+        finally:
+            self._armed = False
+        if self._local_sq is None:
+            found.unavailable = "DDP's communication hook saw no gradient bucket in this backward"
+        else:
+            found.norm, self._local_sq = self._local_sq.sqrt(), None
 
 
 def any_rank(flag: bool, ranks: Ranks) -> bool:

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from cadence.engine.noise_scale import FirstGradient, GradientNoiseScale, local_first_gradient
 from cadence.engine.precision import Precision, PrecisionName
 from cadence.engine.windows import IGNORE_INDEX, Batch, Window, WindowCounter, make_window
 from cadence.errors import CadenceFailure
@@ -148,6 +149,11 @@ class Collective(Protocol):
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small float64 vector over all processes (every process receives the sum)."""
 
+    def first_gradient(self, model: torch.nn.Module, *,
+                       synced: bool) -> contextlib.AbstractContextManager[FirstGradient]:
+        """Only for the gradient noise scale (``Engine(noise_scale=...)``; a collective without it gets none): around
+        a window's first micro-batch, its norm once its backward is done (``synced``: that backward synchronises)."""
+
 
 class SingleProcess:
     """One process: nothing to synchronise."""
@@ -159,6 +165,10 @@ class SingleProcess:
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return values
+
+    def first_gradient(self, model: torch.nn.Module, *,
+                       synced: bool) -> contextlib.AbstractContextManager[FirstGradient]:
+        return local_first_gradient(model)
 
 
 @dataclass(kw_only=True)
@@ -191,6 +201,11 @@ class StepResult:
     padded_positions: int = 0
     """Positions computed beyond the real tokens (right padding), summed over processes: the compute a length-aware
     cut (--micro-batch-order by-length, --micro-batch-tokens) saves."""
+    grad_noise_scale: float | None = None
+    """The gradient noise scale in sequences, its moving average after this window (cadence.engine.noise_scale);
+    None when not measured (no ``noise_scale``, one batch size only) or not yet positive."""
+    grad_noise_scale_tokens: float | None = None
+    """The same in tokens (sequences x mean real tokens per sequence)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -222,6 +237,7 @@ class Engine:
         memory_budget_bytes: int | None = None,
         agree_on_out_of_memory: bool = False,
         hf_labels: bool = False,
+        noise_scale: GradientNoiseScale | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -243,6 +259,9 @@ class Engine:
         """Windows given as plain lists hold Hugging Face style labels (equal to ``input_ids``): shift them."""
         self._labels_checked = hf_labels or not reads_next_token_labels(loss_fn)
         """The first window's labels are checked once for the Hugging Face convention (see ``step``)."""
+        self.noise_scale = noise_scale
+        """Measures the gradient noise scale from the window's two batch sizes (cadence.engine.noise_scale: one
+        gradient norm per window); None: not measured."""
         self.phases: PhaseRecorder | None = None
         """Set by cadence.profiling.profiler while a profile runs; None (no annotations, no cost) otherwise."""
         self.steps = 0
@@ -292,11 +311,12 @@ class Engine:
             )
             self.windows += 1  # only now: a window that failed or was interrupted part-way is not counted
             grad_norm, skip_reason = self.apply_gradients()
-            window_loss = self._window_loss(loss_sum, counts.targets)
+            window_loss = self._window_loss(loss_sum, counts, grad_norm=grad_norm, stepped=skip_reason is None,
+                                            loss_scale=loss_scale)
             # The step's host syncs, per window and none per micro-batch: the window's target count over ranks
             # (several processes only: it must be known before the first backward), the fp16 loss scale and found-inf
-            # check, the grad norm and the loss read back for the metrics, and this one, so that step_time_s is the
-            # time the device took, not the time it took to queue the work.
+            # check, the grad norm and the loss (with the noise scale's terms) read back for the metrics, and this
+            # one, so that step_time_s is the time the device took, not the time it took to queue the work.
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # honest step time: wait for the optimizer's kernels
         return self._result(
@@ -318,13 +338,14 @@ class Engine:
                 "its current token, pass your own loss_fn)")
 
     def _window_counts(self, window: Window) -> _WindowCounts:
-        """The window's targets, tokens and samples, summed over all processes (one small all-reduce)."""
+        """The window's targets, tokens and samples, summed over all processes (one small all-reduce), and the first
+        micro-batch's targets when the noise scale is measured (its small batch)."""
+        first = self.counter.targets(window.micro_batches[0]) if self.noise_scale is not None else 0
         # Sync point: every process must know the WHOLE window's target count before its first backward.
         with self._region("gradient_sync"):
-            totals = self.collective.all_reduce_sum(
-                torch.tensor([window.targets, window.tokens, window.samples, window.positions], dtype=torch.float64)
-            )
-        return _WindowCounts(*(int(v) for v in totals.tolist()))
+            totals = self.collective.all_reduce_sum(torch.tensor(
+                [window.targets, window.tokens, window.samples, window.positions, first], dtype=torch.float64))
+        return _WindowCounts(*(int(v) for v in totals.tolist()), first_targets_here=first)
 
     def accumulate(
         self,
@@ -362,7 +383,8 @@ class Engine:
                 # guarded: a micro-batch above --memory-budget raises out-of-memory, like a real CUDA OOM.
                 with self._out_of_memory_agreement() as agreement, self._region(segment=True, guarded=True):
                     # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.
-                    with self.collective.gradient_sync(self.model, enabled=index == last):
+                    with self.collective.gradient_sync(self.model, enabled=index == last), \
+                            self._first_gradient(index, last):
                         with self._region("forward"), self.precision.autocast(), self._saved_tensors_context():
                             micro_loss_sum = self.loss_fn(self.model, batch)
                         agreement.passed("forward")  # before any backward hook can start an all-reduce
@@ -411,10 +433,31 @@ class Engine:
             self.skipped_steps += 1
         return grad_norm, reason
 
-    def _window_loss(self, loss_sum: torch.Tensor, window_targets: int) -> float:
-        """The window's token-mean loss over all processes: the step's one host sync of the loss."""
+    def _first_gradient(self, index: int, last: int) -> contextlib.AbstractContextManager[Any]:
+        """Around the window's first micro-batch while the noise scale is measured: right after its backward the
+        accumulated gradient is that micro-batch's alone, the noise scale's small batch; its norm is queued on the
+        device (no host sync) and read back with the window's loss. Any other micro-batch: the shared no-op."""
+        if self.noise_scale is None or index != 0:  # a resumed window skips index 0: its gradient is not alone
+            return NO_PHASE
+        return self.noise_scale.first_micro_batch(self.model, self.collective, only=last == 0)
+
+    def _window_loss(self, loss_sum: torch.Tensor, counts: _WindowCounts, *, grad_norm: float, stepped: bool,
+                     loss_scale: float | None) -> float:
+        """The window's token-mean loss over all processes: the step's one host sync of the loss. The noise scale's
+        terms for the window (the first micro-batch's norm against the clipping norm, computed on the device) travel
+        in the same read-back and the same all-reduce."""
+        values = loss_sum.reshape(1)
+        if self.noise_scale is not None:
+            values = torch.cat([values, self.noise_scale.window_terms(
+                grad_norm=grad_norm, stepped=stepped, window_targets=counts.targets,
+                first_targets_here=counts.first_targets_here, first_targets_all=counts.first_targets,
+                world_size=self.collective.world_size, loss_scale=loss_scale, device=self.device)])
         with self._region("gradient_sync"):
-            return float(self.collective.all_reduce_sum(loss_sum.reshape(1).cpu())[0]) / window_targets
+            totals = self.collective.all_reduce_sum(values.cpu()).tolist()
+        if self.noise_scale is not None:
+            self.noise_scale.add_window(totals[1:], samples=counts.samples, targets=counts.targets,
+                                        tokens=counts.tokens)
+        return totals[0] / counts.targets
 
     def _result(
         self,
@@ -431,6 +474,7 @@ class Engine:
     ) -> StepResult:
         """The one place a StepResult is made. ``skip_reason`` is None exactly when the optimizer stepped; a grad norm
         that is not finite is reported as None."""
+        noise = self.noise_scale.estimate() if self.noise_scale is not None else None
         return StepResult(
             step=self.steps,
             window=self.windows,
@@ -448,6 +492,8 @@ class Engine:
             padded_positions=max(0, counts.positions - counts.tokens),
             step_time_s=time.perf_counter() - started,
             peak_memory_bytes=peak_memory_bytes,
+            grad_noise_scale=noise.sequences if noise else None,
+            grad_noise_scale_tokens=noise.tokens if noise else None,
         )
 
     def _skip_empty_window(
@@ -526,18 +572,24 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Counters and precision state; the optimizer and scheduler state belong to their own objects."""
-        return {
+        state = {
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
             "windows": self.windows,
             "precision": self.precision.state_dict(),
         }
+        if self.noise_scale is not None:
+            state["noise_scale"] = self.noise_scale.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.steps = int(state["steps"])
         self.skipped_steps = int(state["skipped_steps"])
         self.windows = int(state["windows"])
         self.precision.load_state_dict(dict(state["precision"]))
+        # A checkpoint from before the noise scale (or from a run without it) starts its averages afresh.
+        if self.noise_scale is not None and state.get("noise_scale") is not None:
+            self.noise_scale.load_state_dict(dict(state["noise_scale"]))
 
 
 NO_PHASE = contextlib.nullcontext()
@@ -559,6 +611,10 @@ class _WindowCounts(NamedTuple):
     tokens: int
     samples: int
     positions: int
+    first_targets: int = 0
+    """The first micro-batch's targets over all processes (counted only while the noise scale is measured)."""
+    first_targets_here: int = 0
+    """The same on this process alone."""
 
 
 class WindowInterrupted(Exception):
