@@ -183,12 +183,12 @@ def test_to_json_dict_is_plain_json() -> None:
 # ---------------------------------------------------------------------------------------------------- validation
 def test_validate_reports_every_problem_naming_each_flag() -> None:
     config = TrainConfig(micro_batch_size=0, precision="fp8", lr=-1.0, lr_schedule="step", last_window="keep",
-                         device="tpu", max_grad_norm=-1.0, seq_len=1, val_fraction=0.9, seed=-1)
+                         device="tpu", max_grad_norm=-1.0, seq_len=1, val_fraction=0.9, seed=-1, noise_scale_ema=1.0)
     with pytest.raises(UsageError) as caught:
         validate(config, cuda_available=False)
     assert sorted(_wheres(caught.value)) == sorted([
         "--micro-batch-size", "--precision", "--lr", "--lr-schedule", "--last-window", "--device",
-        "--max-grad-norm", "--seq-len", "--val-fraction", "--seed",
+        "--max-grad-norm", "--seq-len", "--val-fraction", "--seed", "--noise-scale-ema",
     ])
 
 

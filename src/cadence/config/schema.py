@@ -70,10 +70,12 @@ FROM_PLAN = _section("From a file or a plan", "profile")
 # A training run's own course.
 LENGTH = _section("Training length and auto micro-batch")
 VALIDATION = _section("Validation")
+# What a run measures about its own batch (profile reports it too).
+NOISE_SCALE = _section("Gradient noise scale", "profile")
 CHECKPOINTS = _section("Checkpoints, resume and export")
 
 SECTIONS: tuple[Section, ...] = (MODEL, DATA, BATCH, CUT, PRECISION, MEMORY, SPEED, OPTIMIZER, SCHEDULE, LENGTH,
-                                 VALIDATION, DEVICE, DISTRIBUTED, RUN_DIRECTORY, CHECKPOINTS, FROM_PLAN)
+                                 VALIDATION, NOISE_SCALE, DEVICE, DISTRIBUTED, RUN_DIRECTORY, CHECKPOINTS, FROM_PLAN)
 """In --help order."""
 
 
@@ -193,6 +195,12 @@ class TrainConfig:
     """Evaluate the validation loss every N optimizer steps and at the end; 0 = never."""
     eval_batches: int = setting(20, VALIDATION)
     """Validation micro-batches per evaluation (always the same ones, so evaluations compare)."""
+    noise_scale_ema: float = setting(0.99, NOISE_SCALE)
+    """Measure the gradient noise scale (McCandlish et al. 2018), about the critical batch past which more sequences
+    per step mostly cost tokens, from each window's first micro-batch against the whole window, averaged over windows
+    with this moving-average decay (0.99: about the last 100 windows); 0 = off. Costs one gradient norm per window;
+    needs 2 or more micro-batches per window, or several DDP processes. Logged as grad_noise_scale (sequences) and
+    grad_noise_scale_tokens."""
     device: DeviceName = setting("auto", DEVICE)
     """auto (CUDA when available, else CPU), cpu or cuda."""
     out: Path | None = setting(None, RUN_DIRECTORY)

@@ -112,6 +112,7 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     finite_range("adam_beta2", 0.0, 1.0, high_open=True)
     finite_range("min_lr_ratio", 0.0, 1.0)
     finite_range("val_fraction", 0.0, 0.5)
+    finite_range("noise_scale_ema", 0.0, 1.0, high_open=True)
     if at_least("max_steps", 1) and at_least("warmup_steps", 0) and config.warmup_steps >= config.max_steps > 1:
         bad("warmup_steps", f"{config.warmup_steps} leaves no steps after warmup; must be below --max-steps "
                             f"{config.max_steps}")

@@ -12,6 +12,7 @@ import torch
 from cadence.config import TrainConfig
 from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
 from cadence.engine.chunked_loss import ChunkedCrossEntropy
+from cadence.engine.noise_scale import GradientNoiseScale
 from cadence.engine.schedules import build_lr_scheduler
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.memory.offload import OffloadedOptimizer
@@ -87,13 +88,18 @@ def build_components(prep: Prepared) -> Components:
         # A real cap: the caching allocator raises torch.OutOfMemoryError past it, exactly like a smaller GPU.
         total = torch.cuda.get_device_properties(prep.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), prep.device)
+    collective = ProcessGroupCollective(prep.ranks, prep.device) if prep.ranks.launched else None
+    measured = config.noise_scale_ema > 0
+    if measured and collective is not None:
+        collective.watch_local_gradients(model)  # DDP, one micro-batch per window: this rank's norm before the sync
     engine = Engine(
         model, optimizer, scheduler=scheduler, precision=config.precision, loss_fn=build_loss(config),
         max_grad_norm=config.max_grad_norm, offload_activations=config.offload == "activations",
         memory_budget_bytes=budget if prep.device.type == "cpu" else None,
-        collective=ProcessGroupCollective(prep.ranks, prep.device) if prep.ranks.launched else None,
+        collective=collective,
         # --micro-batch-size auto retries out-of-memory windows: with several ranks, all must retry together.
         agree_on_out_of_memory=config.auto_micro_batch,
+        noise_scale=GradientNoiseScale(ema=config.noise_scale_ema) if measured else None,
     )
     return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, ranks=prep.ranks,
                       compile_clock=compile_clock)

@@ -45,6 +45,7 @@ from cadence.training.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.training.checkpoint import save_checkpoint
 from cadence.training.components import Components, build_components
 from cadence.training.lock import RunDirectoryLock, claim_run_directory
+from cadence.training.noise_scale import noise_scale_announcement, noise_scale_fields
 from cadence.training.prepare import Prepared, checked_run_directory, prepare
 from cadence.training.progress import TrainProgress
 from cadence.training.resume import ResumePoint, StopOnSignal, restore, schedule_note
@@ -242,6 +243,9 @@ class TrainingRun:
             f"data: {prep.data.description}\nrun directory: {prep.out}",
             file=stream, flush=True,
         )
+        noise_scale = noise_scale_announcement(self.engine, prep.grad_accum_steps)
+        if noise_scale is not None:
+            print(noise_scale, file=stream, flush=True)
         if prep.data.truncated:
             print(f"note: {prep.data.truncated} examples were longer than --seq-len and were truncated", file=stream)
         if self.start is not None:
@@ -479,6 +483,8 @@ class TrainingRun:
             "final_micro_batch_tokens": (self.controller.current if config.auto_micro_batch
                                          and self.controller.unit == "tokens" else config.micro_batch_tokens),
             "oom_retries": totals.oom_retries,
+            # The noise scale's moving average after the last window, and how many windows it is over.
+            **noise_scale_fields(engine),
             "parameters": self.parameters,
             "stopped_by": self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere else None),
             "resumed_from_step": self.start.step if self.start else None,

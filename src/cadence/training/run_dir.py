@@ -100,7 +100,8 @@ class RunWriter:
             self._metrics.flush()
         if self._tb is not None:
             step = int(row["step"])
-            for key in ("loss", "grad_norm", "lr", "loss_scale", "tokens_per_s", "step_time_s", "val_loss"):
+            for key in ("loss", "grad_norm", "lr", "loss_scale", "tokens_per_s", "step_time_s", "val_loss",
+                        "grad_noise_scale", "grad_noise_scale_tokens"):
                 value = row.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss", value, step)
