@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+from helpers import run_cli, sample_text
 
+from cadence.training.noise_scale import batch_side
 from cadence.training.run_dir import read_metrics
 
 METRIC_FIELDS = ("step", "micro_steps", "samples", "tokens", "loss", "grad_norm", "lr", "loss_scale", "skipped",
@@ -165,3 +166,47 @@ def test_text_of_one_repeated_character_trains(tmp_path: Path, text: str, extra:
                               "--max-steps", "2", "--out", str(tmp_path / "run"), *extra])
     assert status == 0, err
     assert "Traceback" not in err and (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_the_noise_scale_is_logged_summarised_and_placed_against_the_effective_batch(tmp_path: Path) -> None:
+    """Issue 27: with accumulation a run measures the gradient noise scale: in every metrics.jsonl row, TensorBoard
+    and summary.json (the last moving average and the windows it is over), and the report says which side of it the
+    effective batch is on. Without accumulation the run says once why there is none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = tmp_path / "words.txt"
+    data.write_bytes(sample_text(40_000))
+    out = tmp_path / "run"
+    status, _, err = run_cli(["train", "--data", str(data), "--seq-len", "8", "--micro-batch-size", "4",
+                              "--grad-accum-steps", "4", "--max-steps", "20", "--lr", "3e-3", "--val-fraction", "0",
+                              "--noise-scale-ema", "0.9", "--out", str(out)])
+    assert status == 0, err
+    assert "gradient noise scale: measured" in err
+    rows = _metrics(out)
+    assert all(row["grad_noise_scale"] > 0 for row in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["grad_noise_scale"] == rows[-1]["grad_noise_scale"]
+    assert summary["grad_noise_scale_windows"] == 20 and summary["grad_noise_scale_ema"] == 0.9
+    # Packed text: every sequence holds 8 tokens and 8 targets.
+    assert summary["grad_noise_scale_tokens"] == pytest.approx(8 * summary["grad_noise_scale"])
+    assert summary["grad_noise_scale_targets"] == pytest.approx(8 * summary["grad_noise_scale"])
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/grad_noise_scale")] == pytest.approx(
+        [row["grad_noise_scale"] for row in rows], rel=1e-5)
+    assert run_cli(["report", str(out)])[0] == 0
+    report = (out / "report.md").read_text()
+    side = batch_side(16, summary["grad_noise_scale"])
+    assert (f"is {16 / summary['grad_noise_scale']:.2g}x the gradient noise scale" in report
+            and ("near the critical batch" if side == "near" else f"{side} the critical batch") in report)
+    assert (out / "report-noise-scale.png").is_file()
+
+    single = tmp_path / "single"
+    status, _, err = run_cli(["train", "--data", str(data), "--seq-len", "8", "--micro-batch-size", "16",
+                              "--max-steps", "2", "--val-fraction", "0", "--out", str(single)])
+    assert status == 0, err
+    assert err.count("one micro-batch per window on one process") == 1
+    summary = json.loads((single / "summary.json").read_text())
+    assert summary["grad_noise_scale"] is None and "accumulate" in summary["grad_noise_scale_note"]
+    assert run_cli(["report", str(single)])[0] == 0
+    assert "**No estimate:** one micro-batch per window" in (single / "report.md").read_text()

@@ -137,3 +137,21 @@ def test_compute_bound_advice_names_only_levers_the_run_has_left(config, named, 
     advice = verdict(result, None)["advice"]
     assert all(word in advice for word in named), advice
     assert not any(word in advice for word in not_named), advice
+
+
+def test_profile_reports_the_noise_scale_against_the_effective_batch(tmp_path, capsys):
+    """Issue 27: profile.json, the printed line and the report hold the gradient noise scale over the profiled
+    windows, and where the effective batch stands against it."""
+    data = tmp_path / "words.txt"
+    data.write_bytes(sample_text(40_000))
+    out = tmp_path / "profile"
+    assert main(["profile", "--steps", "3", "--data", str(data), "--seq-len", "8", "--micro-batch-size", "4",
+                 "--grad-accum-steps", "4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().err
+    profile = json.loads((out / "profile.json").read_text())
+    value = profile["grad_noise_scale"]
+    assert value > 0 and profile["grad_noise_scale_windows"] == 5  # wait + warm-up + 3 active windows
+    assert f"gradient noise scale: {value:,.3g} sequences" in printed and f"({16 / value:.2g}x)" in printed
+    report = (out / "report.md").read_text()
+    assert "## Effective batch and the gradient noise scale" in report
+    assert f"is {16 / value:.2g}x the gradient noise scale" in report

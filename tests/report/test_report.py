@@ -75,6 +75,13 @@ def _metrics_rows(run: Path) -> list[dict]:
     return read_metrics(run)
 
 
+def _run_pngs(run: Path) -> list[str]:
+    """The run report's plots: with accumulation the run measures the gradient noise scale, plotted once it has a
+    value."""
+    noise = any(row.get("grad_noise_scale") for row in _metrics_rows(run))
+    return RUN_PNGS + (["report-noise-scale.png"] if noise else [])
+
+
 def _png_size(data: bytes) -> tuple[int, int]:
     """(width, height) from a PNG's IHDR chunk, which always follows the 8-byte signature."""
     assert data.startswith(PNG_MAGIC) and data[12:16] == b"IHDR"
@@ -83,7 +90,8 @@ def _png_size(data: bytes) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------------------------------- run report
 def test_run_report_writes_markdown_html_and_plots(run_dir: Path, run_report: list[Path]) -> None:
-    assert run_report == [run_dir / "report.md", run_dir / "report.html", *(run_dir / name for name in RUN_PNGS)]
+    assert run_report == [run_dir / "report.md", run_dir / "report.html",
+                          *(run_dir / name for name in _run_pngs(run_dir))]
     assert all(path.is_file() for path in run_report)
     assert not (run_dir / "report-loss-scale.png").exists(), "fp32 has no loss scale to plot"
 
@@ -107,7 +115,7 @@ def test_run_markdown_has_the_configuration_and_totals(run_dir: Path, run_report
 def test_run_html_is_self_contained(run_dir: Path, run_report: list[Path]) -> None:
     page = (run_dir / "report.html").read_text()
     _assert_html_page(page)
-    assert _embedded_pngs(page) == [(run_dir / name).read_bytes() for name in RUN_PNGS]
+    assert _embedded_pngs(page) == [(run_dir / name).read_bytes() for name in _run_pngs(run_dir)]
 
 
 def test_run_pngs_are_images(run_dir: Path, run_report: list[Path]) -> None:

@@ -40,6 +40,7 @@ from cadence.profiling.flops import hf_model_flops_per_token, measured_peak_flop
 from cadence.profiling.report import PROFILE_FILE, compile_line, profile_report
 from cadence.report.document import write_report
 from cadence.training.components import build_components
+from cadence.training.noise_scale import noise_scale_fields, noise_scale_line
 from cadence.training.prepare import prepare
 
 PHASES = ("data_wait", "forward", "backward", "gradient_sync", "unscale_clip", "optimizer_step",
@@ -229,6 +230,9 @@ def summarize(profiler: StepProfiler, prof: Any) -> dict[str, Any]:
         "top_operators": top_operators(prof, engine.device, wall),
         "trace": TRACE_FILE,
         **_compile_figures(settings.compile_clock),
+        # Over every window the profile ran (the wait and warm-up ones too): a batch far above the critical one
+        # wastes compute as surely as a step waiting on data.
+        **noise_scale_fields(engine),
     }
     result["verdict"] = verdict(result, settings.memory_limit_bytes)
     return result
@@ -419,6 +423,7 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
           f"tokens/s {summary.get('tokens_per_s') or 0:,.0f}, MFU {mfu:.2%} "
           f"(peak {summary.get('peak_flops', 0):.3g} FLOP/s, {summary.get('peak_flops_source')})\n"
           + (compile_line(summary) + "\n" if summary.get("compile_time_s") is not None else "")
+          + noise_scale_line(summary, prep.effective_batch_size) + "\n"
           + f"profile: {prep.out / PROFILE_FILE}, trace: {prep.out / TRACE_FILE}, report: {prep.out / 'report.html'}",
           file=stream, flush=True)
     return summary

@@ -18,6 +18,7 @@ from cadence.formatting import format_bytes, format_number, format_seconds, form
 from cadence.report import render as plots
 from cadence.report.document import read_json_object
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Plot, Report, Table
+from cadence.training.noise_scale import batch_against_noise_scale
 
 if TYPE_CHECKING:  # matplotlib itself is imported on the first plot (cadence.report.render.new_figure)
     from matplotlib.axes import Axes
@@ -223,6 +224,7 @@ def profile_report(root: Path) -> Report:
     blocks += _step_time(profile)
     blocks += _phases(profile)
     blocks += _throughput(profile)
+    blocks += _noise_scale(profile)
     blocks += _operators(profile.get("top_operators"))
     blocks += _trace(root, profile.get("trace"))
     if profile.get("version") not in (None, 1):
@@ -294,6 +296,22 @@ def _throughput(profile: dict[str, Any]) -> list[Block]:
     if get("compile_time_s") is not None:  # --compile
         items.append(f"**Compiled:** {compile_line(profile)}")
     return [Heading(text="Throughput and MFU"), Bullets(items=items)]
+
+
+def _noise_scale(profile: dict[str, Any]) -> list[Block]:
+    """The effective batch against the gradient noise scale measured over the profiled windows: a batch far above
+    the critical one wastes compute as surely as a step that waits on data."""
+    if "grad_noise_scale" not in profile:  # a profile from before cadence measured it
+        return []
+    value, effective = profile.get("grad_noise_scale"), _dict(profile.get("config")).get("effective_batch_size")
+    if plots.finite(value) and value > 0 and plots.finite(effective) and effective > 0:
+        windows = profile.get("grad_noise_scale_windows")
+        text = batch_against_noise_scale(float(effective), float(value),
+                                         windows=windows if isinstance(windows, int) else None)
+        text += " Over a profile's few windows the estimate is rough; a run's moving average is the figure to trust."
+    else:
+        text = f"**No estimate:** {profile.get('grad_noise_scale_note') or 'not recorded'}."
+    return [Heading(text="Effective batch and the gradient noise scale"), Paragraph(text=text)]
 
 
 def _operators(operators: Any) -> list[Block]:

@@ -177,6 +177,20 @@ def grad_norm_figure(rows: Sequence[Row], *, clip: float | None) -> Figure:
     return fig
 
 
+def noise_scale_figure(rows: Sequence[Row], *, effective: float | None) -> Figure:
+    """The gradient noise scale's moving average per step (sequences, log scale) against the run's effective batch."""
+    fig, ax = _axes("Gradient noise scale against the effective batch", "optimizer step", "sequences")
+    steps, values = _stepped(rows, "grad_noise_scale")
+    shown = [(s, v) for s, v in zip(steps, values) if v > 0]
+    ax.plot([s for s, _ in shown], [v for _, v in shown], color=TRAIN, lw=1.4,
+            marker="." if len(shown) < 30 else None, label="gradient noise scale (moving average)")
+    if finite(effective) and effective > 0:
+        ax.axhline(effective, color="black", ls=":", lw=1.2, label=f"effective batch {effective:,.0f}")
+    ax.set_yscale("log")
+    _legend(ax, loc="best")
+    return fig
+
+
 def loss_scale_figure(rows: Sequence[Row]) -> Figure:
     """fp16's loss scale per window: it halves on every skipped window, so windows (not steps) are the x axis."""
     fig, ax = _axes("fp16 loss scale", "window (optimizer step attempts, skipped ones included)", "loss scale")

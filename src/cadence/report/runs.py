@@ -14,6 +14,7 @@ from cadence.formatting import format_bytes, format_hms, format_number
 from cadence.report import render as plots
 from cadence.report.document import WHERE, plot_block, read_json_object
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Report, Table
+from cadence.training.noise_scale import batch_against_noise_scale
 from cadence.training.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, MetricsUnreadable, read_metrics
 
 LAST_ROWS = 10
@@ -50,6 +51,8 @@ def run_report(root: Path) -> Report:
         summary = _summary_from_rows(rows)
     blocks.append(Bullets(items=_total_items(summary, rows)))
     blocks += _planned_against_measured(config, summary)
+    blocks += [Heading(text="Effective batch and the gradient noise scale"),
+               Paragraph(text=noise_scale_words(config, summary, rows))]
     blocks += [Heading(text="What to try next"), Bullets(items=next_steps(root, config, summary, rows))]
     blocks += [Heading(text="Plots"), *_run_plots(rows, config, summary)]
     if rows:
@@ -121,6 +124,25 @@ def _total_items(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[st
                           f"({row.get('skip_reason') or 'no reason given'})" for row in skipped[:10])
         items.append(f"**Skipped steps:** {shown}" + (f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""))
     return items
+
+
+def noise_scale_words(config: dict[str, Any], summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Which side of the measured gradient noise scale the run's effective batch is on, and what that costs; or why
+    there is no measurement. From summary.json (the last moving average), else the last metrics row that has one."""
+    effective = config.get("effective_batch_size", summary.get("effective_batch_size"))
+    value, windows = summary.get("grad_noise_scale"), summary.get("grad_noise_scale_windows")
+    note = summary.get("grad_noise_scale_note")
+    if "grad_noise_scale" not in summary:  # an unfinished run: its last step's moving average
+        done = [row for row in rows if not row.get("skipped") and "grad_noise_scale" in row]
+        value = done[-1]["grad_noise_scale"] if done else None
+        windows = None  # not recorded per row
+        note = "the run's last step had none" if done else None
+    if not (plots.finite(value) and value > 0 and plots.finite(effective) and effective > 0):
+        note = note or "this run has no measurement of it (a run from before cadence measured it, or " \
+                       "--noise-scale-ema 0)"
+        return f"**No estimate:** {note}."
+    return batch_against_noise_scale(float(effective), float(value), windows=windows if isinstance(windows, int)
+                                     else None)
 
 
 def next_steps(root: Path, config: dict[str, Any], summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
@@ -352,6 +374,12 @@ def _run_plots(rows: list[dict[str, Any]], config: dict[str, Any], summary: dict
         plot_block("report-grad-norm.png", "Total gradient norm before clipping (log scale); red x: not finite.",
               plots.grad_norm_figure(rows, clip=clip if plots.finite(clip) else None)),
     ]
+    if any(plots.finite(row.get("grad_noise_scale")) for row in rows):
+        effective = config.get("effective_batch_size")
+        blocks.append(plot_block(
+            "report-noise-scale.png", "The gradient noise scale (sequences, its moving average after each step) "
+            "against the run's effective batch: above the line the batch is below the critical batch, below it "
+            "above.", plots.noise_scale_figure(rows, effective=effective if plots.finite(effective) else None)))
     if any(plots.finite(row.get("loss_scale")) for row in rows):
         blocks.append(plot_block("report-loss-scale.png", "fp16 loss scale per window (log2 scale); red x: skipped.",
                             plots.loss_scale_figure(rows)))
