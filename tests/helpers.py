@@ -77,6 +77,22 @@ def prompt_completion_dataset(count: int = 40, seed: int = 3) -> TokenDataset:
     return TokenDataset(examples)
 
 
+def variable_text_dataset(count: int = 64, seed: int = 5) -> TokenDataset:
+    """Variable-length examples cut from ``sample_text`` (words: a signal even an untrained model's gradient shows),
+    the first 1-3 positions without a target like a prompt: 3 to 27 targets each."""
+    rng = random.Random(seed)
+    text = sample_text(count * 30)
+    examples, at = [], 0
+    for _ in range(count):
+        length = rng.randint(6, 28)
+        tokens = list(text[at:at + length + 1])
+        at += length + 1
+        prompt_len = rng.randint(1, 3)
+        labels = [tokens[i + 1] if i + 1 >= prompt_len else -100 for i in range(length)]
+        examples.append(make_example(tokens[:-1], labels))
+    return TokenDataset(examples)
+
+
 def write_jsonl(path: Path, count: int = 48) -> Path:
     """``count`` prompt/completion lines whose completions differ in target count by more than 10x."""
     rng = random.Random(7)

@@ -515,3 +515,66 @@ def test_two_torchrun_agents_as_two_nodes_train_like_two_local_ranks(runs: dict[
         assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"]
     # One process (global rank 0) speaks for the run: the start line is printed once across both agents.
     assert sum(err.count("effective batch = ") for _, err in results) == 1
+
+
+def test_two_ranks_measure_the_noise_scale_one_process_measures_for_the_same_windows(tmp_path: Path) -> None:
+    """Issue 27: at fixed weights, for the same windows, two DDP ranks report what one process reports. Each rank's
+    first micro-batch is a small batch of its own, and the ranks average their two estimates: so window by window the
+    two-rank estimates are the mean of one process's over the two orders of the window that put each rank's first
+    micro-batch first. With one micro-batch per rank that is the local gradient (taken by DDP's communication hook
+    before the all-reduce) against the all-reduced one; with two, the unsynchronised first micro-batch. FSDP2 with
+    --sync-every-micro-step measures the reduced first micro-batches of both ranks together (one process: a window
+    whose first micro-batch holds both); FSDP2 without it says why it measures nothing. Both ranks agree."""
+    from helpers import tiny_model, variable_text_dataset
+
+    from cadence.data import collate
+    from cadence.engine.noise_scale import GradientNoiseScale
+    from cadence.engine.step import Engine
+    from cadence.engine.windows import make_window
+
+    found = run_rank_script("noise_scale_ranks.py", tmp_path / "ranks.json")
+    assert json.loads((tmp_path / "ranks.json.rank1").read_text()) == found  # every rank reports the same
+    dataset = variable_text_dataset(count=64)
+    ids = [window.drawn.ids for window in epoch_windows(dataset, cut=Cut(micro_batch_size=8), grad_accum_steps=1,
+                                                        seed=0, epoch=0)]
+
+    def one_process(orders: list[list[list[int]]]) -> tuple[list[tuple[float, float]], list[float | None]]:
+        """Per window, the mean over ``orders`` (each the window's micro-batches as sample positions) of one
+        process's two estimates at the same weights; and the moving average of those means after each window."""
+        model = tiny_model()
+        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0,
+                        noise_scale=GradientNoiseScale())
+        averaged = GradientNoiseScale(ema=0.9)  # the script's EMA
+        out, estimates = [], []
+        for window_ids in ids:
+            terms = []
+            for order in orders:
+                window = make_window([collate([dataset[window_ids[k]] for k in part]) for part in order])
+                engine.step(window)
+                terms.append((engine.noise_scale.last.trace, engine.noise_scale.last.grad_sq))
+            out.append((sum(t for t, _ in terms) / len(terms), sum(g for _, g in terms) / len(terms)))
+            averaged.add_window([1.0, *out[-1]], samples=window.samples, targets=window.targets,
+                                tokens=window.tokens)
+            estimate = averaged.estimate()
+            estimates.append(estimate.sequences if estimate else None)
+        return out, estimates
+
+    a, b = [0, 1, 2, 3], [4, 5, 6, 7]  # rank 0's and rank 1's contiguous shares of each window of 8
+    references = {
+        "ddp_accum1": one_process([[a, b], [b, a]]),
+        "ddp_accum2": one_process([[a[:2], a[2:], b[:2], b[2:]], [b[:2], b[2:], a[:2], a[2:]]]),
+        "fsdp_sync_every_accum2": one_process([[a[:2] + b[:2], a[2:] + b[2:]]]),
+    }
+    for name, (reference, estimates) in references.items():
+        measured = found[name]["terms"]
+        assert len(measured) == len(reference) == 8, name
+        for (trace, grad_sq), (want_trace, want_grad_sq) in zip(measured, reference, strict=True):
+            scale = abs(want_trace) * 1e-4 + 1e-6
+            assert abs(trace - want_trace) <= scale, (name, trace, want_trace)
+            # |G|^2 is a difference of two nearly equal terms: compared at the precision of the larger of them.
+            assert abs(grad_sq - want_grad_sq) <= 1e-4 * max(abs(want_trace) / 8, abs(want_grad_sq)), name
+        assert [e is None for e in found[name]["estimates"]] == [e is None for e in estimates], name
+        assert [e for e in found[name]["estimates"] if e] == pytest.approx([e for e in estimates if e], rel=1e-3)
+        assert all(e is not None and e > 0 for e in estimates), name  # resolved at every window: a real check
+    assert found["ddp_accum1"]["terms"] != found["ddp_accum2"]["terms"]  # different small batches, really
+    assert found["fsdp_accum2"]["estimates"] == [None] * 8 and "FSDP2" in found["fsdp_accum2"]["why_none"]
