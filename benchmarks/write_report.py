@@ -73,6 +73,8 @@ SECTIONS = (
             ".venv/bin/python benchmarks/phase_overhead.py", sections.render_phase_overhead),
     Section("audit_overhead.json", "Cost of `cadence audit` on a correct loop",
             ".venv/bin/python benchmarks/audit_overhead.py", sections.render_audit_overhead),
+    Section("noise_scale.json", "The gradient noise scale: its cost per optimizer step (issue 27)",
+            ".venv/bin/python benchmarks/noise_scale.py", sections.render_noise_scale),
     Section("data_store.json", "Data at scale: memory and start-up against the size of the data (issue 14)",
             "make bench-data", lambda data: render_data_store(data), optional=True),  # defined further down
     Section("padding.json", "Padding: length-aware micro-batches against the padded baseline (issue 15)",
