@@ -179,6 +179,14 @@ CASES: list[tuple[str, Builder, str]] = [
      "surrogate.jsonl:2"),
     ("data-named-pipe", fifo("--data", "pipe.txt"), "named pipe"),
     ("data-jsonl-named-pipe", fifo("--data", "pipe.jsonl"), "named pipe"),
+    # Issue 30: examples longer than --seq-len (16 here) follow --too-long.
+    ("too-long-unknown", flags("--too-long", "cut"), "--too-long: 'cut' is not one of skip, truncate, error"),
+    ("data-jsonl-too-long-error",
+     lambda tmp: ["--data", str(_write(tmp, "long.jsonl", '{"text": "fits"}\n{"prompt": "a prompt longer than sixteen '
+                                                          'bytes", "completion": "x"}\n')), "--too-long", "error",
+                  *FAST], "long.jsonl:2: the example has 36 bytes, more than the 17"),
+    ("data-jsonl-every-example-too-long",
+     data_file("all-long.jsonl", '{"text": "a text longer than sixteen bytes"}\n'), "or --too-long truncate"),
     ("data-link-to-dev-zero", link_to_dev_zero("--data", "zero.txt"), "character device"),
     ("out-name-not-utf8", lambda tmp: ["--out", str(tmp / "run-\udcff"), *FAST], "--out"),
     ("model-config-negative-size",

@@ -11,7 +11,7 @@ import pytest
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
-from cadence.data import IGNORE_INDEX, read_jsonl  # noqa: E402
+from cadence.data import BYTE_EOS_ID, IGNORE_INDEX, read_jsonl  # noqa: E402
 from cadence.data.hf import ByteTokenizer, HFTokenizer, as_tokenizer, is_hf_data, load_hf_data  # noqa: E402
 from cadence.data.store import STORE_VERSION  # noqa: E402
 from cadence.errors import UsageError  # noqa: E402
@@ -87,10 +87,10 @@ def test_saved_dataset_with_prompt_and_completion(tmp_path: Path) -> None:
     splits = load(f"hf:{tmp_path / 'pairs'}")
     assert len(splits.train) == 5
     for example, prompt, completion in zip(splits.train, PAIRS["prompt"], PAIRS["completion"]):
-        full = (prompt + completion).encode()
-        assert example.input_ids.tolist() == list(full[:-1])
-        # loss on the completion only (with an empty prompt nothing predicts the completion's first byte)
-        assert example.num_targets == len(completion) - (not prompt)
+        full = (prompt + completion).encode() + bytes([BYTE_EOS_ID])  # a completion ends with the end of sequence
+        assert example.input_ids.tolist() == list(full[:-1]) and example.labels[-1] == BYTE_EOS_ID
+        # loss on the completion and its end only (with an empty prompt nothing predicts the completion's first byte)
+        assert example.num_targets == len(completion) + 1 - (not prompt)
         masked = max(len(prompt.encode()) - 1, 0)
         assert (example.labels[:masked] == IGNORE_INDEX).all()
 
@@ -127,16 +127,19 @@ def test_jsonl_bytes_match_the_builtin_reader(tmp_path: Path) -> None:
     path = tmp_path / "pairs.jsonl"
     rows = [{"prompt": p, "completion": c * 5} for p, c in zip(PAIRS["prompt"], PAIRS["completion"])]
     path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    builtin, truncated = read_jsonl(path, 24)
-    splits = load(path, seq_len=24)
-    assert as_lists(splits.train) == as_lists(builtin) and splits.truncated == truncated > 0
+    for too_long in ("skip", "truncate"):  # --too-long acts the same on both readers
+        builtin, longer = read_jsonl(path, 24, too_long=too_long)
+        splits = load(path, seq_len=24, too_long=too_long)
+        assert as_lists(splits.train) == as_lists(builtin) and splits.long_examples.too_long == longer > 0
 
 
 def test_truncation_and_skipped_rows(tmp_path: Path) -> None:
     datasets.Dataset.from_dict({"text": ["x" * 100, "", None, "a", "ok text"]}).save_to_disk(tmp_path / "s")
-    splits = load(f"hf:{tmp_path / 's'}", seq_len=10)
+    splits = load(f"hf:{tmp_path / 's'}", seq_len=10, too_long="truncate")
     assert [len(e.input_ids) for e in splits.train] == [10, 6]  # cut to seq_len; "", None and "a" skipped
     assert splits.truncated == 1 and "3 rows skipped" in splits.description
+    skipped = load(f"hf:{tmp_path / 's'}", seq_len=10)
+    assert [len(e.input_ids) for e in skipped.train] == [6] and "1 longer than --seq-len skipped" in skipped.description
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -228,7 +231,7 @@ def test_tokenisation_cache_hits_the_second_time(tmp_path: Path) -> None:
     assert as_lists(second.train) == as_lists(first.train) and as_lists(second.val) == as_lists(first.val)
     # Another --seq-len reads the same store: examples are cut when read, not when stored.
     third_tok = CountingTokenizer()
-    short = load(path, tokenizer=third_tok, cache_dir=cache, seq_len=8)
+    short = load(path, tokenizer=third_tok, cache_dir=cache, seq_len=8, too_long="truncate")
     assert third_tok.calls == [] and max(len(e.input_ids) for e in short.train) == 8 and short.truncated > 0
     # Other field names, or other file content, miss.
     fields_tok = CountingTokenizer()

@@ -123,8 +123,10 @@ def test_load_data_builtin_corpus() -> None:
 def test_load_data_jsonl_and_bad_suffix(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "abcdef"}\n{"text": "0123456789xyz"}\n', encoding="utf-8")
-    splits = load_data(path, seq_len=8, val_fraction=0.0)
+    splits = load_data(path, seq_len=8, val_fraction=0.0, too_long="truncate")
     assert len(splits.train) == 2 and splits.truncated == 1 and splits.val is None
+    skipped = load_data(path, seq_len=8, val_fraction=0.0)  # --too-long skip, the default
+    assert len(skipped.train) == 1 and skipped.truncated == 0 and skipped.long_examples.too_long == 1
     other = tmp_path / "d.csv"
     other.write_text("a,b\n")
     with pytest.raises(UsageError) as error:

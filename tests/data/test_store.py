@@ -54,9 +54,10 @@ def test_examples_round_trip_in_a_wide_dtype(tmp_path: Path) -> None:
     # Position j predicts token j + 1, a target from loss_start on: the first label of example 0 is not a target.
     assert as_lists(splits.train) == [([49_999, 7, 300], [-100, 300, 12]), ([1], [2])]
     assert as_lists(splits.val) == [([5, 6], [6, 7])]
-    short = splits_from_store(store, seq_len=2, val_fraction=0.0, from_cache=False)
-    assert as_lists(short.train)[0] == ([49_999, 7], [-100, 300]) and short.truncated == 1
-    assert short.train.num_targets == 2 and short.train.max_length == 2
+    short = splits_from_store(store, seq_len=2, val_fraction=0.0, from_cache=False, too_long="truncate")
+    # Truncated to 3 tokens keeping the loss-bearing end: the first token (before the loss starts) goes.
+    assert as_lists(short.train)[0] == ([7, 300], [300, 12]) and short.truncated == 1
+    assert short.train.num_targets == 3 and short.train.max_length == 2
 
 
 @pytest.mark.parametrize("damage", ["no meta", "short tokens", "other version", "not a store"])
@@ -126,10 +127,11 @@ def write_jsonl(path: Path, count: int, bad: dict[int, str] | None = None) -> Pa
 
 def test_parallel_jsonl_store_equals_the_sequential_reader(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "data.jsonl", 120)
-    expected, truncated = read_jsonl(path, 80)
+    expected, truncated = read_jsonl(path, 80, too_long="truncate")
     # Ranges of ~300 bytes: dozens of worker tasks, each starting mid-file (line numbers carried across them).
     recipe = jsonl_recipe(path, None, workers=2, range_bytes=300)
-    splits = splits_from_store(open_or_build(recipe, None).store, seq_len=80, val_fraction=0.0, from_cache=False)
+    splits = splits_from_store(open_or_build(recipe, None).store, seq_len=80, val_fraction=0.0, from_cache=False,
+                               too_long="truncate")
     assert as_lists(splits.train) == as_lists(expected) and splits.truncated == truncated > 0
     assert splits.train.num_targets == sum(e.num_targets for e in expected)
     assert splits.train.max_length == max(len(e.input_ids) for e in expected)
@@ -410,7 +412,7 @@ def test_a_byte_store_with_ids_beyond_the_model_s_vocabulary_is_refused_before_t
     meta.update(dtype="uint16", vocab_size=512, tokenizer="bytes")
     (store / "store.json").write_text(json.dumps(meta))
     _reseal(store)
-    assert main(["train", "--data", str(store), "--seq-len", "16", "--micro-batch-size", "2", "--grad-accum-steps",
+    assert main(["train", "--data", str(store), "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum-steps",
                  "1", "--max-steps", "1", "--val-fraction", "0", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "--data" in err and "beyond gpt-tiny's vocabulary of 256" in err and not (tmp_path / "run").exists()

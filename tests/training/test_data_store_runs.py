@@ -96,18 +96,53 @@ def test_an_unusable_cache_is_a_usage_error_naming_the_flag(tmp_path: Path, caps
     ("seq-len", ["--data", "{tmp}/d.jsonl", "--seq-len", "0"], "--seq-len"),
     ("bad line", ["--data", "{tmp}/bad.jsonl"], "bad.jsonl:2"),
     ("out exists", ["--data", "{tmp}/d.jsonl", "--out", "{tmp}"], "--out"),
+    ("too-long choice", ["--data", "{tmp}/d.jsonl", "--too-long", "cut"], "--too-long"),
+    # Issue 30: a store that --too-long error refuses at --seq-len is written neither to the cache nor to --out.
+    ("too long", ["--data", "{tmp}/long.jsonl", "--seq-len", "16", "--too-long", "error"], "long.jsonl:2"),
+    ("too long --out", ["--data", "{tmp}/long.jsonl", "--seq-len", "16", "--too-long", "error", "--out",
+                        "{tmp}/store"], "long.jsonl:2"),
 ])
 def test_prepare_data_bad_input_is_one_line_per_problem_and_exit_2(tmp_path: Path, capsys, case: str,
                                                                    extra: list[str], where: str) -> None:
     write_jsonl(tmp_path / "d.jsonl")
     (tmp_path / "notes.md").write_text("hello")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine text"}\n{"text": 3}\n')
+    (tmp_path / "long.jsonl").write_text(LONG_JSONL)
     cache = tmp_path / "cache"
+    before = sorted(p.name for p in tmp_path.iterdir())
     argv = ["prepare-data", "--data-cache", str(cache), *(a.format(tmp=tmp_path) for a in extra)]
     assert main(argv) == 2, case
     err = capsys.readouterr().err
     assert err.startswith("cadence: error: ") and where in err and "Traceback" not in err, err
-    assert not cache.exists() or not [p for p in (cache / "stores").iterdir()]
+    assert not cache.exists() or not [p for p in (cache / "stores").iterdir()] + [p for p in (cache / "sources")
+                                                                                   .iterdir()]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == before  # no --out, no .build-*
+
+
+LONG_JSONL = "".join(json.dumps(row) + "\n" for row in [
+    {"prompt": "Q: 1+1?", "completion": " 2"},
+    {"prompt": "Q: what is the sum of all of these numbers?", "completion": " 45"},  # longer than --seq-len 16
+    {"prompt": "Q: 2+2?", "completion": " 4"},
+    {"text": "a text far longer than sixteen bytes"},  # longer than --seq-len 16
+    {"prompt": "Q: 3+3?", "completion": " 6"},
+])
+
+
+def test_examples_longer_than_seq_len_are_skipped_with_one_note_and_a_resume_keeps_the_policy(
+        tmp_path: Path, capsys) -> None:
+    data, run = tmp_path / "long.jsonl", tmp_path / "run"
+    data.write_text(LONG_JSONL)
+    base = train_args(data, run, steps=2, seq_len=16, micro=1, accum=1, cache=tmp_path / "cache")
+    assert main(base) == 0
+    out = capsys.readouterr().err  # the console banner
+    assert "note: 2 of 5 examples are longer than --seq-len 16 and were skipped" in out and "3 examples" in out
+    assert json.loads((run / "config.json").read_text())["too_long"] == "skip"
+    # prepare-data says the same at that --seq-len.
+    assert main(["prepare-data", "--data", str(data), "--data-cache", str(tmp_path / "cache"), "--seq-len", "16"]) == 0
+    assert "note: 2 of 5 examples are longer than --seq-len 16 and were skipped" in capsys.readouterr().out
+    # Other examples would be trained on: a resume refuses another --too-long.
+    assert main([*base, "--resume", "--too-long", "truncate"]) == 2
+    assert "--too-long: 'truncate' differs from the checkpoint's 'skip'" in capsys.readouterr().err
 
 
 def test_a_cached_store_damaged_between_a_kill_and_the_resume_is_rebuilt_and_the_run_is_the_uninterrupted_one(

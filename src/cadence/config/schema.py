@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
+from cadence.data.too_long import TooLong
 from cadence.engine.cut import MicroBatchOrder
 from cadence.engine.precision import PrecisionName
 from cadence.engine.schedules import LRScheduleName
@@ -115,6 +116,10 @@ class TrainConfig:
     """Column of a datasets source holding the completion (the loss is on it)."""
     seq_len: int | None = setting(None, DATA, changes_math=True)
     """Tokens per sequence (bytes); default: the model's context length."""
+    too_long: TooLong = setting("skip", DATA, changes_math=True)
+    """What becomes of a JSONL or datasets example longer than --seq-len: skip (left out, and counted on the
+    console), truncate (cut to fit, keeping the completion: the prompt loses its start; a completion longer than
+    --seq-len alone loses its end; a text loses its end) or error (refused, naming each one's file and line)."""
     micro_batch_size: int | Literal["auto"] = setting(8, BATCH)
     """Sequences per forward/backward pass (what must fit in memory), or auto: start at --effective-batch-size /
     (--grad-accum-steps x processes), halve it (doubling accumulation, same math) whenever a window runs out of

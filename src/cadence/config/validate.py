@@ -19,6 +19,7 @@ from cadence.config.schema import (
     hint_types,
     parse_size,
 )
+from cadence.data.too_long import TOO_LONG_CHOICES
 from cadence.engine.cut import MICRO_BATCH_ORDER_CHOICES
 from cadence.engine.precision import PRECISIONS, precision_problem
 from cadence.engine.schedules import LR_SCHEDULES
@@ -80,6 +81,7 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
         context = model_context_length(config.model)
         bad("seq_len", f"{config.seq_len} is above {config.model}'s context length of {context}")
     problems += _batch_shape_problems(config, world_size)
+    choice("too_long", TOO_LONG_CHOICES)
     choice("precision", PRECISIONS)
     choice("activation_checkpointing", CHECKPOINTING_MODES)
     choice("offload", OFFLOAD_MODES)

@@ -8,6 +8,7 @@ Byte-level sources' tokens are bytes (0..255), so they work with the byte-level 
 from __future__ import annotations
 
 from cadence.data.batching import (
+    BYTE_EOS_ID,
     IGNORE_INDEX,
     PAD_TOKEN_ID,
     Example,
@@ -33,9 +34,14 @@ from cadence.data.sources import BYTES_TOKENIZER
 from cadence.data.splits import DataSplits, split_validation, splits_from_store
 from cadence.data.store import PackedSequences, StoredExamples, TokenStore
 from cadence.data.text import pack_bytes, read_text_source
+from cadence.data.too_long import TOO_LONG_CHOICES, LongExamples, TooLong
 
 __all__ = [
+    "BYTE_EOS_ID",
     "BYTES_TOKENIZER",
+    "LongExamples",
+    "TOO_LONG_CHOICES",
+    "TooLong",
     "IGNORE_INDEX",
     "PackedSequences",
     "StoredExamples",

@@ -15,6 +15,14 @@ IGNORE_INDEX = -100
 PAD_TOKEN_ID = 0
 """Input id used for padding. Its value never matters: right pads are never attended to by real tokens."""
 
+BYTE_EOS_ID = 0x04
+"""The end of sequence of byte-level data: appended to every prompt + completion as its last target, so that a
+fine-tuned model learns to stop. A vocabulary of 256 bytes has no spare id, and a 257th would change every byte-level
+model's size and the stores' one byte per token; 0x04 is ASCII's End of Transmission (Ctrl-D ends a terminal's
+input), a control byte UTF-8 text practically never holds, and not the pad id (0), so a pad and the end stay apart in
+a tokenizer (the one ``--save-hf`` writes says ``eos_token_id`` 4). Text that does hold byte 4 reads it as the end,
+as any tokenizer reads its EOS's spelling."""
+
 
 @dataclass(frozen=True)
 class Example:

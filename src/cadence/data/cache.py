@@ -102,27 +102,38 @@ class Opened:
     """True when this call tokenised the source (False: found in the cache)."""
 
 
-def open_or_build(recipe: Recipe, cache_dir: Path | None) -> Opened:
+Accept = Callable[[TokenStore], None]
+"""A check of a store before it is kept (``cadence prepare-data --seq-len``): raising leaves nothing written."""
+
+
+def _accepted(store: TokenStore, accept: Accept | None) -> TokenStore:
+    if accept is not None:
+        accept(store)
+    return store
+
+
+def open_or_build(recipe: Recipe, cache_dir: Path | None, *, accept: Accept | None = None) -> Opened:
     """The store of ``recipe`` from ``cache_dir``, built first (once, under the cache's lock) when missing.
 
     ``cache_dir`` None: build into a temporary directory that is removed as soon as the store is open (the open
     token file and the index's mapping keep the files alive until the process lets go of them), for library calls
-    that want no cache."""
+    that want no cache. ``accept`` sees the store (found, or built and not yet in the cache) and may refuse it by
+    raising: a store it refuses is not added to the cache."""
     if cache_dir is None:
         folder = Path(tempfile.mkdtemp(prefix="cadence-store-"))
         try:
-            return Opened(store=_build(recipe, folder / "store"), built=True)
+            return Opened(store=_accepted(_build(recipe, folder / "store"), accept), built=True)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     _prepare(cache_dir)
     source_file = cache_dir / SOURCES / f"{_source_id(recipe)}.json"
     found, _ = _known(cache_dir, source_file, recipe)
     if found is not None:
-        return Opened(store=found, built=False)
+        return Opened(store=_accepted(found, accept), built=False)
     with _build_lock(cache_dir, recipe.source):
         found, damage = _known(cache_dir, source_file, recipe)  # another process may have built it meanwhile
         if found is not None:
-            return Opened(store=found, built=False)
+            return Opened(store=_accepted(found, accept), built=False)
         if damage:
             warnings.warn(f"the cached token store of {recipe.source} is not usable ({damage}); building it again "
                           f"from the source", stacklevel=2)
@@ -130,7 +141,7 @@ def open_or_build(recipe: Recipe, cache_dir: Path | None) -> Opened:
             shutil.rmtree(stale, ignore_errors=True)  # a killed build's remains: nobody else builds while we hold it
         building = cache_dir / STORES / f"{BUILD_PREFIX}{os.getpid()}"
         try:
-            store = _build(recipe, building)
+            store = _accepted(_build(recipe, building), accept)
             final = cache_dir / STORES / store_key(recipe, store.fingerprint)
             if _open_quietly(final) is None:  # the same content may already be there under another source id
                 shutil.rmtree(final, ignore_errors=True)
@@ -261,9 +272,10 @@ def _build_lock(cache_dir: Path, source: str) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def write_store(recipe: Recipe, target: Path) -> TokenStore:
+def write_store(recipe: Recipe, target: Path, *, accept: Accept | None = None) -> TokenStore:
     """Build ``recipe`` into ``target`` (``cadence prepare-data --out``), atomically: a sibling directory renamed
-    into place, so an interrupted build leaves no directory at ``target``."""
+    into place, so an interrupted build, or one that ``accept`` refuses (by raising), leaves no directory at
+    ``target``."""
     if target.exists():
         raise UsageError.single("--out", f"{target} already exists; give a new directory for the token store")
     building = target.with_name(f"{BUILD_PREFIX}{target.name}-{os.getpid()}")
@@ -272,12 +284,15 @@ def write_store(recipe: Recipe, target: Path) -> TokenStore:
             shutil.rmtree(stale, ignore_errors=True)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        _build(recipe, building)
+        _accepted(_build(recipe, building), accept)
         os.rename(building, target)
     except OSError as error:
         shutil.rmtree(building, ignore_errors=True)
         raise UsageError.single("--out", f"{target} cannot be written: {(error.strerror or str(error)).lower()}") \
             from None
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
     return TokenStore.open(target)
 
 

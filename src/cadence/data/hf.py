@@ -1,9 +1,10 @@
 """Hugging Face ``datasets`` sources and tokenizers: ``--data hf:DIR`` (``save_to_disk``), .parquet, .csv, .json(l).
 
-Each row is one example (never packed), cut to ``seq_len + 1`` tokens like :mod:`cadence.data.jsonl`: a text row puts
-the loss on every token after the first; a prompt + completion row puts it on the completion only. Rows whose text is
-empty or missing, or whose completion has no target left after truncation, are skipped and counted (real datasets
-have them, and one bad row in 100,000 should not stop a run).
+Each row is one example (never packed): a text row puts the loss on every token after the first; a prompt +
+completion row puts it on the completion (and the end of sequence after it) only. Rows whose text is empty or
+missing, or that have no target at all, are skipped and counted (real datasets have them, and one bad row in 100,000
+should not stop a run); rows longer than ``--seq-len`` follow ``--too-long`` (:mod:`cadence.data.too_long`), as
+JSONL read by cadence's own reader does.
 
 Tokens: :class:`ByteTokenizer` (bytes 0..255, what the built-in data uses) or :class:`HFTokenizer` over a
 transformers tokenizer. Rows are tokenised once into a token store (:mod:`cadence.data.cache`), keyed by the data's
@@ -23,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
+from cadence.data.batching import BYTE_EOS_ID, PAD_TOKEN_ID
 from cadence.data.cache import BuildResult, Recipe, open_or_build
 from cadence.data.load import files_fingerprint
 from cadence.data.progress import BuildProgress
 from cadence.data.splits import DataSplits, splits_from_store
 from cadence.data.store import StoreWriter
+from cadence.data.too_long import TooLong
 from cadence.errors import UsageError
 
 HF_DATA_PREFIX = "hf:"
@@ -67,13 +70,16 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255: the built-in data's tokens, for models without a tokenizer.
 
-    No BOS or EOS: 256 ids leave no room for special tokens, and this keeps examples byte-identical to what
-    :func:`cadence.data.read_jsonl` makes from the same records.
+    No BOS: 256 ids leave no room for special tokens. The end of sequence is the control byte
+    :data:`cadence.data.batching.BYTE_EOS_ID`, after each completion only (``eos_on_text`` False), which keeps
+    examples byte-identical to what :func:`cadence.data.read_jsonl` makes from the same records.
     """
 
     vocab_size: int = 256
     bos_id: int | None = None
-    eos_id: int | None = None
+    eos_id: int | None = BYTE_EOS_ID
+    eos_on_text: bool = False
+    """A text row gets no end of sequence (it is a document, continued as packed text is); a completion does."""
     identity: str = "bytes"
     name: str = "bytes"
 
@@ -82,6 +88,43 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
         return [list(text.encode("utf-8")[:max_length]) for text in texts]
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """These bytes as a transformers tokenizer (``save_pretrained`` writes it; ``AutoTokenizer`` loads it back),
+        for a byte-level model exported with ``--save-hf``: see :func:`byte_level_hf_tokenizer`."""
+        return byte_level_hf_tokenizer()
+
+    @property
+    def config_token_ids(self) -> dict[str, int | None]:
+        """The special-token ids an exported byte-level model's config must carry: a family's defaults (llama's BOS 1
+        and EOS 2) mean nothing in bytes, and ``generate`` would stop at byte 0x02."""
+        return {"bos_token_id": None, "eos_token_id": self.eos_id, "pad_token_id": PAD_TOKEN_ID}
+
+
+def byte_level_hf_tokenizer() -> Any:
+    """A ``PreTrainedTokenizerFast`` whose ids are the UTF-8 bytes of the text, exactly as cadence reads byte-level
+    data: ``encode(text) == list(text.encode())`` for every text, ``decode`` the inverse; EOS is
+    :data:`BYTE_EOS_ID` and the pad token :data:`PAD_TOKEN_ID`, no BOS.
+
+    The ``tokenizers`` library (a dependency of transformers) describes it as a BPE without merges whose vocabulary
+    holds the 128 ASCII characters as themselves (ids 0..127) and ``<0x80>``..``<0xFF>`` (ids 128..255), with byte
+    fallback: every non-ASCII character becomes the bytes of its UTF-8 encoding, all of them 0x80 or above. No
+    normaliser and no pre-tokenizer, so no byte is ever changed or dropped. The special tokens are the control
+    characters themselves, so they take the ids of their bytes (text holding byte 4 reads it as the end, the same
+    id cadence trained on)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {(chr(byte) if byte < 0x80 else f"<0x{byte:02X}>"): byte for byte in range(256)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+
+    def special(byte: int) -> Any:
+        return AddedToken(chr(byte), special=True, normalized=False)
+
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=special(BYTE_EOS_ID),
+                                   pad_token=special(PAD_TOKEN_ID), clean_up_tokenization_spaces=False)
 
 
 class HFTokenizer:
@@ -282,12 +325,13 @@ def _tokenize_into(writer: StoreWriter, split: str, dataset: Any, fields: dict[s
     ``--seq-len``); returns (rows, rows skipped because they were empty or had no target at all)."""
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    text_eos = eos if getattr(tokenizer, "eos_on_text", True) else []  # bytes end completions only
     rows = skipped = 0
     for batch in dataset.select_columns(list(fields.values())).iter(batch_size=_BATCH_ROWS):
         if "--text-field" in fields:
             # Every token after the first is a target (with a BOS, the text's first token is predicted from it).
             encoded = _encode(tokenizer, batch[fields["--text-field"]], allow_empty=False)
-            pieces = [(bos + ids + eos, 1) if ids is not None else None for ids in encoded]
+            pieces = [(bos + ids + text_eos, 1) if ids is not None else None for ids in encoded]
         else:  # an empty prompt is allowed (the completion alone), as in cadence.data.jsonl
             prompts = _encode(tokenizer, batch[fields["--prompt-field"]], allow_empty=True)
             completions = _encode(tokenizer, batch[fields["--completion-field"]], allow_empty=True)
@@ -329,14 +373,20 @@ def hf_recipe(spec: Path | str, *, tokenizer: Any | None, text_field: str = "tex
                     why = f" (all {rows} rows were empty or had no target)" if rows else ""
                     raise UsageError.single("--data", f"{source.describe()} has no examples{why}")
         return BuildResult(fingerprint=fingerprint, meta={
-            "description": source.describe(), "rows": counts["train"]["rows"],
+            "description": source.describe(), "path": str(source.path), "rows": counts["train"]["rows"],
             "skipped_rows": {role: c["skipped"] for role, c in counts.items()}, "val_split": val_name,
             "tokenizer_name": tok.name})
 
+    options: dict[str, Any] = {"format": source.format, "fields": [text_field, prompt_field, completion_field]}
+    if tok.eos_id is not None and not getattr(tok, "eos_on_text", True):
+        # Bytes end only completions with their EOS: part of the tokens, so of the key (a tokenizer's own EOS and
+        # BOS are in its identity already).
+        options["completion_eos"] = tok.eos_id
+    if tok.bos_id is not None:
+        options["bos_id"] = tok.bos_id  # how splits_from_store knows that examples start with a BOS to keep
     return Recipe(kind="examples", source=source.describe(), stat_identity=source.identity(), tokenizer=tok.identity,
-                  vocab_size=tok.vocab_size, options={"format": source.format,
-                                                      "fields": [text_field, prompt_field, completion_field]},
-                  build=build, source_bytes=sum(entry[1] for entry in source.identity()[2]))
+                  vocab_size=tok.vocab_size, options=options, build=build,
+                  source_bytes=sum(entry[1] for entry in source.identity()[2]))
 
 
 def load_hf_data(
@@ -350,6 +400,7 @@ def load_hf_data(
     val_fraction: float,
     cache_dir: Path | None,
     progress: IO[str] | None = None,
+    too_long: TooLong = "skip",
 ) -> DataSplits:
     """Load ``--data`` through ``datasets`` into tokenised training and validation examples.
 
@@ -357,7 +408,8 @@ def load_hf_data(
     "train" and validates on "validation"/"valid"/"val"/"test" when present (``val_fraction`` > 0 asks for
     validation; its value then does not matter); otherwise the last ``val_fraction`` of the examples is held out.
     The tokens go through a token store in ``cache_dir`` (see :mod:`cadence.data.cache`), reused while the data's
-    content, the tokenizer and the field names stay the same; ``cache_dir`` None keeps a private store.
+    content, the tokenizer and the field names stay the same; ``cache_dir`` None keeps a private store. Rows longer
+    than ``seq_len`` are skipped, truncated or refused as ``too_long`` says (:mod:`cadence.data.too_long`).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -368,10 +420,10 @@ def load_hf_data(
     opened = open_or_build(recipe, cache_dir)
     return splits_from_store(opened.store, seq_len=seq_len, val_fraction=val_fraction,
                              from_cache=not opened.built and cache_dir is not None,
-                             source=_resolve(spec).describe())
+                             source=_resolve(spec).describe(), too_long=too_long)
 
 
 __all__ = [
     "ByteTokenizer", "FILE_FORMATS", "HFTokenizer", "HF_DATA_PREFIX", "Tokenizer",
-    "VALIDATION_SPLITS", "as_tokenizer", "hf_recipe", "is_hf_data", "load_hf_data",
+    "VALIDATION_SPLITS", "as_tokenizer", "byte_level_hf_tokenizer", "hf_recipe", "is_hf_data", "load_hf_data",
 ]

@@ -1,6 +1,7 @@
 """JSON Lines sources: one variable-length example per line, plain text or prompt + completion.
 
 Every bad line is reported (not just the first), each naming ``file:line``, so a user fixes a file in one pass.
+A prompt + completion ends with :data:`cadence.data.batching.BYTE_EOS_ID`, so a model learns to stop.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cadence.data.batching import IGNORE_INDEX, Example, make_example
+from cadence.data.batching import BYTE_EOS_ID, IGNORE_INDEX, Example, make_example
+from cadence.data.too_long import TOO_LONG_CHOICES, TooLong, tail_shift, too_long_message
 from cadence.errors import Problem, UsageError
 from cadence.input_files import read_regular_file, read_regular_file_chunks, regular_file_problem
 
@@ -40,8 +42,10 @@ def parse_record(line: bytes) -> tuple[bytes, int]:
     """One non-blank line as (its example's bytes, the position of its first target); raises :class:`LineError`.
 
     ``{"text": t}``: every byte after the first is a target (first target 1). ``{"prompt": p, "completion": c}``:
-    the bytes of p + c, with the first target at ``len(p)``: position i predicts byte i + 1, a loss only on the
-    completion. Nothing here depends on ``--seq-len``: truncation happens when the example is read.
+    the bytes of p + c + :data:`BYTE_EOS_ID`, with the first target at ``len(p)``: position i predicts byte i + 1,
+    a loss only on the completion and the end of sequence after it (a text is a document, continued like packed
+    text; an answer must end). Nothing here depends on ``--seq-len``: the length limit applies when the example is
+    read (:mod:`cadence.data.too_long`).
     """
     try:
         text_line = line.decode("utf-8")
@@ -82,29 +86,26 @@ def parse_record(line: bytes) -> tuple[bytes, int]:
         if not completion:
             raise LineError('"completion" is empty; the loss is on the completion, so it needs at least one byte')
         prompt_bytes, completion_bytes = _utf8(prompt, "prompt"), _utf8(completion, "completion")
-        full = prompt_bytes + completion_bytes
-        if len(full) < 2:
-            raise LineError(
-                f"prompt + completion have {len(full)} byte; an example needs at least 2 (one input and one target)"
-            )
-        return full, len(prompt_bytes)
+        # At least 2 bytes (the completion's and the end's): one input and one target, even with an empty prompt.
+        return prompt_bytes + completion_bytes + bytes([BYTE_EOS_ID]), len(prompt_bytes)
     keys = ", ".join(repr(key) for key in list(record)[:5]) or "none"
     raise LineError(f"has neither \"text\" nor \"prompt\"+\"completion\" (keys: {keys}); {_FORMATS}")
 
 
-def no_target_message(seq_len: int, prompt_bytes: int) -> str:
-    """Why a prompt/completion example is unusable at this ``--seq-len``."""
-    return (f"the completion has no target left after truncating to --seq-len {seq_len} + 1 bytes "
-            f"(the prompt alone has {prompt_bytes} bytes); use a larger --seq-len or a shorter prompt")
-
-
-def example_at(tokens: bytes, first_target: int, seq_len: int) -> Example | None:
-    """The example of ``tokens`` cut to ``seq_len + 1`` bytes; None when no target is left."""
-    kept = tokens[: seq_len + 1]
-    labels = [kept[i + 1] if i + 1 >= first_target else IGNORE_INDEX for i in range(len(kept) - 1)]
-    if all(label == IGNORE_INDEX for label in labels):
-        return None
+def example_at(tokens: bytes, first_target: int, seq_len: int) -> Example:
+    """The example of ``tokens`` at ``seq_len``: whole when it fits ``seq_len + 1`` bytes, else truncated as
+    ``--too-long truncate`` does (:func:`cadence.data.too_long.tail_shift`: the loss-bearing end is kept)."""
+    shift = int(tail_shift(len(tokens), first_target, seq_len))
+    kept = tokens[shift : shift + seq_len + 1]
+    first = max(first_target, 1) - shift
+    labels = [kept[i + 1] if i + 1 >= first else IGNORE_INDEX for i in range(len(kept) - 1)]
     return make_example(kept[:-1], labels)
+
+
+def no_examples_message(source: object, longer: int, seq_len: int) -> str:
+    """Why a source whose every example was skipped as too long has none to train on."""
+    return (f"{source} has no example that fits --seq-len {seq_len}: all {longer:,} are longer and --too-long skip "
+            f"left them out; give a larger --seq-len, or --too-long truncate")
 
 
 def problems_error(path: Path, problems: list[Problem], total: int) -> UsageError:
@@ -165,24 +166,28 @@ def parse_range(path: Path, start: int, end: int, part: Path) -> RangeResult:
                        problem_count=count)
 
 
-def read_jsonl(path: Path, seq_len: int) -> tuple[list[Example], int]:
+def read_jsonl(path: Path, seq_len: int, too_long: TooLong = "skip") -> tuple[list[Example], int]:
     """Read a ``.jsonl`` file into examples of at most ``seq_len`` positions.
 
     ``{"text": t}``: the loss is on every byte after the first. ``{"prompt": p, "completion": c}``: the loss is on
-    the completion's bytes only. Other keys are ignored (records often carry ids or metadata). An example longer
-    than ``seq_len + 1`` bytes is cut to that length. Returns the examples and how many were cut.
+    the completion's bytes and the end of sequence after them (:data:`cadence.data.BYTE_EOS_ID`). Other keys are
+    ignored (records often carry ids or metadata). An example longer than ``seq_len + 1`` bytes is handled as
+    ``too_long`` says (:mod:`cadence.data.too_long`): skipped, truncated (keeping the completion), or an error naming
+    its line. Returns the examples and how many were longer (skipped or truncated).
 
     Raises :class:`UsageError` listing every bad line as ``file:line``, or naming ``--data`` for a missing or empty
     file.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if too_long not in TOO_LONG_CHOICES:
+        raise ValueError(f"too_long must be one of {', '.join(TOO_LONG_CHOICES)}, got {too_long!r}")
     problem = regular_file_problem(path)
     if problem is not None:
         raise UsageError.single("--data", f"{problem}; give a .jsonl file with one JSON object per line")
     examples: list[Example] = []
     problems: list[Problem] = []
-    truncated = 0
+    longer = 0
     # A UTF-8 byte order mark (some Windows editors write one) is not part of the first record.
     content = read_regular_file(path, where="--data").removeprefix(codecs.BOM_UTF8)
     for lineno, parsed in records(content):
@@ -190,14 +195,17 @@ def read_jsonl(path: Path, seq_len: int) -> tuple[list[Example], int]:
             problems.append(Problem(where=f"{path}:{lineno}", message=str(parsed)))
             continue
         tokens, first_target = parsed
-        example = example_at(tokens, first_target, seq_len)
-        if example is None:
-            problems.append(Problem(where=f"{path}:{lineno}", message=no_target_message(seq_len, first_target)))
-            continue
-        examples.append(example)
-        truncated += len(tokens) > seq_len + 1
+        if len(tokens) > seq_len + 1:
+            longer += 1
+            if too_long == "error":
+                problems.append(Problem(where=f"{path}:{lineno}", message=too_long_message(len(tokens), seq_len,
+                                                                                           "bytes")))
+            if too_long != "truncate":
+                continue
+        examples.append(example_at(tokens, first_target, seq_len))
     if problems:
         raise problems_error(path, problems, len(problems))
     if not examples:
-        raise UsageError.single("--data", f"{path} has no examples (it is empty or only blank lines)")
-    return examples, truncated
+        raise UsageError.single("--data", no_examples_message(path, longer, seq_len) if longer else
+                                f"{path} has no examples (it is empty or only blank lines)")
+    return examples, longer

@@ -14,6 +14,7 @@ from cadence.data.cache import Recipe, open_or_build
 from cadence.data.sources import BYTES_TOKENIZER, corpus_recipe, jsonl_recipe, text_recipe
 from cadence.data.splits import DataSplits, splits_from_store
 from cadence.data.store import META_FILE, StoreDamaged, TokenStore
+from cadence.data.too_long import TooLong
 from cadence.errors import UsageError
 
 _ALLOWED_DATA = ("a .txt file, a directory of text files, a .jsonl file ({\"text\"} or {\"prompt\", \"completion\"} per "
@@ -65,11 +66,13 @@ def load_data(
     cache_dir: Path | None = None,
     progress: IO[str] | None = None,
     workers: int | None = None,
+    too_long: TooLong = "skip",
 ) -> DataSplits:
     """Load ``--data`` (None: the built-in corpus) into training and validation examples of at most ``seq_len``.
 
     ``.txt`` files and directories are packed into sequences of exactly ``seq_len``; ``.jsonl`` examples keep
-    their own length (cut to ``seq_len``) and are padded per micro-batch by :func:`collate`; a directory holding a
+    their own length and are padded per micro-batch by :func:`collate`, those longer than ``seq_len`` skipped,
+    truncated or refused as ``too_long`` says (:mod:`cadence.data.too_long`); a directory holding a
     store.json is a token store built by ``cadence prepare-data``. Every source is read through a token store in
     ``cache_dir`` (tokenised once, then opened in milliseconds); ``cache_dir`` None builds a private store that
     lives as long as the returned datasets. ``max_corpus_bytes`` limits only the built-in corpus (tests and quick
@@ -77,7 +80,8 @@ def load_data(
     """
     if data is not None and is_store(data):
         store = open_prepared_store(data, expected_tokenizer=BYTES_TOKENIZER)
-        return splits_from_store(store, seq_len=seq_len, val_fraction=val_fraction, from_cache=False)
+        return splits_from_store(store, seq_len=seq_len, val_fraction=val_fraction, from_cache=False,
+                                 too_long=too_long)
     recipe = byte_recipe(data, progress=progress, workers=workers)
     opened = open_or_build(recipe, cache_dir)
     source = None if data is None else f"{'directory' if data.is_dir() else 'text file'} {data}"
@@ -86,7 +90,7 @@ def load_data(
     return splits_from_store(opened.store, seq_len=seq_len, val_fraction=val_fraction,
                              from_cache=not opened.built and cache_dir is not None,
                              max_stream_tokens=max_corpus_bytes if data is None else None,
-                             source=source, lines_of=data)
+                             source=source, lines_of=data, too_long=too_long)
 
 
 def bytes_fingerprint(content: bytes) -> str:

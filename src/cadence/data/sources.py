@@ -19,6 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from cadence.data.batching import BYTE_EOS_ID
 from cadence.data.cache import BuildResult, Recipe
 from cadence.data.corpus import corpus_description, corpus_files
 from cadence.data.jsonl import RangeResult, parse_range, problems_error
@@ -204,8 +205,9 @@ def _quiet_worker() -> None:
 
 def jsonl_recipe(path: Path, stream: IO[str] | None, *, workers: int | None = None,
                  range_bytes: int = JSONL_RANGE_BYTES) -> Recipe:
-    """A .jsonl file of ``{"text"}`` or ``{"prompt", "completion"}`` records, one example per line, parsed in
-    parallel; every bad line is reported as ``file:line`` and nothing is stored."""
+    """A .jsonl file of ``{"text"}`` or ``{"prompt", "completion"}`` records, one example per line (a completion
+    followed by :data:`BYTE_EOS_ID`), parsed in parallel; every bad line is reported as ``file:line`` and nothing is
+    stored."""
     problem = regular_file_problem(path)
     if problem is not None:
         raise UsageError.single("--data", f"{problem}; give a .jsonl file with one JSON object per line")
@@ -249,8 +251,11 @@ def jsonl_recipe(path: Path, stream: IO[str] | None, *, workers: int | None = No
                            meta={"description": f"JSONL file {path}", "source_format": "jsonl", "path": str(path)})
 
     identity = _stat_identity([("", path)])
+    # The end of sequence after each completion is part of the tokens, so of the store's key: a store of this file
+    # built before completions ended with it is not reused.
     return Recipe(kind="examples", source=f"JSONL file {path.resolve()}", stat_identity=[str(path.resolve()), identity],
-                  tokenizer=BYTES_TOKENIZER, vocab_size=256, options={}, build=build, source_bytes=identity[0][1])
+                  tokenizer=BYTES_TOKENIZER, vocab_size=256, options={"completion_eos": BYTE_EOS_ID}, build=build,
+                  source_bytes=identity[0][1])
 
 
 __all__ = ["BYTES_TOKENIZER", "available_cores", "corpus_recipe", "jsonl_recipe", "text_recipe"]

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cadence.data.batching import TokenDataset
-from cadence.data.jsonl import MAX_REPORTED_PROBLEMS, no_target_message
-from cadence.data.store import StoredExamples, TokenStore, usable_rows
+from cadence.data.jsonl import MAX_REPORTED_PROBLEMS, no_examples_message
+from cadence.data.store import StoredExamples, TokenStore
 from cadence.data.text import pack_tokens
+from cadence.data.too_long import TOO_LONG_CHOICES, LongExamples, TooLong, select_rows, too_long_message
 from cadence.errors import Problem, UsageError
 
 
@@ -24,7 +25,7 @@ class DataSplits:
     description: str
     """One line saying where the data came from and how much there is, for logs and reports."""
     truncated: int
-    """Examples cut to ``--seq-len`` (packed text is never truncated)."""
+    """Examples cut to ``--seq-len`` (``--too-long truncate``; packed text is never truncated)."""
     fingerprint: str
     """``sha256:...`` of the source's content (not of its path): a resume compares it, so that rewritten data, or
     other data under the same name, is never mixed into a run, while the same file named another way is accepted."""
@@ -34,6 +35,8 @@ class DataSplits:
     """The store's :attr:`TokenStore.digest` (which tokens exactly), for a resume to compare."""
     vocab_size: int | None = None
     """Every token id is below this (the store verified it): the model's vocabulary must hold it."""
+    long_examples: LongExamples | None = None
+    """What ``--too-long`` did to the examples longer than ``--seq-len`` (None for packed text, which has none)."""
 
 
 def split_validation(examples: TokenDataset, val_fraction: float) -> tuple[TokenDataset, TokenDataset | None]:
@@ -59,16 +62,19 @@ def split_validation(examples: TokenDataset, val_fraction: float) -> tuple[Token
 
 def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, from_cache: bool,
                       max_stream_tokens: int | None = None, source: str | None = None,
-                      lines_of: Path | None = None) -> DataSplits:
+                      lines_of: Path | None = None, too_long: TooLong = "skip") -> DataSplits:
     """The store's examples at ``seq_len``, split into training and validation.
 
     A stream is cut into sequences of exactly ``seq_len``; ``max_stream_tokens`` keeps only its start (quick runs
-    and tests on the built-in corpus). Examples are cut to ``seq_len + 1`` tokens; one left without a target (a
-    prompt longer than the sequence) is an error naming its line for JSONL, and skipped and counted for datasets,
-    whose real-world rows often have such outliers. ``source`` (the description's start) and ``lines_of`` (the file
-    that ``file:line`` messages name) default to what the store recorded; callers pass the user's own spelling."""
+    and tests on the built-in corpus). An example longer than ``seq_len + 1`` tokens is skipped, truncated or refused
+    as ``too_long`` says (:mod:`cadence.data.too_long`), the same for JSONL and datasets, and the same whether the
+    store was just built or found in the cache (the store holds every example whole). ``source`` (the description's
+    start) and ``lines_of`` (the file that ``file:line`` messages name) default to what the store recorded; callers
+    pass the user's own spelling."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if too_long not in TOO_LONG_CHOICES:
+        raise ValueError(f"too_long must be one of {', '.join(TOO_LONG_CHOICES)}, got {too_long!r}")
     meta = store.meta
     source = source or meta.get("description") or str(store.path)
     cache_note = "; tokens from the cache" if from_cache else ""
@@ -86,49 +92,67 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
                           fingerprint=fingerprint, store=store.path, store_digest=store.digest,
                           vocab_size=int(meta["vocab_size"]))
 
-    strict = meta.get("source_format") == "jsonl"
-    parts: dict[str, tuple[StoredExamples, int]] = {}
-    skipped = 0
+    unit = "bytes" if meta.get("tokenizer") == "bytes" else "tokens"
+    # A leading BOS (a tokenizer that adds one) stays in front of a truncated example: see cadence.data.too_long.
+    head = 0 if (meta.get("options") or {}).get("bos_id") is None else 1
     in_use = [split for split in store.indexes if split == "train" or (split == "val" and val_fraction > 0)]
+    parts: dict[str, StoredExamples] = {}
+    empty_rows = examples = longer = prompts_cut = ends_cut = 0
+    problems: list[Problem] = []
     for split in in_use:
         index = store.indexes[split]
-        skipped += int((meta.get("skipped_rows") or {}).get(split, 0))
-        usable, unusable, truncated = usable_rows(index, seq_len)
-        if len(unusable) and strict:
-            where = str(lines_of or meta.get("path") or store.path)
-            problems = [Problem(where=f"{where}:{int(index[row, 3])}",
-                                message=no_target_message(seq_len, int(index[row, 2])))
-                        for row in unusable[:MAX_REPORTED_PROBLEMS]]
-            if len(unusable) > MAX_REPORTED_PROBLEMS:
-                problems.append(Problem(where=where, message=f"and {len(unusable) - MAX_REPORTED_PROBLEMS} more bad "
-                                                             f"lines"))
-            raise UsageError(problems)
-        skipped += len(unusable)
-        parts[split] = (StoredExamples(store.tokens, index, seq_len, usable), truncated)
-    train_all, truncated = parts["train"]
+        empty_rows += int((meta.get("skipped_rows") or {}).get(split, 0))
+        rows, long_rows, split_prompts_cut, split_ends_cut = select_rows(index, seq_len, too_long, head)
+        examples, longer = examples + len(index), longer + len(long_rows)
+        prompts_cut, ends_cut = prompts_cut + split_prompts_cut, ends_cut + split_ends_cut
+        if too_long == "error":
+            problems += [Problem(where=_where(store, split, int(index[row, 3]), lines_of),
+                                 message=too_long_message(int(index[row, 1]), seq_len, unit))
+                         for row in long_rows[:MAX_REPORTED_PROBLEMS - len(problems)]]
+        parts[split] = StoredExamples(store.tokens, index, seq_len, rows, head)
+    if problems:
+        if longer > len(problems):
+            problems.append(Problem(where=str(lines_of or meta.get("path") or source),
+                                    message=f"and {longer - len(problems)} more examples longer than --seq-len"))
+        raise UsageError(problems)
+    long_examples = LongExamples(policy=too_long, seq_len=seq_len, examples=examples, too_long=longer,
+                                 prompts_cut=prompts_cut, ends_cut=ends_cut)
+    train_all = parts["train"]
     if not len(train_all):
         rows = int(meta.get("rows", 0))
+        if len(store.indexes["train"]):
+            raise UsageError.single("--data", no_examples_message(source, len(store.indexes["train"]), seq_len))
         why = f" (all {rows} rows were empty or had no target)" if rows else ""
         raise UsageError.single("--data", f"{source} has no examples{why}")
     description = f"{source}, {len(train_all)} examples"
     if meta.get("tokenizer_name") and meta.get("tokenizer") != "bytes":
         description += f", {meta['tokenizer_name']} tokens"
     if "val" in parts and val_fraction > 0:
-        train, (val, val_truncated) = train_all, parts["val"]
-        truncated += val_truncated
+        train, val = train_all, parts["val"]
         description += f"; {len(train)} train / {len(val)} validation ({meta.get('val_split', 'validation')} split)"
     else:
         train, val = split_validation(train_all, val_fraction)
         if val is not None:
             description += f"; {len(train)} train / {len(val)} validation (last {val_fraction:g})"
-    unit = "bytes" if meta.get("tokenizer") == "bytes" else "tokens"
+    truncated = longer if too_long == "truncate" else 0
     if truncated:
         description += f"; {truncated} truncated to {seq_len + 1} {unit}"
-    if skipped:
-        description += f"; {skipped} rows skipped (empty, or no target left)"
+    if longer and too_long == "skip":
+        description += f"; {longer} longer than --seq-len skipped"
+    if empty_rows:
+        description += f"; {empty_rows} rows skipped (empty, or without a target)"
     return DataSplits(train=train, val=val or None, description=description + cache_note, truncated=truncated,
                       fingerprint=store.fingerprint, store=store.path,
-                      store_digest=store.digest, vocab_size=int(meta["vocab_size"]))
+                      store_digest=store.digest, vocab_size=int(meta["vocab_size"]), long_examples=long_examples)
+
+
+def _where(store: TokenStore, split: str, row: int, lines_of: Path | None) -> str:
+    """Where a message about one example points: ``file:line`` for JSONL, ``file row N`` for a datasets source."""
+    meta = store.meta
+    if meta.get("source_format") == "jsonl":
+        return f"{lines_of or meta.get('path') or store.path}:{row}"
+    named = str(meta.get("path") or meta.get("description") or store.path)
+    return f"{named} row {row}" if split == "train" else f"{named} ({meta.get('val_split')} split) row {row}"
 
 
 __all__ = ["DataSplits", "split_validation", "splits_from_store"]

@@ -13,8 +13,9 @@ Two kinds:
   time by arithmetic (:class:`PackedSequences`), so one store serves every ``--seq-len``.
 - ``examples``: one example per row of the source (JSONL, datasets). Example i is
   ``tokens[offset : offset + length]`` untruncated; position j predicts token j + 1 and carries a loss only when
-  ``j + 1 >= loss_start``. Truncation to ``--seq-len`` happens when an example is read (:class:`StoredExamples`), so
-  again one store serves every ``--seq-len``. ``row`` is the source's line (JSONL) or row number, for messages.
+  ``j + 1 >= loss_start``. What happens to an example longer than ``--seq-len`` is decided when the examples are read
+  (:mod:`cadence.data.too_long`, :class:`StoredExamples`), so again one store serves every ``--seq-len``. ``row``
+  is the source's line (JSONL) or row number, for messages.
 
 ``store.json`` is written last, and a store only becomes visible by renaming its finished directory into place, so a
 build killed at any point leaves nothing that :meth:`TokenStore.open` accepts.
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 
 from cadence.data.batching import IGNORE_INDEX, Example, TokenDataset
+from cadence.data.too_long import kept_head, tail_shift
 from cadence.output_files import atomic_write_json
 
 STORE_FORMAT = "cadence-token-store"
@@ -470,28 +472,38 @@ class PackedSequences(TokenDataset):
 class StoredExamples(TokenDataset):
     """Examples of an ``examples`` store, cut to ``seq_len + 1`` tokens when read.
 
-    ``rows`` are the index rows in use (an int64 array: the only per-example state in memory). Counts over the whole
-    dataset (targets, longest example) are computed from the index, never by reading tokens."""
+    ``rows`` are the index rows in use (an int64 array: the only per-example state in memory). An example longer than
+    that keeps its end, the part with the loss (:func:`cadence.data.too_long.tail_shift`: a prompt loses its start,
+    after ``head`` leading tokens such as a BOS). Counts over the whole dataset (targets, longest example) are
+    computed from the index, never by reading tokens."""
 
-    def __init__(self, tokens: np.ndarray | TokenFile, index: np.ndarray, seq_len: int, rows: np.ndarray) -> None:
+    def __init__(self, tokens: np.ndarray | TokenFile, index: np.ndarray, seq_len: int, rows: np.ndarray,
+                 head: int = 0) -> None:
         super().__init__(())
         self._tokens = tokens
         self._index = index
         self._seq_len = seq_len
         self._rows = rows
+        self._head = kept_head(head, seq_len)
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
         if isinstance(index, slice):
-            return StoredExamples(self._tokens, self._index, self._seq_len, self._rows[index])
+            return StoredExamples(self._tokens, self._index, self._seq_len, self._rows[index], self._head)
         offset, length, loss_start, _ = (int(v) for v in self._index[self._rows[index]])
+        shift = int(tail_shift(length, loss_start, self._seq_len, self._head))
         kept = min(length, self._seq_len + 1)
-        ids = _as_long(self._tokens[offset : offset + kept])
+        if shift:
+            head = self._head
+            ids = _as_long(np.concatenate([self._tokens[offset : offset + head],
+                                           self._tokens[offset + head + shift : offset + kept + shift]]))
+        else:
+            ids = _as_long(self._tokens[offset : offset + kept])
         labels = ids[1:].clone()
         # Position j predicts token j + 1, a target only from loss_start on (the completion, after BOS, ...).
-        labels[: max(loss_start - 1, 0)] = IGNORE_INDEX
+        labels[: max(max(loss_start, 1) - shift - 1, 0)] = IGNORE_INDEX
         return Example(input_ids=ids[:-1], labels=labels)
 
     def __iter__(self) -> Iterator[Example]:  # type: ignore[override]
@@ -509,7 +521,9 @@ class StoredExamples(TokenDataset):
     def num_targets(self) -> int:  # type: ignore[override]
         if not len(self):
             return 0
-        starts = np.maximum(self._index[self._rows, 2], 1)
+        index = self._index[self._rows]
+        shift = tail_shift(index[:, 1], index[:, 2], self._seq_len, self._head)
+        starts = np.maximum(index[:, 2], 1) - shift
         return int(np.maximum(0, self._kept_lengths() - starts).sum())
 
     @property
@@ -522,18 +536,8 @@ class StoredExamples(TokenDataset):
         return self._index[self._rows, 3]
 
 
-def usable_rows(index: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(rows with at least one target within ``seq_len + 1`` tokens, rows without, number truncated among the
-    usable ones): a prompt longer than ``--seq-len`` leaves its completion no target."""
-    lengths = np.minimum(index[:, 1], seq_len + 1)
-    has_target = lengths - 1 >= np.maximum(index[:, 2], 1)
-    usable = np.flatnonzero(has_target)
-    truncated = int((index[usable, 1] > seq_len + 1).sum())
-    return usable, np.flatnonzero(~has_target), truncated
-
-
 __all__ = [
     "INDEX_COLUMNS", "META_FILE", "STORE_FORMAT", "STORE_VERSION", "TOKENS_FILE", "VERIFIED_FILE", "PackedSequences",
     "StoreDamaged", "file_sha256",
-    "StoreKind", "StoreWriter", "StoredExamples", "TokenFile", "TokenStore", "length_histogram", "token_dtype", "usable_rows",
+    "StoreKind", "StoreWriter", "StoredExamples", "TokenFile", "TokenStore", "length_histogram", "token_dtype",
 ]

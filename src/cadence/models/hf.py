@@ -387,14 +387,30 @@ def _build_from_directory(path: Path, overrides: dict[str, Any]) -> HFModel:
 
 
 def _load_tokenizer(path: Path) -> Any | None:
-    """The tokenizer saved next to the model, or None when there is none (cadence then uses bytes)."""
+    """The tokenizer saved next to the model, or None when there is none, or when it is the byte-level one that
+    ``--save-hf`` writes for a model trained on bytes (cadence then uses bytes, as it did for that model)."""
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         return None
     transformers = _import_transformers()
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as error:  # noqa: BLE001 - e.g. a sentencepiece model without the sentencepiece package
         raise UsageError.single("--model", f"{path}: could not load its tokenizer: {_one_line(error)}") from None
+    return None if _reads_bytes(tokenizer) else tokenizer
+
+
+_BYTE_PROBE = "Bytes: é, ü, 日本, 🙂\n\t<0x41> ~ \x7f"
+"""ASCII, two-, three- and four-byte UTF-8, control bytes and a spelling of a byte-fallback token."""
+
+
+def _reads_bytes(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` is byte-level as cadence is: 256 ids, each text's ids its UTF-8 bytes, nothing added.
+    Reading such a model's data through it instead would make it a tokenizer model (packed text refused, an EOS
+    after every text), unlike the byte-level run that trained it."""
+    try:
+        return len(tokenizer) == BYTE_VOCAB and list(tokenizer(_BYTE_PROBE)["input_ids"]) == list(_BYTE_PROBE.encode())
+    except Exception:  # noqa: BLE001 - any tokenizer that cannot say is not cadence's bytes
+        return False
 
 
 def packed_attention_supported() -> bool:
@@ -454,8 +470,10 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
 
     The files are written into a temporary sibling directory and renamed into place, so ``directory`` never holds a
     half-written model. ``tokenizer`` may be a transformers tokenizer, a wrapper with a ``.hf_tokenizer`` attribute
-    (``cadence.data.hf.HFTokenizer``), or None / byte tokens (nothing to save). ``weights`` replaces the model's own
-    state_dict (FSDP2 shards the model's parameters; the caller gathers them whole).
+    (``cadence.data.hf.HFTokenizer``; ``cadence.data.hf.ByteTokenizer`` for a byte-level model, whose wrapper also
+    gives the ``config_token_ids`` the saved config and generation config must carry, in place of the model family's
+    defaults), or None (nothing to save). ``weights`` replaces the model's own state_dict (FSDP2 shards the model's
+    parameters; the caller gathers them whole).
     """
     inner = _unwrap(model)
     if not hasattr(inner, "save_pretrained"):
@@ -463,6 +481,7 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
         raise UsageError.single("--save-hf", message)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise UsageError.single("--save-hf", f"{directory} already exists and is not empty; give a new directory")
+    token_ids: Mapping[str, int | None] = getattr(tokenizer, "config_token_ids", None) or {}
     tokenizer = getattr(tokenizer, "hf_tokenizer", tokenizer)
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
@@ -472,6 +491,7 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
                                   state_dict=None if weights is None else dict(weights))
             if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(str(staging))
+        _set_token_ids(staging, token_ids)
         os.chmod(staging, 0o755)  # mkdtemp makes 0700; a saved model is meant to be shared
         if directory.exists():
             directory.rmdir()  # empty (checked above): os.replace cannot replace a directory
@@ -479,6 +499,18 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _set_token_ids(directory: Path, token_ids: Mapping[str, int | None]) -> None:
+    """Give the saved config.json and generation_config.json these special-token ids (the model in memory keeps its
+    own): ``generate`` reads its EOS from the generation config."""
+    for name in ("config.json", "generation_config.json"):
+        path = directory / name
+        if not token_ids or not path.is_file():
+            continue
+        content = json.loads(path.read_text(encoding="utf-8"))
+        content.update(token_ids)
+        path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 __all__ = [

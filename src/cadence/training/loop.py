@@ -22,6 +22,7 @@ import torch
 from cadence import __version__
 from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches
+from cadence.data.hf import as_tokenizer
 from cadence.data.store import StoreDamaged
 from cadence.distributed.ranks import (
     SINGLE,
@@ -246,8 +247,9 @@ class TrainingRun:
         noise_scale = noise_scale_announcement(self.engine, prep.grad_accum_steps)
         if noise_scale is not None:
             print(noise_scale, file=stream, flush=True)
-        if prep.data.truncated:
-            print(f"note: {prep.data.truncated} examples were longer than --seq-len and were truncated", file=stream)
+        length_note = prep.data.long_examples.note() if prep.data.long_examples else None
+        if length_note:  # --too-long: how many examples were skipped or truncated, and what the truncated ones lost
+            print(f"note: {length_note}", file=stream)
         if self.start is not None:
             print(f"resuming from {self.start.checkpoint} (step {self.start.step})", file=stream, flush=True)
             note = schedule_note(self.start.saved_config, self.resolved, self.start.step)
@@ -420,7 +422,9 @@ class TrainingRun:
         weights = full_model_state(self.parts.model, ranks)  # a collective under FSDP2: every rank takes part
         self.writer.save_model(weights, metadata={"model": config.model, "step": str(engine.steps)})
         if config.save_hf is not None and ranks.is_main:
-            save_hf(unwrap(self.parts.model), config.save_hf, prep.hf.tokenizer if prep.hf else None, weights=weights)
+            # A byte-level model gets cadence's byte tokenizer (as_tokenizer(None)), so that it loads and stops.
+            save_hf(unwrap(self.parts.model), config.save_hf, as_tokenizer(prep.hf.tokenizer if prep.hf else None),
+                    weights=weights)
         peak_memory = max_over_ranks(self.totals.peak_memory, ranks)
         summary = self._summary(wall, peak_memory)
         self.writer.write_summary(summary)

@@ -171,12 +171,15 @@ def load_run_data(config: TrainConfig, seq_len: int, hf: HFModel | None, *, rank
     if source is not None and is_store(source):
         store = open_prepared_store(source, expected_tokenizer=as_tokenizer(tokenizer).identity)
         return splits_from_store(store, seq_len=seq_len, val_fraction=config.val_fraction, from_cache=False,
-                                 source=f"token store {source} ({store.meta.get('description', '')})")
+                                 source=f"token store {source} ({store.meta.get('description', '')})",
+                                 too_long=config.too_long)
     if source is None or not (is_hf_data(str(source)) or tokenizer is not None):
         if tokenizer is not None:
             raise UsageError.single("--data", "a model with its own tokenizer needs a .jsonl, .parquet, .csv, .json or "
                                               "hf:PATH dataset (packing text is byte-level)")
-        return load_data(source, seq_len, config.val_fraction, cache_dir=cache_dir, progress=progress)
+        return load_data(source, seq_len, config.val_fraction, cache_dir=cache_dir, progress=progress,
+                         too_long=config.too_long)
     return load_hf_data(str(source), seq_len=seq_len, tokenizer=tokenizer, text_field=config.text_field,
                         prompt_field=config.prompt_field, completion_field=config.completion_field,
-                        val_fraction=config.val_fraction, cache_dir=cache_dir, progress=progress)
+                        val_fraction=config.val_fraction, cache_dir=cache_dir, progress=progress,
+                        too_long=config.too_long)

@@ -15,10 +15,19 @@ from pathlib import Path
 from typing import IO, Any
 
 from cadence.config import TrainConfig
-from cadence.data import byte_recipe, default_cache_dir, is_store, open_prepared_store, splits_from_store
+from cadence.data import (
+    DataSplits,
+    TokenStore,
+    byte_recipe,
+    default_cache_dir,
+    is_store,
+    open_prepared_store,
+    splits_from_store,
+)
 from cadence.data.cache import open_or_build, write_store
 from cadence.data.hf import as_tokenizer, hf_recipe, is_hf_data
-from cadence.errors import UsageError
+from cadence.data.too_long import TOO_LONG_CHOICES
+from cadence.errors import Problem, UsageError
 from cadence.formatting import format_bytes
 from cadence.models import MODEL_NAMES
 from cadence.models.hf import model_tokenizer
@@ -47,8 +56,14 @@ def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO
                  progress: IO[str] | None = None) -> dict[str, Any]:
     """Build (or find) the store of ``config.data`` as ``config.model`` reads it; print and return its summary."""
     stream = stream or sys.stdout
+    problems = []
     if config.seq_len is not None and config.seq_len < 1:
-        raise UsageError.single("--seq-len", f"must be at least 1, got {config.seq_len}")
+        problems.append(Problem(where="--seq-len", message=f"must be at least 1, got {config.seq_len}"))
+    if config.too_long not in TOO_LONG_CHOICES:
+        problems.append(Problem(where="--too-long", message=f"{config.too_long!r} is not one of "
+                                                            f"{', '.join(TOO_LONG_CHOICES)}"))
+    if problems:
+        raise UsageError(problems)
     if config.model_config:
         # The tokens depend on the model's tokenizer only, which its config overrides never change.
         raise UsageError.single("--model-config", "changes the model, not its tokenizer: the tokens prepare-data "
@@ -56,17 +71,29 @@ def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO
     started = time.perf_counter()
     recipe = None
     tokenizer = None if config.model in MODEL_NAMES else model_tokenizer(config.model)
-    if config.data is not None and is_store(config.data):
+    at_seq_len: list[DataSplits] = []
+    given_store = config.data is not None and is_store(config.data)
+
+    def accept(store: TokenStore) -> None:
+        # With --seq-len the store must be usable at it (--too-long error refuses it), and is checked before it is
+        # kept: a refused store is not left in --out or the cache.
+        if config.seq_len is not None:
+            at_seq_len.append(splits_from_store(store, seq_len=config.seq_len, val_fraction=0.0, from_cache=False,
+                                                lines_of=None if given_store else config.data,
+                                                too_long=config.too_long))
+
+    if given_store:
         if options.out is not None:
             raise UsageError.single("--out", f"{config.data} is already a token store; --out is for building one")
         store = open_prepared_store(config.data, expected_tokenizer=as_tokenizer(tokenizer).identity)
+        accept(store)
         built = False
     else:
         recipe = _recipe(config, tokenizer, progress if progress is not None else sys.stderr)
         if options.out is not None:
-            store, built = write_store(recipe, options.out), True
+            store, built = write_store(recipe, options.out, accept=accept), True
         else:
-            opened = open_or_build(recipe, config.data_cache or default_cache_dir())
+            opened = open_or_build(recipe, config.data_cache or default_cache_dir(), accept=accept)
             store, built = opened.store, opened.built
     seconds = time.perf_counter() - started
     summary: dict[str, Any] = {"store": str(store.path), "built": built, "seconds": round(seconds, 3),
@@ -75,10 +102,14 @@ def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO
         summary["source_bytes"] = recipe.source_bytes
         if built:
             summary["mb_per_s"] = round(recipe.source_bytes / 1e6 / max(seconds, 1e-9), 1)
-    if config.seq_len is not None:
-        splits = splits_from_store(store, seq_len=config.seq_len, val_fraction=0.0, from_cache=not built)
+    if at_seq_len:
+        splits = at_seq_len[-1]
+        long_examples = splits.long_examples
         summary["at_seq_len"] = {"seq_len": config.seq_len, "examples": len(splits.train),
-                                 "targets": splits.train.num_targets, "truncated": splits.truncated}
+                                 "targets": splits.train.num_targets, "too_long": config.too_long,
+                                 "longer": long_examples.too_long if long_examples else 0,
+                                 "truncated": splits.truncated,
+                                 "note": long_examples.note() if long_examples else None}
     if options.json:
         print(json.dumps(summary, indent=1), file=stream)
     else:
@@ -114,6 +145,8 @@ def describe(summary: dict[str, Any], *, train_data: Path | None) -> str:
     if at:
         lines.append(f"at --seq-len {at['seq_len']}: {at['examples']:,} training examples, {at['targets']:,} targets"
                      + (f", {at['truncated']:,} truncated" if at["truncated"] else ""))
+        if at.get("note"):
+            lines.append(f"note: {at['note']}")
     if train_data is not None:
         lines.append(f"train on it: cadence train --data {train_data} ...")
     return "\n".join(lines)
