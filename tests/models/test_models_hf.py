@@ -270,6 +270,40 @@ def test_save_hf_round_trip_of_a_built_model(tmp_path: Path) -> None:
     torch.testing.assert_close(reloaded(ids).logits, built.model.eval()(ids).logits, rtol=0, atol=0)
 
 
+BYTE_TEXTS = ["plain ASCII", "é, ü, 日本語, 🙂", "tabs\tand\nnewlines  ", "<0x41> spelled like a token", "\x00\x04\x7f",
+              "a" * 5000]
+
+
+def test_save_hf_of_a_byte_level_model_writes_a_tokenizer_of_its_bytes_that_stops_it(tmp_path: Path) -> None:
+    """Issue 30: a byte-level model exported with --save-hf had no tokenizer, and nothing told generate to stop."""
+    from transformers import AutoTokenizer
+
+    from cadence.data import BYTE_EOS_ID, PAD_TOKEN_ID
+    from cadence.data.hf import ByteTokenizer
+
+    built = tiny("llama")
+    save_hf(built.model, tmp_path / "bytes", ByteTokenizer())
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "bytes", local_files_only=True)
+    for text in BYTE_TEXTS:  # the ids are the text's UTF-8 bytes, what cadence trains on; decode is the inverse
+        assert tokenizer(text)["input_ids"] == list(text.encode()) == tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(list(text.encode())) == text
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (BYTE_EOS_ID, PAD_TOKEN_ID, None)
+    # The family's special ids (llama: BOS 1, EOS 2) are replaced by the bytes' own in the saved configs.
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bytes", local_files_only=True).eval()
+    assert (model.config.eos_token_id, model.generation_config.eos_token_id) == (BYTE_EOS_ID, BYTE_EOS_ID)
+    assert model.config.bos_token_id is None and built.model.config.eos_token_id == 2  # the model in memory is as it was
+    # A model whose EOS logit wins stops after one token, told by the tokenizer or by its own generation config.
+    model.lm_head.register_forward_hook(lambda module, args, logits: logits.index_add(
+        -1, torch.tensor([BYTE_EOS_ID]), torch.full((*logits.shape[:-1], 1), 1e4)))
+    prompt = torch.tensor([list(b"Q: stop?")])
+    for stop in ({"eos_token_id": tokenizer.eos_token_id}, {}):
+        generated = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD_TOKEN_ID, **stop)
+        assert generated[0, prompt.shape[1]:].tolist() == [BYTE_EOS_ID]
+    # Loaded again by cadence, the directory is byte-level as before (packed text allowed, no tokenizer model).
+    again = build_hf_model(str(tmp_path / "bytes"), {})
+    assert again.tokenizer is None and "byte tokens" in again.source
+
+
 def test_save_hf_refusals(tmp_path: Path) -> None:
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")

@@ -78,6 +78,28 @@ def test_model_directory_round_trip_with_save_hf(tmp_path):
         assert not torch.equal(start(ids).logits, ours(ids).logits)  # it really trained
 
 
+def test_a_byte_level_llama_exported_with_save_hf_has_the_tokenizer_it_trained_on(tmp_path):
+    """Issue 30: --save-hf of a byte-level model writes a tokenizer whose ids are the ones cadence trained on, and the
+    prompt/completion examples it trained on end with that tokenizer's EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cadence.data import BYTE_EOS_ID, IGNORE_INDEX
+    from cadence.data.jsonl import read_jsonl
+
+    data = uneven_jsonl(tmp_path / "pc.jsonl")
+    train(tmp_path, "run", *LLAMA, "--data", str(data), "--save-hf", str(tmp_path / "saved"))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "saved", local_files_only=True)
+    examples, _ = read_jsonl(data, 48)
+    for line, example in zip(data.read_text().splitlines(), examples):
+        record = json.loads(line)
+        trained_on = example.input_ids.tolist() + example.labels.tolist()[-1:]
+        assert tokenizer(record["prompt"] + record["completion"])["input_ids"] + [tokenizer.eos_token_id] == trained_on
+        assert example.labels[-1] == BYTE_EOS_ID == tokenizer.eos_token_id
+        assert (example.labels != IGNORE_INDEX).sum() == len(record["completion"]) + 1
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", local_files_only=True)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
 def test_saved_dataset_trains_and_a_missing_field_is_named(tmp_path, capsys):
     import datasets
 
