@@ -1,7 +1,9 @@
-"""The README stays true: its engine example is the file a test runs, and it lists every train flag."""
+"""The README stays true: every Python block in it runs as written (or is a declared fragment of a file a test runs),
+its engine example is the file a test runs, and it lists every train flag."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import subprocess
@@ -15,24 +17,97 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
+FRAGMENT = re.compile(r"^# fragment: see (\S+) for the whole example$")
+"""The first line of a README code block that is only a part of a program (it uses names a whole program defines):
+the file it names holds the whole program, and a test runs that file."""
+
+
+def _is_python(code: str) -> bool:
+    """Whether an indented block is Python rather than shell lines, a tree of files or pseudo-code: it parses, and
+    does something (an import, an assignment, a call, a with or a for), as no shell line that happens to parse does."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return False
+    return any(isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.Call, ast.With, ast.For))
+               for node in ast.walk(tree))
+
+
+def readme_python_blocks() -> list[tuple[int, str]]:
+    """(line, code) of every Python code block of the README, in order: each ```python block, and each indented
+    block (4 spaces, or more inside a list item) that is Python."""
+    lines = README.split("\n")
+    blocks: list[tuple[int, str]] = []
+    number = 0
+    while number < len(lines):
+        line = lines[number]
+        if line.startswith("```"):
+            end = lines.index("```", number + 1)
+            if line == "```python":
+                blocks.append((number + 1, "\n".join(lines[number + 1:end]) + "\n"))
+            number = end + 1
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        if line.strip() and indent >= 4 and (number == 0 or not lines[number - 1].strip()):
+            start, body = number, []
+            while number < len(lines) and (lines[number][:indent].strip() == "" or not lines[number].strip()):
+                body.append(lines[number][indent:])
+                number += 1
+            code = "\n".join(body).rstrip() + "\n"
+            if _is_python(code):
+                blocks.append((start + 1, code))
+            continue
+        number += 1
+    return blocks
+
+
+def test_the_readme_s_python_blocks_are_found() -> None:
+    """The two kinds: the fenced engine example, and indented ones (the prefetch loop, the distributed fragment);
+    the shell lines, file trees and the step chain's pseudo-code are not Python."""
+    blocks = readme_python_blocks()
+    assert any(code.startswith("import torch\nfrom torch import nn\n\nfrom cadence import Cut, Engine, Example")
+               for _, code in blocks)  # the indented prefetch example
+    assert any(FRAGMENT.match(code.split("\n")[0]) for _, code in blocks)  # the distributed one
+    assert not any(code.startswith(("cadence ", "make ", "runs/", "src/")) for _, code in blocks)
+
+
 def test_every_python_block_of_the_readme_runs_as_it_stands_in_order(tmp_path, monkeypatch, capsys):
-    """Each ```python block of the README, in the README's order, in one namespace (a later block may continue an
-    earlier one, never use a name before a block defines it), in a directory holding a run at runs/demo as `make demo`
-    leaves it. The engine example must also be examples/own_loop.py exactly."""
+    """Each Python block of the README (```python, and indented Python) that is not a declared fragment, in the
+    README's order, in one namespace (a later block may continue an earlier one, never use a name before a block
+    defines it), in a directory holding a run at runs/demo as `make demo` leaves it. The engine example must also be
+    examples/own_loop.py exactly."""
     example = (ROOT / "examples" / "own_loop.py").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    blocks = [(line, code) for line, code in readme_python_blocks() if not FRAGMENT.match(code.split("\n")[0])]
     body = example.split('"""', 2)[2].lstrip("\n")  # the file without its module docstring
-    assert body in blocks, "README's engine example differs from examples/own_loop.py"
+    assert body in [code for _, code in blocks], "README's engine example differs from examples/own_loop.py"
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--seq-len", "32", "--max-steps", "3", "--val-fraction", "0", "--out", "runs/demo"]) == 0
     capsys.readouterr()
     namespace: dict = {"__name__": "__main__"}
-    for number, block in enumerate(blocks, start=1):
-        exec(compile(block, f"README python block {number}", "exec"), namespace)  # noqa: S102 - our own README
+    for line, code in blocks:
+        exec(compile(code, f"README.md line {line}", "exec"), namespace)  # noqa: S102 - our own README
     out = capsys.readouterr().out
     assert "40 optimizer steps, 0 skipped" in out and "kind" in out  # the example, then its profiler block
     assert (tmp_path / "profile" / "profile.json").exists() and (tmp_path / "profile" / "trace.json").exists()
     assert "[(1, " in out  # the metrics-reading block read runs/demo
+
+
+def test_every_fragment_of_the_readme_names_a_whole_example_that_a_test_runs():
+    """A fragment (`# fragment: see FILE for the whole example`) cannot run alone: the file it names must exist,
+    hold the fragment's calls, and be run by a test (tests/distributed/count_allreduce.py runs under torchrun in
+    tests/distributed/test_distributed.py)."""
+    fragments = [(line, code) for line, code in readme_python_blocks() if FRAGMENT.match(code.split("\n")[0])]
+    assert fragments
+    tests = {path: path.read_text() for path in (ROOT / "tests").rglob("test_*.py")}
+    for line, code in fragments:
+        named = ROOT / FRAGMENT.match(code.split("\n")[0]).group(1)
+        assert named.is_file(), f"README.md line {line}: {named} does not exist"
+        whole = named.read_text()
+        called = {node.func.id for node in ast.walk(ast.parse(code))
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+        assert called and all(f"{name}(" in whole for name in called), (line, called)
+        runners = [path for path, text in tests.items() if path != named and named.name in text]
+        assert runners, f"README.md line {line}: no test runs {named}"
 
 
 def test_the_quick_start_lines_work_pasted_into_a_fresh_shell(tmp_path):

@@ -3,12 +3,16 @@
 The engine is usable from your own loop::
 
     from cadence import Engine, iter_windows
+
+``Example`` (one training example: ``input_ids`` and next-token ``labels``) is what a dataset given to
+``epoch_windows`` holds.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from cadence.data import Example  # noqa: E402
 from cadence.engine import (  # noqa: E402
     ChunkedCrossEntropy,
     Cut,
@@ -34,6 +38,7 @@ __all__ = [
     "ChunkedCrossEntropy",
     "Cut",
     "Engine",
+    "Example",
     "GradientNoiseScale",
     "Precision",
     "Problem",

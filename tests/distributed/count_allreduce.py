@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpe
 
 from helpers import prompt_completion_dataset, tiny_model  # noqa: E402
 
-from cadence.distributed.ranks import ProcessGroupCollective, start, stop, wrap_model  # noqa: E402
+from cadence.distributed.ranks import ProcessGroupCollective, rank_device, start, stop, wrap_model  # noqa: E402
 from cadence.engine.cut import Cut
 from cadence.engine.step import Engine  # noqa: E402
 from cadence.engine.windows import epoch_windows  # noqa: E402
@@ -24,8 +24,8 @@ STEPS, ACCUM = 3, 4
 
 def main() -> None:
     ranks = start(device_type="cpu", strategy="ddp", sync_every_micro_step=False, timeout_s=60)
-    device = torch.device("cpu")
-    model = wrap_model(tiny_model(), ranks, device)
+    device = rank_device(torch.device("cpu"), ranks)  # as the README's fragment of this file: cuda:LOCAL_RANK on GPUs
+    model = wrap_model(tiny_model().to(device), ranks, device)
     calls: list[int] = []  # the engine's window count at each all-reduce
 
     # No `from __future__ import annotations` here: DDP checks this hook's annotations as real types.

@@ -26,8 +26,20 @@ def test_decay_goes_from_peak_to_floor(schedule):
 
 
 def test_cosine_shape():
-    value = lr_factor(1, schedule="cosine", warmup_steps=0, max_steps=4)
+    value = lr_factor(1, schedule="cosine", warmup_steps=0, max_steps=4, min_lr_ratio=0.0)
     assert value == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+
+
+def test_the_library_s_floor_is_the_command_line_s():
+    """Issue 30: build_lr_scheduler decayed to 0.0 by default, cadence train to --min-lr-ratio 0.1."""
+    import inspect
+
+    from cadence.config import TrainConfig
+    from cadence.engine.schedules import build_lr_scheduler
+
+    for function in (lr_factor, build_lr_scheduler):
+        assert inspect.signature(function).parameters["min_lr_ratio"].default == TrainConfig().min_lr_ratio == 0.1
+    assert lr_factor(10, schedule="cosine", warmup_steps=0, max_steps=10) == pytest.approx(0.1)
 
 
 def test_scheduler_object_follows_factor():

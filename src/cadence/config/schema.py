@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from cadence.data.too_long import TooLong
 from cadence.engine.cut import MicroBatchOrder
 from cadence.engine.precision import PrecisionName
-from cadence.engine.schedules import LRScheduleName
+from cadence.engine.schedules import DEFAULT_MIN_LR_RATIO, LRScheduleName
 from cadence.engine.windows import LastWindow
 from cadence.memory.offload import OffloadMode
 from cadence.memory.recompute import CheckpointingMode
@@ -186,7 +186,7 @@ class TrainConfig:
     """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
     warmup_steps: int = setting(0, SCHEDULE, changes_math=True)
     """Optimizer steps of linear LR warmup."""
-    min_lr_ratio: float = setting(0.1, SCHEDULE, changes_math=True)
+    min_lr_ratio: float = setting(DEFAULT_MIN_LR_RATIO, SCHEDULE, changes_math=True)
     """Floor of the linear and cosine decay, as a fraction of --lr."""
     max_steps: int = setting(100, LENGTH, changes_math=True)
     """Optimizer steps to train (skipped fp16 steps do not count)."""

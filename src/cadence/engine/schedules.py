@@ -10,9 +10,15 @@ import torch
 LRScheduleName = Literal["constant", "linear", "cosine"]
 LR_SCHEDULES: tuple[LRScheduleName, ...] = ("constant", "linear", "cosine")
 
+DEFAULT_MIN_LR_RATIO = 0.1
+"""The floor of a decaying schedule, as a fraction of the peak LR: the library's default and ``--min-lr-ratio``'s, so a
+loop built from the library decays as ``cadence train`` does (a tenth of the peak, the usual choice for fine-tuning
+and pretraining alike; 0.0 decays to nothing, which leaves the last steps with almost no update)."""
+
 
 def lr_factor(
-    steps_done: int, *, schedule: LRScheduleName, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.0
+    steps_done: int, *, schedule: LRScheduleName, warmup_steps: int, max_steps: int,
+    min_lr_ratio: float = DEFAULT_MIN_LR_RATIO,
 ) -> float:
     """Multiplier of the peak LR for the optimizer step that follows ``steps_done`` completed steps.
 
@@ -40,9 +46,10 @@ def build_lr_scheduler(
     schedule: LRScheduleName,
     warmup_steps: int,
     max_steps: int,
-    min_lr_ratio: float = 0.0,
+    min_lr_ratio: float = DEFAULT_MIN_LR_RATIO,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR whose ``step()`` the engine calls once per optimizer step that really happened."""
+    """A LambdaLR whose ``step()`` the engine calls once per optimizer step that really happened (see
+    :func:`lr_factor`; ``min_lr_ratio`` defaults to ``--min-lr-ratio``'s :data:`DEFAULT_MIN_LR_RATIO`)."""
 
     def factor(steps_done: int) -> float:
         return lr_factor(
