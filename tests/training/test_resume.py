@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from cadence.cli import main
 from cadence.training.checkpoint import checkpoint_dirs, load_checkpoint, prune_checkpoints, verify_checkpoint
-from cadence.training.resume import schedule_note
+from cadence.training.resume import incompatibilities, schedule_note
 from cadence.training.run_dir import read_metrics
 
 
@@ -390,3 +390,12 @@ def test_a_manifest_that_vouches_for_less_than_every_file_is_damage(tmp_path, ma
     real = json.loads(text) if not isinstance(manifest, str) else None
     if real is not None and real.get("sha256") == {}:
         assert "does not vouch for" in verify_checkpoint(checkpoint)
+
+
+def test_a_run_recorded_before_too_long_existed_truncated_its_long_examples() -> None:
+    """Issue 30: such a run truncated every example longer than --seq-len; resuming it with --too-long skip (the new
+    default) would train on fewer examples, so it is refused, and --too-long truncate resumes it."""
+    old_record = {"model": "gpt-tiny", "seq_len": 48}
+    (problem,) = incompatibilities(old_record, {**old_record, "too_long": "skip"})
+    assert problem.where == "--too-long" and "'skip' differs from the checkpoint's 'truncate'" in problem.message
+    assert incompatibilities(old_record, {**old_record, "too_long": "truncate"}) == []

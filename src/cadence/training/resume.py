@@ -42,6 +42,11 @@ elsewhere, an absolute path, a link) resumes; other content under the same name 
 
 _FLAG_OF = {"data_fingerprint": "--data", "data_store_digest": "--data"}
 
+BEFORE_THE_FLAG: dict[str, Any] = {"too_long": "truncate"}
+"""What a run recorded before a math-changing flag existed did as that flag says: every example longer than
+--seq-len was truncated then, so a resume of such a run with --too-long skip (now the default) is refused, not run on
+fewer examples."""
+
 
 @dataclass(kw_only=True)
 class ResumePoint:
@@ -61,6 +66,8 @@ def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Pr
     """The math-changing fields that differ, each named by its flag."""
     problems = []
     for name in RESUME_CHECKED:
+        if name not in saved and name in BEFORE_THE_FLAG:
+            saved = {**saved, name: BEFORE_THE_FLAG[name]}
         if name not in saved or _same(name, saved.get(name), current.get(name)):
             continue
         if name == "max_steps" and isinstance(current.get(name), int) and current[name] > int(saved[name]):
