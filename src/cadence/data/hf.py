@@ -49,7 +49,8 @@ _ALLOWED = "hf:DIR (a datasets.save_to_disk directory), or a .parquet, .csv, .js
 # ------------------------------------------------------------------------------------------------ tokenizers
 @runtime_checkable
 class Tokenizer(Protocol):
-    """Text to ids. Each example gets ``bos_id`` in front and ``eos_id`` at the end, when they are not None."""
+    """Text to ids. Each example gets ``bos_id`` in front and ``eos_id`` at the end, when they are not None (a
+    tokenizer whose ``eos_on_text`` attribute is False, as :class:`ByteTokenizer`'s, ends only completions with it)."""
 
     vocab_size: int  # every id is below this
     bos_id: int | None
