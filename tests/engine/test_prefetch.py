@@ -149,6 +149,7 @@ def test_pinning_reaches_every_micro_batch_tensor(monkeypatch):
 def train_args(data: Path, out: Path, prefetch_windows: int, *extra: str, steps: int = 6) -> list[str]:
     return ["train", "--data", str(data), "--seq-len", "32", "--micro-batch-size", "4", "--grad-accum-steps", "2",
             "--max-steps", str(steps), "--val-fraction", "0", "--prefetch-windows", str(prefetch_windows),
+            "--too-long", "truncate",  # all 24 of write_jsonl's examples (about half longer than 32), cut to fit
             "--log-every", "100", "--out", str(out), *extra]
 
 
