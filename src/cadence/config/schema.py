@@ -21,6 +21,7 @@ from cadence.engine.precision import PrecisionName
 from cadence.engine.schedules import DEFAULT_MIN_LR_RATIO, LRScheduleName
 from cadence.engine.windows import LastWindow
 from cadence.memory.offload import OffloadMode
+from cadence.memory.optimizer_state import OptimizerStateName
 from cadence.memory.recompute import CheckpointingMode
 
 DeviceName = Literal["auto", "cpu", "cuda"]
@@ -182,6 +183,11 @@ class TrainConfig:
     """AdamW beta1."""
     adam_beta2: float = setting(0.95, OPTIMIZER, changes_math=True)
     """AdamW beta2."""
+    optimizer_state: OptimizerStateName = setting("fp32", OPTIMIZER, changes_math=True)
+    """How AdamW stores its two moments: fp32 (8 bytes per trained parameter), bf16 (4 bytes: cadence's AdamW with
+    stochastic rounding of the moments, so small updates are not lost) or 8bit (about 2 bytes: bitsandbytes'
+    block-wise quantised AdamW8bit, pip install 'cadence[8bit]'). The weights and gradients stay fp32. Works with
+    --offload optimizer and DDP; under --strategy fsdp only fp32 and bf16."""
     lr_schedule: LRScheduleName = setting("cosine", SCHEDULE, changes_math=True)
     """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
     warmup_steps: int = setting(0, SCHEDULE, changes_math=True)

@@ -26,6 +26,7 @@ from cadence.engine.schedules import LR_SCHEDULES
 from cadence.engine.windows import LAST_WINDOW_CHOICES
 from cadence.errors import Problem, UsageError
 from cadence.memory.offload import OFFLOAD_MODES
+from cadence.memory.optimizer_state import OPTIMIZER_STATES, eight_bit_problem
 from cadence.memory.recompute import CHECKPOINTING_MODES
 from cadence.models import MODEL_NAMES, compile_problem, model_context_length
 
@@ -112,6 +113,9 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     finite_range("weight_decay", 0.0, 1.0)
     finite_range("adam_beta1", 0.0, 1.0, high_open=True)
     finite_range("adam_beta2", 0.0, 1.0, high_open=True)
+    choice("optimizer_state", OPTIMIZER_STATES)
+    if config.optimizer_state == "8bit" and (reason := eight_bit_problem()) is not None:
+        bad("optimizer_state", f"8bit {reason}")
     finite_range("min_lr_ratio", 0.0, 1.0)
     finite_range("val_fraction", 0.0, 0.5)
     finite_range("noise_scale_ema", 0.0, 1.0, high_open=True)
@@ -354,6 +358,10 @@ def distributed_problems(config: TrainConfig, world_size: int, launched: bool) -
         if config.strategy == "fsdp" and config.precision == "fp16":
             bad("precision", "fp16 with --strategy fsdp is not supported: each rank would find inf/nan in its own "
                              "gradient shard and skip steps alone; use bf16")
+        if config.strategy == "fsdp" and config.optimizer_state == "8bit":
+            bad("optimizer_state", "8bit with --strategy fsdp is not supported: bitsandbytes' 8-bit AdamW updates "
+                                   "whole tensors and cannot update FSDP2's sharded (DTensor) parameters; use "
+                                   "--optimizer-state bf16 (which shards like fp32), or --strategy ddp")
         if config.strategy == "fsdp" and config.offload == "optimizer":
             bad("offload", "optimizer offload with --strategy fsdp is not supported; FSDP already shards the "
                            "optimizer state over the ranks")

@@ -23,6 +23,7 @@ from cadence.engine.cut import CUT_FLAG_DEFAULTS
 from cadence.engine.schedules import lr_factor
 from cadence.engine.step import PartialWindow
 from cadence.errors import Problem, UsageError
+from cadence.memory.optimizer_state import EIGHT_BIT_BLOCK
 from cadence.training.checkpoint import (
     CheckpointUnreadable,
     checkpoint_dirs,
@@ -217,14 +218,25 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
     return point
 
 
+_PER_BLOCK_STATE = ("absmax1", "absmax2")
+"""bitsandbytes' 8-bit state (--optimizer-state 8bit): one fp32 scale per block of its moments' elements."""
+_UNSHAPED_STATE = ("step", "qmap1", "qmap2", "unorm_vec")
+"""State that has no parameter's shape: step counters, bitsandbytes' code books."""
+
+
 def _check_optimizer_state_shapes(optimizer: Any) -> None:
     """torch's load_state_dict takes moments of any shape; one that does not match its parameter would fail at the
     first step, mid-run. (Offloaded and FSDP2-sharded optimizers keep their own layout and are left to themselves.)"""
     for group in getattr(optimizer, "param_groups", []):
         for parameter in group["params"]:
+            if type(parameter).__name__ == "DTensor":
+                continue
             for name, value in optimizer.state.get(parameter, {}).items():
-                if name != "step" and hasattr(value, "shape") and value.shape != parameter.shape \
-                        and type(parameter).__name__ != "DTensor":
+                if name in _UNSHAPED_STATE or not hasattr(value, "shape"):
+                    continue
+                expected = (-(-parameter.numel() // EIGHT_BIT_BLOCK),) if name in _PER_BLOCK_STATE \
+                    else tuple(parameter.shape)
+                if tuple(value.shape) != expected:
                     raise ValueError(f"optimizer state {name} of shape {tuple(value.shape)} for a parameter of shape "
                                      f"{tuple(parameter.shape)}")
 
