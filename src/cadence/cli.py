@@ -48,6 +48,12 @@ OTHER_OPTION_SECTIONS: dict[str, Section] = {"config_file": FROM_PLAN, "nproc_pe
 """The --help section of the options that are not TrainConfig fields (those have their section in the schema)."""
 
 
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"lora_targets": ("--lora-target-modules",)}
+"""Second spellings of a few flags: peft's own name for the LoRA targets."""
+LIST_METAVARS: dict[str, str] = {"lora_targets": "NAME[,NAME]"}
+"""What a repeatable flag's value looks like, where it is not KEY=VALUE."""
+
+
 class GroupedCommand(click.Command):
     """A command whose --help lists train's flags under their schema sections instead of one flat list of dozens;
     the command's own options come first, under its name."""
@@ -159,8 +165,9 @@ def dataclass_options(cls: type, names: tuple[str, ...] | None = None) -> Callab
         for field in reversed(fields):
             help_text = docs.get(field.name, "")
             if "list" in str(hints[field.name]):  # repeatable: --model-config a=1 --model-config b=2
-                command = click.option(flag(field.name), field.name, multiple=True, default=None,
-                                       metavar="KEY=VALUE", help=help_text)(command)
+                command = click.option(flag(field.name), *FLAG_ALIASES.get(field.name, ()), field.name,
+                                       multiple=True, default=None, metavar=LIST_METAVARS.get(field.name, "KEY=VALUE"),
+                                       help=help_text)(command)
                 continue
             if hints[field.name] is bool:
                 # A switch with its off form (--packing / --no-packing); None = not given, so that the TOML file,

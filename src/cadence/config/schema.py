@@ -61,6 +61,7 @@ BATCH = _section("Batch", "plan", "profile", "verify")
 CUT = _section("Micro-batch cut", "plan", "profile", "verify")
 PRECISION = _section("Precision and memory levers", "plan", "profile", "verify")
 OPTIMIZER = _section("Optimizer", "plan", "profile", "verify")
+LORA = _section("LoRA adapters", "plan", "profile", "verify")
 DEVICE = _section("Device and seed", "plan", "profile", "verify")
 DISTRIBUTED = _section("Distributed", "verify")
 # What a measurement of speed and memory also depends on (verify compares gradients exactly: fp32 matmuls stay exact).
@@ -76,7 +77,7 @@ VALIDATION = _section("Validation")
 NOISE_SCALE = _section("Gradient noise scale", "profile")
 CHECKPOINTS = _section("Checkpoints, resume and export")
 
-SECTIONS: tuple[Section, ...] = (MODEL, DATA, BATCH, CUT, PRECISION, MEMORY, SPEED, OPTIMIZER, SCHEDULE, LENGTH,
+SECTIONS: tuple[Section, ...] = (MODEL, DATA, BATCH, CUT, PRECISION, MEMORY, SPEED, OPTIMIZER, LORA, SCHEDULE, LENGTH,
                                  VALIDATION, NOISE_SCALE, DEVICE, DISTRIBUTED, RUN_DIRECTORY, CHECKPOINTS, FROM_PLAN)
 """In --help order."""
 
@@ -188,6 +189,17 @@ class TrainConfig:
     stochastic rounding of the moments, so small updates are not lost) or 8bit (about 2 bytes: bitsandbytes'
     block-wise quantised AdamW8bit, pip install 'cadence[8bit]'). The weights and gradients stay fp32. Works with
     --offload optimizer and DDP; under --strategy fsdp only fp32 and bf16."""
+    lora_rank: int = setting(0, LORA, changes_math=True)
+    """Train LoRA adapters of rank R (with peft) instead of the whole model: a Hugging Face model's base is frozen
+    (no gradients, no optimizer state) and only the adapters of the --lora-targets layers are trained; --save-hf
+    then writes the adapter, which peft.PeftModel.from_pretrained(base, DIR) loads. 0 (default): train everything."""
+    lora_alpha: float | None = setting(None, LORA, changes_math=True)
+    """LoRA's alpha: the adapters' output is scaled by alpha / rank; default: the rank (scale 1)."""
+    lora_targets: list[str] | None = setting(None, LORA, changes_math=True)
+    """The layers to adapt, by module name (q_proj,v_proj or repeat the flag; all-linear for every linear layer but
+    the head); default: peft's choice for the model type (llama, qwen2, mistral: q_proj and v_proj; gpt2: c_attn)."""
+    lora_dropout: float = setting(0.0, LORA, changes_math=True)
+    """Dropout on the adapters' input (0 keeps every step deterministic, so splits agree exactly)."""
     lr_schedule: LRScheduleName = setting("cosine", SCHEDULE, changes_math=True)
     """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
     warmup_steps: int = setting(0, SCHEDULE, changes_math=True)

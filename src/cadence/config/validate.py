@@ -29,6 +29,7 @@ from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.optimizer_state import OPTIMIZER_STATES, eight_bit_problem
 from cadence.memory.recompute import CHECKPOINTING_MODES
 from cadence.models import MODEL_NAMES, compile_problem, model_context_length
+from cadence.models.lora import peft_problem, split_targets
 
 if TYPE_CHECKING:
     import torch
@@ -113,6 +114,7 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     finite_range("weight_decay", 0.0, 1.0)
     finite_range("adam_beta1", 0.0, 1.0, high_open=True)
     finite_range("adam_beta2", 0.0, 1.0, high_open=True)
+    problems += _lora_problems(config)
     choice("optimizer_state", OPTIMIZER_STATES)
     if config.optimizer_state == "8bit" and (reason := eight_bit_problem()) is not None:
         bad("optimizer_state", f"8bit {reason}")
@@ -162,6 +164,36 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
         problems += _compile_problems(config, device_ok)
     if problems:
         raise UsageError(problems)
+
+
+def _lora_problems(config: TrainConfig) -> list[Problem]:
+    """--lora-rank and its companions: a transformers model, peft installed, sane values, and no companion without
+    a rank."""
+    problems: list[Problem] = []
+
+    def bad(name: str, message: str) -> None:
+        problems.append(Problem(where=flag(name), message=message))
+
+    if config.lora_rank < 0:
+        bad("lora_rank", f"must be at least 0 (0: no LoRA), got {config.lora_rank}")
+    elif config.lora_rank > 0:
+        if config.model in MODEL_NAMES:
+            bad("lora_rank", f"LoRA adapts Hugging Face models (hf:TYPE or a model directory, with peft); "
+                             f"{config.model} is built in and trains whole (drop --lora-rank)")
+        elif (reason := peft_problem()) is not None:
+            bad("lora_rank", f"LoRA {reason}")
+    else:
+        for name, value, unset in (("lora_alpha", config.lora_alpha, None), ("lora_targets", config.lora_targets, None),
+                                   ("lora_dropout", config.lora_dropout, 0.0)):
+            if value not in (unset, [], ()):
+                bad(name, "needs --lora-rank above 0 (LoRA is off)")
+    if config.lora_alpha is not None and (not math.isfinite(config.lora_alpha) or config.lora_alpha <= 0):
+        bad("lora_alpha", f"must be a positive number, got {config.lora_alpha:g}")
+    if not math.isfinite(config.lora_dropout) or not 0 <= config.lora_dropout < 1:
+        bad("lora_dropout", f"must be in [0, 1), got {config.lora_dropout:g}")
+    if config.lora_targets is not None and not split_targets(config.lora_targets):
+        bad("lora_targets", "names no layer; give module names such as q_proj,v_proj (or all-linear)")
+    return problems
 
 
 def _compile_problems(config: TrainConfig, device_ok: bool) -> list[Problem]:

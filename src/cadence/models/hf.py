@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from cadence.errors import UsageError
+from cadence.models.lora import LoraShape, is_lora, write_adapter
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -90,6 +91,8 @@ class HFModel:
     shape: ModelShape
     source: str
     """One line saying what was built, for logs and reports."""
+    lora: LoraShape | None = None
+    """The LoRA adapters injected into ``model`` (--lora-rank; :func:`cadence.models.lora.apply_lora`), or None."""
     notes: list[str] = field(default_factory=list)
     """Things worth telling the user (dropout that makes splits agree only in expectation, freshly initialised
     weights that a checkpoint lacked); the caller prints them."""
@@ -467,6 +470,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
             weights: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write ``model`` (and its tokenizer) with ``save_pretrained``; ``AutoModelForCausalLM.from_pretrained`` loads it.
+    A model with LoRA adapters (--lora-rank) writes the adapter alone, as ``PeftModel.save_pretrained`` does:
+    ``peft.PeftModel.from_pretrained(base, directory)`` loads it onto its base.
 
     The files are written into a temporary sibling directory and renamed into place, so ``directory`` never holds a
     half-written model. ``tokenizer`` may be a transformers tokenizer, a wrapper with a ``.hf_tokenizer`` attribute
@@ -487,8 +492,11 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
     try:
         with quiet_transformers():
-            inner.save_pretrained(str(staging), safe_serialization=True,
-                                  state_dict=None if weights is None else dict(weights))
+            if is_lora(inner):
+                write_adapter(inner, staging, weights)
+            else:
+                inner.save_pretrained(str(staging), safe_serialization=True,
+                                      state_dict=None if weights is None else dict(weights))
             if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(str(staging))
         _set_token_ids(staging, token_ids)

@@ -41,7 +41,9 @@ from cadence.engine.step import Engine, PartialWindow, StepResult, WindowInterru
 from cadence.engine.windows import Window, padding_micro_batch
 from cadence.errors import CadenceFailure, UsageError
 from cadence.formatting import format_bytes
+from cadence.memory.optimizer_state import optimizer_state_bytes
 from cadence.models.hf import save_hf
+from cadence.models.lora import parameter_counts
 from cadence.training.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.training.checkpoint import save_checkpoint
 from cadence.training.components import Components, build_components
@@ -180,6 +182,7 @@ class TrainingRun:
         self.engine: Engine = self.parts.engine
         self.val_batches: list[dict[str, torch.Tensor]] = _validation_batches(prep)
         self.parameters: int = sum(p.numel() for p in self.parts.model.parameters())
+        self.trained, self.frozen = parameter_counts(self.parts.model)  # --lora-rank freezes the base
         self.resolved: dict[str, Any] = _resolved_config(prep, self.parameters)
         # Before the writer opens metrics.jsonl.
         self.start: ResumePoint | None = restore(prep.out, self.resolved, self.parts, prep.micro_batch_size,
@@ -237,7 +240,8 @@ class TrainingRun:
         config, prep, stream = self.config, self.prep, self.stream
         micro = "auto, starting at " + str(prep.micro_batch_size) if config.auto_micro_batch else prep.micro_batch_size
         print(
-            f"cadence {__version__}: {config.model} ({self.parameters:,} parameters) on {prep.device}, "
+            f"cadence {__version__}: {config.model} ({self.parameters:,} parameters"
+            + (f": {self.trained:,} trained, {self.frozen:,} frozen" if self.frozen else "") + f") on {prep.device}, "
             f"{config.precision}, recompute {config.activation_checkpointing}, offload {config.offload}\n"
             f"effective batch = {micro} micro-batch x {prep.grad_accum_steps} accumulation x "
             f"{prep.world_size} process(es) = {prep.effective_batch_size} sequences of {prep.seq_len} tokens\n"
@@ -490,6 +494,10 @@ class TrainingRun:
             # The noise scale's moving average after the last window, and how many windows it is over.
             **noise_scale_fields(engine),
             "parameters": self.parameters,
+            "trainable_parameters": self.trained,
+            "frozen_parameters": self.frozen,
+            # This process's (a shard's, under FSDP2): what --optimizer-state shrinks.
+            "optimizer_state_bytes": optimizer_state_bytes(self.parts.optimizer),
             "stopped_by": self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere else None),
             "resumed_from_step": self.start.step if self.start else None,
         }

@@ -26,6 +26,7 @@ from cadence.errors import UsageError
 from cadence.models import MODEL_CONFIGS, MODEL_NAMES, model_context_length, repeated_blocks
 from cadence.models.heads import chunking_problem
 from cadence.models.hf import HFModel, build_hf_model, packed_attention_supported, parse_model_overrides
+from cadence.models.lora import LoraSettings, apply_lora, lora_shape, split_targets
 
 
 @dataclass(kw_only=True)
@@ -156,6 +157,12 @@ def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
     hf = build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])))
     for note in hf.notes if warn else ():
         warnings.warn(note, stacklevel=3)
+    if config.lora_rank > 0:
+        # Right after the build, under the same seeded RNG: lora_A's random init is the same in every build.
+        apply_lora(hf.model, LoraSettings(
+            rank=config.lora_rank, alpha=config.lora_alpha, targets=split_targets(config.lora_targets),
+            dropout=config.lora_dropout, base_name_or_path=None if config.model.startswith("hf:") else config.model))
+        hf.lora = lora_shape(hf.model)
     return hf
 
 

@@ -1,0 +1,184 @@
+"""LoRA adapters on a transformers model, with peft (``--lora-rank R``).
+
+peft's LoRA layers are injected into the model in place (``peft.inject_adapter_in_model``): the model stays the
+transformers model it was (the same class, its blocks where recompute, ``--compile`` and FSDP2 find them, its head
+where the chunked loss finds it); each targeted linear layer becomes a peft ``lora.Linear`` holding the original
+layer (``base_layer``, frozen) and two small matrices ``lora_A`` (rank x in) and ``lora_B`` (out x rank, zero at
+the start, so the adapted model starts as the base model). peft marks every other parameter frozen
+(``requires_grad=False``), so only the adapters get gradients and optimizer state (``build_optimizer`` takes the
+trained parameters only). Parameter names are the model's with peft's inserted (``...q_proj.base_layer.weight``,
+``...q_proj.lora_A.default.weight``): checkpoints and model.safetensors hold the base and the adapters together.
+
+``--save-hf DIR`` writes the adapter as ``PeftModel.save_pretrained`` does (adapter_config.json and
+adapter_model.safetensors, keys ``base_model.model.<name>`` without the adapter name), so that
+``peft.PeftModel.from_pretrained(base, DIR)`` loads it unchanged onto the same base model.
+
+peft is an optional dependency (``cadence[hf]``), imported only when LoRA is asked for.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cadence.errors import UsageError
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+"""What PeftModel puts before the wrapped model's parameter names in a saved adapter."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    """What ``--lora-rank``, ``--lora-alpha``, ``--lora-targets`` and ``--lora-dropout`` ask for."""
+
+    rank: int
+    alpha: float | None = None
+    """None: the rank (adapter output scaled by alpha / rank = 1)."""
+    targets: tuple[str, ...] | None = None
+    """Module names (the last part, e.g. q_proj) or peft's ``all-linear``; None: peft's default for the type."""
+    dropout: float = 0.0
+    base_name_or_path: str | None = None
+    """Recorded in adapter_config.json as the base model (a model directory; None for hf:TYPE)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraShape:
+    """The adapters of a model, as the memory estimate needs them."""
+
+    rank: int
+    adapted: tuple[tuple[str, int, int], ...]
+    """(module name, in features, out features) of every adapted layer."""
+    adapter_parameters: int
+    trainable_parameters: int
+    frozen_parameters: int
+    dropout: float
+
+
+def peft_problem() -> str | None:
+    """Why LoRA cannot run here (peft missing), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return "needs peft (pip install 'cadence[hf]', or pip install peft)"
+    return None
+
+
+def split_targets(items: list[str] | tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """``--lora-targets q_proj,v_proj`` or the flag repeated: the module names, in order, once each."""
+    if not items:
+        return None
+    names = [name.strip() for item in items for name in str(item).split(",") if name.strip()]
+    return tuple(dict.fromkeys(names)) or None
+
+
+def _import_peft() -> Any:
+    # peft imports bitsandbytes when it is installed, whose CPU backend logs a warning about a 4-bit kernel
+    # cadence never uses.
+    logger = logging.getLogger("bitsandbytes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import peft
+    except ImportError:
+        raise UsageError.single("--lora-rank", "LoRA needs peft: pip install 'cadence[hf]'") from None
+    finally:
+        logger.setLevel(level)
+    return peft
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Inject LoRA adapters into ``model`` in place (and return it): the base frozen, the adapters trained.
+
+    Seed the global RNG first: ``lora_A`` is initialised randomly (``lora_B`` with zeros). Bad targets are a
+    UsageError naming ``--lora-targets``."""
+    peft = _import_peft()
+    targets: Any = list(settings.targets) if settings.targets else None
+    if targets == ["all-linear"]:
+        targets = "all-linear"  # peft's own word: every linear layer but the output head
+    config = peft.LoraConfig(
+        r=settings.rank, lora_alpha=settings.rank if settings.alpha is None else settings.alpha,
+        target_modules=targets, lora_dropout=settings.dropout, bias="none", task_type="CAUSAL_LM",
+        base_model_name_or_path=settings.base_name_or_path,
+    )
+    model_type = getattr(getattr(model, "config", None), "model_type", "?")
+    try:
+        peft.inject_adapter_in_model(config, model)
+    except ValueError as err:
+        text = " ".join(str(err).split())
+        names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                        if isinstance(module, nn.Linear) and name})
+        if "specify `target_modules`" in text:
+            message = f"peft knows no default layers to adapt for {model_type} models; name them"
+        else:
+            message = f"{text[:200]}"
+        raise UsageError.single("--lora-targets", (
+            f"{message} (this model's linear layers: {', '.join(names)}; e.g. --lora-targets "
+            f"{','.join(n for n in names if 'proj' in n)[:60] or 'NAME'})")) from None
+    return model
+
+
+def is_lora(model: nn.Module) -> bool:
+    """Whether peft's LoRA layers were injected into ``model`` (:func:`apply_lora`)."""
+    return bool(getattr(model, "peft_config", None))
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(trained, frozen) parameter counts; a tied weight once; a sharded parameter at its full size."""
+    trained = frozen = 0
+    for param in model.parameters():  # each distinct parameter once
+        if param.requires_grad:
+            trained += param.numel()
+        else:
+            frozen += param.numel()
+    return trained, frozen
+
+
+def lora_shape(model: nn.Module) -> LoraShape | None:
+    """The adapters injected into ``model`` (None without LoRA), for the memory estimate."""
+    if not is_lora(model):
+        return None
+    config = model.peft_config["default"]  # type: ignore[index]
+    adapted = []
+    adapter_parameters = 0
+    for name, module in model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        base = getattr(module, "base_layer", None)
+        if isinstance(lora_a, nn.ModuleDict) and "default" in lora_a and base is not None:
+            a, b = lora_a["default"].weight, module.lora_B["default"].weight  # type: ignore[index,union-attr]
+            adapted.append((name, int(a.shape[1]), int(b.shape[0])))
+            adapter_parameters += a.numel() + b.numel()
+    trained, frozen = parameter_counts(model)
+    return LoraShape(rank=int(config.r), adapted=tuple(adapted), adapter_parameters=adapter_parameters,
+                     trainable_parameters=trained, frozen_parameters=frozen, dropout=float(config.lora_dropout))
+
+
+def adapter_weights(model: nn.Module, weights: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors as a saved adapter holds them: ``base_model.model.<name>`` without the adapter name
+    (peft's ``get_peft_model_state_dict``, then PeftModel's prefix). ``weights``: the model's full state dict, when
+    the caller gathered it (FSDP2)."""
+    peft = _import_peft()
+    found = peft.get_peft_model_state_dict(model, state_dict=None if weights is None else dict(weights))
+    return {PEFT_PREFIX + name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in found.items()}
+
+
+def write_adapter(model: nn.Module, directory: Path, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Write ``model``'s adapter into ``directory`` (existing, empty) as ``PeftModel.save_pretrained`` would."""
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(model.peft_config["default"])  # type: ignore[index]
+    save_file(adapter_weights(model, weights), str(directory / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    config.inference_mode = True  # as PeftModel.save_pretrained records it: a loaded adapter is frozen unless asked
+    config.save_pretrained(str(directory))  # peft's own adapter_config.json
+
+
+__all__ = ["LoraSettings", "LoraShape", "apply_lora", "is_lora", "lora_shape", "parameter_counts", "peft_problem",
+           "split_targets", "write_adapter"]
