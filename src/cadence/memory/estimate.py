@@ -25,6 +25,13 @@ from typing import Any, Literal
 
 from cadence.formatting import format_mib
 from cadence.memory.offload import OffloadMode
+from cadence.memory.optimizer_state import (
+    CHUNK_ELEMENTS,
+    EIGHT_BIT_CODE_BOOK,
+    EIGHT_BIT_MIN_SIZE,
+    OPTIMIZER_STATES,
+    state_bytes_per_parameter,
+)
 from cadence.memory.recompute import CheckpointingMode
 from cadence.models.gpt import GPTConfig
 
@@ -85,6 +92,7 @@ def estimate_step_memory(
     grad_accum_steps: int = 1,
     loss_chunk_tokens: int = 0,
     target_tokens: int | None = None,
+    optimizer_state: str = "fp32",
 ) -> MemoryEstimate:
     """Predict the peak memory of one step of ``GPT(config)`` trained the way :class:`cadence.engine.step.Engine` does.
 
@@ -93,11 +101,14 @@ def estimate_step_memory(
     optimizer is the one :func:`cadence.training.components.build_optimizer` makes (AdamW, matrices and biases in two groups).
     ``loss_chunk_tokens`` > 0: the loss of :class:`cadence.engine.chunked_loss.ChunkedCrossEntropy` (--loss-chunk-tokens),
     whose head sees only the micro-batch's ``target_tokens`` loss-bearing positions (None: every position has one).
+    ``optimizer_state``: how AdamW stores its moments (--optimizer-state fp32, bf16 or 8bit), which sets the state's
+    bytes and the optimizer step's scratch (:func:`optimizer_step_bytes`).
     """
     problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
                               context_length=config.context_length, precision=precision,
                               checkpointing=checkpointing, offload=offload, optimizer=optimizer,
-                              loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens)
+                              loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens,
+                              optimizer_state=optimizer_state)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -106,17 +117,42 @@ def estimate_step_memory(
         config, tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
-        loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens,
+        loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens, optimizer_state=optimizer_state,
     )
     return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
                                 on_device=on_device)
 
 
+def optimizer_step_bytes(optimizer_state: str, trained: list[int], *, on_device: bool) -> tuple[int, int]:
+    """(state bytes, the step's largest scratch beyond the fp32 AdamW's) for the trained tensors ``trained``
+    (element counts) under ``--optimizer-state``:
+
+    - ``fp32``: two fp32 moments, 8 bytes per element (the scratch is the replay's own, model by model);
+    - ``bf16``: two bf16 moments, 4 bytes; :class:`cadence.memory.optimizer_state.BF16StateAdamW` works on one chunk
+      of one tensor at a time: fp32 copies of both moments plus the denominator (then the rounding noise), 12 bytes
+      per element of the largest chunk;
+    - ``8bit``: one byte per moment and an fp32 absmax per block of 256 (tensors under 4,096 elements keep fp32
+      moments), plus the two shared code books. bitsandbytes' CPU update dequantises both moments of a tensor to fp32,
+      scales a copy of its gradient and takes the square root and the quotient: five fp32 copies of the largest
+      8-bit tensor (20 bytes per element); its CUDA kernel updates in place (no scratch).
+    """
+    state = sum(int(state_bytes_per_parameter(optimizer_state, numel) * numel) for numel in trained)
+    if optimizer_state == "8bit":
+        state += 2 * EIGHT_BIT_CODE_BOOK
+        quantised = [numel for numel in trained if numel >= EIGHT_BIT_MIN_SIZE]
+        return state, 0 if on_device or not quantised else 5 * FP32_BYTES * max(quantised)
+    if optimizer_state == "bf16":
+        return state, 3 * FP32_BYTES * min(max(trained, default=0), CHUNK_ELEMENTS)
+    return state, 0
+
+
 def input_problems(*, micro_batch_size: int, seq_len: int, grad_accum_steps: int, context_length: int,
                    precision: str, checkpointing: str, offload: str, optimizer: str = "adamw",
-                   loss_chunk_tokens: int = 0, target_tokens: int | None = None) -> list[str]:
+                   loss_chunk_tokens: int = 0, target_tokens: int | None = None,
+                   optimizer_state: str = "fp32") -> list[str]:
     """What is wrong with an estimate's arguments (shared by the built-in and the Hugging Face estimates)."""
     choices = {"precision": (precision, ("fp32", "bf16", "fp16")), "optimizer": (optimizer, ("adamw",)),
+               "optimizer_state": (optimizer_state, OPTIMIZER_STATES),
                "checkpointing": (checkpointing, ("none", "full", "selective")),
                "offload": (offload, ("none", "activations", "optimizer"))}
     problems = [f"unknown {key} {value!r} (one of {', '.join(ok)})" for key, (value, ok) in choices.items()
@@ -154,7 +190,8 @@ def estimate_from_replay(replay: Any, *, grad_accum_steps: int, precision: str, 
 
 _WHY = {  # what each category is made of, and what would shrink it
     "activations": "they grow with micro-batch x seq_len; recompute or a smaller micro-batch (accumulate) cuts them",
-    "optimizer_state": "AdamW keeps two fp32 moments per parameter; --offload optimizer (on a GPU) moves them",
+    "optimizer_state": "AdamW keeps two moments per trained parameter (fp32: 8 bytes); --optimizer-state bf16 or 8bit "
+                       "shrinks them to 4 or about 2, --offload optimizer (on a GPU) moves them",
     "parameters": "fp32 master weights{copies}; fixed by the model size",
     "gradients": "one fp32 gradient per parameter, from the first backward to the optimizer step; fixed by the model",
     "temporaries": "gradients flowing back, the logits' fp32 softmax, optimizer scratch; a smaller micro-batch cuts",
@@ -174,9 +211,11 @@ class StepReplay:
     def __init__(
         self, config: GPTConfig, *, tokens: int, seq_len: int, precision: str, checkpointing: str,
         offload_activations: bool, offload_optimizer: bool, on_device: bool, loss_chunk_tokens: int = 0,
-        target_tokens: int | None = None,
+        target_tokens: int | None = None, optimizer_state: str = "fp32",
     ) -> None:
         self.cfg, self.n, self.t, self.c = config, tokens, seq_len, config.n_embd
+        self.optimizer_state = optimizer_state
+        """--optimizer-state: how AdamW stores its moments (fp32, bf16, 8bit)."""
         self.chunk = loss_chunk_tokens
         """--loss-chunk-tokens: 0 computes all logits at once; N > 0 the head and loss N target tokens at a time."""
         self.targets = tokens if target_tokens is None else target_tokens
@@ -194,6 +233,7 @@ class StepReplay:
         self.offloaded: dict[str, tuple[int, str]] = {}  # saved tensors waiting in host memory
         self.held: set[str] = set()  # kept on the device even under offload (a checkpoint's own references)
         self.host_bytes = self.peak = self.activation_peak = 0
+        self.step_scratch = 0  # set by run(): the optimizer step's scratch under --optimizer-state bf16 / 8bit
         self.at_peak: dict[str, int] = {}
         self.peak_phase = self.phase = ""
 
@@ -214,7 +254,10 @@ class StepReplay:
 
     def param_grad(self, name: str, numel: int) -> None:
         """A parameter's gradient arrives: the first becomes ``.grad`` (fp32), later ones add into it in place.
-        Under autocast the matmul makes it in the compute dtype and autograd casts it: both exist for a moment."""
+        Under autocast the matmul makes it in the compute dtype and autograd casts it: both exist for a moment.
+        A frozen parameter (:meth:`frozen`) gets none: autograd computes no weight gradient for it."""
+        if self.frozen(name):
+            return
         if self.lowp:
             self.alloc("pg.low", numel * self.act, "temporaries")
         if name in self.grads:
@@ -225,16 +268,33 @@ class StepReplay:
             self.alloc("grad." + name, numel * FP32_BYTES, "gradients")
         self.free("pg.low")
 
+    def frozen(self, name: str) -> bool:
+        """Whether the parameter ``name`` is frozen (no gradient, no optimizer state); the built-in GPT trains all."""
+        return False
+
+    def parameter_count(self) -> int:
+        """Every parameter of the model, trained or frozen (fp32 on the device)."""
+        return self.cfg.num_parameters()
+
+    def trained_tensors(self) -> list[int]:
+        """Element counts of the trained parameter tensors, in the optimizer's order (the decay group first)."""
+        c, cfg = self.c, self.cfg
+        block = [3 * c * c, c * c, 4 * c * c, 4 * c * c]
+        matrices = [cfg.vocab_size * c, cfg.context_length * c] + block * cfg.n_layer
+        vectors = [c, c, 3 * c, c, c, c, 4 * c, c] * cfg.n_layer + [c, c]  # norms and biases
+        return matrices + vectors
+
     # ------------------------------------------------------------------------------------------------ the step
     def run(self, grad_accum_steps: int) -> None:
         self.phase = "forward"
-        params = self.cfg.num_parameters()
-        self.alloc("params", params * FP32_BYTES, "parameters")
-        state = 2 * params * FP32_BYTES  # AdamW: exp_avg and exp_avg_sq, fp32 like the parameters
+        self.alloc("params", self.parameter_count() * FP32_BYTES, "parameters")
+        trained = self.trained_tensors()
+        # AdamW's exp_avg and exp_avg_sq: fp32 like the parameters, or bf16 / 8-bit (--optimizer-state).
+        state, self.step_scratch = optimizer_step_bytes(self.optimizer_state, trained, on_device=self.on_device)
         if self.offload_optimizer:
             # cadence.memory.offload.OffloadedOptimizer: the state, an fp32 master copy the host step updates, and the
-            # (pinned) buffers the gradients are copied into.
-            self.host_bytes += state + 2 * params * FP32_BYTES
+            # (pinned) buffers the gradients are copied into, for the trained parameters.
+            self.host_bytes += state + 2 * sum(trained) * FP32_BYTES
             self.notes.append("offload optimizer: AdamW state, an fp32 master copy and a gradient buffer live on the "
                               "host; the step runs there and copies the parameters back")
         else:
@@ -252,7 +312,8 @@ class StepReplay:
         self.free("inputs")
         self.phase = "optimizer step"
         if not self.offload_optimizer:
-            self.alloc("adam.scratch", self._optimizer_scratch(), "temporaries")
+            scratch = self._optimizer_scratch() if self.optimizer_state == "fp32" else self.step_scratch
+            self.alloc("adam.scratch", scratch, "temporaries")
             self.free("adam.scratch")
         for name in list(self.grads):
             self.free("grad." + name)  # zero_grad(set_to_none=True)
@@ -442,9 +503,11 @@ class StepReplay:
                 self.free("dlogits.f32")
             self.alloc(f"dh{index}", size * c * a, "temporaries")  # the head's input gradient, this chunk's rows
             if self.lowp:
-                # The weight's gradient in the compute dtype adds up in the cast's backward, over all chunks.
-                self.alloc("dw.new" if index else "dw.low", v * c * a, "temporaries")
-                self.free("dw.new")
+                # The weight's gradient in the compute dtype adds up in the cast's backward, over all chunks
+                # (none for a frozen head: LoRA).
+                if not self.frozen(head_param):
+                    self.alloc("dw.new" if index else "dw.low", v * c * a, "temporaries")
+                    self.free("dw.new")
                 self.alloc(f"dh{index}.f32", size * c * FP32_BYTES, "temporaries")  # the rows' cast, backward
                 self.free(f"dh{index}")
             else:

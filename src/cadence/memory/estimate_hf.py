@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from cadence.memory.estimate import FP32_BYTES, MemoryEstimate, StepReplay, estimate_from_replay, input_problems
 from cadence.models.hf import ModelShape
+from cadence.models.lora import LoraShape
 
 GPT2_TYPES = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "gptj"})
 """Model types whose blocks are gpt2-style; every other decoder is treated as llama-style."""
@@ -31,6 +32,45 @@ GPT2_TYPES = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "gptj"})
 
 def block_style(model_type: str) -> str:
     return "gpt2" if model_type in GPT2_TYPES else "llama"
+
+
+_REPLAY_WEIGHTS = {
+    "llama": {"q_proj": "w.q", "k_proj": "w.k", "v_proj": "w.v", "o_proj": "w.o", "gate_proj": "w.gate",
+              "up_proj": "w.up", "down_proj": "w.down"},
+    "gpt2": {"attn.c_attn": "w.qkv", "attn.c_proj": "w.proj", "mlp.c_fc": "w.fc", "mlp.c_proj": "w.mlp"},
+}
+"""The replay's name of each block projection peft may adapt (llama: by the module's name; gpt2: by the last two
+parts of its path, since both attention and MLP have a c_proj)."""
+
+
+@dataclass(frozen=True)
+class _Adapters:
+    """--lora-rank's adapters as the replay sees them: which block projections carry one, and the trained tensors."""
+
+    rank: int
+    targets: frozenset[str]
+    """Replay weight names (w.q, w.v, ...) adapted in the blocks."""
+    dropout: float
+    tensors: tuple[int, ...]
+    """Element counts of every lora_A and lora_B, in the optimizer's order."""
+    unmodelled: tuple[str, ...]
+    """Adapted modules outside the blocks' projections (an lm_head named explicitly, ...): counted, not replayed."""
+
+
+def _adapters(lora: LoraShape, style: str) -> _Adapters:
+    names = _REPLAY_WEIGHTS[style]
+    targets: set[str] = set()
+    unmodelled: list[str] = []
+    tensors: list[int] = []
+    for path, width_in, width_out in lora.adapted:
+        tensors += [lora.rank * width_in, width_out * lora.rank]
+        key = path.rsplit(".", 1)[-1] if style == "llama" else ".".join(path.split(".")[-2:])
+        if key in names and ".layers." in f".{path}." or key in names and ".h." in f".{path}.":
+            targets.add(names[key])
+        else:
+            unmodelled.append(path)
+    return _Adapters(rank=lora.rank, targets=frozenset(targets), dropout=lora.dropout, tensors=tuple(tensors),
+                     unmodelled=tuple(unmodelled))
 
 
 @dataclass(frozen=True)
@@ -60,13 +100,18 @@ def estimate_hf_step_memory(
     grad_accum_steps: int = 1,
     loss_chunk_tokens: int = 0,
     target_tokens: int | None = None,
+    optimizer_state: str = "fp32",
+    lora: LoraShape | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one step of the Hugging Face model ``shape`` describes, trained by the Engine;
-    ``loss_chunk_tokens`` and ``target_tokens`` as in :func:`cadence.memory.estimate.estimate_step_memory`."""
+    ``loss_chunk_tokens``, ``target_tokens`` and ``optimizer_state`` as in
+    :func:`cadence.memory.estimate.estimate_step_memory`. ``lora``: the adapters --lora-rank injected
+    (:func:`cadence.models.lora.lora_shape`; ``shape`` stays the base model's): the base is frozen (no gradient, no
+    optimizer state, and no saved inputs where only a weight gradient needed them), the adapters are trained."""
     problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
                               context_length=shape.context_length, precision=precision,
                               checkpointing=checkpointing, offload=offload, loss_chunk_tokens=loss_chunk_tokens,
-                              target_tokens=target_tokens)
+                              target_tokens=target_tokens, optimizer_state=optimizer_state)
     if not shape.num_heads or not shape.head_dim or not shape.intermediate_size:
         problems.append("the model's config gives no attention heads, head size or MLP width to estimate from")
     if problems:
@@ -76,7 +121,8 @@ def estimate_hf_step_memory(
         shape, block_style(model_type), tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
-        loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens,
+        loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens, optimizer_state=optimizer_state,
+        lora=lora,
     )
     return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
                                 on_device=on_device)
@@ -85,10 +131,19 @@ def estimate_hf_step_memory(
 class HFStepReplay(StepReplay):
     """The generic replay with transformers' blocks; bookkeeping, the step and the loss are the parent's."""
 
-    def __init__(self, shape: ModelShape, style: str, **kwargs: object) -> None:
+    def __init__(self, shape: ModelShape, style: str, *, lora: LoraShape | None = None, **kwargs: object) -> None:
         sizes = _Sizes(shape.num_parameters, shape.vocab_size, shape.num_layers, shape.context_length,
                        shape.hidden_size)
         super().__init__(sizes, **kwargs)  # type: ignore[arg-type]
+        self.lora = None if lora is None else _adapters(lora, style)
+        self.lora_parameters = 0 if lora is None else lora.adapter_parameters
+        self.grad = False
+        """Under LoRA: whether the residual stream needs a gradient here (the frozen embedding's output does not;
+        a block's output does once an adapter is upstream)."""
+        self.grad_in: dict[int, bool] = {}
+        if self.lora is not None and self.lora.unmodelled:
+            self.notes.append(f"adapters on {', '.join(self.lora.unmodelled[:3])} are counted (parameters, "
+                              f"gradients, state) but their activations are not modelled")
         self.shape, self.style = shape, style
         self.c = shape.hidden_size
         heads, kv = int(shape.num_heads or 1), int(shape.num_kv_heads or shape.num_heads or 1)
@@ -115,9 +170,34 @@ class HFStepReplay(StepReplay):
             return matrices + [c, c, 3 * c, c, c, c, i, c]  # two LayerNorms, four biases
         return matrices + [c, c]  # two RMSNorm gains
 
+    # ------------------------------------------------------------------------------------------------ trained
+    def frozen(self, name: str) -> bool:
+        """Under LoRA every base parameter is frozen; the adapters (``*.lora_A``, ``*.lora_B``) are trained."""
+        return self.lora is not None and not name.endswith((".lora_A", ".lora_B"))
+
+    def parameter_count(self) -> int:
+        return self.shape.num_parameters + self.lora_parameters
+
+    def trained_tensors(self) -> list[int]:
+        if self.lora is not None:
+            return list(self.lora.tensors)
+        v, c = self.shape.vocab_size, self.c
+        tensors = [v * c] + ([self.shape.context_length * c] if self.style == "gpt2" else [])
+        tensors += [p for _ in range(self.shape.num_layers) for p in self._block_params()]
+        tensors += [2 * c] if self.style == "gpt2" else [c]  # the final norm
+        if self.style != "gpt2" and not self.shape.tied_embeddings:
+            tensors.append(v * c)
+        return tensors
+
     def _optimizer_scratch(self) -> int:
         """As for the built-in GPT: CPU AdamW's sqrt and quotient of one tensor next to the previous one's denom;
         CUDA's foreach step: a whole group's worth."""
+        if self.lora is not None:  # the adapters: all matrices, one decay group
+            tensors = list(self.lora.tensors)
+            if self.on_device:
+                return sum(tensors) * FP32_BYTES
+            return max((2 * cur + prev for prev, cur in zip([0] + tensors[:-1], tensors, strict=True)),
+                       default=0) * FP32_BYTES
         v, c = self.shape.vocab_size, self.c
         tensors = [v * c] + ([self.shape.context_length * c] if self.style == "gpt2" else [])
         tensors += [p for _ in range(self.shape.num_layers) for p in self._block_params() if p > 2 * c]
@@ -140,8 +220,12 @@ class HFStepReplay(StepReplay):
             # Rotary embedding: cos and sin of (seq_len, head_dim), computed once per forward in fp32, kept by
             # every block's rotation.
             self.alloc("rope", 2 * self.t * int(self.shape.head_dim or 1) * FP32_BYTES, "activations")
+        self.grad = False  # LoRA: the frozen embedding's output needs no gradient
         for layer in range(self.shape.num_layers):
-            self._hf_block_forward(layer)
+            if self.lora is not None:
+                self._lora_block_forward(layer)
+            else:
+                self._hf_block_forward(layer)
         if self.chunk:
             self._norm_forward("nf", users=0)  # the head's input stays fp32: each chunk casts its own rows
             self._chunked_loss_forward("nf.out.f32" if self.lowp else "nf.out")
@@ -163,7 +247,13 @@ class HFStepReplay(StepReplay):
     def _norm_forward(self, p: str, *, users: int) -> None:
         """RMSNorm (fp32: reciprocal RMS, the normalised input and the gained output) or LayerNorm (mean, rstd and
         the output). Under autocast each of the ``users`` projections reading it keeps its own compute-dtype cast;
-        the fp32 output lives until the module that reads it returns."""
+        the fp32 output lives until the module that reads it returns. Under LoRA the gain is frozen: see
+        :meth:`_lora_norm` (the head's cast of the final norm, when the head reads every position, is made as here)."""
+        if self.lora is not None:
+            self._lora_norm(p, grad_in=self.grad)
+            if self.lowp and users:
+                self.alloc(p + ".out", self.n * self.c * self.act, "activations")
+            return
         n, c = self.n, self.c
         if self.style == "gpt2":
             self.alloc(p + ".stats", 2 * n * FP32_BYTES, "activations")
@@ -250,7 +340,10 @@ class HFStepReplay(StepReplay):
         last = self.shape.num_layers
         self.free(*[k for k in self.tensors if k.startswith("nf.")], f"r{last}")
         for layer in reversed(range(last)):
-            self._hf_block_backward(layer)
+            if self.lora is not None:
+                self._lora_block_backward(layer)
+            else:
+                self._hf_block_backward(layer)
         if self.style == "gpt2":
             self.alloc("dpos", self.t * c * FP32_BYTES, "temporaries")
             self.param_grad("pos_emb", self.shape.context_length * c)
@@ -329,6 +422,236 @@ class HFStepReplay(StepReplay):
         self._norm_backward(p + "dh1", p + "dx")
         self.param_grad(p + "n1", c)
         release(*(k[len(p):] for k in list(self.tensors) if k.startswith(p + "n1.")), "dx")
+        self.free(f"r{layer + 1}")
+        self.free(*[k for k in list(self.tensors) if k.startswith(p)])
+
+    # ------------------------------------------------------------------------------------------------ LoRA
+    # Under --lora-rank the base is frozen, and autograd saves a tensor only for a gradient it will compute: a frozen
+    # projection keeps no input (its input's gradient needs only the weight), a frozen norm gain keeps no normalised
+    # input, and nothing before the first adapter needs a gradient at all (the embedding's output, block 0's first
+    # norm). Each adapted projection adds peft's path: its lora_A keeps the projection's input (its own cast under
+    # autocast; with dropout the dropped copy and the mask instead), lora_B keeps lora_A's rank-wide output, and
+    # the adapter's output (scaled, then added to the base output) exists for a moment beside the base output.
+    def _lora_norm(self, p: str, *, grad_in: bool) -> None:
+        """A frozen RMSNorm or LayerNorm: its statistics saved only when its input needs a gradient; the normalised
+        input (RMSNorm) made and let go; the fp32 output, kept by whoever saves it."""
+        n, c = self.n, self.c
+        if self.style == "gpt2":
+            self.alloc(p + ".stats", 2 * n * FP32_BYTES, "activations")
+        else:
+            self.alloc(p + ".stats", n * FP32_BYTES, "activations")
+            self.alloc(p + ".hs", n * c * FP32_BYTES, "activations")
+        self.alloc(p + ".out" + (".f32" if self.lowp else ""), n * c * FP32_BYTES, "activations")
+        self.free(p + ".hs")
+        if not grad_in:
+            self.free(p + ".stats")
+
+    def _projection(self, p: str, weight: str, out: str, width_in: int, width_out: int, *, fp32_input: bool) -> None:
+        """A frozen projection (``weight``) making ``p + out`` from an input of ``width_in`` (fp32: a norm's output,
+        which autocast casts; else already in the compute dtype), and its adapter when ``weight`` is adapted."""
+        assert self.lora is not None
+        n, a, r = self.n, self.act, self.lora.rank
+        cast = self.lowp and fp32_input
+        if cast:
+            self.alloc(p + weight + ".in", n * width_in * a, "activations")  # the base layer's cast: not saved
+        self.alloc(p + out, n * width_out * a, "activations")
+        self.free(p + weight + ".in")
+        if weight not in self.lora.targets:
+            return
+        in_bytes = FP32_BYTES if fp32_input or not self.lowp else a
+        if self.lora.dropout > 0:
+            self.alloc(p + weight + ".mask", n * width_in, "activations")  # dropout's bool mask, saved
+            self.alloc(p + weight + ".drop", n * width_in * in_bytes, "activations")  # the dropped input
+        if cast:
+            self.alloc(p + weight + ".la.in", n * width_in * a, "activations")  # lora_A's own cast, saved
+            self.free(p + weight + ".drop")
+        self.alloc(p + weight + ".la", n * r * a, "activations")  # lora_A's output, saved by lora_B
+        self.alloc(p + weight + ".lb", n * width_out * a, "activations")
+        self.alloc(p + weight + ".ls", n * width_out * a, "activations")  # times alpha / rank
+        self.free(p + weight + ".lb")
+        self.alloc(p + weight + ".sum", n * width_out * a, "activations")  # base output + adapter output
+        self.free(p + weight + ".ls", p + out)
+        self.tensors[p + out] = self.tensors.pop(p + weight + ".sum")
+
+    def _keeps_input(self, weights: tuple[str, ...]) -> bool:
+        """Whether an adapter among ``weights`` keeps their shared fp32 input itself (no autocast, no dropout)."""
+        assert self.lora is not None
+        return not self.lowp and self.lora.dropout == 0 and any(w in self.lora.targets for w in weights)
+
+    def _lora_block_forward(self, layer: int, *, recompute: bool = False) -> None:
+        assert self.lora is not None
+        n, c, a, i, p = self.n, self.c, self.act, self.inner, f"b{layer}."
+        targets = self.lora.targets
+        # Autocast caches only the casts of weights that need a gradient: a frozen weight's compute-dtype copy
+        # lives on only where backward saved it (the input's gradient needs it), i.e. not in a checkpointed block,
+        # where each copy is made and let go within its matmul.
+        for name, numel in self._block_weights().items():
+            if p + name not in self.tensors and self.mode == "none":
+                self._weight(p + name, numel, saved=True)
+        if not recompute:
+            self.grad_in[layer] = self.grad
+        grad_in = self.grad_in[layer]
+        attention, mlp = self._lora_groups()
+        attention_grad = grad_in or any(w in targets for w in attention)
+        self._lora_norm(p + "n1", grad_in=grad_in)
+        source = p + "n1.out" + (".f32" if self.lowp else "")
+        if self.style == "gpt2":
+            self._projection(p, "w.qkv", "qkv", c, 3 * c, fp32_input=True)
+            self.alloc(p + "qc", n * c * a, "activations")  # attention's contiguous copies of q and v
+            self.alloc(p + "vc", n * c * a, "activations")
+            saved_by_attention = ["qkv", "qc", "vc", "lse"]
+        else:
+            for weight, out, width in (("w.q", "q", self.dq), ("w.k", "k", self.dkv), ("w.v", "v", self.dkv)):
+                self._projection(p, weight, out, c, width, fp32_input=True)
+                if out != "v":  # rotated into a new tensor (what attention keeps)
+                    self.alloc(p + out + "r", n * width * a, "activations")
+                    self.free(p + out)
+            saved_by_attention = ["qr", "kr", "v", "lse"]
+        self.alloc(p + "lse", self.heads * n * FP32_BYTES, "activations")
+        self.alloc(p + "att", n * self.dq * a, "activations")  # also the output projection's input
+        if self.lowp or not self._keeps_input(attention[:-1]):
+            self.free(source)  # the attention module returns; only an fp32 adapter input outlives it
+        self._projection(p, attention[-1], "po", self.dq, c, fp32_input=False)
+        if not attention_grad:  # nothing upstream needs a gradient: attention saved nothing
+            self.free(*(p + name for name in saved_by_attention))
+            if attention[-1] not in targets:
+                self.free(p + "att")
+        self.alloc(p + "x1", n * c * FP32_BYTES, "activations")
+        self.free(p + "po")
+        if not grad_in and self.mode == "none":
+            self.free(f"r{layer}")  # no norm saved the frozen embedding's output
+        self._lora_norm(p + "n2", grad_in=attention_grad)
+        source = p + "n2.out" + (".f32" if self.lowp else "")
+        keep_source = self._keeps_input(mlp[:-1])
+        if self.style == "gpt2":
+            self._projection(p, "w.fc", "f", c, i, fp32_input=True)
+            if not keep_source and not self.lowp:
+                self.free(source)
+            self.alloc(p + "g1", 3 * n * i * a, "activations")  # gelu_new's saved terms
+            self.alloc(p + "g", n * i * a, "activations")
+            if not (attention_grad or "w.fc" in targets):
+                self.free(p + "g1", p + "f")
+        else:
+            self._projection(p, "w.gate", "gate", c, i, fp32_input=True)
+            self._projection(p, "w.up", "up", c, i, fp32_input=True)
+            if not keep_source and not self.lowp:
+                self.free(source)
+            self.alloc(p + "silu", n * i * a, "activations")
+            self.alloc(p + "g", n * i * a, "activations")  # silu(gate) * up: down_proj's input
+            # SiLU keeps its input when it needs a gradient; the product keeps each factor for the other's.
+            gate_grad, up_grad = attention_grad or "w.gate" in targets, attention_grad or "w.up" in targets
+            self.free(*([p + "gate", p + "up"] if not gate_grad else []), *([p + "silu"] if not up_grad else []))
+        if recompute:  # non-reentrant checkpointing stops once the last saved tensor exists
+            if mlp[-1] in targets:  # ... which is the down projection adapter's input, past its base output
+                self._projection(p, mlp[-1], "mo", i, c, fp32_input=False)
+                self.free(p + "mo")
+            self.free(p + "n2.out.f32")
+            return
+        self._projection(p, mlp[-1], "mo", i, c, fp32_input=False)
+        if not (mlp[-1] in targets and self.lora.dropout == 0):
+            self.free(p + "g")  # a frozen down projection keeps no input
+        self.free(p + "n2.out.f32")
+        self.alloc(f"r{layer + 1}", n * c * FP32_BYTES, "activations")
+        self.free(p + "mo")
+        if not attention_grad:
+            self.free(p + "x1")  # no norm saved it: the residual is let go once added
+        self.grad = attention_grad or any(w in targets for w in mlp)
+        if self.mode != "none":  # the checkpoint keeps only the block's input (and the next one's)
+            self.free(*[name for name in self.tensors if name.startswith(p) and self.tensors[name][1] == "activations"])
+
+    def _lora_groups(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The attention and MLP projections, each group's output projection last."""
+        if self.style == "gpt2":
+            return ("w.qkv", "w.proj"), ("w.fc", "w.mlp")
+        return ("w.q", "w.k", "w.v", "w.o"), ("w.gate", "w.up", "w.down")
+
+    def _adapter_backward(self, p: str, weight: str, width_in: int, width_out: int, *, input_grad: bool) -> None:
+        """An adapted projection's backward beyond its frozen base: the scaled gradient, lora_B's and lora_A's
+        weight gradients, and (when the input needs one) lora_A's part of the input gradient, added at once."""
+        assert self.lora is not None
+        if weight not in self.lora.targets:
+            return
+        n, a, r = self.n, self.act, self.lora.rank
+        self.alloc(p + weight + ".dls", n * width_out * a, "temporaries")  # times alpha / rank
+        self.param_grad(p + weight + ".lora_B", width_out * r)
+        self.alloc(p + weight + ".dla", n * r * a, "temporaries")
+        self.free(p + weight + ".dls")
+        self.param_grad(p + weight + ".lora_A", r * width_in)
+        if input_grad:
+            self.alloc(p + weight + ".dx", n * width_in * a, "temporaries")
+            self.free(p + weight + ".dx")
+        self.free(*(p + weight + suffix for suffix in (".dla", ".la", ".la.in", ".drop", ".mask")))
+
+    def _lora_block_backward(self, layer: int) -> None:
+        assert self.lora is not None
+        n, c, a, i, p = self.n, self.c, self.act, self.inner, f"b{layer}."
+        if self.mode != "none":
+            self._lora_block_forward(layer, recompute=True)
+        grad_in = self.grad_in[layer]
+        targets = self.lora.targets
+        attention, mlp = self._lora_groups()
+        attention_grad = grad_in or any(w in targets for w in attention)
+
+        def grad(name: str, size: int) -> None:
+            self.alloc(p + name, size, "temporaries")
+
+        def release(*names: str) -> None:
+            self.free(*(p + name for name in names))
+
+        if attention_grad or any(w in targets for w in mlp):
+            if self.lowp:
+                grad("dres.c", n * c * a)
+            grad("dg", n * i * a)
+            self._adapter_backward(p, mlp[-1], i, c, input_grad=True)
+            release("dres.c", "g", mlp[-1])
+            if self.style == "gpt2":
+                grad("da", n * i * a)
+                grad("dt", n * i * a)
+                release("dg")
+                grad("dtanh", n * i * a)
+                release("dt", "g1")
+                grad("df", n * i * a)
+                release("da", "dtanh", "f")
+                self._adapter_backward(p, "w.fc", c, i, input_grad=attention_grad)
+                if attention_grad:
+                    grad("dh2", n * c * a)
+                release("df", "w.fc")
+            else:
+                grad("dup", n * i * a)
+                grad("dsilu", n * i * a)
+                release("dg", "silu", "up")
+                grad("dgate", n * i * a)
+                release("dsilu", "gate")
+                self._adapter_backward(p, "w.gate", c, i, input_grad=attention_grad)
+                self._adapter_backward(p, "w.up", c, i, input_grad=attention_grad)
+                if attention_grad:
+                    grad("dh2", n * c * a)
+                    grad("dh2b", n * c * a)
+                release("dgate", "dup", "w.gate", "w.up")
+            if attention_grad:
+                self._norm_backward(p + "dh2", p + "dx1")
+                release("dh2b")
+            release(*(k[len(p):] for k in list(self.tensors) if k.startswith(p + "n2.")), "x1", "dx1")
+        if attention_grad:
+            if self.lowp:
+                grad("dres.c", n * c * a)
+            grad("dy", n * self.dq * a)
+            self._adapter_backward(p, attention[-1], self.dq, c, input_grad=True)
+            release("dres.c", attention[-1])
+            widths = (3 * c,) if self.style == "gpt2" else (self.dq, self.dkv, self.dkv)
+            grad("dqkv.parts", n * sum(widths) * a)
+            release("dy", "att", "lse", "qr", "kr", "v", "qc", "vc")
+            if self.style == "gpt2":
+                grad("dqkv", 3 * n * c * a)
+                release("dqkv.parts", "qkv")
+            for weight, width in zip(attention[:-1], widths, strict=True):
+                self._adapter_backward(p, weight, c, width, input_grad=grad_in)
+            if grad_in:  # each projection gives its input a gradient, summed into one
+                grad("dh1", (1 if self.style == "gpt2" else 3) * n * c * a)
+            release("dqkv.parts", "dqkv", *attention[:-1])
+            if grad_in:
+                self._norm_backward(p + "dh1", p + "dx")
+            release(*(k[len(p):] for k in list(self.tensors) if k.startswith(p + "n1.")), "dx")
         self.free(f"r{layer + 1}")
         self.free(*[k for k in list(self.tensors) if k.startswith(p)])
 

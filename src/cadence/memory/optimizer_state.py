@@ -190,27 +190,39 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 tensors = [_local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if weight_decay != 0:
                     tensors[0].mul_(1 - lr * weight_decay)
-                for chunk, (p, g, m_low, v_low) in enumerate(self._chunks(*tensors)):
-                    m = m_low.to(torch.float32, copy=True)
-                    v = v_low.to(torch.float32, copy=True)
-                    m.lerp_(g, 1 - beta1)
-                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                    denom = v.sqrt()
-                    denom.div_(bias_correction2_sqrt).add_(eps)
-                    p.addcdiv_(m, denom, value=-step_size)
-                    del denom
-                    if self.state_dtype == torch.float32:
-                        m_low.copy_(m)
-                        v_low.copy_(v)
-                        continue
-                    generator = self._generator(p.device)
-                    generator.manual_seed(_noise_seed(int(step), index, chunk, _shard(param)))
-                    noise = torch.empty(m.shape, dtype=torch.int32, device=m.device)
-                    for exact, stored in ((m, m_low), (v, v_low)):
-                        noise.random_(0, 1 << 16, generator=generator)
-                        _round_stochastically(exact, noise)
-                        stored.copy_(exact)  # exact: the low 16 bits are zero, so the value is a bf16 value
+                for chunk, pieces in enumerate(self._chunks(*tensors)):
+                    seed = _noise_seed(int(step), index, chunk, _shard(param))
+                    # A function of its own: its fp32 working copies are freed when it returns, so the step's
+                    # scratch is one chunk's (m, v and denom, then m, v and the noise: 12 bytes per element).
+                    self._update_chunk(*pieces, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size,
+                                       bias_correction2_sqrt=bias_correction2_sqrt, seed=seed)
         return loss
+
+    def _update_chunk(self, p: torch.Tensor, g: torch.Tensor, m_low: torch.Tensor, v_low: torch.Tensor, *,
+                      beta1: float, beta2: float, eps: float, step_size: float, bias_correction2_sqrt: float,
+                      seed: int) -> None:
+        """One chunk: the moments read into fp32, updated, used, and stored back (stochastically rounded)."""
+        m = m_low.to(torch.float32, copy=True)
+        v = v_low.to(torch.float32, copy=True)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = v.sqrt()
+        denom.div_(bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)
+        del denom
+        if self.state_dtype == torch.float32:
+            m_low.copy_(m)
+            v_low.copy_(v)
+            return
+        generator = self._generator(p.device)
+        generator.manual_seed(seed)
+        noise = torch.empty(m.shape, dtype=torch.int32, device=m.device)
+        noise.random_(0, 1 << 16, generator=generator)
+        _round_stochastically(m, noise)
+        m_low.copy_(m)  # exact: the low 16 bits are zero, so the value is a bf16 value
+        noise.random_(0, 1 << 16, generator=generator)
+        _round_stochastically(v, noise)
+        v_low.copy_(v)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
