@@ -55,6 +55,25 @@ def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 8
 
 
+@pytest.mark.parametrize("state", [["bf16"], ["8bit"], ["8bit", "--offload", "optimizer"]],
+                         ids=["bf16", "8bit", "8bit-offloaded"])
+def test_resume_with_low_precision_optimizer_state_is_bitwise_the_uninterrupted_run(tmp_path, state):
+    """--optimizer-state bf16 (stochastically rounded moments, the bits seeded from the step) and 8bit
+    (bitsandbytes' uint8 codes and fp32 scales, stored as tensors in the safetensors file): a run cut after step 2
+    and resumed is the run that never stopped, bit for bit; so with the state offloaded to the host."""
+    data = data_file(tmp_path)
+    extra = ["--optimizer-state", *state]
+    assert main(args(data, tmp_path / "whole", *extra, steps=6)) == 0
+    assert main(args(data, tmp_path / "cut", *extra, steps=6)) == 0
+    for late in checkpoint_dirs(tmp_path / "cut")[1:]:
+        shutil.rmtree(late)
+    assert main(args(data, tmp_path / "cut", *extra, "--resume", steps=6)) == 0
+    same_run(tmp_path / "cut", tmp_path / "whole")
+    tensors = load_file(str(checkpoint_dirs(tmp_path / "cut")[0] / "training_state.safetensors"))
+    assert ({torch.uint8} if state[0] == "8bit" else {torch.bfloat16}) <= {t.dtype for t in tensors.values()}
+    assert main(args(data, tmp_path / "cut", "--resume", "--optimizer-state", "fp32", steps=6)) == 2
+
+
 @pytest.mark.slow
 def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
     data = data_file(tmp_path)

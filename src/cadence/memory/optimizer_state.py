@@ -175,13 +175,14 @@ class BF16StateAdamW(torch.optim.Optimizer):
                     raise RuntimeError("BF16StateAdamW does not support sparse gradients")
                 state = self.state[param]
                 if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    # A Python int, as bitsandbytes keeps it: no tensor (4 bytes each) for a counter.
+                    state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(param, dtype=self.state_dtype,
                                                         memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.state_dtype,
                                                            memory_format=torch.preserve_format)
-                state["step"] += 1
-                step = float(state["step"].item())
+                state["step"] = int(state["step"]) + 1
+                step = float(state["step"])
                 # torch's single-tensor AdamW, term for term (Python floats, the same order of operations).
                 bias_correction1 = 1 - beta1**step
                 bias_correction2 = 1 - beta2**step
