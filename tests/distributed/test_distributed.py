@@ -182,6 +182,27 @@ def test_resume_under_two_ranks_equals_the_uninterrupted_run(runs: dict[str, Pat
                        load_file(str(runs[strategy] / "model.safetensors"))) < 1e-6
 
 
+@pytest.mark.parametrize(("strategy", "state"), [("fsdp", "bf16"), ("ddp", "8bit")])
+def test_low_precision_optimizer_state_resumes_bitwise_on_two_ranks(tmp_path: Path, strategy: str,
+                                                                    state: str) -> None:
+    """--optimizer-state bf16 under FSDP2 (the moments are DTensor shards, updated through their local tensors and
+    gathered whole into the checkpoint) and 8bit under DDP (each rank quantises the same all-reduced gradients the
+    same way): cut back to step 3 and resumed, the run is the uninterrupted one bit for bit."""
+    data = write_jsonl(tmp_path / "examples.jsonl")
+    extra = ["--strategy", strategy, "--optimizer-state", state]
+    train_two_ranks(tmp_path / "whole", data, *extra)
+    train_two_ranks(tmp_path / "cut", data, *extra)
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-6")
+    result = train_two_ranks(tmp_path / "cut", data, *extra, "--resume")
+    assert "(step 3)" in result.stderr
+    assert [row["loss"] for row in read_metrics(tmp_path / "cut")] == \
+        [row["loss"] for row in read_metrics(tmp_path / "whole")]
+    mine, theirs = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("cut", "whole"))
+    assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["optimizer_state_bytes"] < 0.3 * 8 * summary["parameters"]  # per rank: a shard, or 8-bit codes
+
+
 def test_a_one_process_checkpoint_resumes_on_two_ranks(runs: dict[str, Path]) -> None:
     """The windows are the same for any split of the effective batch, so a run may move to more processes."""
     run = runs["root"] / "one-to-two"

@@ -138,8 +138,8 @@ def optimizer_step_bytes(optimizer_state: str, trained: list[int], *, on_device:
     """
     state = sum(int(state_bytes_per_parameter(optimizer_state, numel) * numel) for numel in trained)
     if optimizer_state == "8bit":
-        state += 2 * EIGHT_BIT_CODE_BOOK
         quantised = [numel for numel in trained if numel >= EIGHT_BIT_MIN_SIZE]
+        state += 2 * EIGHT_BIT_CODE_BOOK if quantised else 0  # held (and counted) once some tensor is quantised
         return state, 0 if on_device or not quantised else 5 * FP32_BYTES * max(quantised)
     if optimizer_state == "bf16":
         return state, 3 * FP32_BYTES * min(max(trained, default=0), CHUNK_ELEMENTS)
