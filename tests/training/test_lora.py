@@ -126,3 +126,24 @@ def test_lora_needs_a_transformers_model_and_names_its_flags(tmp_path) -> None:
                               "--out", str(tmp_path / "b")])
     assert status == 2 and "--lora-targets:" in err and "q_proj" in err and "Traceback" not in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_bf16_base_is_the_same_math_in_less_memory(tmp_path) -> None:
+    """--lora-base-precision bf16 under --precision bf16: autocast rounded the fp32 base weights to these very bf16
+    values in every matmul, so the losses are bit for bit those of the fp32 base, at a lower peak."""
+    data = write_jsonl(tmp_path / "data.jsonl", 32)
+    runs = {}
+    for base in ("fp32", "bf16"):
+        runs[base] = tmp_path / base
+        assert main(["train", *LLAMA, "--data", str(data), "--data-cache", str(tmp_path / "cache"), *BATCH,
+                     "--max-steps", "3", "--lora-rank", "8", "--precision", "bf16", "--lora-base-precision", base,
+                     "--out", str(runs[base])]) == 0
+    assert [r["loss"] for r in read_metrics(runs["bf16"])] == [r["loss"] for r in read_metrics(runs["fp32"])]
+    peaks = {base: json.loads((run / "summary.json").read_text())["peak_memory_bytes"] for base, run in runs.items()}
+    assert peaks["bf16"] < 0.85 * peaks["fp32"]
+    weights = load_file(str(runs["bf16"] / "model.safetensors"))
+    assert weights["model.layers.0.self_attn.q_proj.base_layer.weight"].dtype == torch.bfloat16
+    assert weights["model.layers.0.input_layernorm.weight"].dtype == torch.float32
+    status, _, err = run_cli(["train", *LLAMA, "--lora-rank", "8", "--lora-base-precision", "bf16", "--max-steps",
+                              "1", "--out", str(tmp_path / "refused")])
+    assert status == 2 and "--lora-base-precision: bf16 needs --precision bf16" in err

@@ -28,6 +28,8 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 DEVICE_CHOICES: tuple[DeviceName, ...] = ("auto", "cpu", "cuda")
 Fp32Matmul = Literal["tf32", "exact"]
 FP32_MATMUL_CHOICES: tuple[Fp32Matmul, ...] = ("tf32", "exact")
+LoraBasePrecision = Literal["fp32", "bf16"]
+LORA_BASE_PRECISIONS: tuple[LoraBasePrecision, ...] = ("fp32", "bf16")
 Strategy = Literal["ddp", "fsdp"]
 STRATEGIES: tuple[Strategy, ...] = ("ddp", "fsdp")
 MAX_SEED = 2**64 - 1
@@ -200,6 +202,10 @@ class TrainConfig:
     the head); default: peft's choice for the model type (llama, qwen2, mistral: q_proj and v_proj; gpt2: c_attn)."""
     lora_dropout: float = setting(0.0, LORA, changes_math=True)
     """Dropout on the adapters' input (0 keeps every step deterministic, so splits agree exactly)."""
+    lora_base_precision: LoraBasePrecision = setting("fp32", LORA)
+    """How the frozen base's linear layers are held: fp32, or bf16 (with --precision bf16 only): half their bytes and
+    no autocast copies, for the same math (autocast rounds an fp32 weight to the same bf16 weight in every matmul;
+    the norms, embeddings and adapters stay fp32). model.safetensors then holds those weights in bf16."""
     lr_schedule: LRScheduleName = setting("cosine", SCHEDULE, changes_math=True)
     """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
     warmup_steps: int = setting(0, SCHEDULE, changes_math=True)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, get_type_hints
 from cadence.config.schema import (
     DEVICE_CHOICES,
     FP32_MATMUL_CHOICES,
+    LORA_BASE_PRECISIONS,
     MAX_SEED,
     STRATEGIES,
     TrainConfig,
@@ -191,6 +192,14 @@ def _lora_problems(config: TrainConfig) -> list[Problem]:
         bad("lora_alpha", f"must be a positive number, got {config.lora_alpha:g}")
     if not math.isfinite(config.lora_dropout) or not 0 <= config.lora_dropout < 1:
         bad("lora_dropout", f"must be in [0, 1), got {config.lora_dropout:g}")
+    if config.lora_base_precision not in LORA_BASE_PRECISIONS:
+        bad("lora_base_precision", f"{config.lora_base_precision!r} is not one of {', '.join(LORA_BASE_PRECISIONS)}")
+    elif config.lora_base_precision == "bf16":
+        if config.lora_rank <= 0:
+            bad("lora_base_precision", "needs --lora-rank above 0 (only a frozen base can be held in bf16)")
+        elif config.precision != "bf16":
+            bad("lora_base_precision", f"bf16 needs --precision bf16 (got {config.precision}): only under bf16 "
+                                       f"autocast is a bf16 base the same math as the fp32 one")
     if config.lora_targets is not None and not split_targets(config.lora_targets):
         bad("lora_targets", "names no layer; give module names such as q_proj,v_proj (or all-linear)")
     return problems

@@ -276,6 +276,10 @@ class StepReplay:
         """Every parameter of the model, trained or frozen (fp32 on the device)."""
         return self.cfg.num_parameters()
 
+    def parameter_bytes(self) -> int:
+        """The parameters' bytes on the device (fp32; a LoRA base may hold some in bf16)."""
+        return self.parameter_count() * FP32_BYTES
+
     def trained_tensors(self) -> list[int]:
         """Element counts of the trained parameter tensors, in the optimizer's order (the decay group first)."""
         c, cfg = self.c, self.cfg
@@ -287,7 +291,7 @@ class StepReplay:
     # ------------------------------------------------------------------------------------------------ the step
     def run(self, grad_accum_steps: int) -> None:
         self.phase = "forward"
-        self.alloc("params", self.parameter_count() * FP32_BYTES, "parameters")
+        self.alloc("params", self.parameter_bytes(), "parameters")
         trained = self.trained_tensors()
         # AdamW's exp_avg and exp_avg_sq: fp32 like the parameters, or bf16 / 8-bit (--optimizer-state).
         state, self.step_scratch = optimizer_step_bytes(self.optimizer_state, trained, on_device=self.on_device)

@@ -137,6 +137,8 @@ class HFStepReplay(StepReplay):
         super().__init__(sizes, **kwargs)  # type: ignore[arg-type]
         self.lora = None if lora is None else _adapters(lora, style)
         self.lora_parameters = 0 if lora is None else lora.adapter_parameters
+        self.bf16_base = 0 if lora is None else lora.bf16_base_parameters
+        """--lora-base-precision bf16: frozen linear-layer elements held in bf16 (and never copied by autocast)."""
         self.grad = False
         """Under LoRA: whether the residual stream needs a gradient here (the frozen embedding's output does not;
         a block's output does once an adapter is upstream)."""
@@ -177,6 +179,16 @@ class HFStepReplay(StepReplay):
 
     def parameter_count(self) -> int:
         return self.shape.num_parameters + self.lora_parameters
+
+    def parameter_bytes(self) -> int:
+        return self.parameter_count() * FP32_BYTES - 2 * self.bf16_base
+
+    def _weight(self, name: str, numel: int, *, saved: bool) -> None:
+        """As the parent's; a frozen bf16 weight (--lora-base-precision bf16) is used as it is: no autocast copy."""
+        frozen_linear = not self.shape.tied_embeddings if name == "w.head" else name.split(".")[-2:-1] == ["w"]
+        if self.bf16_base and frozen_linear:
+            return
+        super()._weight(name, numel, saved=saved)
 
     def trained_tensors(self) -> list[int]:
         if self.lora is not None:

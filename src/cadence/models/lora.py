@@ -61,6 +61,8 @@ class LoraShape:
     trainable_parameters: int
     frozen_parameters: int
     dropout: float
+    bf16_base_parameters: int = 0
+    """Frozen linear-layer elements held in bf16 (--lora-base-precision bf16)."""
 
 
 def peft_problem() -> str | None:
@@ -126,6 +128,32 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     return model
 
 
+def hold_base_in_bf16(model: nn.Module) -> int:
+    """Cast the frozen linear layers' weights and biases to bf16 in place (--lora-base-precision bf16); returns the
+    elements cast.
+
+    Under bf16 autocast this is the same math: autocast rounds every fp32 weight of a matmul to bf16 (to nearest),
+    the very values stored here, and a frozen weight never changes. Only linear layers (nn.Linear and transformers'
+    Conv1D, both matmuls autocast runs in bf16) are cast: norms and embeddings compute in their own dtype, and a
+    head whose weight is the embedding's (tied) is left alone, as are the adapters (trained, fp32)."""
+    others = {id(param) for module in model.modules() if not _is_linear(module)
+              for param in module.parameters(recurse=False)}
+    cast = 0
+    for module in model.modules():
+        if not _is_linear(module):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad or id(param) in others or param.dtype == torch.bfloat16:
+                continue
+            param.data = param.data.to(torch.bfloat16)
+            cast += param.numel()
+    return cast
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
 def is_lora(model: nn.Module) -> bool:
     """Whether peft's LoRA layers were injected into ``model`` (:func:`apply_lora`)."""
     return bool(getattr(model, "peft_config", None))
@@ -157,8 +185,10 @@ def lora_shape(model: nn.Module) -> LoraShape | None:
             adapted.append((name, int(a.shape[1]), int(b.shape[0])))
             adapter_parameters += a.numel() + b.numel()
     trained, frozen = parameter_counts(model)
+    bf16 = sum(p.numel() for p in model.parameters() if not p.requires_grad and p.dtype == torch.bfloat16)
     return LoraShape(rank=int(config.r), adapted=tuple(adapted), adapter_parameters=adapter_parameters,
-                     trainable_parameters=trained, frozen_parameters=frozen, dropout=float(config.lora_dropout))
+                     trainable_parameters=trained, frozen_parameters=frozen, dropout=float(config.lora_dropout),
+                     bf16_base_parameters=bf16)
 
 
 def adapter_weights(model: nn.Module, weights: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -180,5 +210,5 @@ def write_adapter(model: nn.Module, directory: Path, weights: Mapping[str, torch
     config.save_pretrained(str(directory))  # peft's own adapter_config.json
 
 
-__all__ = ["LoraSettings", "LoraShape", "apply_lora", "is_lora", "lora_shape", "parameter_counts", "peft_problem",
-           "split_targets", "write_adapter"]
+__all__ = ["LoraSettings", "LoraShape", "apply_lora", "hold_base_in_bf16", "is_lora", "lora_shape",
+           "parameter_counts", "peft_problem", "split_targets", "write_adapter"]

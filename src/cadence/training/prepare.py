@@ -26,7 +26,7 @@ from cadence.errors import UsageError
 from cadence.models import MODEL_CONFIGS, MODEL_NAMES, model_context_length, repeated_blocks
 from cadence.models.heads import chunking_problem
 from cadence.models.hf import HFModel, build_hf_model, packed_attention_supported, parse_model_overrides
-from cadence.models.lora import LoraSettings, apply_lora, lora_shape, split_targets
+from cadence.models.lora import LoraSettings, apply_lora, hold_base_in_bf16, lora_shape, split_targets
 
 
 @dataclass(kw_only=True)
@@ -162,6 +162,8 @@ def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
         apply_lora(hf.model, LoraSettings(
             rank=config.lora_rank, alpha=config.lora_alpha, targets=split_targets(config.lora_targets),
             dropout=config.lora_dropout, base_name_or_path=None if config.model.startswith("hf:") else config.model))
+        if config.lora_base_precision == "bf16":
+            hold_base_in_bf16(hf.model)
         hf.lora = lora_shape(hf.model)
     return hf
 
