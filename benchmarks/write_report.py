@@ -86,6 +86,9 @@ SECTIONS = (
     Section("loss_chunking.json", "Chunked LM head and loss: --loss-chunk-tokens (issue 26)",
             ".venv/bin/python benchmarks/loss_chunking.py", lambda data: render_loss_chunking(data), ("transformers",),
             optional=True),
+    Section("optimizer_state.json", "Smaller optimizer state and LoRA: --optimizer-state, --lora-rank (issue 26)",
+            ".venv/bin/python benchmarks/optimizer_state.py", lambda data: render_optimizer_state(data),
+            ("transformers", "peft", "bitsandbytes"), optional=True),
     # Shown only once a GPU run left gpu.json: the dry run writes gpu_quick.json, which is never shown.
     Section("gpu.json", "GPU: the CUDA path on one device (issue 16)", "make bench-gpu", sections.render_gpu,
             ("accelerate", "lightning"), optional=True),
@@ -412,6 +415,55 @@ def render_compile(data: dict) -> list[str]:
         "stay the library calls eager makes. On a CPU those matmuls are most of a step, so the gain is what the "
         "fused ops cost eagerly; on a GPU, where each small op is a kernel launch and a round trip through memory, "
         "the same fusion is worth more (`make bench-gpu` measures it there).")
+    return lines
+
+
+def render_optimizer_state(data: dict) -> list[str]:
+    """Issue 26 items 2 and 3: the optimizer state's bytes, the peak against the estimate, the loss over 200 steps;
+    LoRA against training the whole model."""
+    states, adapters = data["optimizer_state"], data["lora"]
+    versions = data["environment"]["versions"]
+    lines = sections.para(
+        f"`cadence train --model {states['model']} --seq-len {states['seq_len']} --micro-batch-size "
+        f"{states['micro_batch_size']} --max-steps {states['steps']}` on the built-in corpus (lr 1e-3, warmup "
+        f"{states['steps'] // 10}, fp32 compute), once per `--optimizer-state`: the same data and seed, only the "
+        "moments' storage differs. State: summary.json's `optimizer_state_bytes` (the state tensors' bytes). Peak: "
+        "summary.json's `peak_memory_bytes` (the profiler's allocation replay of window 2), against "
+        f"`estimate_step_memory(..., optimizer_state=...)`. Loss: the mean of the last {states['last_steps_averaged']} "
+        f"steps. bitsandbytes {versions.get('bitsandbytes')}; load average {data['load_average_before']:.1f} before, "
+        f"{data['load_average_after']:.1f} after (2 cores: tokens/s are those of a shared machine).")
+    rows = [[name, f"{sections.mib(run['optimizer_state_bytes'])} MiB", f"{run['state_vs_fp32']:.3f}x",
+             f"{sections.mib(run['peak_memory_bytes'])} MiB", f"{run['estimate_error']:+.1%}",
+             f"{run['final_loss']:.4f}", f"{run['loss_vs_fp32']:+.2%}", f"{run['max_step_loss_difference']:.1%}",
+             f"{run['tokens_per_s']:,.0f}"] for name, run in states["runs"].items()]
+    lines += sections.table(["--optimizer-state", "state", "vs fp32", "peak", "estimate vs peak",
+                             f"loss (last {states['last_steps_averaged']})", "vs fp32", "largest step's loss vs fp32",
+                             "tokens/s"], rows)
+    runs = states["runs"]
+    lines.append(f"- bf16 keeps {runs['bf16']['state_vs_fp32']:.2f}x and 8bit {runs['8bit']['state_vs_fp32']:.2f}x "
+                 f"of fp32's state; after {states['steps']} steps their loss is {runs['bf16']['loss_vs_fp32']:+.2%} "
+                 f"and {runs['8bit']['loss_vs_fp32']:+.2%} from fp32's (the slow test's tolerance: 1%)")
+    lines.append(f"- their cost on this CPU: {runs['bf16']['tokens_per_s'] / runs['fp32']['tokens_per_s']:.2f}x and "
+                 f"{runs['8bit']['tokens_per_s'] / runs['fp32']['tokens_per_s']:.2f}x fp32's tokens/s (bf16: the "
+                 "rounding's random bits and the fp32 working copies; 8bit: bitsandbytes' CPU update dequantises and "
+                 "requantises every tensor, in its C library on one thread); not measured on a GPU here")
+    lines.append("")
+    llama = adapters["llama_config"]
+    lines += sections.para(
+        f"LoRA: `cadence train --model hf:llama` (width {llama['hidden_size']}, {llama['num_hidden_layers']} layers, "
+        f"vocabulary {llama['vocab_size']}; transformers {versions.get('transformers')}, peft {versions.get('peft')}), "
+        f"micro-batch {adapters['micro_batch_size']} x {adapters['seq_len']}, {adapters['steps']} steps, trained "
+        "whole, with `--lora-rank 8` (peft's default targets for llama: q_proj and v_proj), and with `--lora-rank 8 "
+        "--precision bf16 --lora-base-precision bf16`; the peak against `estimate_hf_step_memory(..., lora=...)`.")
+    rows = [[name, f"{run['trainable_parameters']:,}", f"{run['frozen_parameters']:,}",
+             f"{run['optimizer_state_bytes'] / 1024:,.0f} KiB", f"{sections.mib(run['peak_memory_bytes'])} MiB",
+             f"{run['peak_vs_full']:.2f}x", f"{run['estimate_error']:+.1%}", f"{run['tokens_per_s']:,.0f}"]
+            for name, run in adapters["runs"].items()]
+    lines += sections.table(["run", "trained", "frozen", "state", "peak", "vs full", "estimate vs peak", "tokens/s"],
+                            rows)
+    worst = max(abs(run["estimate_error"]) for group in (states, adapters) for run in group["runs"].values())
+    lines.append(f"- the estimate is within {worst:.1%} of every measured peak above")
+    lines.append("")
     return lines
 
 
