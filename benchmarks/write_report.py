@@ -446,7 +446,7 @@ def render_optimizer_state(data: dict) -> list[str]:
     lines.append(f"- their cost on this CPU: {runs['bf16']['tokens_per_s'] / runs['fp32']['tokens_per_s']:.2f}x and "
                  f"{runs['8bit']['tokens_per_s'] / runs['fp32']['tokens_per_s']:.2f}x fp32's tokens/s (bf16: the "
                  "rounding's random bits and the fp32 working copies; 8bit: bitsandbytes' CPU update dequantises and "
-                 "requantises every tensor, in its C library on one thread); not measured on a GPU here")
+                 "requantises every tensor in its C library); not measured on a GPU here")
     lines.append("")
     llama = adapters["llama_config"]
     lines += sections.para(
