@@ -323,3 +323,20 @@ def test_bad_directories_are_usage_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as excinfo:
         build_hf_model(str(tmp_path / "config-only"), {})
     assert usage_error(excinfo)[0] == "--model"
+
+
+def test_a_saved_model_with_use_cache_true_trains_with_selective_recompute(tmp_path):
+    """save_pretrained writes "use_cache": true; from_pretrained(config=...) keeps its own copy of the config, so
+    turning the cache off on cadence's copy alone left it on, and selective recompute failed ("not found in
+    storage": the cache grew again in the recompute)."""
+    import transformers
+
+    from cadence.cli import main
+
+    directory = tmp_path / "saved"
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=64, vocab_size=256, max_position_embeddings=64, use_cache=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    assert main(["train", "--model", str(directory), "--seq-len", "32", "--micro-batch-size", "2",
+                 "--grad-accum-steps", "2", "--max-steps", "1", "--activation-checkpointing", "selective",
+                 "--val-fraction", "0", "--out", str(tmp_path / "run")]) == 0

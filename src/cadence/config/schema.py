@@ -130,8 +130,9 @@ class TrainConfig:
     memory, and try growing back after --auto-grow-after good steps."""
     grad_accum_steps: int | None = setting(None, BATCH)
     """Micro-batches accumulated per optimizer step; default 1, or derived from --effective-batch-size."""
-    effective_batch_size: int | None = setting(None, BATCH, changes_math=True)
-    """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps."""
+    effective_batch_size: int | Literal["auto"] | None = setting(None, BATCH, changes_math=True)
+    """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps. auto
+    (cadence plan only): chosen from the gradient noise scale measured at the start of training."""
     micro_batch_order: MicroBatchOrder = setting("by-length", CUT)
     """How a window's samples are cut into micro-batches: by-length (longest first, so each micro-batch pads little)
     or drawn (in the epoch's order). The window's samples and its gradient are the same either way; only the

@@ -236,6 +236,11 @@ def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]
     elif isinstance(micro, int) and micro < 1:
         bad("micro_batch_size", f"must be at least 1 (or auto), got {micro}")
     accum, effective = config.grad_accum_steps, config.effective_batch_size
+    if isinstance(effective, str):
+        bad("effective_batch_size", f"{effective!r} is measured only by cadence plan (--effective-batch-size auto "
+                                    f"chooses it from the gradient noise scale); give a whole number here"
+            if effective == "auto" else f"{effective!r} is not a whole number")
+        return problems
     if accum is not None and accum < 1:
         bad("grad_accum_steps", f"must be at least 1, got {accum}")
     if effective is not None and effective < 1:

@@ -343,10 +343,13 @@ def _finish(model: nn.Module, config: PretrainedConfig, tokenizer: Any | None, f
     elif len(tokenizer) > vocab:
         raise UsageError.single("--model", f"{what}: the tokenizer has {len(tokenizer)} tokens, the model {vocab}")
     _check_causal(model, vocab, flag)
-    if getattr(config, "use_cache", None):
-        # Training never generates: a KV cache would keep every layer's keys and values alive until the step ends
-        # (defeating activation checkpointing) and grow again in each recompute (which breaks selective recompute).
-        config.use_cache = False
+    # Training never generates: a KV cache would keep every layer's keys and values alive until the step ends
+    # (defeating activation checkpointing) and grow again in each recompute (which breaks selective recompute). Off on
+    # the model's own config too: from_pretrained(config=...) keeps a copy of it (a save_pretrained directory with
+    # "use_cache": true failed selective recompute with a "not found in storage" error).
+    for held in (config, getattr(model, "config", None)):
+        if getattr(held, "use_cache", None):
+            held.use_cache = False
     shape = model_shape(model, config)
     tokens = f"tokenizer with {len(tokenizer)} tokens" if tokenizer is not None else "byte tokens"
     return HFModel(

@@ -41,6 +41,7 @@ from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.recompute import CHECKPOINTING_MODES
 from cadence.models.hf import packed_attention_supported
 from cadence.output_files import atomic_write_json
+from cadence.plan.batch import BatchChoice, choose_effective_batch
 from cadence.plan.measure import Deadline, Rates, alternate, probe_precisions, ranked_with_ties, tied
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
@@ -80,6 +81,17 @@ class PlanOptions:
     time_budget: float = 300.0
     """Seconds the plan may spend measuring. Trials are ordered by what they can teach (the fastest groups first)
     and stop when it is spent, keeping time for the quality check; the plan says what it did not measure."""
+    noise_scale_windows: int = 8
+    """With --effective-batch-size auto: windows over which the gradient noise scale is measured at the start of
+    training (more: a smaller standard error, recorded in plan.json)."""
+    min_effective_batch_size: int = 1
+    """With --effective-batch-size auto: the smallest effective batch the plan may choose."""
+    max_effective_batch_size: int = 4096
+    """With --effective-batch-size auto: the largest effective batch the plan may choose (also at most the training
+    split's sequences)."""
+    lr_reference_batch: int | None = None
+    """With --effective-batch-size auto: the effective batch --lr was tuned at, for the plan's advice on scaling it
+    (advice only: the plan never changes --lr)."""
 
 
 class PlanFailed(CadenceFailure):
@@ -111,8 +123,32 @@ def divisors(number: int) -> list[int]:
 def validate_plan(config: TrainConfig, options: PlanOptions, constrained: Collection[str] = ()) -> None:
     """Every problem of a plan request, each naming its flag."""
     problems: list[Problem] = []
+    auto = config.effective_batch_size == "auto"
     if config.effective_batch_size is None:
-        problems.append(Problem(where="--effective-batch-size", message="is required: the batch the plan keeps fixed"))
+        problems.append(Problem(where="--effective-batch-size", message="is required: the batch the plan keeps fixed, "
+                                                                        "or auto (chosen from the gradient noise "
+                                                                        "scale)"))
+    auto_only = ("noise_scale_windows", "min_effective_batch_size", "max_effective_batch_size", "lr_reference_batch")
+    for name in auto_only if not auto else ():
+        if getattr(options, name) != getattr(PlanOptions(), name):
+            problems.append(Problem(where="--" + name.replace("_", "-"),
+                                    message="is for --effective-batch-size auto, which this plan is not"))
+    if auto:
+        for name in ("noise_scale_windows", "min_effective_batch_size", "max_effective_batch_size"):
+            if getattr(options, name) < 1:
+                problems.append(Problem(where="--" + name.replace("_", "-"),
+                                        message=f"must be at least 1, got {getattr(options, name)}"))
+        if options.lr_reference_batch is not None and options.lr_reference_batch < 1:
+            problems.append(Problem(where="--lr-reference-batch",
+                                    message=f"must be at least 1, got {options.lr_reference_batch}"))
+        if options.min_effective_batch_size > options.max_effective_batch_size:
+            problems.append(Problem(where="--min-effective-batch-size", message=(
+                f"{options.min_effective_batch_size} is above --max-effective-batch-size "
+                f"{options.max_effective_batch_size}")))
+        if "micro_batch_size" in constrained:
+            problems.append(Problem(where="--micro-batch-size", message=(
+                "cannot constrain an effective batch that is not chosen yet (auto); leave it out, or give "
+                "--effective-batch-size N")))
     if config.memory_budget is None:
         problems.append(Problem(where="--memory-budget", message="is required, e.g. 512MiB or 2GiB"))
     if config.micro_batch_size == "auto":
@@ -129,7 +165,8 @@ def validate_plan(config: TrainConfig, options: PlanOptions, constrained: Collec
         problems.append(Problem(where="--time-budget", message=f"must be a positive number of seconds, got "
                                                                 f"{options.time_budget}"))
     try:
-        validate(config)
+        # auto is resolved before anything runs at a batch: the rest is checked as for any batch.
+        validate(dataclasses.replace(config, effective_batch_size=None) if auto else config)
     except UsageError as err:
         problems += err.problems
     if problems:
@@ -261,14 +298,26 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
     # The run the plan is about, assembled as train assembles it (the model, its checks, the data through the token
     # store); every trial is a variant of it.
-    prep = prepare(dataclasses.replace(config, val_fraction=0.0), out=out)
+    auto = config.effective_batch_size == "auto"
+    prep = prepare(dataclasses.replace(config, val_fraction=0.0, **({"effective_batch_size": 1} if auto else {})),
+                   out=out)
     device, seq_len, data = prep.device, prep.seq_len, prep.data
     model = plan_model(config, hf=prep.hf)
     budget = int(config.memory_budget_bytes() or 0)
-    effective = int(config.effective_batch_size or 0)
     if config.out is None and out.exists():
         raise UsageError.single("--out", f"default {out} already exists; give --out")
     notes: list[str] = []
+    batch_choice: BatchChoice | None = None
+    if auto:
+        batch_choice = choose_effective_batch(
+            prep, model, budget=budget, windows=options.noise_scale_windows,
+            bounds=(options.min_effective_batch_size, options.max_effective_batch_size),
+            lr_reference=options.lr_reference_batch, constrained=constrained, say=say)
+        config = dataclasses.replace(config, effective_batch_size=batch_choice.effective_batch_size)
+        prep = prep.variant(effective_batch_size=batch_choice.effective_batch_size)
+        notes.append(f"effective batch {batch_choice.effective_batch_size}: {batch_choice.reason}. "
+                     f"{batch_choice.lr_advice}")
+    effective = int(config.effective_batch_size or 0)
 
     baseline = model.estimate(micro_batch_size=effective, seq_len=seq_len, precision="fp32", checkpointing="none",
                               device_type=device.type)
@@ -315,6 +364,8 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     plan = _plan_document(config, data, device, seq_len, budget, baseline, candidates, chosen, quality, notes,
                           epoch_tokens(data), time.perf_counter() - started, model, options.time_budget)
     plan["cuts"] = cuts
+    plan["effective_batch"] = (batch_choice.as_dict() if batch_choice is not None
+                               else {"given": effective, "chosen": effective})
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / PLAN_FILE, plan)
     _write_report(out, say)

@@ -30,6 +30,9 @@ def plan_report(root: Path) -> Report:
     blocks: list[Block] = [Heading(text="Decision"), *_decision(root, choice, chosen, candidates, budget,
                                                                  plan.get("quality"))]
     blocks += [Heading(text="Setup"), Bullets(items=_plan_setup(plan))]
+    batch = plan.get("effective_batch")
+    if isinstance(batch, dict) and batch.get("given") == "auto":
+        blocks += [Heading(text="The effective batch, from the gradient noise scale"), *_effective_batch(batch)]
     blocks += _diagnosis(plan.get("diagnosis") or {}, chosen, budget)
     blocks += [Heading(text="Candidates"), _candidate_table(candidates, chosen_id)]
     if candidates:
@@ -49,6 +52,29 @@ def plan_report(root: Path) -> Report:
     blocks += [Heading(text="Notes"), Bullets(items=notes) if notes else Paragraph(text="None.")]
     title = f"Plan report: {plan.get('model', '?')}" + (f" within {format_bytes(budget)}" if budget else "")
     return Report(title=title, blocks=blocks)
+
+
+def _effective_batch(batch: dict[str, Any]) -> list[Block]:
+    """--effective-batch-size auto: what was measured, the choice and its reason, and the advice on --lr."""
+    measured = batch.get("noise_scale") if isinstance(batch.get("noise_scale"), dict) else {}
+    probe = batch.get("probe") if isinstance(batch.get("probe"), dict) else {}
+    value, error = measured.get("sequences"), measured.get("sequences_error")
+    items = [
+        f"**Chosen:** {batch.get('chosen', '?')} sequences per optimizer step: {batch.get('reason', '')}",
+        "**Measured:** " + (f"{value:.3g}" if plots.finite(value) else "-")
+        + (f" +/- {error:.2g}" if plots.finite(error) else "") + " sequences"
+        + (f" ({measured['tokens']:,.0f} tokens)" if plots.finite(measured.get("tokens")) else "")
+        + f" over {measured.get('windows', '?')} of {measured.get('windows_run', '?')} windows of "
+        f"{probe.get('micro_batch_size', '?')} x {probe.get('grad_accum_steps', '?')} sequences "
+        f"({probe.get('precision', '?')}, recompute {probe.get('activation_checkpointing', '?')}), "
+        + ("at the starting weights" if measured.get("fixed_weights") else "training from the start"),
+        f"**Learning rate:** {batch.get('lr_advice', '')}",
+    ]
+    return [Bullets(items=items), Paragraph(text=(
+        "The noise scale tr(Sigma)/|G|^2 is about the critical batch (McCandlish et al. 2018): below it steps are "
+        "noisy and a run takes more of them; above it a doubling of the batch buys little progress per step for twice "
+        "the tokens. It grows as the loss falls: the run's own grad_noise_scale (metrics.jsonl, its report) shows "
+        "where it goes."))]
 
 
 def _config_text(item: dict[str, Any]) -> str:

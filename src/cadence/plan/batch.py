@@ -1,0 +1,148 @@
+"""``cadence plan --effective-batch-size auto``: the effective batch chosen from the gradient noise scale.
+
+The noise scale ``B = tr(Sigma) / |G|^2`` (cadence.engine.noise_scale) is about the critical batch (McCandlish et
+al. 2018): below it the steps are noisy and a run takes more of them, above it every doubling of the batch buys
+little progress per step for twice the tokens. The plan measures it over a stated number of windows at the start of
+training (a probe cut that fits the budget by estimate: several micro-batches per window, since the estimator needs
+two batch sizes), and takes the power of two nearest to it, within the user's bounds and the data. What the batch
+means for the learning rate is said as advice; ``--lr`` is never changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cadence.errors import CadenceFailure, UsageError
+from cadence.formatting import format_bytes
+from cadence.plan.models import PlanModel
+from cadence.training.noise_scale import NoiseScaleMeasurement, measure_noise_scale
+from cadence.training.prepare import Prepared
+
+PROBE_MICRO_BATCHES = 16
+"""Micro-batches per probe window: the estimator compares one micro-batch's gradient with the window's, and the
+further apart the two sizes, the smaller its variance."""
+PROBE_MICRO_SIZES = (1,)
+"""Probe micro-batch sizes tried, largest first (the first whose estimate fits the budget)."""
+
+
+class NoiseScaleUnmeasured(CadenceFailure):
+    """The probe gave no estimate (the CLI exits 1 with this message, which says to give a number)."""
+
+    label = "plan failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchChoice:
+    """The effective batch a plan chose from its noise-scale measurement, with what it rests on."""
+
+    effective_batch_size: int
+    measurement: NoiseScaleMeasurement
+    probe: dict[str, Any]
+    """How the probe windows were cut and computed (micro-batch, accumulation, precision, recompute)."""
+    bounds: tuple[int, int]
+    """The user's --min-/--max-effective-batch-size, the upper one also capped by the training sequences."""
+    reason: str
+    lr_advice: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"given": "auto", "chosen": self.effective_batch_size, "reason": self.reason,
+                "bounds": list(self.bounds), "probe": self.probe, "lr_advice": self.lr_advice,
+                "noise_scale": dataclasses.asdict(self.measurement)}
+
+
+def probe_setup(model: PlanModel, *, seq_len: int, budget: int, precision: str, device_type: str,
+                loss_chunk_tokens: int, sequences: int) -> dict[str, Any]:
+    """The probe's cut: the largest micro-batch of PROBE_MICRO_SIZES whose estimate fits ``budget`` (without
+    recompute, then with full recompute), and as many micro-batches per window as the data allows (at least 2)."""
+    per_window = max(2, min(PROBE_MICRO_BATCHES, sequences))
+    for micro in PROBE_MICRO_SIZES:
+        if micro * per_window > sequences and micro > 1:
+            continue
+        for recompute in ("none", "full"):
+            estimate = model.estimate(micro_batch_size=micro, seq_len=seq_len, precision=precision,
+                                      checkpointing=recompute, device_type=device_type, grad_accum_steps=per_window,
+                                      loss_chunk_tokens=loss_chunk_tokens)
+            if estimate.peak_bytes <= budget:
+                return {"micro_batch_size": micro, "grad_accum_steps": per_window, "precision": precision,
+                        "activation_checkpointing": recompute, "estimated_peak_bytes": estimate.peak_bytes}
+    raise NoiseScaleUnmeasured(
+        f"no probe for the gradient noise scale fits in {format_bytes(budget)} (one sequence of {seq_len} tokens "
+        f"with full recompute is estimated above it); give --effective-batch-size N, a larger --memory-budget or a "
+        f"smaller --seq-len")
+
+
+def nearest_power_of_two(value: float, low: int, high: int) -> int:
+    """The power of two nearest to ``value`` on a log scale, within [low, high] (the bounds themselves when no power
+    of two lies between them)."""
+    exponent = round(math.log2(max(value, 1e-12)))
+    candidate = 2 ** max(0, exponent)
+    if candidate < low:
+        candidate = 1 << math.ceil(math.log2(low))
+    if candidate > high:
+        candidate = 1 << int(math.floor(math.log2(high)))
+    return min(max(candidate, low), high)
+
+
+def lr_advice(lr: float, chosen: int, reference: int | None) -> str:
+    """What the chosen batch means for --lr, as advice: square-root scaling (the usual rule for Adam) or linear
+    scaling (SGD-like, with warmup) from the batch --lr was tuned at."""
+    if reference is None:
+        return (f"--lr {lr:g} is used as given. If it was tuned at another effective batch B0, the usual rules "
+                f"scale it by sqrt({chosen}/B0) (Adam) or {chosen}/B0 (SGD, with warmup); give --lr-reference-batch "
+                f"B0 for the figures. The plan never changes --lr.")
+    if reference == chosen:
+        return f"--lr {lr:g} was tuned at the chosen effective batch {chosen}: keep it."
+    ratio = chosen / reference
+    return (f"--lr {lr:g} was tuned at effective batch {reference}; at {chosen} ({ratio:.3g}x) the usual rules give "
+            f"--lr {lr * math.sqrt(ratio):.3g} (square-root scaling, for Adam) or --lr {lr * ratio:.3g} (linear, "
+            f"SGD-like, with warmup). The plan trains with --lr {lr:g} unless you give another.")
+
+
+def choose_effective_batch(prep: Prepared, model: PlanModel, *, budget: int, windows: int, bounds: tuple[int, int],
+                           lr_reference: int | None, constrained: set[str],
+                           say: Callable[[str], None]) -> BatchChoice:
+    """Measure the noise scale on ``windows`` probe windows of ``prep`` (training from its start, as the run would)
+    and choose the effective batch from it. ``prep`` is the plan's run at any batch; the probe is a variant of it."""
+    config = prep.config
+    low, high = bounds
+    sequences = len(prep.data.train)
+    high = min(high, 1 << int(math.floor(math.log2(max(sequences, 1)))))  # a window must hold real sequences
+    if high < low:
+        raise UsageError.single("--min-effective-batch-size", (
+            f"{low} is more than the training split's {sequences} sequences allow (the largest power of two in it is "
+            f"{high}); give a smaller bound or more data"))
+    precision = config.precision if "precision" in constrained else "fp32"
+    probe = probe_setup(model, seq_len=prep.seq_len, budget=budget, precision=precision,
+                        device_type=prep.device.type, loss_chunk_tokens=config.loss_chunk_tokens, sequences=sequences)
+    say(f"effective batch: auto; measuring the gradient noise scale over {windows} windows of "
+        f"{probe['micro_batch_size']} x {probe['grad_accum_steps']} sequences ({precision}, recompute "
+        f"{probe['activation_checkpointing']}), training from the start as the run would")
+    trial = prep.variant(micro_batch_size=probe["micro_batch_size"], grad_accum_steps=probe["grad_accum_steps"],
+                         effective_batch_size=probe["micro_batch_size"] * probe["grad_accum_steps"],
+                         precision=precision, activation_checkpointing=probe["activation_checkpointing"],
+                         offload="none")
+    measurement = measure_noise_scale(trial, windows=windows, train=True)
+    if measurement.sequences is None:
+        raise NoiseScaleUnmeasured(
+            f"the gradient noise scale could not be measured over {measurement.windows_run} windows "
+            f"({measurement.unmeasured}); give --effective-batch-size N, or more --noise-scale-windows")
+    value, error = measurement.sequences, measurement.sequences_error
+    chosen = nearest_power_of_two(value, low, high)
+    spread = f" +/- {error:.2g}" if error is not None else ""
+    reason = (f"the power of two nearest to the gradient noise scale, {value:.3g}{spread} sequences over "
+              f"{measurement.windows} windows (about the critical batch: fewer sequences per step make noisier steps, "
+              f"more buy little progress per step), within [{low}, {high}]")
+    if error is not None and error > 0:
+        lower, upper = (nearest_power_of_two(max(value - error, 1e-12), low, high),
+                        nearest_power_of_two(value + error, low, high))
+        if lower != upper:
+            reason += f"; within one standard error the choice would lie between {lower} and {upper}"
+    say(f"gradient noise scale: {value:.3g}{spread} sequences ({measurement.tokens or 0:,.0f} tokens) over "
+        f"{measurement.windows} windows; effective batch {chosen}")
+    return BatchChoice(effective_batch_size=chosen, measurement=measurement,
+                       probe={key: value for key, value in probe.items()}, bounds=(low, high), reason=reason,
+                       lr_advice=lr_advice(config.lr, chosen, lr_reference))
