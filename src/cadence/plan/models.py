@@ -40,11 +40,12 @@ class PlanModel:
 
     def estimate(self, *, micro_batch_size: int, seq_len: int, precision: str, checkpointing: str,
                  offload: str = "none", device_type: str = "cpu", grad_accum_steps: int = 1,
-                 loss_chunk_tokens: int = 0) -> MemoryEstimate:
+                 loss_chunk_tokens: int = 0, optimizer_state: str = "fp32") -> MemoryEstimate:
         options: dict[str, Any] = {
             "micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision,
             "checkpointing": checkpointing, "offload": offload, "device_type": device_type,
             "grad_accum_steps": grad_accum_steps, "loss_chunk_tokens": loss_chunk_tokens,
+            "optimizer_state": optimizer_state,
         }
         if self.shape is None:
             return estimate_step_memory(MODEL_CONFIGS[self.config.model], **options)

@@ -38,6 +38,7 @@ from cadence.formatting import format_bytes
 from cadence.input_files import read_regular_file
 from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.offload import OFFLOAD_MODES
+from cadence.memory.optimizer_state import eight_bit_problem
 from cadence.memory.recompute import CHECKPOINTING_MODES
 from cadence.models.hf import packed_attention_supported
 from cadence.output_files import atomic_write_json
@@ -111,9 +112,9 @@ class Candidate:
     """The throughputs of its alternating rounds (front-runners and cuts), the first trial's included."""
 
     @property
-    def group(self) -> tuple[str, str, str, int]:
+    def group(self) -> tuple[str, str, str, int, str]:
         return (self.setup.precision, self.setup.activation_checkpointing, self.setup.offload,
-                self.setup.loss_chunk_tokens)
+                self.setup.loss_chunk_tokens, self.setup.optimizer_state)
 
 
 def divisors(number: int) -> list[int]:
@@ -186,7 +187,10 @@ def given_cut(config: TrainConfig, constrained: set[str], micro_batch_size: int,
 
 
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
-                     notes: list[str], model: PlanModel | None = None) -> list[Candidate]:
+                     notes: list[str], model: PlanModel | None = None, *, states: list[str] | None = None,
+                     first_number: int = 1) -> list[Candidate]:
+    """Every combination of the levers the user left open, each with its estimated peak; ``states``: the optimizer
+    states (default: the given one, else fp32), numbered from ``first_number``."""
     model = model or plan_model(config)
     effective = int(config.effective_batch_size or 0)
     micro_sizes = [int(config.micro_batch_size)] if "micro_batch_size" in constrained else divisors(effective)
@@ -208,24 +212,42 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
                      "device memory. Offload candidates were left out rather than measured as if they helped.")
     chunks = loss_chunk_options(config, constrained, model, seq_len, int(config.memory_budget_bytes() or 0), device,
                                 notes)
-    candidates = []
-    for precision in precisions:
-        for recompute in recomputes:
-            for offload in offloads:
-                for chunk in chunks:
-                    for micro in micro_sizes:
-                        setup = TrialSetup(cut=given_cut(config, constrained, micro, seq_len),
-                                           grad_accum_steps=effective // micro, precision=precision,
-                                           activation_checkpointing=recompute, offload=offload,
-                                           loss_chunk_tokens=chunk)
-                        estimate = model.estimate(
-                            micro_batch_size=micro, seq_len=seq_len, precision=precision, checkpointing=recompute,
-                            offload=offload, device_type=device.type, grad_accum_steps=setup.grad_accum_steps,
-                            loss_chunk_tokens=chunk,
-                        )
-                        candidates.append(Candidate(id=f"c{len(candidates) + 1:02d}", setup=setup,
-                                                    estimate=estimate))
+    states = states or [config.optimizer_state if "optimizer_state" in constrained else "fp32"]
+    candidates: list[Candidate] = []
+    for state in states:
+        for precision in precisions:
+            for recompute in recomputes:
+                for offload in offloads:
+                    for chunk in chunks:
+                        for micro in micro_sizes:
+                            setup = TrialSetup(cut=given_cut(config, constrained, micro, seq_len),
+                                               grad_accum_steps=effective // micro, precision=precision,
+                                               activation_checkpointing=recompute, offload=offload,
+                                               loss_chunk_tokens=chunk, optimizer_state=state)
+                            estimate = model.estimate(
+                                micro_batch_size=micro, seq_len=seq_len, precision=precision,
+                                checkpointing=recompute, offload=offload, device_type=device.type,
+                                grad_accum_steps=setup.grad_accum_steps, loss_chunk_tokens=chunk,
+                                optimizer_state=state,
+                            )
+                            candidates.append(Candidate(id=f"c{len(candidates) + first_number:02d}", setup=setup,
+                                                        estimate=estimate))
     return candidates
+
+
+STATE_TOLERANCE = 0.01
+"""A lower-precision optimizer state is kept only when, over the quality check's steps, every loss is within 1%
+(relative) of the same configuration's with fp32 state. Measured: gpt-small over 200 steps keeps the mean loss of its
+last 20 steps within 0.1% (bf16) and 0.1% (8bit) of fp32's (BENCHMARKS.md); the slow test's tolerance is 1%."""
+
+
+def lossy_optimizer_states(notes: list[str]) -> list[str]:
+    """The lower-precision optimizer states this machine can run: bf16, and 8bit where bitsandbytes is installed."""
+    missing = eight_bit_problem()
+    if missing is not None:
+        notes.append(f"8bit optimizer state was not a candidate: it {missing}")
+        return ["bf16"]
+    return ["bf16", "8bit"]
 
 
 LOSS_CHUNKS = (1024, 256, 64)
@@ -324,27 +346,26 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     say(f"plan: {config.model}, effective batch {effective} x {seq_len} tokens, budget {format_bytes(budget)} "
         f"on {device}\ndiagnosis: the whole batch at once in fp32 needs about {format_bytes(baseline.peak_bytes)}: "
         f"{baseline.dominant}")
-    candidates = build_candidates(config, constrained, device, seq_len, notes, model)
-    for candidate in candidates:
-        if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
-            candidate.status = "over budget (estimate)"
-    queue = choose_trials(candidates, budget, options.max_trials, device)
-    trials_left = len(candidates) if options.max_trials == 0 else options.max_trials
+    states = ([config.optimizer_state] if "optimizer_state" in constrained else ["fp32"])
+    candidates = build_candidates(config, constrained, device, seq_len, notes, model, states=states)
     deadline = Deadline(options.time_budget, started=started)
     measured: list[Candidate] = []
-    while queue and trials_left > 0:
-        if any(_feasible(c) for c in measured) and deadline.passed(_quality_reserve(measured, options)):
-            _out_of_time(queue, deadline, notes, "trials")
-            break
-        candidate = queue.pop(0)
-        trials_left -= 1
-        _measure(candidate, prep, budget, options, say)
-        measured.append(candidate)
-        if options.max_trials and not candidate.measured.fits:  # type: ignore[union-attr]
-            smaller = _next_smaller(candidates, candidate)  # the estimate was optimistic: step down in this group
-            if smaller is not None and smaller.measured is None and smaller not in queue:
-                queue.insert(0, smaller)
+    _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes)
     feasible = [c for c in measured if _feasible(c)]
+    if not feasible and "optimizer_state" not in constrained:
+        # Only where no exact configuration fits (measured, not estimated: the estimate may be optimistic) does the
+        # plan reach for the lossy lever, lower-precision optimizer state; the loss check below then gates it.
+        lossy = lossy_optimizer_states(notes)
+        notes.append(f"no configuration with fp32 optimizer state fits (measured): {' and '.join(lossy)} optimizer "
+                     f"state were candidates too, each kept only if its losses stay within {STATE_TOLERANCE:.0%} "
+                     f"of fp32 state's over the quality check's steps")
+        say(f"nothing with fp32 optimizer state fits: measuring {' and '.join(lossy)} optimizer state (lossy: kept "
+            f"only after a loss check)")
+        more = build_candidates(config, constrained, device, seq_len, [], model, states=lossy,
+                                first_number=len(candidates) + 1)
+        candidates += more
+        _run_trials(more, candidates, measured, prep, budget, options, deadline, say, notes)
+        feasible = [c for c in measured if _feasible(c)]
     if not feasible:
         smallest = min((c for c in measured if c.measured and c.measured.peak_bytes), default=None,
                        key=lambda c: c.measured.peak_bytes)  # type: ignore[union-attr]
@@ -353,11 +374,37 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}. Try a larger --memory-budget, "
                          f"a smaller --seq-len or a smaller model.")
     chosen = _decide(feasible, prep, options, deadline, say, notes)
+    state_checks: list[dict[str, Any]] = []
+    while not chosen.setup.exact:
+        # A lossy optimizer state is kept only when its losses stay near fp32 state's. The split, recompute, offload
+        # and chunking are exact levers, so the check of one state holds for every candidate with that state.
+        check = _state_check(prep, chosen, budget, options)
+        state_checks.append(check)
+        say(f"optimizer state {chosen.setup.optimizer_state}: losses within {check['max_relative_difference']:.2%} "
+            f"of fp32 state's over {check['steps']} steps ({'pass' if check['passed'] else 'FAIL'}, tolerance "
+            f"{STATE_TOLERANCE:.0%})")
+        if check["passed"]:
+            break
+        state = chosen.setup.optimizer_state
+        for candidate in feasible:
+            if candidate.setup.optimizer_state == state:
+                candidate.status = f"refused: {state} optimizer state's losses left the tolerance against fp32 state"
+        feasible = [c for c in feasible if c.setup.optimizer_state != state]
+        notes.append(f"{state} optimizer state was refused: over {check['steps']} steps its losses differed up to "
+                     f"{check['max_relative_difference']:.2%} from fp32 state's ({check.get('error') or 'tolerance'} "
+                     f"{STATE_TOLERANCE:.0%})")
+        if not feasible:
+            raise PlanFailed(f"no configuration fits in {format_bytes(budget)} with an optimizer state whose losses "
+                             f"stay within {STATE_TOLERANCE:.0%} of fp32 state's. Try a larger --memory-budget, a "
+                             f"smaller --seq-len or a smaller model (or give --optimizer-state to train with one "
+                             f"anyway).")
+        chosen = _decide(feasible, prep, options, deadline, say, notes)
     chosen, cuts = (_compare_cuts(prep, chosen, budget, options, say, model, notes, deadline)
                     if not constrained & set(CUT_FLAGS) else (chosen, []))
     say(f"choice: {chosen.id} {chosen.setup.describe()} at {chosen.measured.tokens_per_s:,.0f} tokens/s, "  # type: ignore
         f"peak {format_bytes(chosen.measured.peak_bytes)}")  # type: ignore[union-attr]
     quality = _quality_check(prep, chosen, budget, options, model)
+    quality["optimizer_state"] = state_checks
     say(f"quality: gradient relative error {quality['gradient']['relative_error']:.2e} "
         f"({'pass' if quality['gradient']['passed'] else 'FAIL'}), loss within "
         f"{quality['loss']['max_relative_difference']:.2%} of fp32 ({'pass' if quality['loss']['passed'] else 'FAIL'})")
@@ -371,6 +418,31 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     _write_report(out, say)
     say(f"plan written to {out / PLAN_FILE}; train with: cadence train --plan {out / PLAN_FILE}")
     return plan
+
+
+def _run_trials(pool: list[Candidate], candidates: list[Candidate], measured: list[Candidate], prep: Prepared,
+                budget: int, options: PlanOptions, deadline: Deadline, say: Callable[[str], None],
+                notes: list[str]) -> None:
+    """Measure the candidates of ``pool`` that choose_trials picks (adding each to ``measured``), stepping down to
+    the next smaller micro-batch of a group whose measured peak is over the budget, until the trials or the time run
+    out."""
+    for candidate in pool:
+        if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
+            candidate.status = "over budget (estimate)"
+    queue = choose_trials(pool, budget, options.max_trials, prep.device)
+    trials_left = len(pool) if options.max_trials == 0 else options.max_trials
+    while queue and trials_left > 0:
+        if any(_feasible(c) for c in measured) and deadline.passed(_quality_reserve(measured, options)):
+            _out_of_time(queue, deadline, notes, "trials")
+            break
+        candidate = queue.pop(0)
+        trials_left -= 1
+        _measure(candidate, prep, budget, options, say)
+        measured.append(candidate)
+        if options.max_trials and not candidate.measured.fits:  # type: ignore[union-attr]
+            smaller = _next_smaller(candidates, candidate)  # the estimate was optimistic: step down in this group
+            if smaller is not None and smaller.measured is None and smaller not in queue:
+                queue.insert(0, smaller)
 
 
 def _feasible(candidate: Candidate) -> bool:
@@ -584,6 +656,28 @@ def _quality_check(prep: Prepared, chosen: Candidate, budget: int, options: Plan
     loss = compare_losses(chosen_run.losses, reference_run.losses, setup.precision)
     return {"gradient": gradient.as_dict(), "loss": {**loss.as_dict(), "reference": reference_run.losses,
                                                      "reference_setup": reference_setup.describe()}}
+
+
+def _state_check(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions) -> dict[str, Any]:
+    """The chosen setup's losses over the quality check's steps against the same setup with fp32 optimizer state
+    (the same windows and weights: only the state's precision differs). When the fp32-state reference runs out of
+    memory, it runs one sequence per micro-batch with full recompute: the same math."""
+    setup = chosen.setup
+    steps = max(3, options.quality_steps)
+    run = run_trial(prep, setup, steps=steps, budget_bytes=budget)
+    reference_setup = dataclasses.replace(setup, optimizer_state="fp32")
+    reference = run_trial(prep, reference_setup, steps=steps, budget_bytes=budget)
+    if reference.error is not None and reference.error.startswith("out of memory"):
+        reference_setup = dataclasses.replace(reference_setup, cut=setup.cut.resized(1), activation_checkpointing="full",
+                                              grad_accum_steps=setup.grad_accum_steps * setup.micro_batch_size)
+        reference = run_trial(prep, reference_setup, steps=steps, budget_bytes=budget)
+    pairs = [(a, b) for a, b in zip(run.losses, reference.losses) if a is not None and b is not None]
+    worst = max((abs(a - b) / abs(b) for a, b in pairs), default=math.inf)
+    error = run.error or reference.error
+    return {"optimizer_state": setup.optimizer_state, "steps": steps, "losses": run.losses,
+            "reference": reference.losses, "reference_setup": reference_setup.describe(),
+            "max_relative_difference": worst, "tolerance": STATE_TOLERANCE,
+            "passed": error is None and len(pairs) == steps and worst <= STATE_TOLERANCE, "error": error}
 
 
 def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, seq_len: int, budget: int,

@@ -34,7 +34,7 @@ def plan_report(root: Path) -> Report:
     if isinstance(batch, dict) and batch.get("given") == "auto":
         blocks += [Heading(text="The effective batch, from the gradient noise scale"), *_effective_batch(batch)]
     blocks += _diagnosis(plan.get("diagnosis") or {}, chosen, budget)
-    blocks += [Heading(text="Candidates"), _candidate_table(candidates, chosen_id)]
+    blocks += [Heading(text="Candidates"), _candidate_table(candidates, chosen_id, plan.get("quality"))]
     if candidates:
         blocks.append(plot_block("report-memory.png", "Peak memory per candidate, one row each: estimated (blue; "
                                  "faint when not measured) and measured (green); hatched: over the budget; dashed "
@@ -81,7 +81,8 @@ def _config_text(item: dict[str, Any]) -> str:
     return (f"{item.get('micro_batch_size', '?')} micro-batch x {item.get('grad_accum_steps', '?')} accumulation, "
             f"{item.get('precision', '?')}, recompute {item.get('activation_checkpointing', 'none')}, "
             f"offload {item.get('offload', 'none')}"
-            + (f", loss chunks of {item['loss_chunk_tokens']}" if item.get("loss_chunk_tokens") else ""))
+            + (f", loss chunks of {item['loss_chunk_tokens']}" if item.get("loss_chunk_tokens") else "")
+            + (f", {item['optimizer_state']} optimizer state" if item.get("optimizer_state", "fp32") != "fp32" else ""))
 
 
 def _plan_setup(plan: dict[str, Any]) -> list[str]:
@@ -131,9 +132,33 @@ def _diagnosis(diagnosis: dict[str, Any], chosen: dict[str, Any] | None, budget:
     return blocks
 
 
-def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None) -> Table | Paragraph:
+def memory_throughput_front(candidates: list[dict[str, Any]]) -> set[str]:
+    """The ids of the measured candidates that fit and that no other fitting one beats on both peak memory (lower)
+    and throughput (higher): the front a user chooses along when memory, not speed, is what they are short of."""
+    fitting = [(c.get("id"), m["peak_bytes"], m["tokens_per_s"]) for c in candidates
+               if isinstance(m := c.get("measured"), dict) and m.get("fits") and plots.finite(m.get("peak_bytes"))
+               and plots.finite(m.get("tokens_per_s"))]
+    return {str(name) for name, peak, rate in fitting
+            if not any(p <= peak and r >= rate and (p < peak or r > rate) for _, p, r in fitting)}
+
+
+def _state_quality(state: str, quality: Any) -> str:
+    """The quality column: exact for fp32 optimizer state; a lossy state's loss check against fp32 state."""
+    if state == "fp32":
+        return "exact"
+    checks = quality.get("optimizer_state") if isinstance(quality, dict) else None
+    for check in checks if isinstance(checks, list) else []:
+        if isinstance(check, dict) and check.get("optimizer_state") == state:
+            return (f"{_passed(check.get('passed'))} (loss within "
+                    f"{format_number(times(check.get('max_relative_difference'), 100), '.2f')}% of fp32 state)")
+    return "lossy, not checked"
+
+
+def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None,
+                     quality: Any = None) -> Table | Paragraph:
     if not candidates:
         return Paragraph(text="The plan holds no candidates.")
+    front = memory_throughput_front(candidates)
     rows, marked = [], None
     for index, cand in enumerate(candidates):
         measured = cand.get("measured") or {}
@@ -144,16 +169,21 @@ def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None) ->
         name = str(cand.get("id", "?"))
         if name == chosen_id:
             name, marked = f"**{name} (chosen)**", index
+        state = str(cand.get("optimizer_state", "fp32"))
+        levers = ", ".join(([f"loss chunks {cand['loss_chunk_tokens']}"] if cand.get("loss_chunk_tokens") else [])
+                           + ([f"{state} state"] if state != "fp32" else [])) or "-"
         rows.append([name, f"{cand.get('micro_batch_size', '?')} x {cand.get('grad_accum_steps', '?')}",
                      str(cand.get("precision", "?")), str(cand.get("activation_checkpointing", "none")),
-                     str(cand.get("offload", "none")), format_bytes(cand.get("estimated_peak_bytes")),
+                     str(cand.get("offload", "none")), levers, format_bytes(cand.get("estimated_peak_bytes")),
                      format_bytes(measured.get("peak_bytes")), fits,
                      format_number(measured.get("tokens_per_s"), ",.0f"),
                      format_hms(measured.get("seconds_per_epoch")),
                      format_hms(times(measured.get("hours_per_billion_tokens"), 3600)),
+                     "yes" if str(cand.get("id")) in front else "", _state_quality(state, quality),
                      str(cand.get("status", "?")) + (f": {measured['error']}" if measured.get("error") else "")])
-    header = ["candidate", "micro x accum", "precision", "recompute", "offload", "estimated peak", "measured peak",
-              "fits", "tokens/s", "time per epoch", "time per 1B tokens", "status"]
+    header = ["candidate", "micro x accum", "precision", "recompute", "offload", "levers", "estimated peak",
+              "measured peak", "fits", "tokens/s", "time per epoch", "time per 1B tokens", "front", "quality",
+              "status"]
     return Table(header=header, rows=rows, marked_row=marked)
 
 
@@ -172,6 +202,10 @@ def _decision(root: Path, choice: dict[str, Any] | None, chosen: dict[str, Any] 
              f"{choice.get('activation_checkpointing', 'none')} --offload {choice.get('offload', 'none')}")
     # train's default order is by-length, so a plan's "drawn" must be said (a plan.json without it means drawn).
     flags += " " + " ".join(_chosen_cut(choice).command_line())
+    if choice.get("loss_chunk_tokens"):
+        flags += f" --loss-chunk-tokens {choice['loss_chunk_tokens']}"
+    if choice.get("optimizer_state", "fp32") != "fp32":
+        flags += f" --optimizer-state {choice['optimizer_state']}"
     reason = str(choice.get("reason") or "not given").rstrip(".")
     return [Paragraph(text=f"**Chosen: {choice.get('id', '?')}**: {_config_text(choice)}{_cut_text(choice)}{figures}."),
             Paragraph(text=f"**Why:** {reason}."),
@@ -260,6 +294,15 @@ def _quality(quality: Any) -> list[Block]:
         if loss.get("chosen") and loss.get("reference"):
             blocks.append(plot_block("report-quality.png", "Loss of the chosen configuration and of the reference over "
                                 "the same first steps.", plots.quality_figure(loss["chosen"], loss["reference"])))
+    for check in quality.get("optimizer_state") or []:
+        if isinstance(check, dict):
+            blocks.append(Paragraph(
+                text=f"**{check.get('optimizer_state', '?')} optimizer state over {check.get('steps', '?')} steps: "
+                     f"{_passed(check.get('passed'))}**: largest relative loss difference "
+                     f"{format_number(times(check.get('max_relative_difference'), 100), '.2f')}% (tolerance "
+                     f"{format_number(times(check.get('tolerance'), 100), '.2f')}%) against "
+                     f"{check.get('reference_setup', 'fp32 state')}"
+                     + (f"; {check['error']}" if check.get("error") else "") + "."))
     return blocks or [Paragraph(text="No quality check was recorded.")]
 
 

@@ -17,6 +17,7 @@ import torch
 
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import prefetch
+from cadence.memory.optimizer_state import OptimizerStateName
 from cadence.training.components import build_components
 from cadence.training.prepare import Prepared
 from cadence.verify.equivalence import Setup
@@ -25,22 +26,20 @@ MIN_TRIAL_STEPS = 3
 """Warm-up, memory and at least one timed step."""
 
 
-DECISION_FIELDS: tuple[str, ...] = ("micro_batch_size", "grad_accum_steps",
-                                   *(f.name for f in dataclasses.fields(Setup) if f.name != "cut"))
-"""What a plan decides, in plan.json's order: the split of the effective batch, then how the verify Setup computes
-a window (each of its fields, so a new one is decided and recorded too). plan.json records the setup's cut next to
-them, as train's cut flags."""
-DECISION_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Setup)
-                                     if f.name != "cut" and f.default is not dataclasses.MISSING}
-"""What a decision field is when a plan.json has no key for it (a lever added after the plan was made)."""
-
-
 @dataclass(kw_only=True, frozen=True)
 class TrialSetup(Setup):
     """The decision variables of a plan: how a window is cut and computed (the verify Setup, so that the quality
-    check compares exactly this) plus how many micro-batches make the effective batch."""
+    check compares exactly this) plus how many micro-batches make the effective batch and how the optimizer keeps
+    its state."""
 
     grad_accum_steps: int
+    optimizer_state: OptimizerStateName = "fp32"
+    """``--optimizer-state``: the only lossy lever a plan may pull (the window's gradient is the same, the update is
+    not), so a decision that pulls it has passed a loss comparison against fp32 state (plan.json's quality)."""
+
+    def lever_text(self) -> str:
+        state = f", {self.optimizer_state} optimizer state" if self.optimizer_state != "fp32" else ""
+        return super().lever_text() + state
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in DECISION_FIELDS}
@@ -49,11 +48,25 @@ class TrialSetup(Setup):
         """The setup as train's flags (TrainConfig fields): the decision and the cut."""
         return {**self.as_dict(), **self.cut.flags()}
 
+    @property
+    def exact(self) -> bool:
+        """Whether the setup gives the update of fp32 accumulation (every lever but the optimizer state's is exact)."""
+        return self.optimizer_state == "fp32"
+
     def describe(self) -> str:
         cut = self.cut.describe()
         return (f"micro {self.micro_batch_size} x accum {self.grad_accum_steps}, {self.precision}, "
                 f"recompute {self.activation_checkpointing}, offload {self.offload}" + self.lever_text()
                 + (f", {cut}" if cut else ""))
+
+
+_SETUP_FIELDS = [f for f in dataclasses.fields(TrialSetup) if f.name not in ("cut", "grad_accum_steps")]
+DECISION_FIELDS: tuple[str, ...] = ("micro_batch_size", "grad_accum_steps", *(f.name for f in _SETUP_FIELDS))
+"""What a plan decides, in plan.json's order: the split of the effective batch, then how the setup computes a
+window and updates (each of its fields, so a new one is decided and recorded too). plan.json records the setup's
+cut next to them, as train's cut flags."""
+DECISION_DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETUP_FIELDS if f.default is not dataclasses.MISSING}
+"""What a decision field is when a plan.json has no key for it (a lever added after the plan was made)."""
 
 
 @dataclass(kw_only=True)
