@@ -147,3 +147,36 @@ def test_a_bf16_base_is_the_same_math_in_less_memory(tmp_path) -> None:
     status, _, err = run_cli(["train", *LLAMA, "--lora-rank", "8", "--lora-base-precision", "bf16", "--max-steps",
                               "1", "--out", str(tmp_path / "refused")])
     assert status == 2 and "--lora-base-precision: bf16 needs --precision bf16" in err
+
+
+def test_a_plan_with_lora_estimates_the_adapters_and_train_plan_trains_them(tmp_path) -> None:
+    """LoRA is never a plan's candidate, but a plan asked for it measures with it: its estimates have a frozen base
+    (no gradients, no optimizer state for it), plan.json records the adapters, and train --plan trains them."""
+    data = write_jsonl(tmp_path / "data.jsonl", 32)
+    common = [*LLAMA, "--data", str(data), "--data-cache", str(tmp_path / "cache"), "--seq-len", "64",
+              "--effective-batch-size", "4", "--memory-budget", "64MiB", "--precision", "fp32", "--max-trials", "1",
+              "--trial-steps", "3", "--quality-steps", "3", "--rounds", "1"]
+    status, _, err = run_cli(["plan", *common, "--lora-rank", "8", "--out", str(tmp_path / "lora")])
+    assert status == 0, err
+    status, _, err = run_cli(["plan", *common, "--out", str(tmp_path / "full")])
+    assert status == 0, err
+    lora, full = (json.loads((tmp_path / name / "plan.json").read_text()) for name in ("lora", "full"))
+    assert lora["lora"]["lora_rank"] == 8 and full["lora"]["lora_rank"] == 0
+
+    def state(plan: dict) -> int:
+        return plan["candidates"][0]["estimated_by_category"]["optimizer_state"]
+
+    assert 0 < state(lora) < state(full) / 20  # the adapters' moments only
+    assert lora["candidates"][0]["estimated_by_category"]["gradients"] < \
+        full["candidates"][0]["estimated_by_category"]["gradients"] / 20
+    status, _, err = run_cli(["train", "--plan", str(tmp_path / "lora" / "plan.json"), "--data-cache",
+                              str(tmp_path / "cache"), "--max-steps", "1", "--val-fraction", "0",
+                              "--out", str(tmp_path / "run")])
+    assert status == 0, err
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["lora_rank"] == 8
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0 < summary["trainable_parameters"] < summary["frozen_parameters"]
+    # A flag that contradicts the plan's adapters is an error, as any other.
+    status, _, err = run_cli(["train", "--plan", str(tmp_path / "lora" / "plan.json"), "--lora-rank", "4",
+                              "--out", str(tmp_path / "other")])
+    assert status == 2 and "--lora-rank" in err

@@ -49,7 +49,9 @@ class PlanModel:
         }
         if self.shape is None:
             return estimate_step_memory(MODEL_CONFIGS[self.config.model], **options)
-        return estimate_hf_step_memory(self.shape, model_type=str(self.model_type), **options)
+        # --lora-rank: the frozen base has no gradient and no optimizer state; the adapters have both.
+        lora = self.hf.lora if self.hf is not None else None
+        return estimate_hf_step_memory(self.shape, model_type=str(self.model_type), lora=lora, **options)
 
     @property
     def vocab_size(self) -> int:

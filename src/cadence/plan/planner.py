@@ -29,6 +29,7 @@ from typing import IO, Any
 import torch
 
 from cadence.config import TrainConfig, validate
+from cadence.config.schema import FIELD_NAMES, LORA, section_of
 from cadence.data import DataSplits
 from cadence.data.text import PackedSequences
 from cadence.engine.cut import CUT_FLAG_DEFAULTS, Cut
@@ -747,6 +748,8 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
                                 f"for the same gradient" if chosen.setup.cut.by_length else "")},
         "quality": quality,
         "notes": notes + [f"estimates: {n}" for n in baseline.notes],
+        # LoRA changes what is trained: train --plan trains the adapters the plan measured.
+        "lora": {name: value for name, value in config.to_json_dict().items() if section_of(name) is LORA},
         "training": {key: value for key, value in config.to_json_dict().items()
                      if key in ("lr", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "seed")},
     }
@@ -776,6 +779,10 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
         decided.update(model=plan["model"], seq_len=plan["seq_len"], effective_batch_size=None)
         if plan.get("model_config"):  # a Hugging Face model's --model-config overrides
             decided["model_config"] = list(plan["model_config"])
+        lora = plan.get("lora") or {}  # plans made before LoRA was recorded trained no adapters
+        if not isinstance(lora, dict):
+            raise TypeError("its lora is not an object")
+        decided.update({name: value for name, value in lora.items() if name in FIELD_NAMES and section_of(name) is LORA})
         source = plan.get("source") or {}  # plans written before sources were recorded have none
         if not isinstance(source, dict):
             raise TypeError("its source is not an object")
