@@ -27,6 +27,21 @@ def private_home() -> Iterator[None]:
     shutil.rmtree(home, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread_per_worker() -> Iterator[None]:
+    """Under pytest-xdist (make test runs two workers on this 2-core machine) each worker computes with one intra-op
+    thread: two workers of two threads each would spin-wait for each other's cores. A test that compares a result
+    with another process's, or sets threads itself (the one_thread fixture), is unaffected: it asks for what it needs.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # set by pytest-xdist in its workers only
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture
 def packed_dataset() -> TokenDataset:
     """40 packed sequences of 16 tokens: every position is a target."""

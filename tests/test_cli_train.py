@@ -210,3 +210,24 @@ def test_the_noise_scale_is_logged_summarised_and_placed_against_the_effective_b
     assert summary["grad_noise_scale"] is None and "accumulate" in summary["grad_noise_scale_note"]
     assert run_cli(["report", str(single)])[0] == 0
     assert "**No estimate:** one micro-batch per window" in (single / "report.md").read_text()
+
+
+def test_under_packing_the_header_and_report_speak_in_what_the_cut_does(tmp_path: Path) -> None:
+    """Issue 30 item 2: under --packing the header once said "4 micro-batch x 8 accumulation = 32 sequences of 1024
+    tokens" and the report "32,768 tokens per optimizer step", while the windows held 2-3 micro-batches and ~6k
+    tokens: now the header names the window's sequences and how each is cut, and the report the tokens the steps
+    really held (metrics.jsonl) beside the most a window can hold."""
+    from helpers import write_jsonl
+
+    data = write_jsonl(tmp_path / "data.jsonl", 64)
+    out = tmp_path / "run"
+    status, _, err = run_cli(["train", "--data", str(data), "--seq-len", "64", "--packing", "--micro-batch-size", "4",
+                              "--grad-accum-steps", "4", "--max-steps", "3", "--val-fraction", "0", "--out", str(out)])
+    assert status == 0, err
+    assert ("effective batch = 16 sequences of up to 64 tokens per optimizer step = 4 rows x 4 accumulation x 1 "
+            "process(es); each window packed into rows of 64") in err and "as many as its lengths need" in err
+    assert run_cli(["report", str(out)])[0] == 0
+    report = (out / "report.md").read_text()
+    mean = sum(row["tokens"] for row in _metrics(out)) / 3
+    assert f"{mean:,.0f} tokens per optimizer step on average (at most 1,024)" in report
+    assert "micro-batches per window follow the lengths" in report

@@ -242,3 +242,30 @@ def test_lora_leaves_gradients_and_state_to_the_adapters(llama: HFModel) -> None
     # Adapters of this width are under bitsandbytes' 4,096 elements: their moments stay fp32.
     eight_bit = estimate(llama, micro_batch_size=8, lora=adapters, optimizer_state="8bit")
     assert eight_bit.by_category["optimizer_state"] == lora.by_category["optimizer_state"]
+
+
+@pytest.mark.parametrize(("tied", "state", "accumulation"), [
+    (True, "fp32", 4), (True, "bf16", 1), (True, "bf16", 4), (False, "bf16", 4)])
+def test_a_tied_embedding_s_two_gradients_are_estimated_with_accumulation(tmp_path, tied, state, accumulation):
+    """A tied embedding's two gradient contributions (the head's, the lookup's) are summed by autograd before its
+    .grad sees them: with a .grad already there (a later micro-batch) the head's is held apart through the whole
+    backward. Unmodelled, a 32,000-token tied llama at micro-batch 1 x 4 measured 114 MiB against 99 estimated (fp32
+    state) and 97.5 against 75 (bf16 state); cadence train's own peak (summary.json) against the estimate."""
+    import json
+
+    from cadence.cli import main
+    from cadence.plan.models import plan_model
+
+    overrides = [f"{k}={v}" for k, v in {"vocab_size": 32000, "hidden_size": 128, "num_hidden_layers": 2,
+                                          "num_attention_heads": 4, "intermediate_size": 256,
+                                          "max_position_embeddings": 128,
+                                          "tie_word_embeddings": str(tied).lower()}.items()]
+    model_flags = ["--model", "hf:llama", *[arg for item in overrides for arg in ("--model-config", item)]]
+    assert main(["train", *model_flags, "--seq-len", "64", "--micro-batch-size", "1", "--grad-accum-steps",
+                 str(accumulation), "--max-steps", "3", "--optimizer-state", state, "--val-fraction", "0",
+                 "--out", str(tmp_path / "run")]) == 0
+    measured = json.loads((tmp_path / "run" / "summary.json").read_text())["peak_memory_bytes"]
+    predicted = plan_model(TrainConfig(model="hf:llama", model_config=overrides)).estimate(
+        micro_batch_size=1, seq_len=64, precision="fp32", checkpointing="none", grad_accum_steps=accumulation,
+        optimizer_state=state).peak_bytes
+    assert abs(relative_error(predicted, measured)) < 0.02, (predicted / MiB, measured / MiB)

@@ -152,17 +152,18 @@ def test_the_engine_runs_every_state_and_8bit_is_refused_under_fsdp() -> None:
 
 
 @pytest.mark.slow
-def test_200_steps_of_gpt_small_reach_the_fp32_loss_with_bf16_and_8bit_state(tmp_path) -> None:
-    """The quality check (issue 26): gpt-small, seq 64, micro-batch 8, 200 steps of the built-in corpus (lr 1e-3,
-    20 warmup steps), the same data and seed. Tolerance: the mean loss of the last 20 steps within 1% of fp32's
-    (measured: bf16 +0.02%, 8bit +0.06%; fp32 falls from 5.6 to 2.52). About 3, 6 and 7 minutes on 2 busy cores."""
+def test_200_steps_reach_the_fp32_loss_with_bf16_and_8bit_state(tmp_path) -> None:
+    """The quality check (issue 26): gpt-tiny, seq 64, micro-batch 8, 200 steps of the built-in corpus (lr 2e-3,
+    20 warmup steps), the same data and seed. Tolerance: the mean loss of the last 20 steps within 1% of fp32's.
+    gpt-small's 200 steps (bf16 +0.02%, 8bit +0.06%; about 16 minutes for the three runs on 2 cores) are
+    benchmarks/optimizer_state.py's, in BENCHMARKS.md; this is the same check at a size a test suite can afford."""
     from cadence.cli import main
     from cadence.training.run_dir import read_metrics
 
     final = {}
     for state in ("fp32", "bf16", "8bit"):
-        assert main(["train", "--model", "gpt-small", "--seq-len", "64", "--micro-batch-size", "8", "--max-steps",
-                     "200", "--warmup-steps", "20", "--lr", "1e-3", "--optimizer-state", state, "--val-fraction",
+        assert main(["train", "--model", "gpt-tiny", "--seq-len", "64", "--micro-batch-size", "8", "--max-steps",
+                     "200", "--warmup-steps", "20", "--lr", "2e-3", "--optimizer-state", state, "--val-fraction",
                      "0", "--log-every", "100", "--out", str(tmp_path / state)]) == 0
         losses = [row["loss"] for row in read_metrics(tmp_path / state)]
         final[state] = sum(losses[-20:]) / 20

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from cadence.formatting import format_bytes, format_duration
 from cadence.training.progress import TrainProgress
 
@@ -69,12 +71,17 @@ def test_the_live_bar_keeps_the_last_steps_figures_during_the_next_windows_micro
         progress.update(row(1))
         progress.micro_step(1, 3)
         info = progress._bar.tasks[0].fields["info"]
-    assert info.startswith("micro 3/4 of step 2 | loss 2.5000 | 5,000 tok/s | mem 1.0 MiB")
+        progress.micro_step(1, 2, 3)  # a packed window of three micro-batches counts its own
+        packed = progress._bar.tasks[0].fields["info"]
+    assert info.startswith("micro 3/4 | loss 2.5000 | 5,000 tok/s | mem 1.0 MiB | eta")
+    assert packed.startswith("micro 2/3 | loss 2.5000")
 
 
-def test_a_real_terminal_shows_loss_and_the_micro_batch_together(tmp_path):
+@pytest.mark.parametrize("columns", [200, 80])
+def test_a_real_terminal_shows_loss_and_the_micro_batch_together(tmp_path, columns):
     """`cadence train` on a pseudo-terminal: the frames drawn while a window's micro-batches run show the
-    micro-batch position and the previous step's loss side by side, and each evaluation gets a line of its own."""
+    micro-batch position and the previous step's loss side by side, and each evaluation gets a line of its own. At
+    80 columns every frame fits (once cut to "st..." with no bar), with the bar, the loss and the ETA in it."""
     import os
     import pty
     import re
@@ -86,7 +93,7 @@ def test_a_real_terminal_shows_loss_and_the_micro_batch_together(tmp_path):
                "--grad-accum-steps", "4", "--max-steps", "6", "--eval-every", "3", "--eval-batches", "2",
                "--out", str(tmp_path / "run")]
     process = subprocess.Popen(command, stdin=follower, stdout=follower, stderr=follower,
-                               env={**os.environ, "COLUMNS": "200", "TERM": "xterm"})
+                               env={**os.environ, "COLUMNS": str(columns), "TERM": "xterm"})
     os.close(follower)
     chunks = []
     while True:
@@ -101,5 +108,10 @@ def test_a_real_terminal_shows_loss_and_the_micro_batch_together(tmp_path):
     os.close(leader)
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))
     frames = re.split(r"[\r\n]", text)
-    assert any(re.search(r"micro \d/4 of step \d \| loss \d\.\d{4} \| [\d,]+ tok/s", frame) for frame in frames), text
+    if columns == 80:
+        drawn = [frame for frame in frames if "loss" in frame and "━" in frame]
+        assert drawn and all(len(frame.rstrip()) <= 80 for frame in drawn), max(drawn, key=len)
+        assert any(re.search(r"micro \d/4 \| loss \d\.\d{4} .*eta", frame) for frame in drawn), text
+    else:
+        assert any(re.search(r"micro \d/4 \| loss \d\.\d{4} \| [\d,]+ tok/s", frame) for frame in frames), text
     assert "step 3/6: val loss" in text and "step 6/6: val loss" in text

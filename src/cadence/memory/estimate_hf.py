@@ -143,6 +143,9 @@ class HFStepReplay(StepReplay):
         """Under LoRA: whether the residual stream needs a gradient here (the frozen embedding's output does not;
         a block's output does once an adapter is upstream)."""
         self.grad_in: dict[int, bool] = {}
+        self.embedding_lookup = False
+        """True while the embedding lookup's gradient arrives (the last of a tied weight's two contributions)."""
+        self.tied_head_held = False
         if self.lora is not None and self.lora.unmodelled:
             self.notes.append(f"adapters on {', '.join(self.lora.unmodelled[:3])} are counted (parameters, "
                               f"gradients, state) but their activations are not modelled")
@@ -359,8 +362,34 @@ class HFStepReplay(StepReplay):
         if self.style == "gpt2":
             self.alloc("dpos", self.t * c * FP32_BYTES, "temporaries")
             self.param_grad("pos_emb", self.shape.context_length * c)
+        self.embedding_lookup = True
         self.param_grad("embed", v * c)
+        self.embedding_lookup = False
         self.free("dres", "dpos", "rope", "r0")
+
+    def param_grad(self, name: str, numel: int) -> None:
+        """A tied embedding is one weight used twice, and autograd sums its two contributions before its ``.grad``
+        sees either (measured on CPU, one contribution's size each): the head's, from the start of the backward, is
+        held apart from an existing ``.grad`` (a later micro-batch) until the lookup's dense gradient arrives at the
+        end, and the two are added out of place. Every other parameter: the parent's rule."""
+        if name != "embed" or not self.shape.tied_embeddings or self.frozen(name):
+            super().param_grad(name, numel)
+            return
+        if not self.embedding_lookup:  # the head's contribution (one per loss chunk)
+            if name in self.grads and not self.tied_head_held:
+                if self.lowp:
+                    self.alloc("pg.low", numel * self.act, "temporaries")
+                self.alloc("tied.head", numel * FP32_BYTES, "temporaries")
+                self.free("pg.low")
+                self.tied_head_held = True
+                return
+            super().param_grad(name, numel)
+            return
+        self.alloc("tied.dense", numel * FP32_BYTES, "temporaries")  # embedding_dense_backward's zeros + index_add
+        self.alloc("tied.sum", numel * FP32_BYTES, "temporaries")  # the two contributions added out of place
+        # The sum adds into an existing .grad in place, or becomes it (the head's buffer stood for it until now).
+        self.free("tied.dense", "tied.head", "tied.sum")
+        self.tied_head_held = False
 
     def _hf_block_backward(self, layer: int) -> None:
         n, c, a, i, p = self.n, self.c, self.act, self.inner, f"b{layer}."

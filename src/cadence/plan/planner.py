@@ -239,7 +239,7 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
 STATE_TOLERANCE = 0.01
 """A lower-precision optimizer state is kept only when, over the quality check's steps, every loss is within 1%
 (relative) of the same configuration's with fp32 state. Measured: gpt-small over 200 steps keeps the mean loss of its
-last 20 steps within 0.1% (bf16) and 0.1% (8bit) of fp32's (BENCHMARKS.md); the slow test's tolerance is 1%."""
+last 20 steps within 0.1% (bf16) and 0.1% (8bit) of fp32's (BENCHMARKS.md); a slow test checks the same on gpt-tiny at 1%."""
 
 
 def lossy_optimizer_states(notes: list[str]) -> list[str]:

@@ -43,7 +43,7 @@ def run_report(root: Path) -> Report:
     rows = _metrics_rows(root)
     config = read_json_object(root / CONFIG_FILE) if (root / CONFIG_FILE).is_file() else {}
     summary = read_json_object(root / SUMMARY_FILE) if (root / SUMMARY_FILE).is_file() else None
-    blocks: list[Block] = [Heading(text="Configuration"), Bullets(items=_config_items(config))]
+    blocks: list[Block] = [Heading(text="Configuration"), Bullets(items=_config_items(config, rows))]
     blocks += [Heading(text="Totals")]
     if summary is None:
         blocks.append(Paragraph(text=f"**No {SUMMARY_FILE}: the run did not finish.** The totals below are counted "
@@ -60,7 +60,20 @@ def run_report(root: Path) -> Report:
     return Report(title=f"Run report: {root.resolve().name}", blocks=blocks)
 
 
-def _config_items(config: dict[str, Any]) -> list[str]:
+def _cut_words(config: dict[str, Any]) -> str:
+    """How a window was cut, in words, when it is not rows as given ("" for rows)."""
+    if config.get("packing"):
+        budget = config.get("micro_batch_tokens")
+        return (f"each window packed into rows of {config.get('seq_len', '?')} tokens"
+                + (f", micro-batches of at most {budget:,} positions" if isinstance(budget, int) else "")
+                + ": the micro-batches per window follow the lengths")
+    if isinstance(config.get("micro_batch_tokens"), int):
+        return (f"each window cut into micro-batches of at most {config['micro_batch_tokens']:,} padded positions: "
+                f"the micro-batches per window follow the lengths")
+    return ""
+
+
+def _config_items(config: dict[str, Any], rows: list[dict[str, Any]] | None = None) -> list[str]:
     if not config:
         return [f"**No {CONFIG_FILE}** in the run directory."]
     get = config.get
@@ -68,14 +81,21 @@ def _config_items(config: dict[str, Any]) -> list[str]:
     if get("auto_micro_batch") or micro == "auto":
         micro = "auto"
     effective = get("effective_batch_size", "?")
-    per_step = effective * get("seq_len") if isinstance(effective, int) and isinstance(get("seq_len"), int) else None
+    # Tokens per step as the windows held them (metrics.jsonl): with variable lengths, packing or a token budget
+    # the effective batch x seq-len is only the most a window can hold.
+    counted = [row["tokens"] for row in rows or [] if isinstance(row.get("tokens"), int) and not row.get("skipped")]
+    most = effective * get("seq_len") if isinstance(effective, int) and isinstance(get("seq_len"), int) else None
+    cut = _cut_words(config)
     params = get("model_parameters")
     items = [
         f"**Model:** {get('model', '?')}" + (f", {params:,} parameters" if isinstance(params, int) else ""),
         f"**Device:** {get('resolved_device', get('device', '?'))}; **precision:** {get('precision', '?')}; "
         f"recompute {get('activation_checkpointing', 'none')}; offload {get('offload', 'none')}",
-        f"**Effective batch:** {effective} sequences = {micro} micro-batch x {accum} accumulation x {world} "
-        f"process(es)" + (f" = {per_step:,} tokens per optimizer step" if per_step else ""),
+        f"**Effective batch:** {effective} sequences = {micro} "
+        + ("rows per micro-batch before the cut" if cut else "micro-batch") + f" x {accum} accumulation x {world} "
+        f"process(es)" + (f"; {cut}" if cut else "")
+        + (f"; {sum(counted) / len(counted):,.0f} tokens per optimizer step on average (at most {most:,})"
+           if counted and most else f" = at most {most:,} tokens per optimizer step" if most else ""),
         f"**Sequence length:** {get('seq_len', '?')} tokens",
         f"**Data:** {get('data_description') or get('data') or 'built-in corpus'}",
         f"**Optimizer:** AdamW, lr {get('lr', '?')}, {get('lr_schedule', '?')} schedule, warmup "

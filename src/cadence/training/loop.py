@@ -155,6 +155,21 @@ class StepOutcome(NamedTuple):
     profiled: bool
 
 
+def batch_words(prep: Prepared, micro: int | str) -> str:
+    """The banner's batch line, from what the cut really does: rows as given, or (packing, a token budget) the
+    window's sequences and the bound on each micro-batch, whose number per window follows the lengths."""
+    cut = prep.cut
+    window = (f"{prep.effective_batch_size} sequences of up to {prep.seq_len} tokens per optimizer step = {micro} rows x "
+              f"{prep.grad_accum_steps} accumulation x {prep.world_size} process(es)")
+    if cut.pack_length is None and cut.micro_batch_tokens is None:
+        return (f"effective batch = {micro} micro-batch x {prep.grad_accum_steps} accumulation x "
+                f"{prep.world_size} process(es) = {prep.effective_batch_size} sequences of {prep.seq_len} tokens")
+    bound = (f"micro-batches of at most {cut.micro_batch_tokens:,} positions" if cut.micro_batch_tokens is not None
+             else f"micro-batches of {cut.micro_batch_size} rows")
+    how = f"packed into rows of {cut.pack_length}, " if cut.pack_length is not None else ""
+    return f"effective batch = {window}; each window {how}cut into {bound} (as many as its lengths need)"
+
+
 class TrainingRun:
     """One training run and everything its loop mutates, built from the prepared configuration.
 
@@ -243,8 +258,7 @@ class TrainingRun:
             f"cadence {__version__}: {config.model} ({self.parameters:,} parameters"
             + (f": {self.trained:,} trained, {self.frozen:,} frozen" if self.frozen else "") + f") on {prep.device}, "
             f"{config.precision}, recompute {config.activation_checkpointing}, offload {config.offload}\n"
-            f"effective batch = {micro} micro-batch x {prep.grad_accum_steps} accumulation x "
-            f"{prep.world_size} process(es) = {prep.effective_batch_size} sequences of {prep.seq_len} tokens\n"
+            + batch_words(prep, micro) + "\n"
             f"data: {prep.data.description}\nrun directory: {prep.out}",
             file=stream, flush=True,
         )
@@ -304,7 +318,9 @@ class TrainingRun:
         profiled = prep.device.type == "cpu" and (self.budget_on_cpu or engine.windows + 1 == min(2, config.max_steps))
         step_options: dict[str, Any] = {
             "measure_memory": profiled,
-            "on_micro_batch": lambda index: self.progress.micro_step(engine.steps, index + 1),
+            # The window's own micro-batches: packing and token budgets cut windows into different numbers.
+            "on_micro_batch": lambda index: self.progress.micro_step(engine.steps, index + 1,
+                                                                     len(place.window.micro_batches)),
         }
         if config.checkpoint_mid_window:
             step_options["stop_requested"] = lambda: self.stop.requested is not None

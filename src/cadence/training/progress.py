@@ -9,6 +9,10 @@ from typing import IO, Any
 
 from cadence.formatting import format_bytes, format_duration
 
+WIDE = 100
+"""Terminals narrower than this get a short bar and fitted figures."""
+NARROW_BAR = 10
+
 
 class TrainProgress:
     """Shows optimizer step, micro-step, loss, tokens/s, memory and ETA.
@@ -50,11 +54,15 @@ class TrainProgress:
     def __enter__(self) -> "TrainProgress":
         if self.live:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+            console = Console(file=self.stream)
+            # The figures matter more than the bar: on a narrow terminal (80 columns) the bar shrinks and the
+            # figures are fitted (see _fit); the ETA is among them, so no time column is repeated.
+            narrow = console.width < WIDE
             self._bar = Progress(
-                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"), console=Console(file=self.stream), transient=False,
+                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=NARROW_BAR if narrow else 30),
+                TextColumn("{task.fields[info]}"), console=console, transient=False,
             )
             self._bar.__enter__()
             self._task = self._bar.add_task("train", total=self.total_steps, info=self._last_step)
@@ -65,12 +73,27 @@ class TrainProgress:
         if self._bar is not None:
             self._bar.__exit__(None, None, None)
 
-    def micro_step(self, step: int, micro: int) -> None:
+    def micro_step(self, step: int, micro: int, total: int | None = None) -> None:
         """Called before each micro-batch on a terminal, so a long window shows it is alive: the position in the
-        window beside the last step's figures (which stay readable during accumulation)."""
+        window (``total``: the window's own micro-batches, which packing and token budgets make vary; default the
+        accumulation) beside the last step's figures (which stay readable during accumulation)."""
         if self._bar is not None:
-            self._bar.update(self._task, info=f"micro {micro}/{self.grad_accum_steps} of step {step + 1} | "
-                                              f"{self._last_step}")
+            self._bar.update(self._task, info=self._fit(
+                [f"micro {micro}/{total or self.grad_accum_steps}", *self._last_step.split(" | ")]))
+
+    def _fit(self, parts: list[str]) -> str:
+        """The bar's figures within the terminal: when they do not fit beside the step counter and the bar, the
+        memory goes first, then the throughput; the loss, the ETA and the micro-batch stay."""
+        if self._bar is None:
+            return " | ".join(parts)
+        width = self._bar.console.width
+        used = len(f"step {self.total_steps}/{self.total_steps} ") + (NARROW_BAR if width < WIDE else 30) + 2
+        kept = list(parts)
+        for prefix in ("mem ", "val ", "tok/s"):
+            if len(" | ".join(kept)) + used <= width:
+                break
+            kept = [part for part in kept if not (part.startswith(prefix) or part.endswith(prefix))]
+        return " | ".join(kept)
 
     def update(self, row: dict[str, Any]) -> None:
         self.tokens += int(row.get("tokens") or 0)
@@ -89,7 +112,7 @@ class TrainProgress:
         self._last_step = " | ".join(parts)
         evaluated = row.get("val_loss") is not None
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=self._last_step)
+            self._bar.update(self._task, completed=step, info=self._fit(parts))
             if evaluated:  # kept in the scrollback: the bar's field is overwritten by the next micro-batch
                 self._bar.console.print(f"step {step}/{self.total_steps}: val loss {row['val_loss']:.4f}")
             return
