@@ -99,3 +99,21 @@ def test_strict_fails_on_warnings_too() -> None:
         status, err = audit_in_own_process("--strict", "--", "python", str(CASES / case))
         assert status == 1 and "warning" in err, case
     assert audit_in_own_process("--strict", "--", "python", str(CASES / "good_ddp_no_sync.py"))[0] == 0
+
+
+def test_torchs_own_warnings_name_the_users_line_not_the_checker(tmp_path) -> None:
+    """Issue 30: torch warns with stacklevel=2, which named the audit's wrapper (cadence/audit/checker.py) as the
+    place of the user's call. A scheduler stepped before its optimizer warns from the script's own line."""
+    script = tmp_path / "early_scheduler.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(2, 1)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)\n"
+        "model(torch.ones(1, 2)).sum().backward()\n"
+        "scheduler.step()  # line 6: before optimizer.step()\n"
+        "optimizer.step()\n", encoding="utf-8")
+    result = subprocess.run([sys.executable, "-m", "cadence", "audit", "--", sys.executable, str(script)],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert "lr_scheduler.step()" in result.stderr, result.stderr
+    assert "checker.py" not in result.stderr and f"{script}:6" in result.stderr, result.stderr

@@ -418,3 +418,26 @@ def test_a_run_recorded_before_too_long_existed_truncated_its_long_examples() ->
     (problem,) = incompatibilities(old_record, {**old_record, "too_long": "skip"})
     assert problem.where == "--too-long" and "'skip' differs from the checkpoint's 'truncate'" in problem.message
     assert incompatibilities(old_record, {**old_record, "too_long": "truncate"}) == []
+
+
+def test_the_schedule_note_tells_two_close_learning_rates_apart():
+    """Issue 30: a note read "is 0.0002 instead of 0.0002": both rounded to 3 digits. The figures now carry the
+    digits that differ."""
+    from cadence.training.resume import distinct_figures
+
+    assert distinct_figures(0.00020004, 0.00020001) == ("0.00020004", "0.00020001")
+    assert distinct_figures(0.5, 0.25) == ("0.5", "0.25")
+    assert distinct_figures(0.1, 0.1) == ("0.1", "0.1")
+    saved = {"max_steps": 1000, "lr_schedule": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.1, "lr": 2e-4}
+    note = schedule_note(saved, {**saved, "max_steps": 1001}, 1)
+    new, old = note.rsplit(" is ", 1)[1].split(" instead of ")
+    assert new != old, note
+
+
+def test_the_done_line_names_no_validation_loss_when_there_is_none(tmp_path, capsys):
+    from cadence.cli import main
+
+    assert main(["train", "--seq-len", "16", "--micro-batch-size", "2", "--max-steps", "1", "--val-fraction", "0",
+                 "--out", str(tmp_path / "run")]) == 0
+    done = [line for line in capsys.readouterr().err.splitlines() if line.startswith("done:")]
+    assert done and "val loss" not in done[0]

@@ -57,6 +57,7 @@ import contextlib
 import functools
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -200,7 +201,7 @@ class Audit:
         def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
             original = vars(owner)[name]  # the object as stored, restored exactly
             stack.callback(setattr, owner, name, original)
-            setattr(owner, name, functools.wraps(original)(make(original)))
+            setattr(owner, name, functools.wraps(original)(_warnings_from_caller(make(original))))
 
         handle = optimizer_module.register_optimizer_step_post_hook(self._on_optimizer_step)
         stack.callback(handle.remove)
@@ -422,3 +423,30 @@ class Audit:
         if len(self._events) >= _DRAIN_AT:
             self._analyzer.feed(self._events)
             self._events.clear()
+
+
+def _warnings_from_caller(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (a patched torch function) with the warnings torch raises inside it attributed to its caller:
+    torch warns with ``stacklevel=2``, which named the patch's wrapper in this file (cadence/audit/checker.py) as
+    the place of the user's own call. Warnings are recorded while it runs and issued again at the caller's line;
+    the warning filters apply as always ("error" still raises, inside the call)."""
+    def attributed(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1)
+        recorded: list[warnings.WarningMessage] = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    recorded = list(caught)
+        finally:
+            for warning in recorded:
+                if warning.filename == __file__:
+                    warnings.warn_explicit(warning.message, warning.category, caller.f_code.co_filename,
+                                           caller.f_lineno, module=caller.f_globals.get("__name__"),
+                                           registry=caller.f_globals.setdefault("__warningregistry__", {}))
+                else:
+                    warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                           warning.lineno or 0, source=warning.source)
+
+    return attributed

@@ -450,7 +450,8 @@ class TrainingRun:
         self.writer.write_summary(summary)
         print(
             f"done: {engine.steps} steps ({engine.skipped_steps} skipped), final loss {_fmt(summary['final_loss'])}, "
-            f"val loss {_fmt(self.totals.last_val)}, {_fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
+            + (f"val loss {_fmt(self.totals.last_val)}, " if self.totals.last_val is not None else "")
+            + f"{_fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
             + (f"compiling {summary['compile_time_s']:.1f} s ({_count(summary['compiled_graphs'], 'graph')}, not in "
                f"tokens/s), " if summary.get("compile_time_s") is not None else "")
             + f"peak memory {format_bytes(peak_memory)}, {wall:.1f} s -> {prep.out}",

@@ -116,8 +116,19 @@ def schedule_note(saved: dict[str, Any], current: dict[str, Any], steps_done: in
              "min_lr_ratio": float(current["min_lr_ratio"])}
     old = lr_factor(steps_done, max_steps=int(before), **shape) * float(current["lr"])
     new = lr_factor(steps_done, max_steps=int(after), **shape) * float(current["lr"])
+    new_text, old_text = distinct_figures(new, old)
     return (f"{text}: the {schedule} LR schedule now decays over {after} steps, so the LR after step {steps_done} "
-            f"is {new:.3g} instead of {old:.3g}")
+            f"is {new_text} instead of {old_text}")
+
+
+def distinct_figures(first: float, second: float) -> tuple[str, str]:
+    """Two numbers with the fewest significant digits (3 at least) that tell them apart ("0.0002 instead of 0.0002"
+    said nothing); equal numbers read alike."""
+    for digits in range(3, 13):
+        texts = (f"{first:.{digits}g}", f"{second:.{digits}g}")
+        if texts[0] != texts[1] or first == second:
+            return texts
+    return f"{first!r}", f"{second!r}"
 
 
 def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
