@@ -441,3 +441,37 @@ def test_the_done_line_names_no_validation_loss_when_there_is_none(tmp_path, cap
                  "--out", str(tmp_path / "run")]) == 0
     done = [line for line in capsys.readouterr().err.splitlines() if line.startswith("done:")]
     assert done and "val loss" not in done[0]
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["stopped", "killed"])
+def test_a_resumed_run_reports_its_segments_and_the_whole_run(tmp_path, capsys, killed):
+    """Issue 30 item 3: the summary and report of a resumed run put this segment's wall time beside the whole run's
+    tokens, and said nothing of the resume. Now summary.json's segments give each process's steps, tokens, step
+    time and wall time (none for one killed before its summary), the whole run's wall time when every segment's is
+    known, and the report and the done line say where it resumed."""
+    from cadence.report.render import to_markdown
+    from cadence.report.runs import run_report
+
+    data = data_file(tmp_path)
+    out = tmp_path / "run"
+    assert main(args(data, out, "--lr-schedule", "constant", steps=4)) == 0
+    first = json.loads((out / "summary.json").read_text())
+    if killed:  # as a SIGKILL leaves it: the checkpoint and the metrics, no summary
+        (out / "summary.json").unlink()
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "6"]) == 0
+    done = [line for line in capsys.readouterr().err.splitlines() if line.startswith("done:")][0]
+    assert "(this segment, resumed from step 4)" in done
+    summary = json.loads((out / "summary.json").read_text())
+    earlier, current = summary["segments"]
+    assert (earlier["from_step"], earlier["to_step"], current["from_step"], current["to_step"]) == (0, 4, 4, 6)
+    assert earlier["tokens"] + current["tokens"] == summary["tokens"] and current["tokens"] > 0
+    assert current["wall_time_s"] == summary["wall_time_s"]
+    if killed:
+        assert earlier["wall_time_s"] is None and summary["run_wall_time_s"] is None
+    else:
+        assert earlier["wall_time_s"] == first["wall_time_s"]
+        assert summary["run_wall_time_s"] == pytest.approx(first["wall_time_s"] + summary["wall_time_s"])
+    report = to_markdown(run_report(out))
+    assert "**Resumed:** 1 time(s), last from step 4" in report and "steps 0-4:" in report
+    assert "in this last segment; the whole run " + ("unknown" if killed else "") in report

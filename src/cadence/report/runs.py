@@ -129,21 +129,43 @@ def _total_items(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[st
         f"**Steps:** {get('steps', '?')} optimizer steps, {get('skipped', 0)} skipped, {get('windows', '?')} windows",
         f"**Tokens:** {format_number(get('tokens'), ',.0f')}" + (
             f" ({format_number(get('targets'), ',.0f')} targets)" if get("targets") else ""),
-        f"**Wall time:** {format_hms(get('wall_time_s'))}" + (
-            f" ({get('wall_time_s'):.1f} s)" if plots.finite(get("wall_time_s")) else "")
-        + f"; **throughput:** {speed}",
+        _wall_time_text(summary) + f"; **throughput:** {speed}",
         f"**Peak memory:** {format_bytes(get('peak_memory_bytes'))}" + (
             f" ({get('peak_memory_source')})" if get("peak_memory_source") else "") + (
             f"; max RSS {format_bytes(get('max_rss_bytes'))}" if get("max_rss_bytes") else ""),
         f"**Final loss:** {format_number(get('final_loss'))}; "
         f"**final val loss:** {format_number(get('final_val_loss'))}",
     ]
+    segments = [s for s in get("segments") or [] if isinstance(s, dict)]
+    if len(segments) > 1:
+        parts = [f"steps {s.get('from_step', '?')}-{s.get('to_step', '?')}: "
+                 f"{format_number(s.get('tokens'), ',.0f')} tokens, steps {format_hms(s.get('step_time_s'))}, wall "
+                 + (format_hms(s["wall_time_s"]) if plots.finite(s.get("wall_time_s")) else "unknown")
+                 + (f", {s['stopped_by']}" if s.get("stopped_by") else "") for s in segments]
+        items.append(f"**Resumed:** {len(segments) - 1} time(s), last from step {get('resumed_from_step', '?')}; "
+                     f"segments: " + "; ".join(parts))
     skipped = [row for row in rows if row.get("skipped")]
     if skipped:
         shown = ", ".join(f"window {row.get('window', '?')} after step {row['step']} "
                           f"({row.get('skip_reason') or 'no reason given'})" for row in skipped[:10])
         items.append(f"**Skipped steps:** {shown}" + (f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""))
     return items
+
+
+def _wall_time_text(summary: dict[str, Any]) -> str:
+    """The wall time: the run's own, or for a resumed run this segment's and the whole run's (when every segment's
+    is known: a killed one left none)."""
+    get = summary.get
+    wall = get("wall_time_s")
+    text = f"**Wall time:** {format_hms(wall)}" + (f" ({wall:.1f} s)" if plots.finite(wall) else "")
+    segments = [s for s in get("segments") or [] if isinstance(s, dict)]
+    if len(segments) <= 1:
+        return text
+    whole = get("run_wall_time_s")
+    steps = sum(float(s.get("step_time_s") or 0.0) for s in segments)
+    return (f"**Wall time:** {format_hms(wall)} in this last segment; the whole run "
+            + (f"{format_hms(whole)}" if plots.finite(whole) else "unknown (a segment ended without a summary)")
+            + f", its steps {format_hms(steps)}")
 
 
 def noise_scale_words(config: dict[str, Any], summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:

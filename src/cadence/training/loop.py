@@ -7,6 +7,7 @@ created, so bad input never leaves anything half-written.
 from __future__ import annotations
 
 import itertools
+import json
 import platform
 import resource
 import sys
@@ -52,7 +53,7 @@ from cadence.training.noise_scale import noise_scale_announcement, noise_scale_f
 from cadence.training.prepare import Prepared, checked_run_directory, prepare
 from cadence.training.progress import TrainProgress
 from cadence.training.resume import ResumePoint, StopOnSignal, restore, schedule_note
-from cadence.training.run_dir import NoWriter, RunWriter
+from cadence.training.run_dir import SUMMARY_FILE, NoWriter, RunWriter
 
 T = TypeVar("T")
 
@@ -80,8 +81,13 @@ class _Totals:
     oom_retries: int = 0
     last: dict[str, Any] = field(default_factory=dict)
     last_val: float | None = None
+    segment_tokens: int = 0
+    """This process's own (a resumed run's earlier segments excluded), for the segments in summary.json."""
+    segment_step_s: float = 0.0
 
     def add(self, result: StepResult, *, timed: bool) -> None:
+        self.segment_tokens += result.tokens
+        self.segment_step_s += result.step_time_s
         self.tokens += result.tokens
         self.targets += result.targets
         self.samples += result.samples
@@ -203,6 +209,8 @@ class TrainingRun:
         self.start: ResumePoint | None = restore(prep.out, self.resolved, self.parts, prep.micro_batch_size,
                                                            prep.cut.flags()) \
             if config.resume else None
+        # Before summary.json is written again: what the earlier processes of a resumed run did.
+        self.earlier_segments: list[dict[str, Any]] = earlier_segments(prep.out, self.start)
         # Every check has passed: only now is anything in the run directory written.
         self.writer: RunWriter = RunWriter(prep.out) if self.ranks.is_main else NoWriter()
         self.metrics_open = True
@@ -454,7 +462,8 @@ class TrainingRun:
             + f"{_fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
             + (f"compiling {summary['compile_time_s']:.1f} s ({_count(summary['compiled_graphs'], 'graph')}, not in "
                f"tokens/s), " if summary.get("compile_time_s") is not None else "")
-            + f"peak memory {format_bytes(peak_memory)}, {wall:.1f} s -> {prep.out}",
+            + f"peak memory {format_bytes(peak_memory)}, {wall:.1f} s"
+            + (f" (this segment, resumed from step {self.start.step})" if self.start else "") + f" -> {prep.out}",
             file=self.stream, flush=True,
         )
         if summary["stopped_by"]:
@@ -517,7 +526,58 @@ class TrainingRun:
             "optimizer_state_bytes": optimizer_state_bytes(self.parts.optimizer),
             "stopped_by": self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere else None),
             "resumed_from_step": self.start.step if self.start else None,
+            **self._segments(wall),
         }
+
+    def _segments(self, wall: float) -> dict[str, Any]:
+        """The run's segments (one per process that trained it: a resumed run has several), each with its steps,
+        tokens, the time its steps took and its wall time (None for one that ended without a summary: killed), and
+        the whole run's wall time when every segment's is known."""
+        current = {"from_step": self.start.step if self.start else 0, "to_step": self.engine.steps,
+                   "tokens": self.totals.segment_tokens, "step_time_s": self.totals.segment_step_s,
+                   "wall_time_s": wall,
+                   "stopped_by": self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere
+                                                         else None)}
+        segments = [*self.earlier_segments, current]
+        walls = [segment["wall_time_s"] for segment in segments]
+        return {"segments": segments,
+                "run_wall_time_s": sum(walls) if all(isinstance(w, (int, float)) for w in walls) else None}
+
+
+def earlier_segments(run_dir: Path, start: ResumePoint | None) -> list[dict[str, Any]]:
+    """The segments of a resumed run before this process (empty for a fresh run): those its summary.json recorded
+    up to the checkpoint resumed from (steps after it are done again), then, if steps before the checkpoint are in
+    no recorded segment (a process killed before it wrote a summary), one segment for them with no wall time. The
+    tokens and step times of each come from the kept metrics rows."""
+    if start is None:
+        return []
+    recorded: list[dict[str, Any]] = []
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        summary = None
+    if isinstance(summary, dict):
+        if isinstance(summary.get("segments"), list):
+            recorded = [dict(s) for s in summary["segments"] if isinstance(s, dict)]
+        elif isinstance(summary.get("steps"), int):  # a summary from before segments were recorded
+            recorded = [{"from_step": summary.get("resumed_from_step") or 0, "to_step": summary["steps"],
+                         "wall_time_s": summary.get("wall_time_s"), "stopped_by": summary.get("stopped_by")}]
+    segments: list[dict[str, Any]] = []
+    covered = 0
+    for segment in recorded:
+        first, last = int(segment.get("from_step") or 0), min(int(segment.get("to_step") or 0), start.step)
+        if first != covered or last <= first:
+            break  # not contiguous with what is kept: the rest is accounted for below
+        segments.append({**segment, "to_step": last})
+        covered = last
+    if covered < start.step:
+        segments.append({"from_step": covered, "to_step": start.step, "wall_time_s": None,
+                         "stopped_by": "ended without a summary (killed?)"})
+    for segment in segments:
+        rows = [row for row in start.kept_rows if segment["from_step"] < int(row["step"]) <= segment["to_step"]]
+        segment["tokens"] = sum(int(row["tokens"]) for row in rows)
+        segment["step_time_s"] = sum(float(row.get("step_time_s") or 0.0) for row in rows)
+    return segments
 
 
 def _prepared_under(lock: RunDirectoryLock | None, prepare_run: Callable[[], Prepared], ranks: Ranks) -> Prepared:
