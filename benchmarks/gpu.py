@@ -439,7 +439,8 @@ def section_plan(ctx: Context) -> dict:
             "measured_candidates": sum(c["measured"] is not None for c in plan["candidates"]),
             "offload_candidates": len(offload),
             "offload_measured": sum(c["measured"] is not None for c in offload),
-            "quality_passed": {k: v.get("passed") for k, v in (plan.get("quality") or {}).items()},
+            "quality_passed": {k: v.get("passed") for k, v in (plan.get("quality") or {}).items()
+                               if isinstance(v, dict)},  # the lossy optimizer-state checks are a list
             "notes": plan.get("notes", []), "duration_s": plan.get("duration_s")}
 
 

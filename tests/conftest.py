@@ -36,10 +36,17 @@ def one_thread_per_worker() -> Iterator[None]:
     if os.environ.get("PYTEST_XDIST_WORKER") is None:  # set by pytest-xdist in its workers only
         yield
         return
-    saved = torch.get_num_threads()
+    saved, saved_env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    # And every process a test starts: a run in this process and one in a child must add up in the same order (the
+    # bitwise resume tests compare them; 1 against 2 threads once differed in the 7th digit).
+    os.environ["OMP_NUM_THREADS"] = "1"
     yield
     torch.set_num_threads(saved)
+    if saved_env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = saved_env
 
 
 @pytest.fixture

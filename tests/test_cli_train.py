@@ -231,3 +231,27 @@ def test_under_packing_the_header_and_report_speak_in_what_the_cut_does(tmp_path
     mean = sum(row["tokens"] for row in _metrics(out)) / 3
     assert f"{mean:,.0f} tokens per optimizer step on average (at most 1,024)" in report
     assert "micro-batches per window follow the lengths" in report
+
+
+def test_a_runs_config_json_is_a_config_file_that_trains_the_same_run(tmp_path: Path) -> None:
+    """Issue 30 item 7: a run's recorded configuration reused as --config (flags still win): the same math, the same
+    losses, bit for bit; a JSON file that is not a cadence config.json is refused naming --config."""
+    data = tmp_path / "words.txt"
+    data.write_bytes(sample_text(20_000))
+    first = tmp_path / "first"
+    assert run_cli(["train", "--data", str(data), "--seq-len", "16", "--micro-batch-size", "2",
+                    "--grad-accum-steps", "2", "--lr", "3e-3", "--max-steps", "3", "--val-fraction", "0",
+                    "--out", str(first)])[0] == 0
+    again = tmp_path / "again"
+    status, _, err = run_cli(["train", "--config", str(first / "config.json"), "--out", str(again)])
+    assert status == 0, err
+    assert [row["loss"] for row in _metrics(again)] == [row["loss"] for row in _metrics(first)]
+    recorded = json.loads((again / "config.json").read_text())
+    assert (recorded["lr"], recorded["seq_len"], recorded["effective_batch_size"]) == (3e-3, 16, 4)
+    longer = tmp_path / "longer"
+    assert run_cli(["train", "--config", str(first / "config.json"), "--max-steps", "4", "--out", str(longer)])[0] == 0
+    assert len(_metrics(longer)) == 4  # a flag wins over the file
+    other = tmp_path / "other.json"
+    other.write_text('{"lr": 0.1}')
+    status, _, err = run_cli(["train", "--config", str(other), "--out", str(tmp_path / "x")])
+    assert status == 2 and "--config" in err

@@ -206,7 +206,8 @@ def _train_config(config_file: Path | None, flags: dict[str, Any]) -> TrainConfi
 def config_file_option(command: Any) -> Any:
     return click.option(
         "--config", "config_file", type=PATH, default=None,
-        help="TOML file with the same names (with '_' instead of '-'); flags win over it.",
+        help="TOML file with the same names (with '_' instead of '-'), or a run's config.json (its recorded "
+             "configuration); flags win over it.",
     )(command)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -140,9 +141,11 @@ def test_a_trial_setup_is_the_verify_setup_plus_its_accumulation() -> None:
                        activation_checkpointing="full", offload="none")
     assert isinstance(setup, Setup)  # the quality check compares exactly the configuration the plan chose
     assert setup.as_dict() == {"micro_batch_size": 2, "grad_accum_steps": 4, "precision": "bf16",
-                               "activation_checkpointing": "full", "offload": "none", "loss_chunk_tokens": 0}
+                               "activation_checkpointing": "full", "offload": "none", "loss_chunk_tokens": 0,
+                               "optimizer_state": "fp32"}
     assert list(setup.as_dict()) == ["micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing",
-                                     "offload", "loss_chunk_tokens"]  # plan.json's order
+                                     "offload", "loss_chunk_tokens", "optimizer_state"]  # plan.json's order
+    assert setup.exact and not dataclasses.replace(setup, optimizer_state="bf16").exact
     assert setup.describe() == "micro 2 x accum 4, bf16, recompute full, offload none"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from cadence.config.schema import TrainConfig, hint_types
-from cadence.config.validate import validate
+from cadence.config.validate import is_cadence_config, validate
 from cadence.errors import Problem, UsageError
 from cadence.input_files import read_regular_file
 
@@ -33,10 +33,13 @@ def _parse_toml(content: bytes, path: Path) -> dict[str, Any]:
 
 
 def load_toml(path: Path) -> dict[str, Any]:
-    """Read a TOML config, checking keys and value types against TrainConfig; every problem is reported."""
+    """Read a TOML config, checking keys and value types against TrainConfig; every problem is reported. A run's
+    config.json (written by cadence train) is read too: its recorded configuration, as --resume reads it."""
     where = f"--config {path}"
     if path.is_dir():
-        raise UsageError.single("--config", f"{path} is a directory, expected a .toml file")
+        raise UsageError.single("--config", f"{path} is a directory, expected a .toml file (or a run's config.json)")
+    if is_cadence_config(path):
+        return recorded_values(path)
     raw = _parse_toml(read_regular_file(path, where="--config", limit=CONFIG_LIMIT_BYTES), path)
     hints = get_type_hints(TrainConfig)
     values: dict[str, Any] = {}
@@ -147,8 +150,14 @@ def recorded_train_values(out: Path) -> dict[str, Any]:
     config.json holds the resolved configuration: the micro-batch size there is the one used, so a run started with
     ``--micro-batch-size auto`` records ``auto_micro_batch`` and resumes as auto; the accumulation is left to derive
     from the recorded effective batch, so that a new --micro-batch-size alone re-splits the same batch."""
+    return recorded_values(out / "config.json")
+
+
+def recorded_values(path: Path) -> dict[str, Any]:
+    """The TrainConfig values of a run's config.json at ``path`` (empty when it is not one); see
+    :func:`recorded_train_values`."""
     try:
-        content = read_regular_file(out / "config.json", where="--out", limit=CONFIG_LIMIT_BYTES)
+        content = read_regular_file(path, where="--out", limit=CONFIG_LIMIT_BYTES)
         recorded = json.loads(content.decode("utf-8"))
     except (UsageError, OSError, ValueError, RecursionError):
         return {}
@@ -169,6 +178,8 @@ def recorded_train_values(out: Path) -> dict[str, Any]:
 
 def _good_toml_values(path: Path) -> dict[str, Any]:
     """The keys of a TOML file that parse and have the right type (empty if the file is not TOML at all)."""
+    if is_cadence_config(path):
+        return recorded_values(path)
     try:
         raw = _parse_toml(read_regular_file(path, where="--config", limit=CONFIG_LIMIT_BYTES), path)
     except UsageError:
