@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"distributed"},
     {"training"},
     {"report"},
-    {"audit", "verify", "profiling"},
+    {"audit", "verify", "profiling", "sampling"},
     {"plan"},
     {"rebuild"},
     {"cli"},

@@ -40,6 +40,7 @@ from cadence.plan.planner import PlanOptions, apply_plan, make_plan
 from cadence.profiling.compare import terminal_summary, write_comparison
 from cadence.profiling.profiler import ProfileOptions, run_profile
 from cadence.rebuild import build_report
+from cadence.sampling import SampleOptions, sample
 from cadence.training.loop import train
 from cadence.training.prepare_data import PrepareDataOptions, prepare_data
 from cadence.verify.check import VerifyOptions, run_verify
@@ -347,6 +348,19 @@ def report_command(run_dir: Path) -> None:
 
     for path in build_report(run_dir):
         click.echo(str(path))
+
+
+@app.command("sample", no_args_is_help=True)
+@click.argument("run_dir", type=PATH, metavar="RUN_DIR")
+@dataclass_options(SampleOptions)
+def sample_command(run_dir: Path, **options: Any) -> None:
+    """Generate text from a run's final model (or its best, or a checkpoint's): the prompt's continuation on
+    stdout, which weights were used on stderr."""
+    sample_options, _ = _own_options(SampleOptions, options)
+    text, run, ended = sample(run_dir, sample_options)
+    click.echo(f"weights: {run.weights}" + ("" if ended else " (stopped at --max-new-tokens, not at the end of "
+                                                              "sequence)"), err=True)
+    click.echo(text)
 
 
 def _click_problem(err: click.ClickException) -> str:

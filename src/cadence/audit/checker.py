@@ -185,7 +185,10 @@ class Audit:
     def _from_torch(self) -> bool:
         """True when the wrapper calling this was called by torch itself (``Tensor.backward`` calling
         ``autograd.backward``, ``scaler.step`` calling ``unscale_``, a scheduler's initial step): not a user event."""
-        name = sys._getframe(2).f_code.co_filename
+        frame = sys._getframe(2)
+        while frame.f_back is not None and frame.f_code.co_filename == __file__:
+            frame = frame.f_back  # past the warning-attributing layer around every patch (_warnings_from_caller)
+        name = frame.f_code.co_filename
         flag = self._torch_file.get(name)
         if flag is None:
             flag = self._torch_file[name] = _is_torch(name)

@@ -215,6 +215,9 @@ class TrainConfig:
     """Floor of the linear and cosine decay, as a fraction of --lr."""
     max_steps: int = setting(100, LENGTH, changes_math=True)
     """Optimizer steps to train (skipped fp16 steps do not count)."""
+    epochs: int | None = setting(None, LENGTH, changes_math=True)
+    """Train N passes over the training split instead of --max-steps: the steps are N x the windows of an epoch
+    (the LR schedule runs over them all); not with --max-steps."""
     seed: int = setting(0, DEVICE, changes_math=True)
     """Seed for weights and data order."""
     last_window: LastWindow = setting("step", LENGTH, changes_math=True)
@@ -225,6 +228,11 @@ class TrainConfig:
     """Evaluate the validation loss every N optimizer steps and at the end; 0 = never."""
     eval_batches: int = setting(20, VALIDATION)
     """Validation micro-batches per evaluation (always the same ones, so evaluations compare)."""
+    eval_data: Path | None = setting(None, VALIDATION)
+    """Evaluate on this file (read as --data is) instead of a held-out split of --data: --val-fraction is then not
+    used, and all of --data trains."""
+    early_stop_after: int = setting(0, VALIDATION)
+    """Stop after N evaluations in a row without a lower validation loss (needs --eval-every); 0 = never."""
     noise_scale_ema: float = setting(0.99, NOISE_SCALE)
     """Measure the gradient noise scale (McCandlish et al. 2018), about the critical batch past which more sequences
     per step mostly cost tokens, from each window's first micro-batch against the whole window, averaged over windows
@@ -239,6 +247,9 @@ class TrainConfig:
     """Save a checkpoint every N optimizer steps (and at the end) into OUT/checkpoints/step-N; 0 = none."""
     keep_checkpoints: int = setting(0, CHECKPOINTS)
     """Keep only the newest N checkpoints; 0 keeps all."""
+    keep_best: bool = setting(False, CHECKPOINTS)
+    """Keep the weights of the evaluation with the lowest validation loss in OUT/best (model.safetensors and
+    best.json), apart from the checkpoints and their pruning (needs --eval-every); cadence sample --weights best."""
     resume: bool = setting(False, CHECKPOINTS)
     """Continue the run in --out from its newest intact checkpoint, as if it had never stopped (same losses, data
     order and LR); with no checkpoint yet, start fresh. Refused when the configuration changes the math."""

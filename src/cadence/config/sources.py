@@ -123,10 +123,16 @@ def build_config(*, toml_path: Path | None, flags: dict[str, Any]) -> TrainConfi
             if toml_path.is_file():  # keep the file's good keys so that flag validation still runs
                 values = _good_toml_values(toml_path)
     given = _given(flags)
+    typed = set(given) | set(values)  # what the user wrote, in the file or as flags (not a resumed run's record)
+    if {"epochs", "max_steps"} <= typed:
+        file_problems.append(Problem(where="--epochs", message="and --max-steps both set the length of the run; "
+                                                               "give one"))
     if given.get("resume") and given.get("out") is not None:
         # --resume --out DIR alone continues the run as it was configured: what the user did not type comes from
         # the run's config.json, not from the defaults (which would differ, and be refused as changing the math).
         values = {**recorded_train_values(Path(given["out"])), **values}
+    if "max_steps" in typed and "epochs" not in typed:
+        values.pop("epochs", None)  # a typed --max-steps sets the length of a run recorded with --epochs
     values.update(given)
     config = TrainConfig(**values)
     if file_problems:
@@ -173,6 +179,8 @@ def recorded_values(path: Path) -> dict[str, Any]:
             values[key] = converted
     if recorded.get("auto_micro_batch"):
         values["micro_batch_size"] = "auto"
+    if values.get("epochs") is not None:
+        values.pop("max_steps", None)  # derived from --epochs and the data, again
     return values
 
 

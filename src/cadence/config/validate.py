@@ -122,7 +122,9 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     finite_range("min_lr_ratio", 0.0, 1.0)
     finite_range("val_fraction", 0.0, 0.5)
     finite_range("noise_scale_ema", 0.0, 1.0, high_open=True)
-    if at_least("max_steps", 1) and at_least("warmup_steps", 0) and config.warmup_steps >= config.max_steps > 1:
+    if config.epochs is not None:
+        at_least("epochs", 1)  # the steps follow from the data: warmup is checked against them once it is loaded
+    elif at_least("max_steps", 1) and at_least("warmup_steps", 0) and config.warmup_steps >= config.max_steps > 1:
         bad("warmup_steps", f"{config.warmup_steps} leaves no steps after warmup; must be below --max-steps "
                             f"{config.max_steps}")
     if at_least("seed", 0) and config.seed > MAX_SEED:
@@ -130,8 +132,14 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     at_least("eval_batches", 1)
     at_least("checkpoint_every", 0)
     at_least("log_every", 1)
-    if at_least("eval_every", 0) and config.eval_every > 0 and config.val_fraction == 0:
-        bad("eval_every", "needs a validation split; set --val-fraction above 0")
+    if at_least("eval_every", 0) and config.eval_every > 0 and config.val_fraction == 0 and config.eval_data is None:
+        bad("eval_every", "needs a validation split; set --val-fraction above 0 or give --eval-data")
+    if at_least("early_stop_after", 0) and config.early_stop_after > 0 and config.eval_every <= 0:
+        bad("early_stop_after", "counts evaluations: give --eval-every N too")
+    if config.keep_best and config.eval_every <= 0:
+        bad("keep_best", "keeps the best evaluation's weights: give --eval-every N too")
+    if config.eval_data is not None and not config.eval_data.is_file():
+        bad("eval_data", f"{config.eval_data} is not a file")
     if config.plan is not None and not config.plan.is_file():
         bad("plan", f"{config.plan} is not a file; give the plan.json that cadence plan wrote")
     if config.save_hf is not None and config.model in MODEL_NAMES:

@@ -134,7 +134,10 @@ def _total_items(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[st
             f" ({get('peak_memory_source')})" if get("peak_memory_source") else "") + (
             f"; max RSS {format_bytes(get('max_rss_bytes'))}" if get("max_rss_bytes") else ""),
         f"**Final loss:** {format_number(get('final_loss'))}; "
-        f"**final val loss:** {format_number(get('final_val_loss'))}",
+        f"**final val loss:** {format_number(get('final_val_loss'))}"
+        + (f" (perplexity {get('final_val_perplexity'):,.2f})" if plots.finite(get("final_val_perplexity")) else "")
+        + (f"; **best val loss:** {get('best_val_loss'):.4f} at step {get('best_val_step')}"
+           if plots.finite(get("best_val_loss")) else ""),
     ]
     segments = [s for s in get("segments") or [] if isinstance(s, dict)]
     if len(segments) > 1:

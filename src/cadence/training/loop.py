@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import platform
 import resource
 import sys
@@ -53,7 +54,7 @@ from cadence.training.noise_scale import noise_scale_announcement, noise_scale_f
 from cadence.training.prepare import Prepared, checked_run_directory, prepare
 from cadence.training.progress import TrainProgress
 from cadence.training.resume import ResumePoint, StopOnSignal, restore, schedule_note
-from cadence.training.run_dir import SUMMARY_FILE, NoWriter, RunWriter
+from cadence.training.run_dir import BEST_DIR, SUMMARY_FILE, NoWriter, RunWriter
 
 T = TypeVar("T")
 
@@ -227,6 +228,10 @@ class TrainingRun:
         self.partial: PartialWindow | None = self.start.partial if self.start else None
         """The window a mid-window checkpoint interrupted, continued by the first ``run_window``."""
         self.stop = StopOnSignal()
+        self.best = BestEvaluation.from_rows(self.start.kept_rows if self.start else [])
+        """The lowest validation loss so far and the evaluations since (--keep-best, --early-stop-after); a resumed
+        run counts its kept rows' evaluations."""
+        self.early_stopped = False
         self.intact_checkpoints: set[Path] = {self.start.checkpoint} if self.start else set()
         """Checkpoints known to be whole (written by this run, or verified to resume from): pruning skips hashing
         them again."""
@@ -371,8 +376,14 @@ class TrainingRun:
         done = engine.steps >= self.config.max_steps
         if not result.skipped and self.val_batches and (done or engine.steps % self.config.eval_every == 0):
             totals.last_val = row["val_loss"] = engine.evaluate(self.val_batches)
+            # Perplexity: exp of the per-token validation loss (capped: a diverged model's would overflow).
+            row["val_perplexity"] = math.exp(min(row["val_loss"], 700.0))
             if clock is not None:
                 clock.lap()  # evaluation compiles a no-grad graph of its own: not the next step's compile time
+            if self.best.evaluated(engine.steps, row["val_loss"]) and self.config.keep_best:
+                self._save_best(row)
+            if self.config.early_stop_after and self.best.since >= self.config.early_stop_after and not done:
+                self.early_stopped = done = True
         self.writer.log_step(row)
         self.progress.update(row)
         if not result.skipped:
@@ -458,7 +469,8 @@ class TrainingRun:
         self.writer.write_summary(summary)
         print(
             f"done: {engine.steps} steps ({engine.skipped_steps} skipped), final loss {_fmt(summary['final_loss'])}, "
-            + (f"val loss {_fmt(self.totals.last_val)}, " if self.totals.last_val is not None else "")
+            + (f"val loss {_fmt(self.totals.last_val)} (perplexity {summary['final_val_perplexity']:,.2f}), "
+               if self.totals.last_val is not None else "")
             + f"{_fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
             + (f"compiling {summary['compile_time_s']:.1f} s ({_count(summary['compiled_graphs'], 'graph')}, not in "
                f"tokens/s), " if summary.get("compile_time_s") is not None else "")
@@ -466,7 +478,11 @@ class TrainingRun:
             + (f" (this segment, resumed from step {self.start.step})" if self.start else "") + f" -> {prep.out}",
             file=self.stream, flush=True,
         )
-        if summary["stopped_by"]:
+        if self.early_stopped:
+            print(f"stopped after step {engine.steps}: {summary['stopped_by']}"
+                  + (f"; its weights are in {prep.out / BEST_DIR}" if config.keep_best else ""),
+                  file=self.stream, flush=True)
+        elif summary["stopped_by"]:
             print(f"stopped by {summary['stopped_by']} after step {engine.steps} (checkpoint saved); continue with "
                   f"--resume", file=self.stream, flush=True)
         return summary
@@ -524,10 +540,25 @@ class TrainingRun:
             "frozen_parameters": self.frozen,
             # This process's (a shard's, under FSDP2): what --optimizer-state shrinks.
             "optimizer_state_bytes": optimizer_state_bytes(self.parts.optimizer),
-            "stopped_by": self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere else None),
+            "stopped_by": self._stopped_by(),
+            "final_val_perplexity": math.exp(min(totals.last_val, 700.0)) if totals.last_val is not None else None,
+            "best_val_loss": self.best.loss,
+            "best_val_step": self.best.step,
             "resumed_from_step": self.start.step if self.start else None,
             **self._segments(wall),
         }
+
+    def _stopped_by(self) -> str | None:
+        if self.early_stopped:
+            return (f"early stop: {self.best.since} evaluations without a lower validation loss than step "
+                    f"{self.best.step}'s {self.best.loss:.4f} (--early-stop-after {self.config.early_stop_after})")
+        return self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere else None)
+
+    def _save_best(self, row: dict[str, Any]) -> None:
+        """--keep-best: this evaluation's weights into OUT/best (every rank gathers its part, rank 0 writes)."""
+        weights = full_model_state(self.parts.model, self.ranks)  # a collective under FSDP2: every rank takes part
+        self.writer.save_best(weights, {"step": int(row["step"]), "val_loss": row["val_loss"],
+                                        "val_perplexity": row["val_perplexity"]})
 
     def _segments(self, wall: float) -> dict[str, Any]:
         """The run's segments (one per process that trained it: a resumed run has several), each with its steps,
@@ -536,12 +567,36 @@ class TrainingRun:
         current = {"from_step": self.start.step if self.start else 0, "to_step": self.engine.steps,
                    "tokens": self.totals.segment_tokens, "step_time_s": self.totals.segment_step_s,
                    "wall_time_s": wall,
-                   "stopped_by": self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere
-                                                         else None)}
+                   "stopped_by": self._stopped_by()}
         segments = [*self.earlier_segments, current]
         walls = [segment["wall_time_s"] for segment in segments]
         return {"segments": segments,
                 "run_wall_time_s": sum(walls) if all(isinstance(w, (int, float)) for w in walls) else None}
+
+
+@dataclass
+class BestEvaluation:
+    """The lowest validation loss of the run so far, its step, and the evaluations since it."""
+
+    loss: float | None = None
+    step: int | None = None
+    since: int = 0
+
+    def evaluated(self, step: int, loss: float) -> bool:
+        """Count an evaluation; True when it is a new best (strictly lower)."""
+        if self.loss is None or loss < self.loss:
+            self.loss, self.step, self.since = loss, step, 0
+            return True
+        self.since += 1
+        return False
+
+    @classmethod
+    def from_rows(cls, rows: list[dict[str, Any]]) -> BestEvaluation:
+        best = cls()
+        for row in rows:
+            if row.get("val_loss") is not None:
+                best.evaluated(int(row["step"]), float(row["val_loss"]))
+        return best
 
 
 def earlier_segments(run_dir: Path, start: ResumePoint | None) -> list[dict[str, Any]]:

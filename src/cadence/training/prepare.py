@@ -124,7 +124,15 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
         raise UsageError.single("--packing", "this transformers cannot keep packed examples apart (it needs "
                                              "masking_utils.find_packed_sequence_indices, transformers 4.54 or later); "
                                              "use --micro-batch-order by-length instead")
-    data = load_run_data(config, seq_len, hf, ranks=ranks)
+    if config.eval_data is not None:
+        # --eval-data: all of --data trains; the evaluation file, read the same way, is the validation split.
+        data = load_run_data(dataclasses.replace(config, val_fraction=0.0), seq_len, hf, ranks=ranks)
+        held = load_run_data(dataclasses.replace(config, data=config.eval_data, val_fraction=0.0), seq_len, hf,
+                             ranks=ranks)
+        data = dataclasses.replace(data, val=held.train, description=f"{data.description}; evaluated on "
+                                                                      f"{held.description}")
+    else:
+        data = load_run_data(config, seq_len, hf, ranks=ranks)
     model_vocab = hf.vocab_size if hf else MODEL_CONFIGS[config.model].vocab_size
     if data.vocab_size is not None and data.vocab_size > model_vocab:
         # An id past the embedding would be an IndexError mid-run (a crafted store, or one made for another model).
@@ -134,6 +142,14 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     micro = config.resolved_micro_batch_size(world_size)
     grad_accum_steps = config.resolved_grad_accum_steps(world_size)
     effective = micro * grad_accum_steps * world_size
+    if config.epochs is not None:
+        # --epochs: the steps follow from the data (an epoch's windows, a short last one included unless dropped).
+        per_epoch = len(data.train) // effective if config.last_window == "drop" else -(-len(data.train) // effective)
+        steps = max(1, per_epoch) * config.epochs
+        if config.warmup_steps >= steps > 1:
+            raise UsageError.single("--warmup-steps", f"{config.warmup_steps} leaves no steps after warmup: "
+                                                      f"--epochs {config.epochs} is {steps} steps")
+        config = dataclasses.replace(config, max_steps=steps)
     if config.last_window == "drop" and len(data.train) < effective:
         raise UsageError.single(
             "--last-window",

@@ -26,6 +26,9 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 WEIGHTS_FILE = "model.safetensors"
+BEST_DIR = "best"
+"""--keep-best: the weights of the lowest validation loss, apart from checkpoints/ (never pruned)."""
+BEST_FILE = "best.json"
 CHECKPOINTS_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -101,10 +104,11 @@ class RunWriter:
         if self._tb is not None:
             step = int(row["step"])
             for key in ("loss", "grad_norm", "lr", "loss_scale", "tokens_per_s", "step_time_s", "val_loss",
-                        "grad_noise_scale", "grad_noise_scale_tokens"):
+                        "val_perplexity", "grad_noise_scale", "grad_noise_scale_tokens"):
                 value = row.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss", value, step)
+                    name = {"val_loss": "val/loss", "val_perplexity": "val/perplexity"}.get(key, f"train/{key}")
+                    self._tb.add_scalar(name, value, step)
             if row.get("peak_memory_bytes"):
                 self._tb.add_scalar("train/peak_memory_mib", row["peak_memory_bytes"] / 2**20, step)
             if row.get("skipped"):
@@ -117,6 +121,14 @@ class RunWriter:
     def save_model(self, weights: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
         with writing(str(self.root / WEIGHTS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
             save_weights(weights, self.root / WEIGHTS_FILE, metadata)
+
+    def save_best(self, weights: Mapping[str, torch.Tensor], record: dict[str, Any]) -> None:
+        """--keep-best: OUT/best/model.safetensors and best.json (its step and validation loss), each written whole;
+        the weights first, so a best.json always describes the weights beside it or older ones being replaced."""
+        folder = self.root / BEST_DIR
+        with writing(str(folder / WEIGHTS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
+            save_weights(weights, folder / WEIGHTS_FILE)
+            atomic_write_json(folder / BEST_FILE, record)
 
     def close(self) -> None:
         self._metrics.close()
@@ -141,6 +153,9 @@ class NoWriter(RunWriter):
         pass
 
     def save_model(self, weights: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+        pass
+
+    def save_best(self, weights: Mapping[str, torch.Tensor], record: dict[str, Any]) -> None:
         pass
 
     def close(self) -> None:
