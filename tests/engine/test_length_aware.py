@@ -184,8 +184,8 @@ def test_a_length_aware_window_interrupted_mid_way_resumes_bitwise(tmp_path, mon
     assert main([*common, "--out", str(tmp_path / "whole")]) == 0
     original = TrainProgress.micro_step
 
-    def signal_once(progress: TrainProgress, step: int, micro: int) -> None:
-        original(progress, step, micro)
+    def signal_once(progress: TrainProgress, step: int, micro: int, total: int | None = None) -> None:
+        original(progress, step, micro, total)
         if step == 2 and micro == 1:  # the stop is honoured after this micro-batch, the window's first
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -212,8 +212,8 @@ def test_an_interrupted_window_is_not_continued_with_another_cut(tmp_path, monke
               "--data-cache", str(tmp_path / "cache")]
     original = TrainProgress.micro_step
 
-    def signal_once(progress: TrainProgress, step: int, micro: int) -> None:
-        original(progress, step, micro)
+    def signal_once(progress: TrainProgress, step: int, micro: int, total: int | None = None) -> None:
+        original(progress, step, micro, total)
         if step == 1 and micro == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
