@@ -104,6 +104,23 @@ def test_hf_estimate_matches_a_quick_measurement(spec, overrides, precision, che
     assert abs(relative_error(predicted.peak_bytes, measured.peak_bytes)) <= 0.15
 
 
+@pytest.mark.parametrize(("spec", "overrides"), [("hf:llama", LLAMA), ("hf:gpt2", GPT2)], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_selective_recompute_is_estimated_as_what_it_keeps(spec, overrides, precision) -> None:
+    """Issue 28 item 4: selective recompute was estimated as full (measured 6.47 MiB against 5.19 estimated on the
+    llama, fp32, 4 x 128: -20%; gpt2 -12%). It keeps the outputs of the block's matmuls and of attention: now within
+    6% (measured: llama +4.7% fp32, -1.5% bf16; gpt2 +4.7%, -0.5%), between none and full."""
+    if precision == "bf16" and not cpu_has_bf16():
+        pytest.skip("bf16 on this CPU is emulated: minutes, not seconds")
+    predicted, measured = measure(spec, overrides, 4, 128, precision, "selective")
+    assert abs(relative_error(predicted.peak_bytes, measured.peak_bytes)) <= 0.06, (predicted.summary(),
+                                                                                   measured.summary())
+    hf = build(spec, overrides)
+    full, none = (estimate(hf, micro_batch_size=4, seq_len=128, precision=precision, checkpointing=mode).peak_bytes
+                  for mode in ("full", "none"))
+    assert full < predicted.peak_bytes < none
+
+
 @pytest.fixture(scope="module")
 def llama() -> HFModel:
     return build("hf:llama", LLAMA)

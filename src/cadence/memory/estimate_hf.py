@@ -128,6 +128,14 @@ def estimate_hf_step_memory(
                                 on_device=on_device)
 
 
+_SELECTIVE_SAVED = {
+    "llama": frozenset({"q", "k", "v", "lse", "att", "po", "gate", "up", "mo"}),
+    "gpt2": frozenset({"qkv", "lse", "att", "po", "f", "mo"}),
+}
+"""Per block style, the tensors selective recompute keeps: the outputs of the matmuls (q/k/v/o, gate/up/down;
+gpt2's c_attn, c_proj, c_fc, mlp c_proj) and of attention (its output and log-sum-exp)."""
+
+
 class HFStepReplay(StepReplay):
     """The generic replay with transformers' blocks; bookkeeping, the step and the loss are the parent's."""
 
@@ -281,56 +289,70 @@ class HFStepReplay(StepReplay):
                 self.alloc(f"{p}.out{'' if user == 0 else user}", n * c * self.act, "activations")
 
     def _hf_block_forward(self, layer: int, *, recompute: bool = False) -> None:
+        """One transformers block's forward (``recompute``: checkpointing re-running it in the backward). Under
+        selective recompute the outputs of its matmuls and of attention stay saved through the backward (the policy
+        of cadence.memory.recompute, which keeps them even where the forward's own code lets go of them), everything
+        else is recomputed; under full only the block's input stays."""
         n, c, a, i, p = self.n, self.c, self.act, self.inner, f"b{layer}."
+        saved = _SELECTIVE_SAVED[self.style] if self.mode == "selective" else frozenset()
         weights = self._block_weights()
         for name, numel in weights.items():
             if p + name not in self.tensors:
                 self._weight(p + name, numel, saved=self.mode == "none")
+
+        def out(name: str, size: int) -> None:  # a saved output already there (selective's cache) is reused
+            if p + name not in self.tensors:
+                self.alloc(p + name, size, "activations")
+
+        def release(*names: str) -> None:  # what the forward lets go of, unless selective keeps it
+            self.free(*(p + name for name in names if name not in saved))
+
         if self.style == "gpt2":
             self._norm_forward(p + "n1", users=1)
-            self.alloc(p + "qkv", 3 * n * c * a, "activations")
-            self.alloc(p + "qc", n * c * a, "activations")  # attention's contiguous copies of q and v
-            self.alloc(p + "vc", n * c * a, "activations")
-            self.alloc(p + "lse", self.heads * n * FP32_BYTES, "activations")
-            self.alloc(p + "att", n * c * a, "activations")  # also c_proj's input
+            out("qkv", 3 * n * c * a)
+            out("qc", n * c * a)  # attention's contiguous copies of q and v
+            out("vc", n * c * a)
+            out("lse", self.heads * n * FP32_BYTES)
+            out("att", n * c * a)  # also c_proj's input
             self.free(p + "n1.out.f32")
-            self.alloc(p + "po", n * c * a, "activations")
+            out("po", n * c * a)
         else:
             self._norm_forward(p + "n1", users=3)
-            self.alloc(p + "q", n * self.dq * a, "activations")  # q projection, then rotated into a new tensor
-            self.alloc(p + "qr", n * self.dq * a, "activations")
-            self.free(p + "q")
-            self.alloc(p + "k", n * self.dkv * a, "activations")
-            self.alloc(p + "kr", n * self.dkv * a, "activations")
-            self.free(p + "k")
-            self.alloc(p + "v", n * self.dkv * a, "activations")
-            self.alloc(p + "lse", self.heads * n * FP32_BYTES, "activations")
-            self.alloc(p + "att", n * self.dq * a, "activations")  # also o_proj's input
+            out("q", n * self.dq * a)  # q projection, then rotated into a new tensor
+            out("qr", n * self.dq * a)
+            release("q")
+            out("k", n * self.dkv * a)
+            out("kr", n * self.dkv * a)
+            release("k")
+            out("v", n * self.dkv * a)
+            out("lse", self.heads * n * FP32_BYTES)
+            out("att", n * self.dq * a)  # also o_proj's input
             self.free(p + "n1.out.f32")
-            self.alloc(p + "po", n * c * a, "activations")
-        self.alloc(p + "x1", n * c * FP32_BYTES, "activations")  # residual add: fp32 stream + branch -> fp32
-        self.free(p + "po")
+            out("po", n * c * a)
+        out("x1", n * c * FP32_BYTES)  # residual add: fp32 stream + branch -> fp32
+        release("po")
         if self.style == "gpt2":
             self._norm_forward(p + "n2", users=1)
-            self.alloc(p + "f", n * i * a, "activations")
+            out("f", n * i * a)
             # gelu_new = 0.5 x (1 + tanh(k (x + 0.044715 x^3))): keeps tanh's output, 0.5 x and 1 + tanh
-            self.alloc(p + "g1", 3 * n * i * a, "activations")
-            self.alloc(p + "g", n * i * a, "activations")
+            out("g1", 3 * n * i * a)
+            out("g", n * i * a)
         else:
             self._norm_forward(p + "n2", users=2)
-            self.alloc(p + "gate", n * i * a, "activations")
-            self.alloc(p + "up", n * i * a, "activations")
-            self.alloc(p + "silu", n * i * a, "activations")
-            self.alloc(p + "g", n * i * a, "activations")  # silu(gate) * up: down_proj's input
+            out("gate", n * i * a)
+            out("up", n * i * a)
+            out("silu", n * i * a)
+            out("g", n * i * a)  # silu(gate) * up: down_proj's input
         if recompute:  # non-reentrant checkpointing stops once the last saved tensor exists
             self.free(p + "n2.out.f32")
             return
-        self.alloc(p + "mo", n * c * a, "activations")
+        out("mo", n * c * a)
         self.free(p + "n2.out.f32")
         self.alloc(f"r{layer + 1}", n * c * FP32_BYTES, "activations")
-        self.free(p + "mo")
-        if self.mode != "none":  # the checkpoint keeps only the block's input (and the next one's)
-            self.free(*[name for name in self.tensors if name.startswith(p) and self.tensors[name][1] == "activations"])
+        release("mo")
+        if self.mode != "none":  # the checkpoint keeps the block's input (and the next one's), selective its cache
+            self.free(*[name for name in self.tensors if name.startswith(p) and self.tensors[name][1] == "activations"
+                        and name[len(p):] not in saved])
 
     # ------------------------------------------------------------------------------------------------ backward
     def _backward(self) -> None:
