@@ -38,6 +38,7 @@ def test_good_loop_exits_0_and_json(capsys):
     assert report["findings"] == []
 
 
+@pytest.mark.slow
 def test_a_module_of_an_uninstalled_package_in_the_current_directory_is_audited(tmp_path: Path) -> None:
     """The README's form, `cadence audit --json -- python -m mypackage.train`, through the installed console script
     (whose sys.path starts at its bin directory, not the current directory) from the directory holding the package:
@@ -92,6 +93,7 @@ def test_every_bad_case_that_changes_the_math_exits_1(case: str, capsys: pytest.
         assert status == 0, case
 
 
+@pytest.mark.slow
 def test_strict_fails_on_warnings_too() -> None:
     """The two performance-only cases exit 0 without --strict (test_every_bad_case_that_changes_the_math_exits_1)
     and 1 with it; a good loop passes --strict."""

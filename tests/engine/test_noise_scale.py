@@ -88,6 +88,7 @@ def fixed_weights_engine(model: torch.nn.Module, **options: object) -> Engine:
 
 
 # vmap has no batching rule for CPU flash attention: it falls back to a loop (slower, same gradients).
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
 def test_the_two_size_estimate_is_within_20_percent_of_the_per_example_noise_scale(one_thread: None) -> None:
     """At fixed weights, windows of micro 4 x accum 4 over 20 epochs of a 512-sequence population: the estimator's

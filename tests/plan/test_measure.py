@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import sample_text
 
@@ -79,6 +80,7 @@ def _plan(tmp_path: Path, out: str, *extra: str) -> dict:
     return json.loads((tmp_path / out / "plan.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_time_budget_stops_the_trials_and_says_what_was_not_measured(tmp_path: Path) -> None:
     plan = _plan(tmp_path, "quick", "--time-budget", "0.001")
     unmeasured = [c for c in plan["candidates"] if c["status"] == "not measured: --time-budget spent"]

@@ -48,6 +48,7 @@ def saved_llama(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.slow
 def test_plan_auto_on_a_saved_model_records_the_noise_scale_and_chooses_from_it(tmp_path, saved_llama):
     data = write_jsonl(tmp_path / "data.jsonl", 96)
     out = tmp_path / "plan"

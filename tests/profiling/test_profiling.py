@@ -139,6 +139,7 @@ def test_compute_bound_advice_names_only_levers_the_run_has_left(config, named, 
     assert not any(word in advice for word in not_named), advice
 
 
+@pytest.mark.slow
 def test_profile_reports_the_noise_scale_against_the_effective_batch(tmp_path, capsys):
     """Issue 27: profile.json, the printed line and the report hold the gradient noise scale over the profiled
     windows, and where the effective batch stands against it."""

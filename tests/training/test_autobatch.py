@@ -135,6 +135,7 @@ def run(tmp_path, name, *args):
     return out
 
 
+@pytest.mark.slow
 def test_budget_that_fits_micro_4_ends_at_4x8_with_the_same_losses(tmp_path):
     """Acceptance: asked for micro 16 x accum 2 under a budget that fits 4 but not 8 (measured: 4 -> ~27 MiB,
     8 -> ~34 MiB at seq 64 on gpt-tiny), the run ends at 4 x 8 with losses equal to a run started at 4 x 8."""

@@ -77,6 +77,7 @@ def test_the_live_bar_keeps_the_last_steps_figures_during_the_next_windows_micro
     assert packed.startswith("micro 2/3 | loss 2.5000")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("columns", [200, 80])
 def test_a_real_terminal_shows_loss_and_the_micro_batch_together(tmp_path, columns):
     """`cadence train` on a pseudo-terminal: the frames drawn while a window's micro-batches run show the

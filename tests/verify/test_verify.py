@@ -25,7 +25,8 @@ def builtin_windows(seq_len: int, count: int = 1):
     return [window for window, _ in zip(windows, range(count))]
 
 
-@pytest.mark.parametrize("model", ["gpt-tiny", "gpt-small", pytest.param("gpt-base", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["gpt-tiny", pytest.param("gpt-small", marks=pytest.mark.slow),
+                                   pytest.param("gpt-base", marks=pytest.mark.slow)])
 def test_every_fp32_split_of_the_builtin_models_passes(model):
     # gpt-base, the suite's second slowest test: seq 32 and the two extreme splits (the others are checked on the
     # smaller models, with the same code).
