@@ -413,6 +413,19 @@ class HFStepReplay(StepReplay):
         self.free("tied.dense", "tied.head", "tied.sum")
         self.tied_head_held = False
 
+    def _gelu_new_backward(self, p: str) -> None:
+        """gpt2's gelu_new backward, from ``p + "dg"`` (the gradient of its output) to ``p + "df"`` (of its input):
+        it goes through the formula, so the gradients of both factors of 0.5 x * (1 + tanh) exist together with the
+        incoming one, then tanh's, then the three paths summed into x's."""
+        size = self.n * self.inner * self.act
+        self.alloc(p + "da", size, "temporaries")
+        self.alloc(p + "dt", size, "temporaries")
+        self.free(p + "dg")
+        self.alloc(p + "dtanh", size, "temporaries")
+        self.free(p + "dt", p + "g1")
+        self.alloc(p + "df", size, "temporaries")
+        self.free(p + "da", p + "dtanh", p + "f")
+
     def _hf_block_backward(self, layer: int) -> None:
         n, c, a, i, p = self.n, self.c, self.act, self.inner, f"b{layer}."
         weights = self._block_weights()
@@ -433,15 +446,7 @@ class HFStepReplay(StepReplay):
         self.param_grad(p + "down", weights.get("w.down", weights.get("w.mlp", 0)))
         release("dres.c", "g", "w.down", "w.mlp")
         if self.style == "gpt2":
-            # gelu_new's backward goes through its formula: the gradients of both factors of 0.5 x * (1 + tanh)
-            # exist together with the incoming one, then tanh's, then the three paths summed into x's.
-            grad("da", n * i * a)
-            grad("dt", n * i * a)
-            release("dg")
-            grad("dtanh", n * i * a)
-            release("dt", "g1")
-            grad("df", n * i * a)
-            release("da", "dtanh", "f")
+            self._gelu_new_backward(p)
             grad("dh2", n * c * a)
             self.param_grad(p + "fc", weights["w.fc"])
             release("df", "w.fc")
@@ -668,13 +673,7 @@ class HFStepReplay(StepReplay):
             self._adapter_backward(p, mlp[-1], i, c, input_grad=True)
             release("dres.c", "g", mlp[-1])
             if self.style == "gpt2":
-                grad("da", n * i * a)
-                grad("dt", n * i * a)
-                release("dg")
-                grad("dtanh", n * i * a)
-                release("dt", "g1")
-                grad("df", n * i * a)
-                release("da", "dtanh", "f")
+                self._gelu_new_backward(p)
                 self._adapter_backward(p, "w.fc", c, i, input_grad=attention_grad)
                 if attention_grad:
                     grad("dh2", n * c * a)

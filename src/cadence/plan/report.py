@@ -286,24 +286,25 @@ def _quality(quality: Any) -> list[Block]:
                  f"against the reference ({grad.get('reference', '?')})."))
     loss = quality.get("loss")
     if isinstance(loss, dict):
-        blocks.append(Paragraph(
-            text=f"**Loss over {loss.get('steps', '?')} steps: {_passed(loss.get('passed'))}**: largest relative "
-                 f"difference {format_number(times(loss.get('max_relative_difference'), 100), '.2f')}% (tolerance "
-                 f"{format_number(times(loss.get('tolerance'), 100), '.2f')}%)"
-                 + (f", against {loss['reference_setup']}." if loss.get("reference_setup") else ".")))
+        blocks.append(Paragraph(text=_loss_check_text("Loss", loss, "")))
         if loss.get("chosen") and loss.get("reference"):
             blocks.append(plot_block("report-quality.png", "Loss of the chosen configuration and of the reference over "
                                 "the same first steps.", plots.quality_figure(loss["chosen"], loss["reference"])))
     for check in quality.get("optimizer_state") or []:
         if isinstance(check, dict):
-            blocks.append(Paragraph(
-                text=f"**{check.get('optimizer_state', '?')} optimizer state over {check.get('steps', '?')} steps: "
-                     f"{_passed(check.get('passed'))}**: largest relative loss difference "
-                     f"{format_number(times(check.get('max_relative_difference'), 100), '.2f')}% (tolerance "
-                     f"{format_number(times(check.get('tolerance'), 100), '.2f')}%) against "
-                     f"{check.get('reference_setup', 'fp32 state')}"
-                     + (f"; {check['error']}" if check.get("error") else "") + "."))
+            blocks.append(Paragraph(text=_loss_check_text(f"{check.get('optimizer_state', '?')} optimizer state",
+                                                          check, "loss ")))
     return blocks or [Paragraph(text="No quality check was recorded.")]
+
+
+def _loss_check_text(title: str, check: dict[str, Any], what: str) -> str:
+    """A loss comparison against its reference in one line: the verdict, the largest relative difference, the
+    tolerance, the reference and an error if the comparison could not run."""
+    return (f"**{title} over {check.get('steps', '?')} steps: {_passed(check.get('passed'))}**: largest relative "
+            f"{what}difference {format_number(times(check.get('max_relative_difference'), 100), '.2f')}% (tolerance "
+            f"{format_number(times(check.get('tolerance'), 100), '.2f')}%)"
+            + (f", against {check['reference_setup']}" if check.get("reference_setup") else "")
+            + (f"; {check['error']}" if check.get("error") else "") + ".")
 
 
 def _cuts(rows: list[dict[str, Any]]) -> list[Block]:
