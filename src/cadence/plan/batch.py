@@ -23,10 +23,10 @@ from cadence.training.noise_scale import NoiseScaleMeasurement, measure_noise_sc
 from cadence.training.prepare import Prepared
 
 PROBE_MICRO_BATCHES = 16
-"""Micro-batches per probe window: the estimator compares one micro-batch's gradient with the window's, and the
-further apart the two sizes, the smaller its variance."""
-PROBE_MICRO_SIZES = (1,)
-"""Probe micro-batch sizes tried, largest first (the first whose estimate fits the budget)."""
+"""Micro-batches of one sequence per probe window: the estimator compares one micro-batch's gradient with the
+window's, and the further apart the two sizes, the smaller its variance; one sequence also resolves a noise scale
+below a few sequences (micro-batches of 8 gave no positive estimate at a random init, where it is about 1), and it
+fits wherever anything does."""
 
 
 class NoiseScaleUnmeasured(CadenceFailure):
@@ -56,19 +56,16 @@ class BatchChoice:
 
 def probe_setup(model: PlanModel, *, seq_len: int, budget: int, precision: str, device_type: str,
                 loss_chunk_tokens: int, sequences: int) -> dict[str, Any]:
-    """The probe's cut: the largest micro-batch of PROBE_MICRO_SIZES whose estimate fits ``budget`` (without
-    recompute, then with full recompute), and as many micro-batches per window as the data allows (at least 2)."""
+    """The probe's cut: micro-batches of one sequence, as many per window as the data allows (at least 2, at most
+    PROBE_MICRO_BATCHES), without recompute when the estimate fits ``budget``, else with full recompute."""
     per_window = max(2, min(PROBE_MICRO_BATCHES, sequences))
-    for micro in PROBE_MICRO_SIZES:
-        if micro * per_window > sequences and micro > 1:
-            continue
-        for recompute in ("none", "full"):
-            estimate = model.estimate(micro_batch_size=micro, seq_len=seq_len, precision=precision,
-                                      checkpointing=recompute, device_type=device_type, grad_accum_steps=per_window,
-                                      loss_chunk_tokens=loss_chunk_tokens)
-            if estimate.peak_bytes <= budget:
-                return {"micro_batch_size": micro, "grad_accum_steps": per_window, "precision": precision,
-                        "activation_checkpointing": recompute, "estimated_peak_bytes": estimate.peak_bytes}
+    for recompute in ("none", "full"):
+        estimate = model.estimate(micro_batch_size=1, seq_len=seq_len, precision=precision, checkpointing=recompute,
+                                  device_type=device_type, grad_accum_steps=per_window,
+                                  loss_chunk_tokens=loss_chunk_tokens)
+        if estimate.peak_bytes <= budget:
+            return {"micro_batch_size": 1, "grad_accum_steps": per_window, "precision": precision,
+                    "activation_checkpointing": recompute, "estimated_peak_bytes": estimate.peak_bytes}
     raise NoiseScaleUnmeasured(
         f"no probe for the gradient noise scale fits in {format_bytes(budget)} (one sequence of {seq_len} tokens "
         f"with full recompute is estimated above it); give --effective-batch-size N, a larger --memory-budget or a "
@@ -144,5 +141,5 @@ def choose_effective_batch(prep: Prepared, model: PlanModel, *, budget: int, win
     say(f"gradient noise scale: {value:.3g}{spread} sequences ({measurement.tokens or 0:,.0f} tokens) over "
         f"{measurement.windows} windows; effective batch {chosen}")
     return BatchChoice(effective_batch_size=chosen, measurement=measurement,
-                       probe={key: value for key, value in probe.items()}, bounds=(low, high), reason=reason,
+                       probe=probe, bounds=(low, high), reason=reason,
                        lr_advice=lr_advice(config.lr, chosen, lr_reference))
