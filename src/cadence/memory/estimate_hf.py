@@ -163,9 +163,6 @@ class HFStepReplay(StepReplay):
         self.dq, self.dkv = heads * int(shape.head_dim or 1), kv * int(shape.head_dim or 1)  # q and k/v widths
         self.heads = heads
         self.inner = int(shape.intermediate_size or 4 * self.c)
-        if self.mode == "selective":
-            self.notes.append("selective recompute of Hugging Face blocks is estimated as full recompute (a lower "
-                              "bound: selective also keeps the matmul and attention outputs); trials measure it")
 
     # ------------------------------------------------------------------------------------------------ shapes
     def _block_weights(self) -> dict[str, int]:
@@ -626,6 +623,21 @@ class HFStepReplay(StepReplay):
         self.grad = attention_grad or any(w in targets for w in mlp)
         if self.mode != "none":  # the checkpoint keeps only the block's input (and the next one's)
             self.free(*[name for name in self.tensors if name.startswith(p) and self.tensors[name][1] == "activations"])
+        if self.mode == "selective":  # ... and selective, the outputs of the block's matmuls and of attention
+            self.alloc(p + "selective", self._lora_selective_cache(), "activations")
+
+    def _lora_selective_cache(self) -> int:
+        """Bytes one adapted block's selective-recompute cache holds through the backward: every base projection's
+        output, each adapter's lora_A (rank-wide) and lora_B outputs, attention's output and log-sum-exp."""
+        assert self.lora is not None
+        n, c, a, i, r = self.n, self.c, self.act, self.inner, self.lora.rank
+        if self.style == "gpt2":
+            widths = {"w.qkv": 3 * c, "w.proj": c, "w.fc": i, "w.mlp": c}
+        else:
+            widths = {"w.q": self.dq, "w.k": self.dkv, "w.v": self.dkv, "w.o": c, "w.gate": i, "w.up": i,
+                      "w.down": c}
+        elements = sum(widths.values()) + sum(r + widths[w] for w in self.lora.targets if w in widths)
+        return n * (elements + self.dq) * a + self.heads * n * FP32_BYTES
 
     def _lora_groups(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The attention and MLP projections, each group's output projection last."""
@@ -654,6 +666,9 @@ class HFStepReplay(StepReplay):
         assert self.lora is not None
         n, c, a, i, p = self.n, self.c, self.act, self.inner, f"b{layer}."
         if self.mode != "none":
+            # Selective: the recompute's matmuls return the cached outputs, so the re-run forward's tensors are
+            # counted in place of the cache (not beside it).
+            self.free(p + "selective")
             self._lora_block_forward(layer, recompute=True)
         grad_in = self.grad_in[layer]
         targets = self.lora.targets
