@@ -43,8 +43,8 @@ def load(condition: str) -> Iterator[int]:
             burner.wait()
 
 
-def run_condition(condition: str, args: argparse.Namespace, root: Path) -> dict:
-    plan_dir, run_dir = root / f"plan-{condition}", root / f"run-{condition}"
+def run_condition(condition: str, args: argparse.Namespace, root: Path, index: int) -> dict:
+    plan_dir, run_dir = root / f"plan-{index}-{condition}", root / f"run-{index}-{condition}"
     shape = ["--model", args.model, "--seq-len", str(args.seq_len), "--effective-batch-size", str(args.batch),
              "--memory-budget", args.budget]
     extra = ["--time-budget", str(args.time_budget)] if args.time_budget else []
@@ -101,7 +101,9 @@ def main() -> int:
         args.model, args.seq_len, args.batch, args.budget, args.train_steps = "gpt-tiny", 64, 8, "256MiB", 4
         args.time_budget = args.time_budget or 30.0
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_condition(condition, args, Path(tmp)) for condition in args.conditions]
+        # A condition given twice (``--conditions quiet loaded loaded``) plans twice: issue 28 asks whether two plans
+        # beside the same load choose the same configuration (or report a tie within their noise).
+        rows = [run_condition(condition, args, Path(tmp), index) for index, condition in enumerate(args.conditions)]
     data = {"environment": environment(), "model": args.model, "seq_len": args.seq_len,
             "effective_batch_size": args.batch, "budget": args.budget, "conditions": rows}
     out = RESULTS / ("plan_prediction_quick.json" if args.quick else "plan_prediction.json")

@@ -292,3 +292,61 @@ def test_a_tied_embedding_s_two_gradients_are_estimated_with_accumulation(tmp_pa
         micro_batch_size=1, seq_len=64, precision="fp32", checkpointing="none", grad_accum_steps=accumulation,
         optimizer_state=state).peak_bytes
     assert abs(relative_error(predicted, measured)) < 0.02, (predicted / MiB, measured / MiB)
+
+
+# ------------------------------------------------------------------------------------ packed rows, token budgets
+def packed_window(seed: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """4 packed rows of 128 positions as --packing collates them: three prompt/completion examples (40, 50 and 30
+    tokens, the first half of each a prompt) and the padding, with position_ids restarting at each example."""
+    from cadence.data.batching import Example
+    from cadence.engine.windows import collate_packed
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(4):
+        row = []
+        for length in (40, 50, 30, 8):  # the last one fills the row to 128
+            labels = torch.randint(0, 256, (length,), generator=generator)
+            labels[: length // 2] = -100
+            row.append(Example(input_ids=torch.randint(0, 256, (length,), generator=generator), labels=labels))
+        rows.append(row)
+    batch = collate_packed(rows)
+    return [batch], int((batch["labels"] != -100).sum())
+
+
+@pytest.mark.parametrize(("spec", "overrides", "precision", "checkpointing", "cut"), [
+    ("hf:llama", LLAMA, "fp32", "none", "packed"),
+    ("hf:llama", LLAMA, "fp32", "full", "packed"),
+    ("hf:llama", LLAMA, "bf16", "selective", "packed"),
+    ("hf:gpt2", GPT2, "fp32", "none", "packed"),
+    ("hf:llama", LLAMA, "fp32", "none", "budget"),
+    ("hf:llama", LLAMA, "bf16", "full", "budget"),
+    ("hf:gpt2", GPT2, "fp32", "selective", "budget"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_packed_rows_and_token_budgets_are_estimated_within_10_percent(spec, overrides, precision, checkpointing,
+                                                                      cut) -> None:
+    """Issue 28 item 4. Packed rows: transformers gives attention a block-diagonal mask, and with a mask SDPA's
+    grouped-query path gives way to k and v repeated to the query heads (llama: estimated 6-10% low before; now
+    -6.7% fp32 / -1% bf16 at worst). A token budget of 512 as 16 rows of 32: the estimate of its tokens."""
+    hf = build(spec, overrides)
+    apply_activation_checkpointing(hf.model, checkpointing)  # type: ignore[arg-type]
+    optimizer = build_optimizer(hf.model, TrainConfig())
+    if cut == "packed":
+        rows, seq = 4, 128
+        warm, _ = packed_window(0)
+        window, targets = packed_window(1)
+    else:
+        rows, seq = 16, 32
+        warm, window = make_window(rows, seq, seed=0), make_window(rows, seq)
+        targets = rows * seq
+    Engine(hf.model, optimizer, precision="fp32", max_grad_norm=1.0).step(warm)
+    engine = Engine(hf.model, optimizer, precision=precision, max_grad_norm=1.0)  # type: ignore[arg-type]
+    measured = measure_step(hf.model, optimizer, lambda: engine.step(window), "cpu")
+    predicted = estimate(hf, micro_batch_size=rows, seq_len=seq, precision=precision, checkpointing=checkpointing,
+                         target_tokens=targets, packed=cut == "packed")
+    assert abs(relative_error(predicted.peak_bytes, measured.peak_bytes)) <= 0.10, (predicted.summary(),
+                                                                                   measured.summary())
+    if cut == "packed" and spec == "hf:llama":  # the repeated k and v are counted: more than unpacked rows
+        unpacked = estimate(hf, micro_batch_size=rows, seq_len=seq, precision=precision,
+                            checkpointing=checkpointing, target_tokens=targets)
+        assert predicted.peak_bytes > unpacked.peak_bytes

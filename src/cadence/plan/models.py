@@ -51,7 +51,9 @@ class PlanModel:
             return estimate_step_memory(MODEL_CONFIGS[self.config.model], **options)
         # --lora-rank: the frozen base has no gradient and no optimizer state; the adapters have both.
         lora = self.hf.lora if self.hf is not None else None
-        return estimate_hf_step_memory(self.shape, model_type=str(self.model_type), lora=lora, **options)
+        # --packing: transformers masks attention block by block, which repeats k and v to the query heads.
+        return estimate_hf_step_memory(self.shape, model_type=str(self.model_type), lora=lora,
+                                       packed=self.config.packing, **options)
 
     @property
     def vocab_size(self) -> int:
