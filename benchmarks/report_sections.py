@@ -463,3 +463,22 @@ def render_memory_estimate_hf(data: dict) -> list[str]:
     lines += para(f"Worst error over {len(rows)} configurations: {worst:.1%}"
                   + (" (within the 10% of issue 28)." if worst <= 0.10 else " - beyond the 10% of issue 28."))
     return lines
+
+
+def render_packing_hf(data: dict) -> list[str]:
+    """Issue 30 item 5: --packing on a transformers llama against by-length, before and after cadence's attention."""
+    model = data["model"]
+    lines = para(f"A transformers llama (hidden {model['hidden_size']}, {model['num_hidden_layers']} layers, "
+                 f"{model['num_attention_heads']} query / {model['num_key_value_heads']} key-value heads, byte "
+                 f"vocabulary), the prompt/completion windows of the padding benchmark ({data['examples']} examples, "
+                 f"mean {data['mean_length']:.0f} tokens), seq {data['seq_len']}, micro {data['micro_batch_size']} x "
+                 f"accum {data['grad_accum_steps']}, fp32, {data['rounds']} alternating rounds of "
+                 f"{data['steps_per_round']} steps; median real tokens/s. Before: packed rows through transformers' "
+                 f"SDPA with its dense block mask (attention over whole rows, k and v repeated to the query heads); "
+                 f"after: cadence's attention, one causal SDPA per example.")
+    rows = [[mode, f"{row['tokens_per_s']:,.0f}", f"{row['ratio']:.2f}x", f"{row['real_share']:.0%}",
+             mib(row["peak_bytes"])] for mode, row in data["results"].items()]
+    lines += table(["cut", "real tokens/s", "against by-length", "real tokens of the positions", "peak MiB"], rows)
+    lines += para(f"Packed losses, cadence's attention against transformers': largest relative difference "
+                  f"{data['packed_loss_difference']:.1e}.")
+    return lines

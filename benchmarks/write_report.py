@@ -82,6 +82,8 @@ SECTIONS = (
             "make bench-data", lambda data: render_data_store(data), optional=True),  # defined further down
     Section("padding.json", "Padding: length-aware micro-batches against the padded baseline (issue 15)",
             ".venv/bin/python benchmarks/padding.py", lambda data: render_padding(data), optional=True),
+    Section("packing_hf.json", "Packing on a transformers model: before and after per-example attention (issue 30)",
+            ".venv/bin/python benchmarks/packing_hf.py", sections.render_packing_hf, ("transformers",), optional=True),
     Section("input_overlap.json", "Input that overlaps compute: --prefetch-windows on a slow dataset (issue 16)",
             ".venv/bin/python benchmarks/input_overlap.py", lambda data: render_input_overlap(data), optional=True),
     Section("compile.json", "torch.compile: --compile against eager on this machine (issue 16)",

@@ -46,7 +46,7 @@ def test_llama_splits_agree_through_the_cli(tmp_path):
     config = json.loads((big / "config.json").read_text())
     assert config["model"] == "hf:llama" and config["model_parameters"] > 0
     # Length-aware cuts of the same windows (issue 15): by length, and by a token budget of 96 positions.
-    # Packing: transformers turns position ids that restart at 0 into block-diagonal attention (no mask given).
+    # Packing: position ids restart at 0 per example; cadence's attention runs each example on its own.
     for name, extra in (("sorted", ("--micro-batch-order", "by-length")), ("budget", ("--micro-batch-tokens", "96")),
                         ("packed", ("--packing",))):
         cut = train(tmp_path, name, *LLAMA, "--data", str(data), "--micro-batch-size", "2", "--grad-accum-steps", "4",

@@ -109,9 +109,9 @@ def estimate_hf_step_memory(
     :func:`cadence.memory.estimate.estimate_step_memory`. ``lora``: the adapters --lora-rank injected
     (:func:`cadence.models.lora.lora_shape`; ``shape`` stays the base model's): the base is frozen (no gradient, no
     optimizer state, and no saved inputs where only a weight gradient needed them), the adapters are trained.
-    ``packed``: rows hold several examples (``--packing``); transformers then gives attention a block-diagonal mask,
-    kept by every layer, and SDPA's grouped-query path (which takes no mask) gives way to k and v repeated to the
-    query heads."""
+    ``packed``: rows hold several examples (``--packing``): transformers builds a block-diagonal mask for the
+    forward, which cadence's attention (:mod:`cadence.models.packed_attention`, one causal SDPA per example) does
+    not keep."""
     problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
                               context_length=shape.context_length, precision=precision,
                               checkpointing=checkpointing, offload=offload, loss_chunk_tokens=loss_chunk_tokens,
@@ -246,8 +246,8 @@ class HFStepReplay(StepReplay):
             # Rotary embedding: cos and sin of (seq_len, head_dim), computed once per forward in fp32, kept by
             # every block's rotation.
             self.alloc("rope", 2 * self.t * int(self.shape.head_dim or 1) * FP32_BYTES, "activations")
-        if self.packed:  # the block-diagonal causal mask of packed rows: one bool per (row, query, key)
-            self.alloc("mask", self.n * self.t, "activations")
+        if self.packed:  # the block-diagonal mask transformers still builds for packed rows: one bool per (row,
+            self.alloc("mask", self.n * self.t, "activations")  # query, key), unused by cadence's attention
         self.grad = False  # LoRA: the frozen embedding's output needs no gradient
         for layer in range(self.shape.num_layers):
             if self.lora is not None:
@@ -269,6 +269,7 @@ class HFStepReplay(StepReplay):
         # Leaving autocast clears its cast cache: copies of checkpointed blocks' weights are freed.
         if self.mode != "none":
             self.free(*(f"b{i}.{w}" for i in range(self.shape.num_layers) for w in self._block_weights()))
+        self.free("mask")  # the model's forward returns: nothing saved the mask
         for name in [k for k, (_, category) in self.tensors.items() if category == "activations"]:
             self._keep(name)
 
@@ -330,10 +331,6 @@ class HFStepReplay(StepReplay):
             out("kr", n * self.dkv * a)
             release("k")
             out("v", n * self.dkv * a)
-            if self._repeats_kv():  # what attention keeps instead of the grouped k and v
-                out("kr.rep", n * self.dq * a)
-                out("v.rep", n * self.dq * a)
-                release("kr", "v")
             out("lse", self.heads * n * FP32_BYTES)
             out("att", n * self.dq * a)  # also o_proj's input
             self.free(p + "n1.out.f32")
@@ -396,7 +393,7 @@ class HFStepReplay(StepReplay):
         self.embedding_lookup = True
         self.param_grad("embed", v * c)
         self.embedding_lookup = False
-        self.free("dres", "dpos", "rope", "mask", "r0")
+        self.free("dres", "dpos", "rope", "r0")
 
     def param_grad(self, name: str, numel: int) -> None:
         """A tied embedding is one weight used twice, and autograd sums its two contributions before its ``.grad``
@@ -489,10 +486,8 @@ class HFStepReplay(StepReplay):
             self.param_grad(p + "qkv", weights["w.qkv"])
             release("dqkv", "w.qkv")
         else:
-            if self._repeats_kv():  # the repeated k and v's gradients, summed back to the kv heads
-                grad("dkv.rep", 2 * n * self.dq * a)
             grad("dqkv.parts", n * (self.dq + 2 * self.dkv) * a)
-            release("dy", "att", "lse", "qr", "kr", "v", "kr.rep", "v.rep", "dkv.rep")
+            release("dy", "att", "lse", "qr", "kr", "v")
             grad("dh1", 3 * n * c * a)  # q, k and v each give their input a gradient, summed into one
             self.param_grad(p + "q", weights["w.q"])
             self.param_grad(p + "k", weights["w.k"])
@@ -586,11 +581,6 @@ class HFStepReplay(StepReplay):
                     self.alloc(p + out + "r", n * width * a, "activations")
                     self.free(p + out)
             saved_by_attention = ["qr", "kr", "v", "lse"]
-            if self._repeats_kv():  # what attention keeps instead of the grouped k and v
-                self.alloc(p + "kr.rep", n * self.dq * a, "activations")
-                self.alloc(p + "v.rep", n * self.dq * a, "activations")
-                self.free(p + "kr", p + "v")
-                saved_by_attention = ["qr", "kr.rep", "v.rep", "lse"]
         self.alloc(p + "lse", self.heads * n * FP32_BYTES, "activations")
         self.alloc(p + "att", n * self.dq * a, "activations")  # also the output projection's input
         if self.lowp or not self._keeps_input(attention[:-1]):
@@ -657,10 +647,6 @@ class HFStepReplay(StepReplay):
                       "w.down": c}
         elements = sum(widths.values()) + sum(r + widths[w] for w in self.lora.targets if w in widths)
         return n * (elements + self.dq) * a + self.heads * n * FP32_BYTES
-
-    def _repeats_kv(self) -> bool:
-        """Packed rows on grouped-query attention: with a mask, transformers repeats k and v to the query heads."""
-        return self.packed and self.dkv < self.dq
 
     def _lora_groups(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The attention and MLP projections, each group's output projection last."""
@@ -739,10 +725,8 @@ class HFStepReplay(StepReplay):
             self._adapter_backward(p, attention[-1], self.dq, c, input_grad=True)
             release("dres.c", attention[-1])
             widths = (3 * c,) if self.style == "gpt2" else (self.dq, self.dkv, self.dkv)
-            if self._repeats_kv():  # the repeated k and v's gradients, summed back to the kv heads
-                grad("dkv.rep", 2 * n * self.dq * a)
             grad("dqkv.parts", n * sum(widths) * a)
-            release("dy", "att", "lse", "qr", "kr", "v", "qc", "vc", "kr.rep", "v.rep", "dkv.rep")
+            release("dy", "att", "lse", "qr", "kr", "v", "qc", "vc")
             if self.style == "gpt2":
                 grad("dqkv", 3 * n * c * a)
                 release("dqkv.parts", "qkv")

@@ -33,6 +33,7 @@ from torch import nn
 
 from cadence.errors import UsageError
 from cadence.models.lora import LoraShape, is_lora, write_adapter
+from cadence.models.packed_attention import transformers_attention, use_packed_attention
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -350,6 +351,9 @@ def _finish(model: nn.Module, config: PretrainedConfig, tokenizer: Any | None, f
     for held in (config, getattr(model, "config", None)):
         if getattr(held, "use_cache", None):
             held.use_cache = False
+    # Packed rows (--packing) attend example by example instead of through a dense mask (issue 30: transformers'
+    # mask made packing slower than padding); every other batch runs transformers' SDPA as before.
+    use_packed_attention(model)
     shape = model_shape(model, config)
     tokens = f"tokenizer with {len(tokenizer)} tokens" if tokenizer is not None else "byte tokens"
     return HFModel(
@@ -494,7 +498,7 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
     try:
-        with quiet_transformers():
+        with quiet_transformers(), transformers_attention(inner):
             if is_lora(inner):
                 write_adapter(inner, staging, weights)
             else:

@@ -42,6 +42,7 @@ from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.optimizer_state import eight_bit_problem
 from cadence.memory.recompute import CHECKPOINTING_MODES
 from cadence.models.hf import packed_attention_supported
+from cadence.models.packed_attention import runs_packed_attention
 from cadence.output_files import atomic_write_json
 from cadence.plan.batch import BatchChoice, choose_effective_batch
 from cadence.plan.measure import Deadline, Rates, alternate, probe_precisions, ranked_with_ties, tied
@@ -560,6 +561,10 @@ def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanO
     if model.hf is not None and not packed_attention_supported():
         variants.pop()
         notes.append("packing was not measured: this transformers cannot keep packed examples apart")
+    elif model.hf is not None and not runs_packed_attention(model.hf.model):
+        notes.append(f"packing on this model ({model.hf.model.config._attn_implementation} attention) goes through "
+                     f"transformers' dense block mask, attention over whole rows: it can be slower than by-length "
+                     f"although it computes less padding (the measurement below decides)")
     if chosen.setup.grad_accum_steps == 1:
         # One micro-batch per window: sorting it, or cutting it by its own worst case, leaves it as it is.
         variants = [variant for variant in variants if "pack_length" in variant[1]]

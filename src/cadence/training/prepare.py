@@ -27,6 +27,7 @@ from cadence.models import MODEL_CONFIGS, MODEL_NAMES, model_context_length, rep
 from cadence.models.heads import chunking_problem
 from cadence.models.hf import HFModel, build_hf_model, packed_attention_supported, parse_model_overrides
 from cadence.models.lora import LoraSettings, apply_lora, hold_base_in_bf16, lora_shape, split_targets
+from cadence.models.packed_attention import runs_packed_attention
 
 
 @dataclass(kw_only=True)
@@ -124,6 +125,13 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
         raise UsageError.single("--packing", "this transformers cannot keep packed examples apart (it needs "
                                              "masking_utils.find_packed_sequence_indices, transformers 4.54 or later); "
                                              "use --micro-batch-order by-length instead")
+    if config.packing and hf is not None and (config.compile or not runs_packed_attention(hf.model)):
+        why = ("its blocks are compiled (--compile), which keeps transformers' attention" if config.compile else
+               f"{config.model} runs {hf.model.config._attn_implementation} attention, not cadence's per-example "
+               f"attention (an sdpa model's)")
+        warnings.warn(f"--packing: {why}, so packed rows go through transformers' dense block mask: attention over "
+                      f"whole rows, which can make packing slower than --micro-batch-order by-length although it "
+                      f"computes less padding", stacklevel=2)
     if config.eval_data is not None:
         # --eval-data: all of --data trains; the evaluation file, read the same way, is the validation split.
         data = load_run_data(dataclasses.replace(config, val_fraction=0.0), seq_len, hf, ranks=ranks)
