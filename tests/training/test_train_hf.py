@@ -152,3 +152,44 @@ def test_cli_llama_run_equals_a_hand_written_loop(tmp_path):
         losses.append(loss.item())
     for row, expected in zip(read_metrics(run), losses):
         assert row["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_resumed_run_replaces_its_own_export_and_a_foreign_one_is_refused_before_training(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """Issue 30's scenario: a run with --save-hf stopped by SIGTERM exports too; its --resume then trained to the end
+    and failed there ("export already exists"), leaving the final model unexported, exit 2. Now the resumed run
+    replaces its own export (summary.json records it); any other non-empty --save-hf is refused before a step."""
+    import os
+    import signal
+
+    from safetensors.torch import load_file
+
+    from cadence.training.progress import TrainProgress
+
+    data = uneven_jsonl(tmp_path / "pc.jsonl")
+    export = tmp_path / "export"
+    common = ["train", *LLAMA, "--data", str(data), "--seq-len", "48", "--max-steps", "4", "--val-fraction", "0",
+              "--checkpoint-every", "100", "--save-hf", str(export), "--out", str(tmp_path / "run")]
+    original = TrainProgress.micro_step
+
+    def signal_once(progress: TrainProgress, step: int, micro: int, total: int | None = None) -> None:
+        original(progress, step, micro, total)
+        if step == 2 and micro == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(TrainProgress, "micro_step", signal_once)
+        assert main(common) == 0
+    first = load_file(str(export / "model.safetensors"))
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["save_hf"] == str(export)
+    assert main([*common, "--resume"]) == 0
+    final = load_file(str(tmp_path / "run" / "model.safetensors"))
+    exported = load_file(str(export / "model.safetensors"))
+    assert len(read_metrics(tmp_path / "run")) == 4
+    assert set(exported) & set(final) and all(torch.equal(exported[name], final[name]) for name in exported if name in final)
+    assert any(not torch.equal(exported[name], first[name]) for name in exported)  # replaced by the final model
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["export", "pc.jsonl", "run"]  # nothing left aside
+    capsys.readouterr()
+    other = [arg if arg != str(tmp_path / "run") else str(tmp_path / "other") for arg in common]
+    assert main(other) == 2  # another run into the same export: refused up front
+    assert "--save-hf" in capsys.readouterr().err and not (tmp_path / "other" / "metrics.jsonl").exists()

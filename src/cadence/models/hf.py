@@ -475,7 +475,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
-            weights: Mapping[str, torch.Tensor] | None = None) -> None:
+            weights: Mapping[str, torch.Tensor] | None = None, *, replace: bool = False) -> None:
     """Write ``model`` (and its tokenizer) with ``save_pretrained``; ``AutoModelForCausalLM.from_pretrained`` loads it.
     A model with LoRA adapters (--lora-rank) writes the adapter alone, as ``PeftModel.save_pretrained`` does:
     ``peft.PeftModel.from_pretrained(base, directory)`` loads it onto its base.
@@ -485,14 +485,17 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
     (``cadence.data.hf.HFTokenizer``; ``cadence.data.hf.ByteTokenizer`` for a byte-level model, whose wrapper also
     gives the ``config_token_ids`` the saved config and generation config must carry, in place of the model family's
     defaults), or None (nothing to save). ``weights`` replaces the model's own state_dict (FSDP2 shards the model's
-    parameters; the caller gathers them whole).
+    parameters; the caller gathers them whole). ``replace``: ``directory`` holds this run's own earlier export (a
+    segment stopped by a signal exports too); it is swapped for the new one only once the new one is complete.
     """
     inner = _unwrap(model)
     if not hasattr(inner, "save_pretrained"):
         message = "only Hugging Face models (--model hf:TYPE or a model directory) can be saved this way"
         raise UsageError.single("--save-hf", message)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise UsageError.single("--save-hf", f"{directory} already exists and is not empty; give a new directory")
+    if not replace:
+        export_problem = save_hf_problem(directory)
+        if export_problem is not None:
+            raise UsageError.single("--save-hf", export_problem)
     token_ids: Mapping[str, int | None] = getattr(tokenizer, "config_token_ids", None) or {}
     tokenizer = getattr(tokenizer, "hf_tokenizer", tokenizer)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -508,12 +511,26 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
                 tokenizer.save_pretrained(str(staging))
         _set_token_ids(staging, token_ids)
         os.chmod(staging, 0o755)  # mkdtemp makes 0700; a saved model is meant to be shared
-        if directory.exists():
+        earlier = None
+        if directory.exists() and replace and any(directory.iterdir()):
+            # The earlier export steps aside only now, and is removed once the new one is in place.
+            earlier = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.earlier."))
+            os.replace(directory, earlier / "export")
+        elif directory.exists():
             directory.rmdir()  # empty (checked above): os.replace cannot replace a directory
         os.replace(staging, directory)
+        if earlier is not None:
+            shutil.rmtree(earlier, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def save_hf_problem(directory: Path) -> str | None:
+    """Why ``directory`` cannot take a new --save-hf export (None: it can): a file, or a directory with files."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        return f"{directory} already exists and is not empty; give a new directory"
+    return None
 
 
 def _set_token_ids(directory: Path, token_ids: Mapping[str, int | None]) -> None:
@@ -531,4 +548,5 @@ def _set_token_ids(directory: Path, token_ids: Mapping[str, int | None]) -> None
 __all__ = [
     "BYTE_VOCAB", "DEFAULT_MAX_PARAMETERS", "HFModel", "HF_PREFIX", "ModelShape", "build_hf_model", "is_hf_model",
     "model_shape", "model_tokenizer", "packed_attention_supported", "parse_model_overrides", "quiet_transformers", "save_hf",
+    "save_hf_problem",
 ]

@@ -54,7 +54,7 @@ from cadence.training.noise_scale import noise_scale_announcement, noise_scale_f
 from cadence.training.prepare import Prepared, checked_run_directory, prepare
 from cadence.training.progress import TrainProgress
 from cadence.training.resume import ResumePoint, StopOnSignal, restore, schedule_note
-from cadence.training.run_dir import BEST_DIR, SUMMARY_FILE, NoWriter, RunWriter
+from cadence.training.run_dir import BEST_DIR, SUMMARY_FILE, NoWriter, RunWriter, exported_before
 
 T = TypeVar("T")
 
@@ -463,7 +463,7 @@ class TrainingRun:
         if config.save_hf is not None and ranks.is_main:
             # A byte-level model gets cadence's byte tokenizer (as_tokenizer(None)), so that it loads and stops.
             save_hf(unwrap(self.parts.model), config.save_hf, as_tokenizer(prep.hf.tokenizer if prep.hf else None),
-                    weights=weights)
+                    weights=weights, replace=self.start is not None and exported_before(prep.out, config.save_hf))
         peak_memory = max_over_ranks(self.totals.peak_memory, ranks)
         summary = self._summary(wall, peak_memory)
         self.writer.write_summary(summary)
@@ -504,6 +504,8 @@ class TrainingRun:
         return {
             "steps": engine.steps,
             "skipped": engine.skipped_steps,
+            # Where --save-hf exported this run's model (a resumed run replaces its own export, nothing else).
+            "save_hf": str(config.save_hf) if config.save_hf is not None else None,
             "windows": engine.windows,
             "epochs": self.epoch + 1,
             "tokens": totals.tokens,

@@ -25,9 +25,16 @@ from cadence.engine.windows import Window, epoch_windows
 from cadence.errors import UsageError
 from cadence.models import MODEL_CONFIGS, MODEL_NAMES, model_context_length, repeated_blocks
 from cadence.models.heads import chunking_problem
-from cadence.models.hf import HFModel, build_hf_model, packed_attention_supported, parse_model_overrides
+from cadence.models.hf import (
+    HFModel,
+    build_hf_model,
+    packed_attention_supported,
+    parse_model_overrides,
+    save_hf_problem,
+)
 from cadence.models.lora import LoraSettings, apply_lora, hold_base_in_bf16, lora_shape, split_targets
 from cadence.models.packed_attention import runs_packed_attention
+from cadence.training.run_dir import exported_before
 
 
 @dataclass(kw_only=True)
@@ -102,6 +109,11 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     world_size = ranks.world_size
     if out is None:
         out = checked_run_directory(config, ranks=ranks)
+    if config.save_hf is not None and (problem := save_hf_problem(config.save_hf)) is not None:
+        # Checked before anything trains (it used to fail after the last step). A resumed run may replace its own
+        # earlier export: a segment stopped by a signal exports too.
+        if not (config.resume and exported_before(out, config.save_hf)):
+            raise UsageError.single("--save-hf", problem)
     hf = build_run_hf(config, warn=True)
     if hf is not None:
         if config.loss_chunk_tokens > 0:  # a family whose logits cadence cannot make chunk by chunk is refused

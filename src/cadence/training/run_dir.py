@@ -172,6 +172,17 @@ class MetricsUnreadable(ValueError):
         self.reason = reason
 
 
+def exported_before(run_dir: Path, directory: Path) -> bool:
+    """Whether the run in ``run_dir`` already wrote its --save-hf export to ``directory`` (its summary.json says
+    so): a segment stopped by a signal exports too, and a resumed run replaces that export with its own."""
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    recorded = summary.get("save_hf") if isinstance(summary, dict) else None
+    return isinstance(recorded, str) and Path(recorded).resolve() == directory.resolve()
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The rows of a run's metrics.jsonl, in order: the one reader of that file.
 
