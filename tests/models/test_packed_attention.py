@@ -75,8 +75,9 @@ def test_packed_rows_give_transformers_masked_attention_and_each_example_alone(s
             at += length
 
 
-def test_unpacked_batches_and_generation_keep_transformers_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No packed positions: transformers' own SDPA function runs (counted), with its result."""
+def test_only_packed_rows_leave_transformers_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No packed positions: transformers' own SDPA function runs (counted), with its result. Packed positions: it
+    does not, and the kernel runs once per example, causal and unmasked."""
     import transformers.integrations.sdpa_attention as sdpa
 
     calls = []
@@ -97,7 +98,22 @@ def test_unpacked_batches_and_generation_keep_transformers_attention(monkeypatch
         model(ids, attention_mask=mask)
         assert len(calls) == 2 * LLAMA["num_hidden_layers"]
         generated = model.generate(ids[:1, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert generated.shape == (1, 7)
+        assert generated.shape == (1, 7)
+        before = len(calls)
+        packed_ids, positions = packed_batch(torch.Generator().manual_seed(7))
+        with monkeypatch.context() as patch:  # packed rows: one causal SDPA per example, no masked one
+            kernel_calls = []
+            original_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+            def counting_kernel(*args, **kwargs):
+                kernel_calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+                return original_sdpa(*args, **kwargs)
+
+            patch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_kernel)
+            model(packed_ids, position_ids=positions)
+    assert len(calls) == before  # transformers' masked SDPA was not used
+    assert len(kernel_calls) == LLAMA["num_hidden_layers"] * sum(len(lengths) for lengths in LENGTHS)
+    assert all(mask is None and causal for mask, causal in kernel_calls)
 
 
 def test_a_saved_model_says_sdpa_and_loads_in_transformers(tmp_path: Path) -> None:
