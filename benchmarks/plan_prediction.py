@@ -83,7 +83,14 @@ def render(data: dict) -> list[str]:
     notes = [note for row in data["conditions"] for note in row["notes"]]
     if notes:
         lines += ["", "The plans' notes on ties and the time budget:", ""] + [f"- {note}" for note in notes]
-    return lines
+    for condition in dict.fromkeys(row["condition"] for row in data["conditions"]):
+        chosen = [row["choice"]["id"] for row in data["conditions"] if row["condition"] == condition]
+        if len(chosen) > 1:  # the same setup planned twice under the same condition: the same decision?
+            same = len(set(chosen)) == 1
+            lines += ["", f"The {len(chosen)} {condition} plans chose "
+                          + (f"the same configuration ({chosen[0]})." if same else
+                             f"different configurations ({', '.join(chosen)}): see their notes for a tie.")]
+    return lines + [""]
 
 
 def main() -> int:
