@@ -533,6 +533,10 @@ class HFStepReplay(StepReplay):
         if weight not in self.lora.targets:
             return
         in_bytes = FP32_BYTES if fp32_input or not self.lowp else a
+        if self.lowp and not fp32_input:
+            # peft casts the adapter's input to lora_A's dtype (fp32) first; autocast then casts it back for the
+            # matmul: an fp32 copy of a compute-dtype input exists for a moment (o_proj's, down_proj's).
+            self.alloc(p + weight + ".in32", n * width_in * FP32_BYTES, "activations")
         if self.lora.dropout > 0:
             self.alloc(p + weight + ".mask", n * width_in, "activations")  # dropout's bool mask, saved
             self.alloc(p + weight + ".drop", n * width_in * in_bytes, "activations")  # the dropped input
@@ -540,6 +544,7 @@ class HFStepReplay(StepReplay):
             self.alloc(p + weight + ".la.in", n * width_in * a, "activations")  # lora_A's own cast, saved
             self.free(p + weight + ".drop")
         self.alloc(p + weight + ".la", n * r * a, "activations")  # lora_A's output, saved by lora_B
+        self.free(p + weight + ".in32")
         self.alloc(p + weight + ".lb", n * width_out * a, "activations")
         self.alloc(p + weight + ".ls", n * width_out * a, "activations")  # times alpha / rank
         self.free(p + weight + ".lb")
@@ -557,10 +562,10 @@ class HFStepReplay(StepReplay):
         n, c, a, i, p = self.n, self.c, self.act, self.inner, f"b{layer}."
         targets = self.lora.targets
         # Autocast caches only the casts of weights that need a gradient: a frozen weight's compute-dtype copy
-        # lives on only where backward saved it (the input's gradient needs it), i.e. not in a checkpointed block,
-        # where each copy is made and let go within its matmul.
+        # lives on only where backward saved it (the input's gradient needs it): not in a checkpointed block's
+        # forward, where each copy is made and let go within its matmul, but again in its recompute.
         for name, numel in self._block_weights().items():
-            if p + name not in self.tensors and self.mode == "none":
+            if p + name not in self.tensors and (self.mode == "none" or recompute):
                 self._weight(p + name, numel, saved=True)
         if not recompute:
             self.grad_in[layer] = self.grad
