@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench_env import environment
+from report_sections import render_plan_prediction
 
 from cadence.cli import main as cadence
 
@@ -64,35 +65,6 @@ def run_condition(condition: str, args: argparse.Namespace, root: Path, index: i
             "notes": [note for note in plan["notes"] if "tied" in note or "time-budget" in note]}
 
 
-def render(data: dict) -> list[str]:
-    lines = [f"{data['model']} at seq {data['seq_len']}, effective batch {data['effective_batch_size']}, budget "
-             f"{data['budget']}: `cadence plan` (default `--time-budget`), then `cadence train --plan` for "
-             f"{data['conditions'][0]['train_steps']} steps. Loaded: CPU-bound processes beside both.", ""]
-    lines += ["| condition | plan time / budget | choice | predicted tokens/s | measured tokens/s | measured / predicted |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for row in data["conditions"]:
-        choice = row["choice"]
-        chosen = (f"{choice['id']}: micro {choice['micro_batch_size']} x {choice['grad_accum_steps']}, "
-                  f"{choice['precision']}, recompute {choice['activation_checkpointing']}")
-        band = row["prediction"].get("tokens_per_s_band")
-        predicted = f"{row['prediction']['tokens_per_s']:,.0f}" + (f" +/- {band:,.0f}" if band else "")
-        ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
-        lines.append(f"| {row['condition']} ({row['burners']} burners) | {row['plan_seconds']:.0f} s / "
-                     f"{row['time_budget_s']:.0f} s | {chosen} | {predicted} | {row['measured_tokens_per_s']:,.0f} "
-                     f"| {ratio} |")
-    notes = [note for row in data["conditions"] for note in row["notes"]]
-    if notes:
-        lines += ["", "The plans' notes on ties and the time budget:", ""] + [f"- {note}" for note in notes]
-    for condition in dict.fromkeys(row["condition"] for row in data["conditions"]):
-        chosen = [row["choice"]["id"] for row in data["conditions"] if row["condition"] == condition]
-        if len(chosen) > 1:  # the same setup planned twice under the same condition: the same decision?
-            same = len(set(chosen)) == 1
-            lines += ["", f"The {len(chosen)} {condition} plans chose "
-                          + (f"the same configuration ({chosen[0]})." if same else
-                             f"different configurations ({', '.join(chosen)}): see their notes for a tie.")]
-    return lines + [""]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-small")
@@ -116,7 +88,7 @@ def main() -> int:
     out = RESULTS / ("plan_prediction_quick.json" if args.quick else "plan_prediction.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2) + "\n")
-    print("\n".join(render(data)))
+    print("\n".join(render_plan_prediction(data)))
     print(f"written: {out}")
     return 0
 

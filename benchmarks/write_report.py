@@ -70,7 +70,7 @@ SECTIONS = (
             ".venv/bin/python benchmarks/plan_vs_sweep.py --budget 64MiB --effective-batch-size 32",
             sections.render_plan_vs_sweep),
     Section("plan_prediction.json", "Does a plan predict its training? Quiet and beside a CPU-bound process (issue 28)",
-            ".venv/bin/python benchmarks/plan_prediction.py", lambda data: _load_sibling("plan_prediction").render(data),
+            ".venv/bin/python benchmarks/plan_prediction.py", sections.render_plan_prediction,
             optional=True),
     Section("phase_overhead.json", "Cost of the phase annotations when profiling is off",
             ".venv/bin/python benchmarks/phase_overhead.py", sections.render_phase_overhead),
