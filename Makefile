@@ -32,9 +32,9 @@ demo: $(STAMP)
 	@echo "cadence and tensorboard are in .venv: run '. .venv/bin/activate' first (or type .venv/bin/cadence)"
 
 # pytest-xdist: one worker per core (-n auto), each computing with one thread (tests/conftest.py); tests that share a
-# module fixture run on one worker (--dist loadgroup). The suite is ~1,140 tests, a fifth of them training runs or
-# process launches: on 2 cores about 12.5 minutes of pytest (README, "Development"). PYTEST_WORKERS=0 runs it in
-# this process (a debugger, print-debugging).
+# module fixture run on one worker (--dist loadgroup). The suite is ~1,160 tests, a fifth of them training runs or
+# process launches: on 2 cores about 7 minutes of pytest on a quiet machine (README, "Development").
+# PYTEST_WORKERS=0 runs it in this process (a debugger, print-debugging).
 PYTEST_WORKERS ?= auto
 
 test: $(STAMP)
