@@ -532,19 +532,17 @@ class HFStepReplay(StepReplay):
         self.free(p + weight + ".in")
         if weight not in self.lora.targets:
             return
-        in_bytes = FP32_BYTES if fp32_input or not self.lowp else a
+        # peft casts the adapter's input to lora_A's dtype (fp32): a compute-dtype input (o_proj's, down_proj's)
+        # gets an fp32 copy for a moment, and dropout works on fp32 either way.
         if self.lowp and not fp32_input:
-            # peft casts the adapter's input to lora_A's dtype (fp32) first; autocast then casts it back for the
-            # matmul: an fp32 copy of a compute-dtype input exists for a moment (o_proj's, down_proj's).
             self.alloc(p + weight + ".in32", n * width_in * FP32_BYTES, "activations")
         if self.lora.dropout > 0:
             self.alloc(p + weight + ".mask", n * width_in, "activations")  # dropout's bool mask, saved
-            self.alloc(p + weight + ".drop", n * width_in * in_bytes, "activations")  # the dropped input
-        if cast:
-            self.alloc(p + weight + ".la.in", n * width_in * a, "activations")  # lora_A's own cast, saved
-            self.free(p + weight + ".drop")
+            self.alloc(p + weight + ".drop", n * width_in * FP32_BYTES, "activations")  # the dropped input
+        if self.lowp:  # autocast casts that fp32 input back for lora_A's matmul: the copy lora_A saves
+            self.alloc(p + weight + ".la.in", n * width_in * a, "activations")
+            self.free(p + weight + ".drop", p + weight + ".in32")
         self.alloc(p + weight + ".la", n * r * a, "activations")  # lora_A's output, saved by lora_B
-        self.free(p + weight + ".in32")
         self.alloc(p + weight + ".lb", n * width_out * a, "activations")
         self.alloc(p + weight + ".ls", n * width_out * a, "activations")  # times alpha / rank
         self.free(p + weight + ".lb")
@@ -623,12 +621,14 @@ class HFStepReplay(StepReplay):
         if recompute:  # non-reentrant checkpointing stops once the last saved tensor exists
             if mlp[-1] in targets:  # ... which is the down projection adapter's input, past its base output
                 self._projection(p, mlp[-1], "mo", i, c, fp32_input=False)
+                if self.lowp:  # measured: under autocast the recompute runs on to the block's fp32 output
+                    self.alloc(p + "rec.out", n * c * FP32_BYTES, "activations")
                 self.free(p + "mo")
             self.free(p + "n2.out.f32")
             return
         self._projection(p, mlp[-1], "mo", i, c, fp32_input=False)
-        if not (mlp[-1] in targets and self.lora.dropout == 0):
-            self.free(p + "g")  # a frozen down projection keeps no input
+        if not (mlp[-1] in targets and self.lora.dropout == 0) or self.lowp:
+            self.free(p + "g")  # a frozen down projection keeps no input (its adapter keeps its own copy)
         self.free(p + "n2.out.f32")
         self.alloc(f"r{layer + 1}", n * c * FP32_BYTES, "activations")
         self.free(p + "mo")
