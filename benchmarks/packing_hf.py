@@ -24,7 +24,7 @@ import statistics
 
 import torch
 from bench_env import environment, write_results
-from padding import dataset
+from padding import alternating_rounds, dataset, warmed_up
 
 from cadence.config import TrainConfig
 from cadence.engine.cut import Cut
@@ -62,28 +62,8 @@ def main() -> int:
         cut = Cut(micro_batch_size=micro, order=order, micro_batch_tokens=budget if packed else None,
                   pack_length=seq_len if packed else None)
         windows = epoch_windows(data, cut=cut, grad_accum_steps=accum, seed=0, epoch=0)
-        runs[mode] = {"engine": engine, "windows": windows, "losses": [], "rates": [], "tokens": 0, "padded": 0}
-        for number in range(2):  # step 1 warms up; step 2 measures the peak (the profiler slows it: not timed)
-            result = engine.step(next(windows), measure_memory=number == 1)
-            runs[mode]["losses"].append(result.loss)
-            if number == 1:
-                runs[mode]["peak_bytes"] = result.peak_memory_bytes
-    for round_index in range(rounds):
-        names = list(MODES)
-        names = names[round_index % len(names):] + names[:round_index % len(names)]  # rotate who goes first
-        for mode in names:
-            run = runs[mode]
-            tokens, seconds = 0, 0.0
-            for _ in range(steps):
-                result = run["engine"].step(next(run["windows"]))
-                run["losses"].append(result.loss)
-                tokens += result.tokens
-                seconds += result.step_time_s
-                run["tokens"] += result.tokens
-                run["padded"] += result.padded_positions
-            run["rates"].append(tokens / seconds)
-        print(f"round {round_index + 1}/{rounds}: " + ", ".join(
-            f"{mode} {runs[mode]['rates'][-1]:,.0f} tok/s" for mode in MODES), flush=True)
+        runs[mode] = warmed_up(engine, windows)
+    alternating_rounds(runs, rounds, steps)
     base = statistics.median(runs["by-length"]["rates"])
     before, after = runs["packing, transformers' attention (before)"], runs["packing, cadence's attention (after)"]
     results = {mode: {

@@ -23,6 +23,7 @@ import dataclasses
 import random
 import statistics
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from cadence.config import TrainConfig
 from cadence.data import TokenDataset, make_example
 from cadence.engine.cut import Cut
 from cadence.engine.step import Engine
-from cadence.engine.windows import epoch_windows
+from cadence.engine.windows import Window, epoch_windows
 from cadence.models import GPT, MODEL_CONFIGS
 from cadence.training.components import build_optimizer
 
@@ -56,6 +57,39 @@ def dataset(count: int, seq_len: int, seed: int = 15) -> TokenDataset:
         labels = [tokens[i + 1] if i + 1 >= prompt_len else -100 for i in range(len(tokens) - 1)]
         examples.append(make_example(tokens[:-1], labels))
     return TokenDataset(examples)
+
+
+def warmed_up(engine: Engine, windows: Iterator[Window]) -> dict:
+    """A mode's record, after its first two steps: step 1 warms up, step 2 measures the peak memory (the profiler
+    slows it: not timed)."""
+    run: dict = {"engine": engine, "windows": windows, "losses": [], "rates": [], "tokens": 0, "padded": 0}
+    for number in range(2):
+        result = engine.step(next(windows), measure_memory=number == 1)
+        run["losses"].append(result.loss)
+        if number == 1:
+            run["peak_bytes"] = result.peak_memory_bytes
+    return run
+
+
+def alternating_rounds(runs: dict[str, dict], rounds: int, steps: int, *, label: str = "") -> None:
+    """Time every mode of ``runs`` in ``rounds`` rounds of ``steps`` steps, who goes first rotating from round to
+    round, so that a slow moment of the machine falls on all of them; each round's real tokens/s is appended."""
+    for round_index in range(rounds):
+        names = list(runs)
+        names = names[round_index % len(names):] + names[:round_index % len(names)]
+        for mode in names:
+            run = runs[mode]
+            tokens, seconds = 0, 0.0
+            for _ in range(steps):
+                result = run["engine"].step(next(run["windows"]))
+                run["losses"].append(result.loss)
+                tokens += result.tokens
+                seconds += result.step_time_s
+                run["tokens"] += result.tokens
+                run["padded"] += result.padded_positions
+            run["rates"].append(tokens / seconds)
+        print(f"{label}round {round_index + 1}/{rounds}: " + ", ".join(
+            f"{mode} {runs[mode]['rates'][-1]:,.0f} tok/s" for mode in runs), flush=True)
 
 
 def build(model_name: str, seq_len: int) -> GPT:
@@ -93,29 +127,8 @@ def main() -> int:
                                             micro_batch_tokens=budget if budgeted else None,
                                             pack_length=seq_len if packing else None),
                                     grad_accum_steps=accum, seed=0, epoch=0)
-            runs[mode] = {"engine": engine, "windows": windows, "losses": [], "rates": [], "tokens": 0, "padded": 0}
-            # Step 1 warms up; step 2 measures the peak memory (the profiler slows it: not timed).
-            for number in range(2):
-                result = engine.step(next(windows), measure_memory=number == 1)
-                runs[mode]["losses"].append(result.loss)
-                if number == 1:
-                    runs[mode]["peak_bytes"] = result.peak_memory_bytes
-        for round_index in range(rounds):
-            names = list(MODES)
-            names = names[round_index % len(names):] + names[:round_index % len(names)]  # rotate who goes first
-            for mode in names:
-                run = runs[mode]
-                tokens, seconds = 0, 0.0
-                for _ in range(steps):
-                    result = run["engine"].step(next(run["windows"]))
-                    run["losses"].append(result.loss)
-                    tokens += result.tokens
-                    seconds += result.step_time_s
-                    run["tokens"] += result.tokens
-                    run["padded"] += result.padded_positions
-                run["rates"].append(tokens / seconds)
-            print(f"{precision} round {round_index + 1}/{rounds}: " + ", ".join(
-                f"{mode} {runs[mode]['rates'][-1]:,.0f} tok/s" for mode in MODES), flush=True)
+            runs[mode] = warmed_up(engine, windows)
+        alternating_rounds(runs, rounds, steps, label=f"{precision} ")
         base = statistics.median(runs["drawn"]["rates"])
         results[precision] = {mode: {
             "tokens_per_s": statistics.median(run["rates"]),

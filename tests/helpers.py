@@ -152,3 +152,26 @@ def train_args(data: Path | str, out: Path, *extra: str, steps: int, seq_len: in
     return ["train", "--data", str(data), *(["--data-cache", str(cache)] if cache is not None else []),
             "--seq-len", str(seq_len), "--micro-batch-size", str(micro), "--grad-accum-steps", str(accum),
             "--max-steps", str(steps), "--val-fraction", "0", "--checkpoint-every", "2", "--out", str(out), *extra]
+
+
+@contextlib.contextmanager
+def sigterm_at(step: int, micro: int):  # type: ignore[no-untyped-def]
+    """Within the block, an in-process ``cadence train`` gets SIGTERM once micro-batch ``micro`` of step ``step + 1``
+    has run (as ``TrainProgress.micro_step`` reports it): a stop at a known point without a second process."""
+    import os
+    import signal
+
+    from cadence.training.progress import TrainProgress
+
+    original = TrainProgress.micro_step
+
+    def signal_once(progress: TrainProgress, at_step: int, at_micro: int, total: int | None = None) -> None:
+        original(progress, at_step, at_micro, total)
+        if (at_step, at_micro) == (step, micro):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    TrainProgress.micro_step = signal_once  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TrainProgress.micro_step = original  # type: ignore[method-assign]

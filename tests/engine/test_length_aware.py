@@ -4,13 +4,11 @@ gradient of the unsorted window (same samples, normalised by the whole window's 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 
 import pytest
 import torch
-from helpers import make_optimizer, prompt_completion_dataset, reference_loop, tiny_model, write_jsonl
+from helpers import make_optimizer, prompt_completion_dataset, reference_loop, sigterm_at, tiny_model, write_jsonl
 from safetensors.torch import load_file
 
 from cadence import Engine
@@ -171,26 +169,17 @@ def test_a_resumed_length_aware_run_is_bitwise_the_uninterrupted_one(tmp_path, e
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--packing"], ["--micro-batch-tokens", "96"], ["--micro-batch-order", "by-length"]])
-def test_a_length_aware_window_interrupted_mid_way_resumes_bitwise(tmp_path, monkeypatch, extra: list[str]) -> None:
+def test_a_length_aware_window_interrupted_mid_way_resumes_bitwise(tmp_path, extra: list[str]) -> None:
     """--checkpoint-mid-window with a cut: SIGTERM lands during the first micro-batch of step 3; the checkpoint
     holds that window's first micro-batch, and the resumed run continues the same cut to the uninterrupted result."""
     from cadence.training.checkpoint import checkpoint_dirs, load_checkpoint
-    from cadence.training.progress import TrainProgress
 
     data = write_jsonl(tmp_path / "data.jsonl")
     common = ["train", "--data", str(data), "--seq-len", "48", "--micro-batch-size", "2", "--grad-accum-steps", "4",
               "--max-steps", "5", "--val-fraction", "0", "--checkpoint-every", "100", "--checkpoint-mid-window",
               "--data-cache", str(tmp_path / "cache"), *extra]
     assert main([*common, "--out", str(tmp_path / "whole")]) == 0
-    original = TrainProgress.micro_step
-
-    def signal_once(progress: TrainProgress, step: int, micro: int, total: int | None = None) -> None:
-        original(progress, step, micro, total)
-        if step == 2 and micro == 1:  # the stop is honoured after this micro-batch, the window's first
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(TrainProgress, "micro_step", signal_once)
+    with sigterm_at(2, 1):  # the stop is honoured after this micro-batch, the window's first
         assert main([*common, "--out", str(tmp_path / "cut")]) == 0
     (checkpoint,) = checkpoint_dirs(tmp_path / "cut")
     partial = load_checkpoint(checkpoint).state["partial_window"]
@@ -203,22 +192,13 @@ def test_a_length_aware_window_interrupted_mid_way_resumes_bitwise(tmp_path, mon
     assert all(torch.equal(whole[name], cut[name]) for name in whole)  # bitwise
 
 
-def test_an_interrupted_window_is_not_continued_with_another_cut(tmp_path, monkeypatch, capsys) -> None:
-    from cadence.training.progress import TrainProgress
+def test_an_interrupted_window_is_not_continued_with_another_cut(tmp_path, capsys) -> None:
 
     data = write_jsonl(tmp_path / "data.jsonl")
     common = ["train", "--data", str(data), "--seq-len", "48", "--micro-batch-size", "2", "--grad-accum-steps", "4",
               "--max-steps", "3", "--val-fraction", "0", "--checkpoint-mid-window", "--out", str(tmp_path / "run"),
               "--data-cache", str(tmp_path / "cache")]
-    original = TrainProgress.micro_step
-
-    def signal_once(progress: TrainProgress, step: int, micro: int, total: int | None = None) -> None:
-        original(progress, step, micro, total)
-        if step == 1 and micro == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(TrainProgress, "micro_step", signal_once)
+    with sigterm_at(1, 2):
         assert main([*common, "--packing"]) == 0
     capsys.readouterr()
     assert main([*common, "--no-packing", "--resume"]) == 2  # a bare --resume continues with the recorded cut

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import sigterm_at
 
 from cadence.cli import main
 from cadence.training.run_dir import read_metrics
@@ -154,31 +155,17 @@ def test_cli_llama_run_equals_a_hand_written_loop(tmp_path):
         assert row["loss"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_a_resumed_run_replaces_its_own_export_and_a_foreign_one_is_refused_before_training(tmp_path, monkeypatch,
-                                                                                            capsys):
+def test_a_resumed_run_replaces_its_own_export_and_a_foreign_one_is_refused_before_training(tmp_path, capsys):
     """Issue 30's scenario: a run with --save-hf stopped by SIGTERM exports too; its --resume then trained to the end
     and failed there ("export already exists"), leaving the final model unexported, exit 2. Now the resumed run
     replaces its own export (summary.json records it); any other non-empty --save-hf is refused before a step."""
-    import os
-    import signal
-
     from safetensors.torch import load_file
-
-    from cadence.training.progress import TrainProgress
 
     data = uneven_jsonl(tmp_path / "pc.jsonl")
     export = tmp_path / "export"
     common = ["train", *LLAMA, "--data", str(data), "--seq-len", "48", "--max-steps", "4", "--val-fraction", "0",
               "--checkpoint-every", "100", "--save-hf", str(export), "--out", str(tmp_path / "run")]
-    original = TrainProgress.micro_step
-
-    def signal_once(progress: TrainProgress, step: int, micro: int, total: int | None = None) -> None:
-        original(progress, step, micro, total)
-        if step == 2 and micro == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(TrainProgress, "micro_step", signal_once)
+    with sigterm_at(2, 1):
         assert main(common) == 0
     first = load_file(str(export / "model.safetensors"))
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["save_hf"] == str(export)

@@ -74,10 +74,14 @@ def packed_sdpa_attention(
     spans = None
     # Under --compile the spans would be Python-level slicing of data-dependent sizes: a graph break and a new
     # compile for every new set of lengths. Compiled blocks keep transformers' masked attention (same result).
-    if (not torch.compiler.is_compiling() and positions is not None and query.shape[2] == key.shape[2] and kwargs.get("position_bias") is None
-            and not kwargs.get("output_attentions", False) and kwargs.get("softcap") is None
-            and getattr(module, "is_causal", True) and is_causal is not False):
-        spans = example_spans(positions) if positions.shape[0] == query.shape[0] else None
+    plain_causal = (kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+                    and not kwargs.get("output_attentions", False) and getattr(module, "is_causal", True)
+                    and is_causal is not False)
+    if (plain_causal and not torch.compiler.is_compiling() and positions is not None
+            and query.shape[2] == key.shape[2] and positions.shape[0] == query.shape[0]):
+        # Per layer: a few integers to the host, next to the mask transformers still builds once per forward for
+        # the fallback (measured within the 1.12x of BENCHMARKS.md).
+        spans = example_spans(positions)
     if spans is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
