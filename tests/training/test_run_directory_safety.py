@@ -224,6 +224,7 @@ def test_resume_still_continues_cadence_s_own_runs_and_starts_an_empty_directory
     assert main(args(data, empty, "--resume", steps=2)) == 0  # an empty directory is a fresh start
     shutil.rmtree(checkpoint_dirs(empty)[-1])
     (empty / "model.safetensors").unlink()
+    (empty / "summary.json").unlink()  # a run killed before any checkpoint wrote no summary either
     assert main(args(data, empty, "--resume", steps=2)) == 0  # killed before any checkpoint: starts over
     assert [row["step"] for row in read_metrics(empty)] == [1, 2]
 

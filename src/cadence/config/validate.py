@@ -305,6 +305,10 @@ def path_length_problem(path: Path | None) -> str | None:
     return None
 
 
+RUN_FOLDERS = ("checkpoints", "best", "tensorboard")
+"""The folders of a run directory (training/run_dir.py writes them); a resume refuses one that is a link."""
+
+
 def is_cadence_config(path: Path) -> bool:
     """Whether ``path`` is a config.json that cadence train wrote: a JSON object with the resolved batch fields, the
     data's fingerprint and cadence's version (``versions.cadence``), the mark by which --resume knows its own runs."""
@@ -325,9 +329,28 @@ def run_directory_problem(out: Path, *, resume: bool) -> str | None:
     """Why a run may not write ``out``, or None: a new run needs a directory it can create, or an empty one; --resume
     needs an empty directory (a fresh start) or one that cadence train wrote. Checked by validate() up front, and again
     by the run holding the directory's lock, since another run may have written it in between."""
+    inside = enclosing_run(out)
+    if inside is not None:
+        # Its checkpoints/, best/ and tensorboard/ belong to that run, which replaces and prunes them: a run kept
+        # there would be deleted or overwritten by it (and a run's own folders are not a place for another run).
+        return (f"{out} lies inside the cadence run directory {inside}, whose folders that run replaces and prunes; "
+                f"choose a directory outside it")
     if resume and out.is_dir():
         return _resume_problem(out)
     return _out_problem(out)
+
+
+def enclosing_run(path: Path) -> Path | None:
+    """The cadence run directory (one holding a config.json that cadence train wrote) that ``path`` lies inside,
+    the nearest first, or None. ``path`` itself does not count: a run resumed in place is its own."""
+    try:
+        ancestors = path.resolve().parents
+    except (OSError, RuntimeError):  # a symlink loop: the path is refused elsewhere
+        return None
+    for ancestor in ancestors:
+        if is_cadence_config(ancestor / "config.json"):
+            return ancestor
+    return None
 
 
 def _resume_problem(out: Path) -> str | None:
@@ -338,7 +361,19 @@ def _resume_problem(out: Path) -> str | None:
         entries = {entry.name for entry in out.iterdir()}
     except OSError as err:
         return f"{out} cannot be read: {err.strerror or err}"
-    if not entries or is_cadence_config(out / "config.json"):
+    if not entries:
+        return None if os.access(out, os.W_OK) else f"{out} is not writable"
+    if is_cadence_config(out / "config.json"):
+        # A copied config.json alone does not make a folder a run: cadence writes metrics.jsonl beside it before
+        # any step, and a run's own folders are folders, never links that would carry its writes elsewhere.
+        if not (out / "metrics.jsonl").is_file() or (out / "metrics.jsonl").is_symlink():
+            return (f"{out} has a cadence config.json but its metrics.jsonl is missing, so it is not (or no longer) a "
+                    f"whole run directory: --resume would lose the run's earlier steps or write into a folder that is "
+                    f"not a run. Put the file back, or start a new --out (nothing was changed)")
+        for name in RUN_FOLDERS:
+            if (out / name).is_symlink() or ((out / name).exists() and not (out / name).is_dir()):
+                return (f"{out / name} is a link or a file, not the run's own folder; cadence writes only inside the "
+                        f"run directory: remove it, or start a new --out (nothing was changed)")
         return None if os.access(out, os.W_OK) else f"{out} is not writable"
     return (f"{out} holds files but is not a cadence run directory (it has no config.json written by cadence "
             f"train); --resume would write into it. Give the run's directory, or a new --out (nothing was changed)")

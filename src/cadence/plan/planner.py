@@ -791,6 +791,15 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
         source = plan.get("source") or {}  # plans written before sources were recorded have none
         if not isinstance(source, dict):
             raise TypeError("its source is not an object")
+        # An empty path is the current directory: a plan.json edited or damaged to "" would have train read (and
+        # store) everything under it. The data is a named file or directory, or null for the built-in corpus.
+        if "data" in source and source["data"] is not None \
+                and (not isinstance(source["data"], str) or not source["data"].strip()):
+            raise TypeError(f"its source's data is {source['data']!r}, not the path of the data it measured")
+        if not isinstance(plan["model"], str) or not plan["model"].strip():
+            raise TypeError(f"its model is {plan['model']!r}, not a model name")
+        if isinstance(plan["seq_len"], bool) or not isinstance(plan["seq_len"], (int, type(None))):
+            raise TypeError(f"its seq_len is {plan['seq_len']!r}, not a number of tokens")
     except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise UsageError.single("--plan", f"{path} is not a cadence plan.json ({err})") from None
     if "data" not in given and "data" in source:

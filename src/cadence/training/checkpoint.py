@@ -31,7 +31,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from cadence.output_files import atomic_write_json, fsync_directory
-from cadence.training.run_dir import CHECKPOINTS_DIR, WEIGHTS_FILE, save_weights, writing
+from cadence.training.run_dir import (
+    CHECKPOINTS_DIR,
+    WEIGHTS_FILE,
+    RunDirectoryWriteFailed,
+    run_folder,
+    save_weights,
+    writing,
+)
 from cadence.training.state_file import StateFileError, read_state, state_file_names, write_state
 
 STATE_STEM = "training_state"
@@ -108,8 +115,7 @@ def save_checkpoint(
 def _write_atomically(run_dir: Path, *, step: int, weights: Mapping[str, torch.Tensor], state: dict[str, Any],
                       info: dict[str, Any]) -> Path:
     """Assemble the checkpoint in a hidden staging folder and rename it into place (removed whole on any failure)."""
-    root = run_dir / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
+    root = run_folder(run_dir, CHECKPOINTS_DIR)
     final = root / f"step-{step}"
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step}."))
     try:
@@ -119,6 +125,10 @@ def _write_atomically(run_dir: Path, *, step: int, weights: Mapping[str, torch.T
         # The manifest is written last: a folder with a valid manifest was complete when it was written.
         manifest = {name: _sha256(staging / name) for name in CHECKPOINT_FILES}
         atomic_write_json(staging / MANIFEST_FILE, {"step": step, "sha256": manifest})
+        if final.is_symlink() or final.is_file():
+            # Not a checkpoint of this run's (it writes folders): never removed, and not replaced either.
+            raise RunDirectoryWriteFailed(f"{final} is a link or a file, not one of the run's checkpoints; nothing "
+                                          f"was written there: remove it, then --resume")
         if final.exists():  # the same step written again (a final save after a periodic one): replace it whole
             shutil.rmtree(final)
         os.replace(staging, final)

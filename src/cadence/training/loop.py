@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple, TypeVar
 
 import torch
+from safetensors import SafetensorError
 
 from cadence import __version__
 from cadence.config import TrainConfig
@@ -54,7 +55,16 @@ from cadence.training.noise_scale import noise_scale_announcement, noise_scale_f
 from cadence.training.prepare import Prepared, checked_run_directory, prepare
 from cadence.training.progress import TrainProgress
 from cadence.training.resume import ResumePoint, StopOnSignal, restore, schedule_note
-from cadence.training.run_dir import BEST_DIR, SUMMARY_FILE, NoWriter, RunWriter, exported_before
+from cadence.training.run_dir import (
+    BEST_DIR,
+    SUMMARY_FILE,
+    WEIGHTS_FILE,
+    NoWriter,
+    RunDirectoryWriteFailed,
+    RunWriter,
+    export_files,
+    exported_before,
+)
 
 T = TypeVar("T")
 
@@ -212,10 +222,20 @@ class TrainingRun:
             if config.resume else None
         # Before summary.json is written again: what the earlier processes of a resumed run did.
         self.earlier_segments: list[dict[str, Any]] = earlier_segments(prep.out, self.start)
-        # Every check has passed: only now is anything in the run directory written.
-        self.writer: RunWriter = RunWriter(prep.out) if self.ranks.is_main else NoWriter()
+        kept_rows = self.start.kept_rows if self.start else []
+        self.best = BestEvaluation.from_rows(kept_rows)
+        """The lowest validation loss so far and the evaluations since (--keep-best, --early-stop-after); a resumed
+        run counts its kept rows' evaluations."""
+        self.early_stopped = bool(self.start and config.early_stop_after and self.best.since >= config.early_stop_after)
+        """True once --early-stop-after stopped the run: also when the run resumed had already stopped early (it
+        trains no further step, as it would not have had it run on)."""
+        ended = self.start is not None and (self.engine.steps >= config.max_steps or self.early_stopped)
+        # Every check has passed: only now is anything in the run directory written (nothing new for a run that had
+        # already ended: no TensorBoard file, its config.json as it is).
+        self.writer: RunWriter = RunWriter(prep.out, tensorboard=not ended) if self.ranks.is_main else NoWriter()
         self.metrics_open = True
-        self.writer.write_config(self.resolved)
+        if not ended:
+            self.writer.write_config(self.resolved)
         self._announce()
         self.started: float = time.perf_counter()
         self.totals = _Totals()
@@ -228,10 +248,8 @@ class TrainingRun:
         self.partial: PartialWindow | None = self.start.partial if self.start else None
         """The window a mid-window checkpoint interrupted, continued by the first ``run_window``."""
         self.stop = StopOnSignal()
-        self.best = BestEvaluation.from_rows(self.start.kept_rows if self.start else [])
-        """The lowest validation loss so far and the evaluations since (--keep-best, --early-stop-after); a resumed
-        run counts its kept rows' evaluations."""
-        self.early_stopped = False
+        self.windows_at_start: int = self.engine.windows
+        """The windows done before this process (a resumed run's): none done since means nothing was trained."""
         self.intact_checkpoints: set[Path] = {self.start.checkpoint} if self.start else set()
         """Checkpoints known to be whole (written by this run, or verified to resume from): pruning skips hashing
         them again."""
@@ -290,7 +308,7 @@ class TrainingRun:
     def windows_across_epochs(self) -> Iterator[EpochWindow]:
         """This rank's windows, epoch after epoch, while fewer than --max-steps optimizer steps are done (the loop
         stops at --max-steps; this only refuses to start past it), prepared --prefetch-windows ahead in a thread."""
-        if self.engine.steps >= self.config.max_steps:
+        if self.engine.steps >= self.config.max_steps or self.early_stopped:
             return
         # Pinned on CUDA, so that the engine's non_blocking copy of each micro-batch is really asynchronous.
         self.prefetcher = prefetch(self._cut_windows(), depth=self.config.prefetch_windows,
@@ -455,18 +473,37 @@ class TrainingRun:
         )
 
     def finish(self) -> dict[str, Any]:
-        """Save the final weights (and --save-hf), write summary.json and print the closing lines; the summary."""
+        """Save the final weights, write summary.json, then --save-hf, and print the closing lines; the summary.
+
+        The run's own end (final weights, summary) is written before the export, so that an export that fails (a
+        full disk) costs the export alone. A resumed run that had already ended (--max-steps reached, or stopped
+        early) trains nothing and rewrites none of its files: it only exports, when asked to and not done before."""
         config, engine, prep, ranks = self.config, self.engine, self.prep, self.ranks
         wall = time.perf_counter() - self.started
         weights = full_model_state(self.parts.model, ranks)  # a collective under FSDP2: every rank takes part
-        self.writer.save_model(weights, metadata={"model": config.model, "step": str(engine.steps)})
-        if config.save_hf is not None and ranks.is_main:
-            # A byte-level model gets cadence's byte tokenizer (as_tokenizer(None)), so that it loads and stops.
-            save_hf(unwrap(self.parts.model), config.save_hf, as_tokenizer(prep.hf.tokenizer if prep.hf else None),
-                    weights=weights, replace=self.start is not None and exported_before(prep.out, config.save_hf))
         peak_memory = max_over_ranks(self.totals.peak_memory, ranks)
+        # Read before summary.json is written again: whether --save-hf holds exactly this run's earlier export.
+        replace = bool(self.start is not None and config.save_hf is not None
+                       and exported_before(prep.out, config.save_hf))
+        kept = self._summary_kept() if self.start is not None else None
+        if self.start is not None and engine.windows == self.windows_at_start:
+            if not (prep.out / WEIGHTS_FILE).is_file():  # removed since: the checkpoint's weights are the final ones
+                self.writer.save_model(weights, metadata={"model": config.model, "step": str(engine.steps)})
+            summary = kept or self._summary(wall, peak_memory)
+            print(f"nothing to train: the run had already ended at step {engine.steps}"
+                  + (f" ({summary['stopped_by']})" if summary.get("stopped_by") else "")
+                  + f"; its final weights and summary in {prep.out} are unchanged", file=self.stream, flush=True)
+            if not (replace and summary.get("save_hf_step") == engine.steps):  # else: exported, and untouched since
+                self._export(weights, summary, replace=replace)
+            return summary
+        self.writer.save_model(weights, metadata={"model": config.model, "step": str(engine.steps)})
         summary = self._summary(wall, peak_memory)
+        if replace:
+            # The earlier export stays recorded until the new one replaces it: if this export fails, that one is
+            # still the run's (intact), and exporting again replaces it.
+            summary.update({name: (kept or {}).get(name) for name in ("save_hf", "save_hf_files", "save_hf_step")})
         self.writer.write_summary(summary)
+        self._export(weights, summary, replace=replace)
         print(
             f"done: {engine.steps} steps ({engine.skipped_steps} skipped), final loss {_fmt(summary['final_loss'])}, "
             + (f"val loss {_fmt(self.totals.last_val)} (perplexity {summary['final_val_perplexity']:,.2f}), "
@@ -487,6 +524,36 @@ class TrainingRun:
                   f"--resume", file=self.stream, flush=True)
         return summary
 
+    def _export(self, weights: dict[str, torch.Tensor], summary: dict[str, Any], *, replace: bool) -> None:
+        """--save-hf (rank 0), after the run's own files: recorded in summary.json (where, and what it wrote) once
+        complete, so that a resume replaces this export and nothing else (``replace``: the directory holds exactly
+        this run's earlier export)."""
+        config, prep = self.config, self.prep
+        if config.save_hf is None or not self.ranks.is_main:
+            return
+        try:
+            # A byte-level model gets cadence's byte tokenizer (as_tokenizer(None)), so that it loads and stops.
+            save_hf(unwrap(self.parts.model), config.save_hf, as_tokenizer(prep.hf.tokenizer if prep.hf else None),
+                    weights=weights, replace=replace)
+        except (OSError, SafetensorError, UsageError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+            raise RunDirectoryWriteFailed(
+                f"cannot write the --save-hf export {config.save_hf}: {reason}. The run itself finished: its final "
+                f"weights and summary.json are in {prep.out}, and nothing was left half-written at "
+                f"{config.save_hf}. To export again: cadence train --resume --out {prep.out} --save-hf "
+                f"{config.save_hf}") from None
+        summary.update(save_hf=str(config.save_hf), save_hf_files=export_files(config.save_hf),
+                       save_hf_step=self.engine.steps)
+        self.writer.write_summary(summary)
+
+    def _summary_kept(self) -> dict[str, Any] | None:
+        """The summary.json a run that had already ended wrote (None when it is missing or not a JSON object)."""
+        try:
+            kept = json.loads((self.prep.out / SUMMARY_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return None
+        return kept if isinstance(kept, dict) else None
+
     def _compile_summary(self, untimed: bool) -> dict[str, Any]:
         """With --compile: what compiling cost this process since the run (or its resume) started, apart from
         tokens/s, which leaves out the steps that compiled unless no other step was timed."""
@@ -504,8 +571,11 @@ class TrainingRun:
         return {
             "steps": engine.steps,
             "skipped": engine.skipped_steps,
-            # Where --save-hf exported this run's model (a resumed run replaces its own export, nothing else).
-            "save_hf": str(config.save_hf) if config.save_hf is not None else None,
+            # Where --save-hf exported this run's model and what it wrote there (set once the export is complete:
+            # a resumed run replaces its own export, nothing else).
+            "save_hf": None,
+            "save_hf_files": None,
+            "save_hf_step": None,
             "windows": engine.windows,
             "epochs": self.epoch + 1,
             "tokens": totals.tokens,

@@ -113,6 +113,11 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
         # Checked before anything trains (it used to fail after the last step). A resumed run may replace its own
         # earlier export: a segment stopped by a signal exports too.
         if not (config.resume and exported_before(out, config.save_hf)):
+            if config.resume:
+                # Only the export this run wrote, exactly as it wrote it, is the run's to replace.
+                problem = (f"{config.save_hf} is not empty and is not the export this run wrote (files were added or "
+                           f"changed there, or it is another folder); nothing was changed: move it, or give a new "
+                           f"--save-hf directory")
             raise UsageError.single("--save-hf", problem)
     hf = build_run_hf(config, warn=True)
     if hf is not None:

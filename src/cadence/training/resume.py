@@ -32,7 +32,14 @@ from cadence.training.checkpoint import (
     restore_rng_state,
     verify_checkpoint,
 )
-from cadence.training.run_dir import CHECKPOINTS_DIR, METRICS_FILE, MetricsUnreadable, read_metrics, rewrite_metrics
+from cadence.training.run_dir import (
+    CHECKPOINTS_DIR,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    MetricsUnreadable,
+    read_metrics,
+    rewrite_metrics,
+)
 
 RESUME_CHECKED = (*MATH_FIELDS, "data_fingerprint", "data_store_digest")
 """What must match between the checkpoint's run and the resumed one: the fields that change the math or the data
@@ -159,8 +166,15 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
                 f"no usable checkpoint in {run_dir / CHECKPOINTS_DIR}; "
                 + "; ".join(f"{p.name}: {verify_checkpoint(p)}" for p in found)
                 + " (nothing was changed; start a new --out to train from scratch)"))])
+        # A run killed before its first checkpoint starts over; one that ended (it wrote its summary) without any
+        # checkpoint (--checkpoint-every 0) has nothing to continue from, and starting over would replace its steps
+        # and final weights.
+        if broadcast_from_main(main and (run_dir / SUMMARY_FILE).is_file(), parts.ranks):
+            raise UsageError([Problem(where="--resume", message=(
+                f"{run_dir} holds a run that ended (it has a summary.json) without a checkpoint to continue from "
+                f"(--checkpoint-every 0); nothing was changed: train a new --out to go on"))])
         if main:
-            _truncate_metrics(run_dir, rows, windows=0)  # a run killed before its first checkpoint starts over
+            _truncate_metrics(run_dir, rows, windows=0)
         return None
     # A checkpoint without the history before it: the summary would count only the steps after the resume. Every
     # rank learns rank 0's finding, so that all stop together.

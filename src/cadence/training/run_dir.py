@@ -75,6 +75,19 @@ def writing(what: str, *, then: str = "") -> Iterator[None]:
         raise RunDirectoryWriteFailed(f"cannot write {what}: {reason}" + (f"; {then}" if then else "")) from err
 
 
+def run_folder(root: Path, name: str) -> Path:
+    """``root / name`` as a folder of the run directory, made if missing. A link there (or a file) is refused: writing
+    through a symlinked ``best/`` or ``checkpoints/`` would overwrite the files of whatever it points at, which are not
+    the run's. (Checked at each write: the folder may have been replaced while the run went on.)"""
+    folder = root / name
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise RunDirectoryWriteFailed(
+            f"{folder} is a link or a file, not the run's own folder, and cadence writes only inside the run "
+            f"directory; nothing was written there: remove it, then --resume")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 class RunWriter:
     """Writes one run directory. Created only after every input has been validated, so bad input writes nothing."""
 
@@ -125,7 +138,7 @@ class RunWriter:
     def save_best(self, weights: Mapping[str, torch.Tensor], record: dict[str, Any]) -> None:
         """--keep-best: OUT/best/model.safetensors and best.json (its step and validation loss), each written whole;
         the weights first, so a best.json always describes the weights beside it or older ones being replaced."""
-        folder = self.root / BEST_DIR
+        folder = run_folder(self.root, BEST_DIR)
         with writing(str(folder / WEIGHTS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
             save_weights(weights, folder / WEIGHTS_FILE)
             atomic_write_json(folder / BEST_FILE, record)
@@ -172,15 +185,43 @@ class MetricsUnreadable(ValueError):
         self.reason = reason
 
 
+def export_files(directory: Path) -> dict[str, list[int]] | None:
+    """What is in an export directory now: each file's relative name with its size, modification time and inode, and
+    the directory's own inode under "." (None when it is missing or cannot be read). summary.json records it after
+    --save-hf writes the export, so that a resume replaces that export only while it holds exactly what this run
+    wrote: a file added to it, a file changed in it, or another folder put in its place is the user's, and stays."""
+    try:
+        if directory.is_symlink() or not directory.is_dir():
+            return None
+        found = {".": [0, 0, directory.stat().st_ino]}
+        for path in sorted(directory.rglob("*")):
+            status = path.lstat()
+            found[path.relative_to(directory).as_posix()] = [status.st_size if path.is_file() else -1,
+                                                              status.st_mtime_ns, status.st_ino]
+        return found
+    except OSError:
+        return None
+
+
 def exported_before(run_dir: Path, directory: Path) -> bool:
-    """Whether the run in ``run_dir`` already wrote its --save-hf export to ``directory`` (its summary.json says
-    so): a segment stopped by a signal exports too, and a resumed run replaces that export with its own."""
+    """Whether ``directory`` holds exactly the --save-hf export the run in ``run_dir`` wrote (its summary.json says
+    where, and what files it held): a segment stopped by a signal exports too, and a resumed run replaces that export
+    with its own. Anything else there (files added or changed since, an unrelated folder) is not the run's to
+    replace."""
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
-    recorded = summary.get("save_hf") if isinstance(summary, dict) else None
-    return isinstance(recorded, str) and Path(recorded).resolve() == directory.resolve()
+    if not isinstance(summary, dict):
+        return False
+    recorded, files = summary.get("save_hf"), summary.get("save_hf_files")
+    if not isinstance(recorded, str) or not recorded or not isinstance(files, dict):
+        return False
+    try:
+        same_place = Path(recorded).resolve() == directory.resolve()
+    except (OSError, RuntimeError):
+        return False
+    return same_place and export_files(directory) == files
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
