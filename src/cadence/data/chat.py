@@ -580,9 +580,16 @@ class _Turns:
         """The first ``count`` messages rendered (with the generation prompt after them when asked)."""
         key = (count, generation_prompt)
         if key not in self._renderings:
-            self._renderings[key] = self.template.render_traced(
-                self.conversation.messages[:count], tools=self.conversation.tools,
-                add_generation_prompt=generation_prompt)
+            try:
+                self._renderings[key] = self.template.render_traced(
+                    self.conversation.messages[:count], tools=self.conversation.tools,
+                    add_generation_prompt=generation_prompt)
+            except ChatTemplateError:
+                if count or generation_prompt:
+                    raise
+                # Many templates read messages[0] and cannot render no messages: nothing comes before the first
+                # turn then (its content is still searched for from the start of the text).
+                self._renderings[key] = ("", ())
         return self._renderings[key]
 
     def span(self, index: int) -> tuple[int, int]:
@@ -688,9 +695,13 @@ def _check_generation(template: ChatTemplate, text: str, generation: tuple[tuple
                 index = next((i for i, (a, b) in regions.items() if a <= position < b), None)
                 where = f"message {index}" if index is not None else "text outside every assistant turn"
                 trains = "the template's blocks only" if theirs[position] else "cadence's turn only"
+                stop = position  # the whole run of characters that differ the same way, to show it
+                while stop < min(end, position + 40) and ours[stop] != theirs[stop] and theirs[stop] == theirs[
+                        position]:
+                    stop += 1
                 raise ChatTemplateError(
                     f"chat template {template.name}: its {{% generation %}} blocks disagree with the turns cadence "
-                    f"found, in {where}: {text[position:position + 30]!r} is in {trains}")
+                    f"found, in {where}: {text[position:stop]!r} is in {trains}")
 
 
 def _common_prefix(a: str, b: str) -> int:
