@@ -362,16 +362,19 @@ class ChatTemplate:
         """The text, and the character spans of its ``{% generation %}`` blocks (none when it has none)."""
         try:
             compiled = _compile(self.source)
-        except Exception as error:  # noqa: BLE001 - jinja2's syntax errors, or jinja2 missing
+        except ImportError:
+            raise ChatTemplateError("chat templates need the jinja2 package: pip install 'cadence[hf]'") from None
+        except Exception as error:  # noqa: BLE001 - jinja2's syntax errors
             raise ChatTemplateError(f"chat template {self.name} does not compile: {_one_line(error)}") from None
         # Fresh plain dicts: the template may read every key (tojson of a message needs real dicts), and the
         # reasoning is also given as "thinking", which some templates (gpt-oss) read, as transformers does.
         plain = [{**({"thinking": m["reasoning_content"]} if "reasoning_content" in m else {}), **m}
                  for m in messages]
         try:
+            # documents=None as transformers passes it: `documents is not none` must be false, as it is there.
             raw = compiled.render(messages=plain, tools=[dict(tool) for tool in tools] if tools else None,
-                                  add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-                                  eos_token=self.eos_token)
+                                  documents=None, add_generation_prompt=add_generation_prompt,
+                                  bos_token=self.bos_token, eos_token=self.eos_token)
         except Exception as error:  # noqa: BLE001 - a template can raise anything; each becomes one line
             raise _template_error(self.name, error) from None
         if _OPEN not in raw and _CLOSE not in raw:
