@@ -90,6 +90,20 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
         return [list(text.encode("utf-8")[:max_length]) for text in texts]
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """The bytes of ``text`` and, for each, the index of the character it belongs to (a chat template's
+        rendering is cut into turns by characters: :mod:`cadence.data.chat`)."""
+        ids = list(text.encode("utf-8"))
+        if len(ids) == len(text):  # ASCII: one byte per character
+            return ids, list(range(len(text)))
+        offsets = [index for index, char in enumerate(text) for _ in range(len(char.encode("utf-8")))]
+        return ids, offsets
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """Strings kept whole as one token: none (every id is a byte)."""
+        return ()
+
     @property
     def hf_tokenizer(self) -> Any:
         """These bytes as a transformers tokenizer (``save_pretrained`` writes it; ``AutoTokenizer`` loads it back),
@@ -158,6 +172,23 @@ class HFTokenizer:
         # Truncating inside the tokenizer keeps a 10 MB document from being tokenised in full to keep 512 tokens.
         limits = {"truncation": True, "max_length": max_length} if max_length is not None else {}
         return [list(ids) for ids in self.hf_tokenizer(list(texts), add_special_tokens=False, **limits)["input_ids"]]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """The ids of ``text`` without special tokens added, and the index of each token's first character (a chat
+        template's rendering is cut into turns by characters: :mod:`cadence.data.chat`). Needs a fast tokenizer."""
+        if not getattr(self.hf_tokenizer, "is_fast", False):
+            raise ValueError(f"{self.name}: chat data needs a fast tokenizer (character offsets of its tokens)")
+        encoded = self.hf_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The strings the tokenizer keeps whole as one token: its added tokens (``<|im_end|>``, ``<tool_call>``)
+        and its special tokens (BOS, EOS, ...); where a chat template's turn ends is among them."""
+        decoder = getattr(self.hf_tokenizer, "added_tokens_decoder", {})
+        added = [getattr(token, "content", str(token)) for token in decoder.values()]
+        names = [*added, *getattr(self.hf_tokenizer, "all_special_tokens", [])]
+        return tuple(name for name in dict.fromkeys(names) if name)
 
 
 def as_tokenizer(tokenizer: Any | None) -> Tokenizer:
