@@ -329,9 +329,9 @@ def test_a_store_whose_files_are_unchanged_is_not_hashed_again(tmp_path: Path, m
     assert hashed == []  # the build verified it as it wrote it
     os.utime(store / "tokens.bin")  # any change to a file's status (here only its times) means: verify again
     TokenStore.open(store)
-    assert sorted(hashed) == ["tokens.bin", "train.idx"]
+    assert sorted(hashed) == ["tokens.bin", "train.idx", "train.spans"]
     TokenStore.open(store)
-    assert len(hashed) == 2
+    assert len(hashed) == 3
 
 
 def test_a_damaged_cached_store_is_rebuilt_from_its_source(tmp_path: Path) -> None:
@@ -416,3 +416,63 @@ def test_a_byte_store_with_ids_beyond_the_model_s_vocabulary_is_refused_before_t
                  "1", "--max-steps", "1", "--val-fraction", "0", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "--data" in err and "beyond gpt-tiny's vocabulary of 256" in err and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------------ spans (issue 37)
+def _span_store(path: Path) -> TokenStore:
+    writer = StoreWriter(path, kind="examples", vocab_size=256)
+    # Tokens 10..21; trained: tokens 3..5 and 8..10 (a chat's two assistant turns), not the rest.
+    writer.add_example("train", list(range(10, 22)), loss_start=0, row=1, spans=[(3, 5), (8, 11)])
+    writer.add_example("train", [1, 2, 3, 4], loss_start=2, row=2)  # one run from loss_start, as before
+    writer.finish({"fingerprint": "sha256:x"})
+    return TokenStore.open(path)
+
+
+def test_an_example_trains_exactly_its_spans_whatever_their_number(tmp_path: Path) -> None:
+    store = _span_store(tmp_path / "s")
+    assert store.meta["spans"] == {"train": 2} and store.meta["version"] == 3
+    splits = splits_from_store(store, seq_len=16, val_fraction=0.0, from_cache=False)
+    (ids, labels), (ids2, labels2) = as_lists(splits.train)
+    assert ids == list(range(10, 21))
+    # Position j predicts token j + 1: tokens 3, 4 (ids 13, 14) and 8, 9, 10 (ids 18, 19, 20) are the targets.
+    assert labels == [-100, -100, 13, 14, -100, -100, -100, 18, 19, 20, -100]
+    assert labels2 == [-100, 3, 4]
+    assert splits.train.num_targets == 5 + 2
+
+
+def test_truncating_an_example_with_spans_keeps_its_trained_end(tmp_path: Path) -> None:
+    store = _span_store(tmp_path / "s")
+    short = splits_from_store(store, seq_len=7, val_fraction=0.0, from_cache=False, too_long="truncate")
+    ids, labels = as_lists(short.train)[0]
+    # 12 tokens to 8: shifted by 2 (never past the token before the first target, token 2), so tokens 2..9 are kept;
+    # token 10 (the second turn's end) is lost with the end.
+    assert ids == list(range(12, 19)) and labels == [13, 14, -100, -100, -100, 18, 19]
+    assert short.train.num_targets == 4 + 2
+    assert sum(int((example.labels != -100).sum()) for example in short.train) == short.train.num_targets
+
+
+@pytest.mark.parametrize("spans", [[(0, 2)], [(3, 13)], [(5, 7), (4, 6)], [(8, 11), (3, 5)]])
+def test_spans_outside_their_example_or_out_of_order_are_refused_when_written(tmp_path: Path, spans) -> None:
+    writer = StoreWriter(tmp_path / "s", kind="examples", vocab_size=256)
+    with pytest.raises(ValueError, match="spans"):
+        writer.add_example("train", list(range(10, 22)), loss_start=0, row=1, spans=spans)
+
+
+def test_a_crafted_spans_file_is_refused_when_opened(tmp_path: Path) -> None:
+    _span_store(tmp_path / "s")
+    rows = np.fromfile(tmp_path / "s" / "train.spans", dtype="<i8").reshape(-1, 3)
+    rows[1, 2] = 99  # past its example's 12 tokens
+    rows.tofile(tmp_path / "s" / "train.spans")
+    _reseal(tmp_path / "s")
+    (tmp_path / "s" / ".verified.json").unlink(missing_ok=True)
+    with pytest.raises(StoreDamaged, match="train.spans row 1"):
+        TokenStore.open(tmp_path / "s")
+
+
+def test_a_store_of_the_previous_version_is_not_misread(tmp_path: Path) -> None:
+    _span_store(tmp_path / "s")
+    meta = json.loads((tmp_path / "s" / "store.json").read_text())
+    meta["version"] = 2
+    (tmp_path / "s" / "store.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreDamaged, match="version 2"):
+        TokenStore.open(tmp_path / "s")

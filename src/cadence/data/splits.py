@@ -109,7 +109,7 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
             problems += [Problem(where=_where(store, split, int(index[row, 3]), lines_of),
                                  message=too_long_message(int(index[row, 1]), seq_len, unit))
                          for row in long_rows[:MAX_REPORTED_PROBLEMS - len(problems)]]
-        parts[split] = StoredExamples(store.tokens, index, seq_len, rows, head)
+        parts[split] = StoredExamples(store.tokens, index, seq_len, rows, head, store.spans.get(split))
     if problems:
         if longer > len(problems):
             problems.append(Problem(where=str(lines_of or meta.get("path") or source),

@@ -6,6 +6,9 @@ A store is a directory::
     tokens.bin    every token id, little-endian, in the smallest dtype the vocabulary fits (uint8, uint16, uint32)
     train.idx     int64 rows (offset, length, loss_start, row) per example; "examples" stores only
     val.idx       the same for a source's own validation split, when it has one
+    train.spans   int64 rows (example, start, end), in example order: the trained tokens of examples whose loss is
+                  not one run from ``loss_start`` to the end (a chat's assistant turns); "examples" stores only
+    val.spans     the same for the validation split
 
 Two kinds:
 
@@ -15,7 +18,10 @@ Two kinds:
   ``tokens[offset : offset + length]`` untruncated; position j predicts token j + 1 and carries a loss only when
   ``j + 1 >= loss_start``. What happens to an example longer than ``--seq-len`` is decided when the examples are read
   (:mod:`cadence.data.too_long`, :class:`StoredExamples`), so again one store serves every ``--seq-len``. ``row``
-  is the source's line (JSONL) or row number, for messages.
+  is the source's line (JSONL) or row number, for messages. An example listed in the split's spans file is trained on
+  exactly its spans instead: token k of it is a target (of position k - 1) when ``start <= k < end`` for one of its
+  rows (any number of them); its ``loss_start`` is then its first span's start, so that truncation, which never
+  drops the token before the first target, treats it as any other example.
 
 ``store.json`` is written last, and a store only becomes visible by renaming its finished directory into place, so a
 build killed at any point leaves nothing that :meth:`TokenStore.open` accepts.
@@ -50,9 +56,9 @@ from cadence.output_files import atomic_write_json
 STORE_FORMAT = "cadence-token-store"
 """The ``format`` field of every store.json: how a directory given to ``--data`` is recognised as a store."""
 
-STORE_VERSION = 2
+STORE_VERSION = 3
 """Bumped whenever the layout or the meaning of a field changes, so that an old store is rebuilt, never misread.
-(2: store.json holds the SHA-256 of every file.)"""
+(2: store.json holds the SHA-256 of every file; 3: "examples" stores have a spans file per split.)"""
 
 META_FILE = "store.json"
 TOKENS_FILE = "tokens.bin"
@@ -62,6 +68,8 @@ TOKEN_DTYPES = ("uint8", "uint16", "uint32")
 _HASH_CHUNK = 8 << 20
 INDEX_COLUMNS = 4
 """offset, length, loss_start, row."""
+SPAN_COLUMNS = 3
+"""example (its row number in the split's index), start, end: token positions within the example, end excluded."""
 
 StoreKind = Literal["stream", "examples"]
 
@@ -83,6 +91,16 @@ def index_file(split: str) -> str:
     return f"{split}.idx"
 
 
+def spans_file(split: str) -> str:
+    return f"{split}.spans"
+
+
+def store_files(kind: str, splits: Sequence[str]) -> list[str]:
+    """The files of a store besides store.json (each has its SHA-256 in store.json)."""
+    spans = [spans_file(split) for split in splits] if kind == "examples" else []
+    return [TOKENS_FILE, *(index_file(split) for split in splits), *spans]
+
+
 # ------------------------------------------------------------------------------------------------ writing
 class StoreWriter:
     """Appends tokens and index rows to a new store directory; :meth:`finish` writes store.json last.
@@ -102,6 +120,7 @@ class StoreWriter:
         self._pending: dict[str, list[tuple[int, int, int, int]]] = {}
         self._indexes: dict[str, Any] = {}
         self._rows: dict[str, int] = {}
+        self._spans: dict[str, list[tuple[int, int, int]]] = {}
 
     # -- tokens
     def write_tokens(self, ids: bytes | np.ndarray | Sequence[int]) -> int:
@@ -145,8 +164,22 @@ class StoreWriter:
         return offset
 
     # -- examples
-    def add_example(self, split: str, ids: bytes | np.ndarray | Sequence[int], *, loss_start: int, row: int) -> None:
-        """Append one example: its tokens (inputs and the last target), where its loss starts, its source row."""
+    def add_example(self, split: str, ids: bytes | np.ndarray | Sequence[int], *, loss_start: int, row: int,
+                    spans: Sequence[tuple[int, int]] | None = None) -> None:
+        """Append one example: its tokens (inputs and the last target), where its loss starts, its source row.
+
+        ``spans``: the trained tokens when they are not one run from ``loss_start`` to the end: half-open ranges of
+        token positions, in order, not overlapping, each inside the example (``loss_start`` is then ignored: the
+        first span's start is recorded)."""
+        if spans is not None:
+            spans = [(int(a), int(b)) for a, b in spans if b > a]
+            length = len(ids)
+            if not spans or spans[0][0] < 1 or spans[-1][1] > length \
+                    or any(b1 > a2 for (_, b1), (a2, _) in zip(spans[:-1], spans[1:])):
+                raise ValueError(f"spans {spans} are not ordered ranges of trained tokens within 1..{length}")
+            number = self.rows(split)
+            self._spans.setdefault(split, []).extend((number, a, b) for a, b in spans)
+            loss_start = spans[0][0]
         offset = self.write_tokens(ids)
         self.add_rows(split, [(offset, self.num_tokens - offset, loss_start, row)])
 
@@ -183,12 +216,20 @@ class StoreWriter:
         for split in list(self._pending):
             self._flush(split)
         splits = sorted(set(self._rows) | set(self._indexes))
+        if self.kind == "examples":
+            for split in splits:
+                # A handful of int64 triples per example at most (the turns of a conversation): kept until here.
+                spans = np.asarray(self._spans.get(split, []), dtype="<i8").reshape(-1, SPAN_COLUMNS)
+                with open(self.directory / spans_file(split), "wb") as handle:
+                    handle.write(spans.tobytes())
+                    handle.flush()
+                    os.fsync(handle.fileno())
         for handle in [self._tokens, *self._indexes.values()]:
             handle.flush()
             os.fsync(handle.fileno())
             handle.close()
         # Hashed from the files as they are on disk (read back once), so the checksum is of what a reader will see.
-        names = [TOKENS_FILE, *(index_file(split) for split in splits)]
+        names = store_files(self.kind, splits)
         checksums = {name: file_sha256(self.directory / name) for name in names}
         full = {
             **meta,
@@ -199,6 +240,7 @@ class StoreWriter:
             "vocab_size": self.vocab_size,
             "tokens": self.num_tokens,
             "splits": {split: self._rows.get(split, 0) for split in splits},
+            "spans": {split: len(self._spans.get(split, [])) for split in splits} if self.kind == "examples" else {},
             "sha256": checksums,
         }
         atomic_write_json(self.directory / META_FILE, full, indent=1, sort_keys=True)
@@ -296,6 +338,8 @@ class TokenStore:
     meta: dict[str, Any]
     tokens: TokenFile
     indexes: dict[str, np.ndarray]
+    spans: dict[str, np.ndarray]
+    """Each split's (example, start, end) rows (empty when every example trains from its loss_start on)."""
 
     @property
     def kind(self) -> StoreKind:
@@ -328,21 +372,26 @@ class TokenStore:
                 raise ValueError(f"vocab_size {vocab_size} does not fit {dtype.name}")
             splits = {str(split): int(rows) for split, rows in meta["splits"].items()}
             checksums = meta["sha256"]
-            names = [TOKENS_FILE, *(index_file(split) for split in splits)]
+            names = store_files(meta["kind"], list(splits))
             if not isinstance(checksums, dict) or sorted(checksums) != sorted(names):
                 raise ValueError("its sha256 table does not list the store's files")
             _check_size(path / TOKENS_FILE, int(meta["tokens"]) * dtype.itemsize)
             indexes = {split: _map(path / index_file(split), np.dtype("<i8"), rows, (INDEX_COLUMNS,))
                        for split, rows in splits.items()}
+            span_counts = {str(split): int(rows) for split, rows in meta["spans"].items()} \
+                if meta["kind"] == "examples" else {}
+            spans = {split: _map(path / spans_file(split), np.dtype("<i8"), span_counts.get(split, 0),
+                                 (SPAN_COLUMNS,)) for split in splits if meta["kind"] == "examples"}
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise StoreDamaged(f"{path / META_FILE} is incomplete or inconsistent: {error}") from None
         if meta["kind"] == "examples" and "train" not in indexes:
             raise StoreDamaged(f"{path} holds no training examples")
         if not _verified_before(path, names):
-            _verify(path, checksums, dtype=dtype, vocab_size=vocab_size, tokens=int(meta["tokens"]), indexes=indexes)
+            _verify(path, checksums, dtype=dtype, vocab_size=vocab_size, tokens=int(meta["tokens"]), indexes=indexes,
+                    spans=spans)
             _remember_verified(path, names)
         tokens = TokenFile(path / TOKENS_FILE, dtype, int(meta["tokens"]))
-        return cls(path=path, meta=meta, tokens=tokens, indexes=indexes)
+        return cls(path=path, meta=meta, tokens=tokens, indexes=indexes, spans=spans)
 
     @property
     def digest(self) -> str:
@@ -367,7 +416,7 @@ class TokenStore:
 
 
 def _verify(path: Path, checksums: dict[str, str], *, dtype: np.dtype, vocab_size: int, tokens: int,
-            indexes: dict[str, np.ndarray]) -> None:
+            indexes: dict[str, np.ndarray], spans: dict[str, np.ndarray]) -> None:
     """Every file against its checksum, every token id below ``vocab_size``, every index row inside the tokens;
     :class:`StoreDamaged` naming the first thing wrong."""
     highest = [-1]
@@ -395,6 +444,19 @@ def _verify(path: Path, checksums: dict[str, str], *, dtype: np.dtype, vocab_siz
             row = int(np.flatnonzero(bad)[0])
             raise StoreDamaged(f"{path / index_file(split)} row {row} points outside {TOKENS_FILE} (offset "
                                f"{int(offsets[row])}, length {int(lengths[row])}, of {tokens} tokens)")
+    for split, rows in spans.items():
+        if not len(rows):
+            continue
+        index = indexes[split]
+        examples, starts, ends = rows[:, 0], rows[:, 1], rows[:, 2]
+        inside = (examples >= 0) & (examples < len(index))
+        lengths = np.where(inside, index[np.clip(examples, 0, max(len(index) - 1, 0)), 1], 0)
+        ordered = np.concatenate([[True], examples[1:] >= examples[:-1]])
+        bad = ~inside | (starts < 1) | (ends <= starts) | (ends > lengths) | ~ordered
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise StoreDamaged(f"{path / spans_file(split)} row {row} is not a span of trained tokens inside its "
+                               f"example (example {int(examples[row])}, {int(starts[row])}..{int(ends[row])})")
 
 
 def _check_size(path: Path, expected: int) -> None:
@@ -478,21 +540,29 @@ class StoredExamples(TokenDataset):
     computed from the index, never by reading tokens."""
 
     def __init__(self, tokens: np.ndarray | TokenFile, index: np.ndarray, seq_len: int, rows: np.ndarray,
-                 head: int = 0) -> None:
+                 head: int = 0, spans: np.ndarray | None = None) -> None:
         super().__init__(())
         self._tokens = tokens
         self._index = index
         self._seq_len = seq_len
         self._rows = rows
         self._head = kept_head(head, seq_len)
+        self._spans = spans if spans is not None else np.zeros((0, SPAN_COLUMNS), dtype=np.int64)
+        """(example, start, end) rows, sorted by example: the trained tokens of the examples listed there."""
+
+    def _spans_of(self, row: int) -> np.ndarray:
+        """The (start, end) spans of index row ``row`` (none: it trains from its loss_start to its end)."""
+        first, last = np.searchsorted(self._spans[:, 0], [row, row + 1])
+        return self._spans[first:last, 1:]
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
         if isinstance(index, slice):
-            return StoredExamples(self._tokens, self._index, self._seq_len, self._rows[index], self._head)
-        offset, length, loss_start, _ = (int(v) for v in self._index[self._rows[index]])
+            return StoredExamples(self._tokens, self._index, self._seq_len, self._rows[index], self._head, self._spans)
+        row = int(self._rows[index])
+        offset, length, loss_start, _ = (int(v) for v in self._index[row])
         shift = int(tail_shift(length, loss_start, self._seq_len, self._head))
         kept = min(length, self._seq_len + 1)
         if shift:
@@ -502,6 +572,17 @@ class StoredExamples(TokenDataset):
         else:
             ids = _as_long(self._tokens[offset : offset + kept])
         labels = ids[1:].clone()
+        spans = self._spans_of(row) if len(self._spans) else self._spans[:0, 1:]
+        if len(spans):
+            # Token k of the example is a target (of the position before it) when a span holds it; the kept tokens
+            # are the example's first ``head`` and then those from ``head + shift`` on.
+            trained = np.zeros(length, dtype=bool)
+            for start, end in spans:
+                trained[start:end] = True
+            kept_positions = np.concatenate([np.arange(min(self._head, kept) if shift else 0),
+                                             np.arange(self._head + shift if shift else 0, kept + shift)])
+            labels[~torch.from_numpy(trained[kept_positions[1:]])] = IGNORE_INDEX
+            return Example(input_ids=ids[:-1], labels=labels)
         # Position j predicts token j + 1, a target only from loss_start on (the completion, after BOS, ...).
         labels[: max(max(loss_start, 1) - shift - 1, 0)] = IGNORE_INDEX
         return Example(input_ids=ids[:-1], labels=labels)
@@ -524,7 +605,23 @@ class StoredExamples(TokenDataset):
         index = self._index[self._rows]
         shift = tail_shift(index[:, 1], index[:, 2], self._seq_len, self._head)
         starts = np.maximum(index[:, 2], 1) - shift
-        return int(np.maximum(0, self._kept_lengths() - starts).sum())
+        per_row = np.maximum(0, self._kept_lengths() - starts)
+        if len(self._spans):
+            # Examples with spans: count the targets each keeps, span by span (a chat store's few rows per example).
+            listed = np.isin(self._rows, self._spans[:, 0])
+            per_row[listed] = [self._kept_targets(int(row)) for row in self._rows[listed]]
+        return int(per_row.sum())
+
+    def _kept_targets(self, row: int) -> int:
+        """How many of index row ``row``'s span tokens are targets once it is read at this --seq-len."""
+        _, length, loss_start, _ = (int(v) for v in self._index[row])
+        shift = int(tail_shift(length, loss_start, self._seq_len, self._head))
+        kept = min(length, self._seq_len + 1)
+        # Targets are the kept tokens after the first kept one: [1, head) and [head + shift, kept + shift) when
+        # shifted behind a kept head, [shift + 1, kept + shift) otherwise.
+        ranges = [(1, self._head), (self._head + shift, kept + shift)] if shift and self._head \
+            else [(shift + 1, kept + shift)]
+        return sum(max(0, min(end, b) - max(start, a)) for start, end in self._spans_of(row) for a, b in ranges)
 
     @property
     def max_length(self) -> int:
@@ -537,7 +634,7 @@ class StoredExamples(TokenDataset):
 
 
 __all__ = [
-    "INDEX_COLUMNS", "META_FILE", "STORE_FORMAT", "STORE_VERSION", "TOKENS_FILE", "VERIFIED_FILE", "PackedSequences",
+    "INDEX_COLUMNS", "META_FILE", "SPAN_COLUMNS", "STORE_FORMAT", "STORE_VERSION", "TOKENS_FILE", "VERIFIED_FILE", "PackedSequences",
     "StoreDamaged", "file_sha256",
     "StoreKind", "StoreWriter", "StoredExamples", "TokenFile", "TokenStore", "length_histogram", "token_dtype",
 ]
