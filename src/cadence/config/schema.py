@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
+from cadence.data.chat import TrainOn
 from cadence.data.too_long import TooLong
 from cadence.engine.cut import MicroBatchOrder
 from cadence.engine.precision import PrecisionName
@@ -118,6 +119,18 @@ class TrainConfig:
     """Column of a datasets source holding the prompt (no loss on it)."""
     completion_field: str = setting("completion", DATA)
     """Column of a datasets source holding the completion (the loss is on it)."""
+    messages_field: str | None = setting(None, DATA)
+    """Chat data: the column holding each row's list of messages ({role, content}), when it is not "messages" (nor
+    ShareGPT's "conversations"). Chat rows are found by themselves: "messages", a conversational "prompt" and
+    "completion" of message lists, or ShareGPT "conversations" ({from, value})."""
+    chat_template: Path | None = setting(None, DATA, changes_math=True)
+    """Chat data: a Jinja chat template file to render the conversations with, instead of the model directory's own
+    tokenizer template (or, for a built-in model or a tokenizer without one, cadence's ChatML default:
+    <|im_start|>role, the content, <|im_end|>). Rendered in a sandbox: no code runs from a template."""
+    train_on: TrainOn = setting("assistant", DATA, changes_math=True)
+    """Chat data: which tokens carry the loss: assistant (the content and end-of-turn token of every assistant
+    message), last (of the final assistant message only) or all (every token). A message's "train": true|false
+    overrides it for that message."""
     seq_len: int | None = setting(None, DATA, changes_math=True)
     """Tokens per sequence (bytes); default: the model's context length."""
     too_long: TooLong = setting("skip", DATA, changes_math=True)

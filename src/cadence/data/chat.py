@@ -65,6 +65,11 @@ class ChatDataError(ChatError):
     """A record that is not a usable conversation (not a list, an unknown role, content that is not text, ...)."""
 
 
+class NothingToTrain(ChatDataError):
+    """A well-formed conversation with nothing to train on (no assistant turn, no message marked to train): skipped
+    and counted, like an example too long for --seq-len; only a data set where none is left is refused."""
+
+
 class ChatTemplateError(ChatError):
     """A chat template that cannot be used on a conversation: it raised, it tried to leave the sandbox, or its
     rendering cannot be split into turns (no end of turn found, generation markers that disagree, ...)."""
@@ -146,7 +151,7 @@ def parse_conversation(record: Mapping[str, Any], *, messages_field: str | None 
     train = tuple(flag for _, flag in parsed)
     if not any(m["role"] == "assistant" for m in messages) and True not in train:
         roles = ", ".join(sorted({m["role"] for m in messages}))
-        raise ChatDataError(f"the conversation has no assistant turn (its roles: {roles}): nothing to train on")
+        raise NothingToTrain(f"the conversation has no assistant turn (its roles: {roles}): nothing to train on")
     return Conversation(messages=messages, train=train, prompt_length=prompt_length, tools=_tools(record.get("tools")))
 
 
@@ -727,6 +732,6 @@ def _one_line(error: BaseException) -> str:
 
 __all__ = [
     "CHATML_TEMPLATE", "CHAT_FORMATS", "ROLES", "SHAREGPT_ROLES", "TRAIN_ON", "ChatDataError", "ChatError",
-    "ChatExample", "ChatTemplate", "ChatTemplateError", "ChatTokenizer", "Conversation", "TrainOn",
+    "ChatExample", "ChatTemplate", "ChatTemplateError", "ChatTokenizer", "Conversation", "NothingToTrain", "TrainOn",
     "detect_chat_format", "parse_conversation", "tokenize_conversation",
 ]

@@ -410,6 +410,12 @@ class TokenStore:
         for split, index in self.indexes.items():
             lengths = index[:, 1]
             targets = np.maximum(0, lengths - np.maximum(index[:, 2], 1))
+            spans = self.spans.get(split)
+            if spans is not None and len(spans):
+                # Examples with spans train exactly those: their targets are the spans' lengths.
+                listed = np.unique(spans[:, 0])
+                targets[listed] = np.bincount(spans[:, 0], weights=spans[:, 2] - spans[:, 1],
+                                              minlength=len(index))[listed].astype(np.int64)
             out[split] = {"examples": len(index), "tokens": int(lengths.sum()), "targets": int(targets.sum()),
                           "length_histogram": length_histogram(lengths)}
         return out

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from cadence.config import TrainConfig, resolve_device, validate
-from cadence.data import DataSplits, default_cache_dir, is_store, load_data, open_prepared_store, splits_from_store
-from cadence.data.hf import as_tokenizer, is_hf_data, load_hf_data
+from cadence.data import DataSplits, default_cache_dir
+from cadence.data.source import Source, open_source
 from cadence.distributed.ranks import SINGLE, Ranks, broadcast_from_main, rank_device
 from cadence.engine.cut import Cut
 from cadence.engine.windows import Window, epoch_windows
@@ -210,26 +210,10 @@ def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
 
 
 def load_run_data(config: TrainConfig, seq_len: int, hf: HFModel | None, *, ranks: Ranks = SINGLE) -> DataSplits:
-    """The run's data through the token store in --data-cache: byte-level sources through cadence.data, datasets
-    sources (or any source read with a model's own tokenizer) through cadence.data.hf. Every rank opens the same
-    store; the first to need it builds it while the others wait (cadence.data.cache)."""
-    tokenizer = hf.tokenizer if hf else None
-    source = config.data
-    cache_dir = config.data_cache or default_cache_dir()
+    """The run's data (its :class:`cadence.data.source.Source`) through the token store in --data-cache, read with the
+    model's tokenizer (bytes for a built-in model). Every rank opens the same store; the first to need it builds it
+    while the others wait (cadence.data.cache)."""
     # Only the main rank reports a long build; another rank that happens to build is just as correct, but silent.
-    progress = sys.stderr if ranks.is_main else None
-    if source is not None and is_store(source):
-        store = open_prepared_store(source, expected_tokenizer=as_tokenizer(tokenizer).identity)
-        return splits_from_store(store, seq_len=seq_len, val_fraction=config.val_fraction, from_cache=False,
-                                 source=f"token store {source} ({store.meta.get('description', '')})",
-                                 too_long=config.too_long)
-    if source is None or not (is_hf_data(str(source)) or tokenizer is not None):
-        if tokenizer is not None:
-            raise UsageError.single("--data", "a model with its own tokenizer needs a .jsonl, .parquet, .csv, .json or "
-                                              "hf:PATH dataset (packing text is byte-level)")
-        return load_data(source, seq_len, config.val_fraction, cache_dir=cache_dir, progress=progress,
-                         too_long=config.too_long)
-    return load_hf_data(str(source), seq_len=seq_len, tokenizer=tokenizer, text_field=config.text_field,
-                        prompt_field=config.prompt_field, completion_field=config.completion_field,
-                        val_fraction=config.val_fraction, cache_dir=cache_dir, progress=progress,
-                        too_long=config.too_long)
+    return open_source(Source.from_flags(config), hf.tokenizer if hf else None, seq_len=seq_len,
+                       val_fraction=config.val_fraction, cache_dir=config.data_cache or default_cache_dir(),
+                       progress=sys.stderr if ranks.is_main else None, too_long=config.too_long)

@@ -18,14 +18,14 @@ from cadence.config import TrainConfig
 from cadence.data import (
     DataSplits,
     TokenStore,
-    byte_recipe,
     default_cache_dir,
     is_store,
     open_prepared_store,
     splits_from_store,
 )
 from cadence.data.cache import open_or_build, write_store
-from cadence.data.hf import as_tokenizer, hf_recipe, is_hf_data
+from cadence.data.hf import as_tokenizer
+from cadence.data.source import Source, source_recipe
 from cadence.data.too_long import TOO_LONG_CHOICES
 from cadence.errors import Problem, UsageError
 from cadence.formatting import format_bytes
@@ -44,12 +44,11 @@ class PrepareDataOptions:
 
 
 def _recipe(config: TrainConfig, tokenizer: Any | None, progress: IO[str] | None) -> Any:
-    source = config.data
-    if source is not None and (is_hf_data(str(source)) or tokenizer is not None):
-        return hf_recipe(str(source), tokenizer=tokenizer, text_field=config.text_field,
-                         prompt_field=config.prompt_field, completion_field=config.completion_field,
-                         progress=progress)
-    return byte_recipe(source, progress=progress)
+    source = Source.from_flags(config)
+    problems = source.problems(byte_level=tokenizer is None)
+    if problems:
+        raise UsageError(problems)
+    return source_recipe(source, tokenizer, progress=progress)
 
 
 def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO[str] | None = None,
