@@ -5,29 +5,46 @@ model with its ``--model-config`` and LoRA adapters), its weights loaded from th
 name must match), and the prompt encoded as the run's data was (bytes, or the model's tokenizer). Generation runs the
 whole context again for every new token (no KV cache: the runs cadence trains on a CPU are small, and one code path
 serves both model kinds) and stops at the end of sequence the run trained with, or after ``max_new_tokens``.
+
+Everything given is checked before anything is loaded, and everything read is checked before it is used, so that bad
+input is one line naming the flag or file (exit 2), never a traceback: ``--max-new-tokens`` at most MAX_NEW_TOKENS,
+``--temperature`` 0 (greedy) or from TEMPERATURE_FLOOR on, ``--seed`` within the generator's 64 bits, a prompt that is
+UTF-8 text; the weights file a safetensors file (never a pickle: safetensors has no code in it) whose every tensor
+has the name, shape and finite values the model expects, and a checkpoint's files the ones its manifest vouches for.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from cadence.config import TrainConfig
 from cadence.config.sources import recorded_values
 from cadence.config.validate import is_cadence_config
 from cadence.data.hf import HFTokenizer, Tokenizer, as_tokenizer
-from cadence.errors import Problem, UsageError
+from cadence.errors import CadenceFailure, Problem, UsageError
+from cadence.input_files import regular_file_problem
 from cadence.models import build_model, model_context_length
-from cadence.training.checkpoint import checkpoint_dirs
+from cadence.training.checkpoint import checkpoint_dirs, verify_checkpoint
 from cadence.training.prepare import build_run_hf
 from cadence.training.run_dir import WEIGHTS_FILE
 
 BEST = "best"
 """--weights best: the checkpoint --keep-best kept (the lowest validation loss)."""
+MAX_NEW_TOKENS = 16_384
+"""The most tokens one call generates: a long page of text. Without a KV cache every token runs the whole context
+again, so a larger count is hours of compute; a stated cap, refused above, rather than a run that ends when killed."""
+TEMPERATURE_FLOOR = 1e-3
+"""The smallest temperature other than 0. Below it the scaled scores overflow float32 (1e-45 turns every score into
+inf) while the choice is the greedy one in all but exact ties anyway: 0 says greedy plainly."""
+SEED_LIMIT = 2**64
+"""torch.Generator takes 64-bit seeds: 0 to 2**64 - 1."""
 
 
 @dataclass(kw_only=True)
@@ -37,13 +54,14 @@ class SampleOptions:
     prompt: str = ""
     """The text to continue (a prompt/completion run: the prompt, as its data had it)."""
     max_new_tokens: int = 200
-    """Tokens generated at most (fewer when the model ends the sequence)."""
+    """Tokens generated at most (fewer when the model ends the sequence); at most 16384."""
     temperature: float = 0.8
-    """Softmax temperature; 0 picks the most likely token every time (greedy, the same text on every call)."""
+    """Softmax temperature, 0.001 or more; 0 picks the most likely token every time (greedy, the same text on every
+    call)."""
     top_k: int = 50
     """Sample among the k most likely tokens only (0: all of them)."""
     seed: int = 0
-    """Seed of the sampling: the same seed, prompt and weights give the same text."""
+    """Seed of the sampling, 0 to 2**64 - 1: the same seed, prompt and weights give the same text."""
     weights: str = "final"
     """Whose weights: final (the run's model.safetensors), best (the checkpoint --keep-best kept) or step-N (that
     checkpoint)."""
@@ -59,17 +77,45 @@ class LoadedRun:
     is_hf: bool
 
 
+class SampleFailed(CadenceFailure):
+    """Generation that could not go on with weights that loaded (scores that are not numbers)."""
+
+    label = "sampling failed"
+
+
 def _problems(options: SampleOptions) -> list[tuple[str, str]]:
     problems = []
-    if options.max_new_tokens < 1:
-        problems.append(("--max-new-tokens", f"must be at least 1, got {options.max_new_tokens}"))
-    if not options.temperature >= 0:
-        problems.append(("--temperature", f"must be 0 (greedy) or more, got {options.temperature}"))
+    if not 1 <= options.max_new_tokens <= MAX_NEW_TOKENS:
+        problems.append(("--max-new-tokens", f"must be 1 to {MAX_NEW_TOKENS:,} (a stated cap: every token runs the "
+                                             f"whole context again), got {options.max_new_tokens:,}"))
+    temperature = options.temperature
+    if not (temperature == 0 or (math.isfinite(temperature) and temperature >= TEMPERATURE_FLOOR)):
+        problems.append(("--temperature", f"must be 0 (greedy) or a finite number from {TEMPERATURE_FLOOR:g} on "
+                                          f"(smaller ones overflow the scores and choose as greedy does), got "
+                                          f"{temperature:g}"))
     if options.top_k < 0:
         problems.append(("--top-k", f"must be 0 (all tokens) or more, got {options.top_k}"))
+    if not 0 <= options.seed < SEED_LIMIT:
+        problems.append(("--seed", f"must be 0 to 2**64 - 1 (the generator's range), got {options.seed}"))
     if not options.prompt:
         problems.append(("--prompt", "is required: the text to continue"))
+    else:
+        problem = _utf8_problem(options.prompt)
+        if problem is not None:
+            problems.append(("--prompt", problem))
     return problems
+
+
+def _utf8_problem(text: str) -> str | None:
+    """Why ``text`` is not UTF-8 text (None when it is). Bytes of the command line that are not UTF-8 reach Python
+    as lone surrogates (U+DC80 to U+DCFF for the bytes 0x80 to 0xFF), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        char = ord(text[err.start])
+        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"character U+{char:04X}"
+        return f"is not UTF-8 text ({what} at character {err.start}); give the prompt in UTF-8"
+    return None
 
 
 def weights_file(run_dir: Path, which: str) -> Path:
@@ -87,11 +133,53 @@ def weights_file(run_dir: Path, which: str) -> Path:
             raise UsageError.single("--weights", f"{run_dir} kept no best checkpoint (train with --keep-best and "
                                                  f"validation)")
         return path
-    names = [folder.name for folder in checkpoint_dirs(run_dir)]
-    if which not in names:
+    folders = {folder.name: folder for folder in checkpoint_dirs(run_dir)}
+    if which not in folders:
         raise UsageError.single("--weights", f"{which!r} is neither final, best nor one of the run's checkpoints "
-                                             f"({', '.join(names) or 'none'})")
-    return run_dir / "checkpoints" / which / WEIGHTS_FILE
+                                             f"({', '.join(folders) or 'none'})")
+    # A checkpoint vouches for its files (manifest.json): damaged weights are refused before they are read.
+    problem = verify_checkpoint(folders[which])
+    if problem is not None:
+        others = [name for name, path in (("final", run_dir / WEIGHTS_FILE), (BEST, run_dir / BEST / WEIGHTS_FILE))
+                  if path.is_file()]
+        others += [name for name, folder in folders.items() if name != which and verify_checkpoint(folder) is None]
+        raise UsageError.single("--weights", f"checkpoint {folders[which]} is damaged ({problem}); "
+                                             + (f"give another: {', '.join(others)}" if others else
+                                                "the run has no other weights"))
+    return folders[which] / WEIGHTS_FILE
+
+
+def read_weights(path: Path, model: torch.nn.Module, model_name: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``path``, checked against ``model``: a safetensors file (a pickle or garbage is refused
+    without being run) whose every tensor the model has, of the model's shape, with finite values. UsageError naming
+    --weights and the file otherwise."""
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise UsageError.single("--weights", problem)
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UsageError.single("--weights", f"{path} is not a safetensors file of weights ({reason})") from None
+    expected = model.state_dict()
+    missing = [name for name in expected if name not in state]
+    unexpected = [name for name in state if name not in expected]
+    if missing or unexpected:
+        first = (missing or unexpected)[0]
+        raise UsageError.single("--weights", f"{path} does not fit {model_name} as config.json describes it "
+                                             f"({len(missing)} weights missing, {len(unexpected)} unexpected, e.g. "
+                                             f"{first})")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise UsageError.single("--weights", f"{path} does not fit {model_name} as config.json describes it "
+                                                 f"({name} is {list(tensor.shape)}, the model's "
+                                                 f"{list(expected[name].shape)})")
+        if tensor.is_complex() or (expected[name].is_floating_point() and not tensor.is_floating_point()):
+            raise UsageError.single("--weights", f"{path}: {name} is {tensor.dtype}, where the model has "
+                                                 f"{expected[name].dtype}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise UsageError.single("--weights", f"{path}: {name} holds values that are not finite (damaged weights)")
+    return state
 
 
 def load_run(run_dir: Path, which: str = "final") -> LoadedRun:
@@ -106,11 +194,12 @@ def load_run(run_dir: Path, which: str = "final") -> LoadedRun:
     path = weights_file(run_dir, which)
     hf = build_run_hf(config, warn=False)
     model = hf.model if hf is not None else build_model(config.model)
-    state = load_file(str(path))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise UsageError.single("RUN_DIR", f"{path} does not fit {config.model} as config.json describes it "
-                                           f"({len(missing)} weights missing, {len(unexpected)} unexpected)")
+    state = read_weights(path, model, str(config.model))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:  # checked above; what torch still refuses, said in its first line
+        raise UsageError.single("--weights", f"{path} does not fit {config.model}: "
+                                             f"{str(err).splitlines()[0]}") from None
     model.eval()
     context = hf.context_length if hf is not None else model_context_length(config.model)
     return LoadedRun(model=model, tokenizer=as_tokenizer(hf.tokenizer if hf else None), context_length=context,
@@ -128,7 +217,11 @@ def generate(run: LoadedRun, options: SampleOptions) -> tuple[str, list[int], bo
     for _ in range(options.max_new_tokens):
         context = torch.tensor([(ids + new)[-run.context_length:]])
         output = run.model(input_ids=context) if run.is_hf else run.model(context)
-        logits = (output.logits if run.is_hf else output)[0, -1].float()
+        # float64: scores divided by a small temperature stay finite where float32 would overflow.
+        logits = (output.logits if run.is_hf else output)[0, -1].double()
+        if not bool(torch.isfinite(logits).any()) or bool(torch.isnan(logits).any()):
+            raise SampleFailed(f"the model's scores for token {len(new) + 1} are not numbers (weights {run.weights}); "
+                               f"try other --weights")
         if options.temperature == 0:
             token = int(torch.argmax(logits))
         else:

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, write_jsonl
+from helpers import run_cli, sample_text, spawn, write_jsonl
 
-from cadence.plan.batch import lr_advice, nearest_power_of_two
+from cadence.config import TrainConfig
+from cadence.plan.batch import NoiseScaleUnmeasured, choose_effective_batch, lr_advice, nearest_power_of_two
+from cadence.plan.measure import Deadline
+from cadence.plan.models import plan_model
+from cadence.training.prepare import prepare
 
 
 @pytest.mark.parametrize(("value", "low", "high", "expected"), [
@@ -92,3 +97,67 @@ def test_auto_is_refused_where_it_means_nothing(tmp_path, argv, flag):
     status, _, err = run_cli([*argv, *(["--out", str(tmp_path / "out")] if argv[0] != "verify" else [])])
     assert status == 2, err
     assert flag in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------- the --time-budget (issue 44)
+class _CountedDeadline(Deadline):
+    """A deadline that passes after ``checks`` questions: the test, not the machine's speed, says when."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__(60.0)
+        self.left = checks
+
+    def passed(self, reserve: float = 0.0) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+@pytest.mark.parametrize(("checks", "said"), [
+    (3, "the gradient noise scale was measured over 3 of the 1,000,000 --noise-scale-windows: its share (50%) of "
+        "the --time-budget of 60 s was spent"),
+    (0, "the gradient noise scale could not be measured: 50% of the --time-budget of 60 s allowed 0 of the "
+        "1,000,000 --noise-scale-windows, too few for an estimate"),
+], ids=["measures-what-it-can", "too-few-windows"])
+def test_the_noise_scale_stops_at_the_plan_s_deadline(tmp_path: Path, checks: int, said: str) -> None:
+    """Issue 44: a huge --noise-scale-windows ran past --time-budget; now the measurement stops at the deadline."""
+    data = tmp_path / "words.txt"
+    data.write_bytes(sample_text(20_000))
+    config = TrainConfig(data=data, seq_len=16, effective_batch_size=1, micro_batch_size=1,  # type: ignore[arg-type]
+                         val_fraction=0.0, data_cache=tmp_path / "cache", out=tmp_path / "unused")
+    prep = prepare(config)
+    lines: list[str] = []
+
+    def choose(deadline: Deadline):  # type: ignore[no-untyped-def]
+        return choose_effective_batch(prep, plan_model(config), budget=256 << 20, windows=1_000_000,
+                                      bounds=(1, 4096), lr_reference=None, constrained=set(), say=lines.append,
+                                      deadline=deadline)
+
+    if checks == 0:
+        with pytest.raises(NoiseScaleUnmeasured, match=said):
+            choose(_CountedDeadline(checks))
+        return
+    choice = choose(_CountedDeadline(checks))
+    measured = choice.measurement
+    assert measured.windows_run == 3 and measured.stopped_early and measured.windows_asked == 1_000_000
+    assert choice.time_note is not None and choice.time_note.startswith(said)
+    assert f"note: {choice.time_note}" in lines
+
+
+def test_plan_keeps_its_time_budget_with_a_huge_noise_scale_windows(tmp_path: Path) -> None:
+    """The whole command, in a process of its own: it used to run a million windows, whatever --time-budget said."""
+    data = tmp_path / "words.txt"
+    data.write_bytes(sample_text(20_000))
+    process = spawn(["plan", "--data", str(data), "--seq-len", "16", "--effective-batch-size", "auto",
+                     "--noise-scale-windows", "1000000", "--time-budget", "0.001", "--memory-budget", "256MiB",
+                     "--data-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "plan")])
+    try:
+        _, err = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        pytest.fail("cadence plan ran past its --time-budget")
+    assert process.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("cadence: plan failed: the gradient noise scale could not be measured: 50% of the "
+                                "--time-budget of 0.001 s allowed 0 of the 1,000,000 --noise-scale-windows"), err
+    assert "Traceback" not in err and not (tmp_path / "plan" / "plan.json").exists()

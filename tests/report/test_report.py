@@ -173,13 +173,22 @@ def test_skipped_steps_are_marked(run_dir: Path, tmp_path: Path) -> None:
     assert not (run / "report-loss-scale.png").exists()
 
 
+def _cadence_config(run: Path, **fields: Any) -> None:
+    """The least config.json that cadence train's own carries (is_cadence_config), with ``fields``."""
+    run.mkdir(parents=True, exist_ok=True)
+    config = {"effective_batch_size": 8, "grad_accum_steps": 1, "world_size": 1, "data_fingerprint": "x",
+              "versions": {"cadence": "0"}, **fields}
+    (run / "config.json").write_text(json.dumps(config))
+
+
 def test_unfinished_run_is_reported_from_its_metrics(tmp_path: Path) -> None:
     rows = _fp16_rows_with_skips()
     text = "".join(json.dumps(row) + "\n" for row in rows) + '{"step": 6, "win'  # killed mid-write
     (tmp_path / "metrics.jsonl").write_text(text)
+    _cadence_config(tmp_path)
     build_report(tmp_path)
     md = (tmp_path / "report.md").read_text()
-    assert "the run did not finish" in md and "**No config.json**" in md
+    assert "the run did not finish" in md
     assert "**Steps:** 5 optimizer steps, 2 skipped, 7 windows" in md
     assert "**Final loss:** 4.3000" in md  # window 7, the last one that stepped
 
@@ -445,6 +454,7 @@ def test_broken_json_names_the_file_and_line(tmp_path: Path, plan_dir: Path) -> 
     (plan_dir / "plan.json").write_text('{"version": 1,\n')
     assert "plan.json is not valid JSON" in str(_usage_error(plan_dir))
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    _cadence_config(tmp_path)
     assert "metrics.jsonl:2 is not valid JSON" in str(_usage_error(tmp_path))
 
 
@@ -453,8 +463,7 @@ def test_report_refuses_metrics_whose_step_is_not_a_count(tmp_path, capsys, row)
     """Issue 29 item 16: a row {"step": "x"} gave exit 0 and a report of "x optimizer steps"."""
 
     run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps({"model": "gpt-tiny", "effective_batch_size": 8}))
+    _cadence_config(run, model="gpt-tiny")
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "tokens": 10, "samples": 2}\n' + row + "\n")
     assert main(["report", str(run)]) == 2
     err = capsys.readouterr().err

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cadence.data.store import STORE_VERSION, StoreDamaged, StoreKind, StoreWriter, TokenStore
+from cadence.data.store import STORE_VERSION, StoreDamaged, StoreKind, StoreWriter, TokenStore, cadence_cache_root
 from cadence.errors import CadenceFailure, UsageError
 from cadence.output_files import atomic_write_json
 from cadence.process_locks import lock_holder
@@ -50,8 +50,10 @@ BUILT_FOR = ".sources"
 
 
 def default_cache_dir() -> Path:
-    """``~/.cache/cadence/data``: beside the caches of pip, torch and Hugging Face."""
-    return Path.home() / ".cache" / "cadence" / "data"
+    """``~/.cache/cadence/data``: beside the caches of pip, torch and Hugging Face. Its parent also holds the
+    per-user key of the stores' verification memos (data/store.py), which a ``--data-cache`` shared with others never
+    does."""
+    return cadence_cache_root() / "data"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,20 +26,36 @@ Two kinds:
 ``store.json`` is written last, and a store only becomes visible by renaming its finished directory into place, so a
 build killed at any point leaves nothing that :meth:`TokenStore.open` accepts.
 
-A store is verified before it is trusted. store.json records the SHA-256 of every file, computed at build time from
-the files as written; opening checks them (streamed: about 1 GB/s, so a 3 GB store opens in seconds), checks that
-every token id is below the vocabulary size and that every index row lies inside the token file. A store that passed
-records the ``stat`` identity of its files (size, mtime, ctime, inode) in ``.verified.json``; a later open whose
-files still have that identity skips the hashing, and any write to a file (which moves its ctime, a time no user
-can set back) makes the next open verify again. A store that fails is :class:`StoreDamaged`: the cache rebuilds it
-from its source, ``--data STORE`` refuses it naming the store.
+A store is verified before it is trusted, in two parts:
+
+- What keeps a run from crashing, checked at every open and never skipped: store.json's fields, each file's size,
+  and every index row (offset and length inside the token file, a length of at least one token, the loss starting
+  within the example), a pass over the memory-mapped index in blocks (32 bytes per example). Token ids are checked
+  where they are read: every slice :class:`TokenFile` reads is checked against the vocabulary (a ``max`` over the
+  micro-batch's few thousand ids), so a crafted store ends in one line (:class:`TokensOutOfRange`), never in an
+  embedding's index error.
+- What proves the content is the one built: the SHA-256 of every file, recorded in store.json at build time, and a
+  scan of every token id, streamed (about 1 GB/s, so a 3 GB store opens in seconds).
+
+The second part is skipped when a memo says it passed and nothing changed since. ``.verified.json`` holds the ``stat``
+identity of the store's files (size, mtime, ctime, inode, device) as they were when they passed, and an HMAC-SHA256 of
+those identities and of store.json's checksum table under a per-user secret key (``~/.cache/cadence/store-memo.key``:
+32 random bytes, created 0600 by the first open, used only if it is a regular file of this user that nobody else may
+read or write). So a memo cannot be written by hand (no key), copied from another store (other inodes) or kept
+across a change (any write moves a file's ctime, a time no user can set back); another user's memo, made under another
+key, does not match either, and then the store is simply verified again. Without a usable key (a read-only home) no
+memo is trusted and every open verifies. A store that fails is :class:`StoreDamaged`: the cache rebuilds it from its
+source, ``--data STORE`` refuses it naming the store.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import secrets
+import stat
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -51,6 +67,7 @@ import torch
 
 from cadence.data.batching import IGNORE_INDEX, Example, TokenDataset
 from cadence.data.too_long import kept_head, tail_shift
+from cadence.errors import CadenceFailure
 from cadence.output_files import atomic_write_json
 
 STORE_FORMAT = "cadence-token-store"
@@ -63,7 +80,15 @@ STORE_VERSION = 3
 META_FILE = "store.json"
 TOKENS_FILE = "tokens.bin"
 VERIFIED_FILE = ".verified.json"
-"""The stat identity of the store's files when their checksums were last found right (see the module docstring)."""
+"""The stat identity of the store's files when their checksums were last found right, under an HMAC (see the module
+docstring)."""
+MEMO_KEY_FILE = "store-memo.key"
+"""The per-user key of the memos, in cadence's cache directory (:func:`cadence_cache_root`)."""
+MEMO_KEY_BYTES = 32
+MEMO_LIMIT = 1 << 20
+"""The most bytes of a memo read: a store has a handful of files."""
+INDEX_BLOCK_ROWS = 1 << 20
+"""Index rows checked at a time at every open: 32 MiB of index, whatever the store's size."""
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")
 _HASH_CHUNK = 8 << 20
 INDEX_COLUMNS = 4
@@ -76,6 +101,17 @@ StoreKind = Literal["stream", "examples"]
 
 class StoreDamaged(Exception):
     """A store directory that is not a complete store of this version (a cache rebuilds it; ``--data`` refuses it)."""
+
+
+class TokensOutOfRange(StoreDamaged, CadenceFailure):
+    """A token id read from a store is outside its vocabulary: the store changed, or was crafted, after it was
+    verified. A StoreDamaged (train stops with what it kept) and a CadenceFailure (any other command prints its one
+    line and exits 1), never an embedding's index error."""
+
+
+def cadence_cache_root() -> Path:
+    """``~/.cache/cadence``: cadence's per-user cache (the token stores' default cache is its ``data`` folder)."""
+    return Path.home() / ".cache" / "cadence"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -244,7 +280,7 @@ class StoreWriter:
             "sha256": checksums,
         }
         atomic_write_json(self.directory / META_FILE, full, indent=1, sort_keys=True)
-        _remember_verified(self.directory, names)
+        _remember_verified(self.directory, names, checksums)
 
     def abort(self) -> None:
         for handle in [self._tokens, *self._indexes.values()]:
@@ -267,22 +303,100 @@ def _stat_identity(path: Path) -> list[int]:
     return [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino, status.st_dev]
 
 
-def _remember_verified(directory: Path, names: Sequence[str]) -> None:
-    """Record that ``names`` (and store.json) were found right as they are now; best effort (a read-only store is
-    simply verified at every open)."""
+_keys: dict[Path, bytes | None] = {}
+"""The memo key of each cache root this process used (read once; HOME does not change under a run)."""
+
+
+def memo_key() -> bytes | None:
+    """This user's secret memo key, created on first use; None when there is no usable one (then no memo is
+    trusted, and every open verifies the store in full)."""
+    path = cadence_cache_root() / MEMO_KEY_FILE
+    if path not in _keys:
+        _keys[path] = _read_key(path) or _create_key(path)
+    return _keys[path]
+
+
+def _read_key(path: Path) -> bytes | None:
+    """The key in ``path`` if it is this user's private regular file of the right size (not a link someone planted,
+    not one others may read or write), else None."""
     try:
-        identity = {name: _stat_identity(directory / name) for name in [META_FILE, *names]}
-        atomic_write_json(directory / VERIFIED_FILE, {"files": identity})
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        info = os.fstat(descriptor)
+        if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077
+                or info.st_size != MEMO_KEY_BYTES):
+            return None
+        key = os.pread(descriptor, MEMO_KEY_BYTES + 1, 0)
+        return key if len(key) == MEMO_KEY_BYTES else None
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
+
+
+def _create_key(path: Path) -> bytes | None:
+    """A new random key, written 0600 beside its final name and linked into place (``link`` fails if another process
+    made one first: then that one is read, so every process of this user agrees on one key)."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            return None  # there but unusable (another owner, readable by others): refused, not replaced
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(secrets.token_bytes(MEMO_KEY_BYTES))
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(temporary, path)
+            except FileExistsError:
+                pass
+        finally:
+            temporary.unlink(missing_ok=True)
+    except OSError:
+        return None
+    return _read_key(path)
+
+
+def _memo_mac(key: bytes, directory: Path, names: Sequence[str], checksums: dict[str, str]) -> str:
+    """The HMAC of the files' stat identities as they are now and of the checksums store.json records."""
+    body = {"memo": 1, "files": {name: _stat_identity(directory / name) for name in [META_FILE, *names]},
+            "sha256": checksums}
+    return hmac.new(key, json.dumps(body, sort_keys=True).encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def _remember_verified(directory: Path, names: Sequence[str], checksums: dict[str, str]) -> None:
+    """Record that ``names`` (and store.json) were found right as they are now; best effort (without a key, or in a
+    read-only store, the store is simply verified at every open)."""
+    key = memo_key()
+    if key is None:
+        return
+    try:
+        atomic_write_json(directory / VERIFIED_FILE, {"mac": _memo_mac(key, directory, names, checksums)})
     except OSError:
         pass
 
 
-def _verified_before(directory: Path, names: Sequence[str]) -> bool:
+def _verified_before(directory: Path, names: Sequence[str], checksums: dict[str, str]) -> bool:
+    """Whether the memo was made under this user's key for exactly these files (same stat identities) and
+    checksums: only then may the hashing be skipped."""
+    key = memo_key()
+    if key is None:
+        return False
     try:
-        memo = json.loads((directory / VERIFIED_FILE).read_text(encoding="utf-8"))
-        files = memo["files"]
-        return all(files.get(name) == _stat_identity(directory / name) for name in [META_FILE, *names])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        descriptor = os.open(directory / VERIFIED_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+                return False
+            memo = json.loads(os.pread(descriptor, MEMO_LIMIT, 0).decode("utf-8"))
+        finally:
+            os.close(descriptor)
+        mac = memo["mac"]
+        return isinstance(mac, str) and hmac.compare_digest(mac, _memo_mac(key, directory, names, checksums))
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return False
 
 
@@ -296,11 +410,14 @@ class TokenFile:
     this way, the file's pages live in the page cache alone, shared by every rank and run on the machine, and the
     process holds only the micro-batch it is collating. A read is one system call of a few hundred bytes."""
 
-    def __init__(self, path: Path, dtype: np.dtype, count: int, *, start: int = 0) -> None:
+    def __init__(self, path: Path, dtype: np.dtype, count: int, *, start: int = 0,
+                 vocab_size: int | None = None) -> None:
         self.path = path
         self.dtype = dtype
         self._count = count
         self._start = start
+        # Checked on every read only when the dtype can hold an id past the vocabulary (not bytes in uint8).
+        self._vocab_size = vocab_size if vocab_size is not None and vocab_size <= np.iinfo(dtype).max else None
         self._descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         weakref.finalize(self, os.close, self._descriptor)  # closed with the object, or at exit
 
@@ -315,12 +432,18 @@ class TokenFile:
         data = os.pread(self._descriptor, size, (self._start + start) * self.dtype.itemsize) if size else b""
         if len(data) != size:
             raise StoreDamaged(f"{self.path} is shorter than its store.json says (was it changed in place?)")
-        return np.frombuffer(data, dtype=self.dtype)
+        ids = np.frombuffer(data, dtype=self.dtype)
+        if self._vocab_size is not None and len(ids) and int(ids.max()) >= self._vocab_size:
+            at = start + int(np.argmax(ids >= self._vocab_size))
+            raise TokensOutOfRange(f"{self.path} holds token id {int(ids.max())} at token {at:,}, outside the "
+                                   f"vocabulary of {self._vocab_size} (changed or crafted since it was verified); "
+                                   f"build the store again with cadence prepare-data")
+        return ids
 
     def prefix(self, count: int) -> TokenFile:
         """The first ``count`` tokens, as a file of their own (nothing read)."""
         view = TokenFile.__new__(TokenFile)
-        view.path, view.dtype, view._start = self.path, self.dtype, self._start
+        view.path, view.dtype, view._start, view._vocab_size = self.path, self.dtype, self._start, self._vocab_size
         view._count = max(0, min(count, self._count))
         view._descriptor = os.dup(self._descriptor)
         weakref.finalize(view, os.close, view._descriptor)
@@ -386,11 +509,14 @@ class TokenStore:
             raise StoreDamaged(f"{path / META_FILE} is incomplete or inconsistent: {error}") from None
         if meta["kind"] == "examples" and "train" not in indexes:
             raise StoreDamaged(f"{path} holds no training examples")
-        if not _verified_before(path, names):
-            _verify(path, checksums, dtype=dtype, vocab_size=vocab_size, tokens=int(meta["tokens"]), indexes=indexes,
-                    spans=spans)
-            _remember_verified(path, names)
-        tokens = TokenFile(path / TOKENS_FILE, dtype, int(meta["tokens"]))
+        if not _verified_before(path, names, checksums):
+            _verify(path, checksums, dtype=dtype, vocab_size=vocab_size)
+            _check_index(path, int(meta["tokens"]), indexes, spans)
+            _remember_verified(path, names, checksums)
+        else:
+            # Never skipped: what would crash a run mid-way (the memo spares only the hashing and the token scan).
+            _check_index(path, int(meta["tokens"]), indexes, spans)
+        tokens = TokenFile(path / TOKENS_FILE, dtype, int(meta["tokens"]), vocab_size=vocab_size)
         return cls(path=path, meta=meta, tokens=tokens, indexes=indexes, spans=spans)
 
     @property
@@ -421,10 +547,9 @@ class TokenStore:
         return out
 
 
-def _verify(path: Path, checksums: dict[str, str], *, dtype: np.dtype, vocab_size: int, tokens: int,
-            indexes: dict[str, np.ndarray], spans: dict[str, np.ndarray]) -> None:
-    """Every file against its checksum, every token id below ``vocab_size``, every index row inside the tokens;
-    :class:`StoreDamaged` naming the first thing wrong."""
+def _verify(path: Path, checksums: dict[str, str], *, dtype: np.dtype, vocab_size: int) -> None:
+    """Every file against its checksum and every token id below ``vocab_size``; :class:`StoreDamaged` naming the
+    first thing wrong."""
     highest = [-1]
 
     def note_highest(chunk: bytes) -> None:
@@ -441,15 +566,27 @@ def _verify(path: Path, checksums: dict[str, str], *, dtype: np.dtype, vocab_siz
                                f"(changed or damaged since)")
     if highest[0] >= vocab_size:
         raise StoreDamaged(f"{path / TOKENS_FILE} holds token id {highest[0]}, outside the vocabulary of {vocab_size}")
+
+
+def _check_index(path: Path, tokens: int, indexes: dict[str, np.ndarray], spans: dict[str, np.ndarray]) -> None:
+    """Every index row inside the token file (offset at least 0, length at least 1, the end at most ``tokens``) with
+    its loss starting within the example (0 to its length), and every span of trained tokens inside its example, in
+    example order; :class:`StoreDamaged` naming the file and the first bad row. The index is read in blocks, so that
+    a huge index is checked in bounded memory (spans are a few rows per chat example)."""
     for split, index in indexes.items():
-        if not len(index):
-            continue
-        offsets, lengths, loss_starts = index[:, 0], index[:, 1], index[:, 2]
-        bad = (offsets < 0) | (lengths < 1) | (offsets > tokens - lengths) | (loss_starts < 0)
-        if bad.any():
-            row = int(np.flatnonzero(bad)[0])
-            raise StoreDamaged(f"{path / index_file(split)} row {row} points outside {TOKENS_FILE} (offset "
-                               f"{int(offsets[row])}, length {int(lengths[row])}, of {tokens} tokens)")
+        for first in range(0, len(index), INDEX_BLOCK_ROWS):
+            block = np.asarray(index[first:first + INDEX_BLOCK_ROWS])
+            offsets, lengths, loss_starts = block[:, 0], block[:, 1], block[:, 2]
+            # tokens - lengths, not offsets + lengths: crafted values near 2**63 must not wrap around.
+            outside = (offsets < 0) | (lengths < 1) | (offsets > tokens - lengths)
+            bad = outside | (loss_starts < 0) | (loss_starts > lengths)
+            if bad.any():
+                at = int(np.flatnonzero(bad)[0])
+                offset, length, loss_start = (int(v) for v in block[at, :3])
+                what = (f"points outside {TOKENS_FILE} (offset {offset}, length {length}, of {tokens} tokens)"
+                        if outside[at] else f"starts its loss at {loss_start}, outside its {length} tokens")
+                raise StoreDamaged(f"{path / index_file(split)} row {first + at} {what}; build the store again with "
+                                   f"cadence prepare-data")
     for split, rows in spans.items():
         if not len(rows):
             continue
@@ -640,7 +777,7 @@ class StoredExamples(TokenDataset):
 
 
 __all__ = [
-    "INDEX_COLUMNS", "META_FILE", "SPAN_COLUMNS", "STORE_FORMAT", "STORE_VERSION", "TOKENS_FILE", "VERIFIED_FILE", "PackedSequences",
-    "StoreDamaged", "file_sha256",
+    "INDEX_COLUMNS", "META_FILE", "SPAN_COLUMNS", "STORE_FORMAT", "STORE_VERSION", "TOKENS_FILE", "VERIFIED_FILE",
+    "PackedSequences", "StoreDamaged", "TokensOutOfRange", "cadence_cache_root", "file_sha256", "memo_key",
     "StoreKind", "StoreWriter", "StoredExamples", "TokenFile", "TokenStore", "length_histogram", "token_dtype",
 ]

@@ -6,6 +6,10 @@ little progress per step for twice the tokens. The plan measures it over a state
 training (a probe cut that fits the budget by estimate: several micro-batches per window, since the estimator needs
 two batch sizes), and takes the power of two nearest to it, within the user's bounds and the data. What the batch
 means for the learning rate is said as advice; ``--lr`` is never changed.
+
+The measurement is part of the plan's ``--time-budget``: it stops when NOISE_SCALE_SHARE of the budget is spent
+(the rest is the trials' and the quality check's), with the estimate over the windows it ran and a note in the plan
+saying how many of the ``--noise-scale-windows`` those were; too few for an estimate is one line saying what to give.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 from cadence.errors import CadenceFailure, UsageError
 from cadence.formatting import format_bytes
+from cadence.plan.measure import Deadline
 from cadence.plan.models import PlanModel
 from cadence.training.noise_scale import NoiseScaleMeasurement, measure_noise_scale
 from cadence.training.prepare import Prepared
@@ -27,6 +32,9 @@ PROBE_MICRO_BATCHES = 16
 window's, and the further apart the two sizes, the smaller its variance; one sequence also resolves a noise scale
 below a few sequences (micro-batches of 8 gave no positive estimate at a random init, where it is about 1), and it
 fits wherever anything does."""
+NOISE_SCALE_SHARE = 0.5
+"""The share of --time-budget the noise-scale measurement may take (from the plan's start): the measured trials and
+the quality check need the rest to choose a configuration for the batch."""
 
 
 class NoiseScaleUnmeasured(CadenceFailure):
@@ -47,6 +55,8 @@ class BatchChoice:
     """The user's --min-/--max-effective-batch-size, the upper one also capped by the training sequences."""
     reason: str
     lr_advice: str
+    time_note: str | None = None
+    """What the --time-budget cut short (fewer windows than --noise-scale-windows), for the plan's notes."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"given": "auto", "chosen": self.effective_batch_size, "reason": self.reason,
@@ -100,10 +110,11 @@ def lr_advice(lr: float, chosen: int, reference: int | None) -> str:
 
 
 def choose_effective_batch(prep: Prepared, model: PlanModel, *, budget: int, windows: int, bounds: tuple[int, int],
-                           lr_reference: int | None, constrained: set[str],
-                           say: Callable[[str], None]) -> BatchChoice:
+                           lr_reference: int | None, constrained: set[str], say: Callable[[str], None],
+                           deadline: Deadline | None = None) -> BatchChoice:
     """Measure the noise scale on ``windows`` probe windows of ``prep`` (training from its start, as the run would)
-    and choose the effective batch from it. ``prep`` is the plan's run at any batch; the probe is a variant of it."""
+    and choose the effective batch from it. ``prep`` is the plan's run at any batch; the probe is a variant of it.
+    ``deadline``: the plan's --time-budget, of which the measurement takes at most NOISE_SCALE_SHARE."""
     config = prep.config
     low, high = bounds
     sequences = len(prep.data.train)
@@ -115,15 +126,30 @@ def choose_effective_batch(prep: Prepared, model: PlanModel, *, budget: int, win
     precision = config.precision if "precision" in constrained else "fp32"
     probe = probe_setup(model, seq_len=prep.seq_len, budget=budget, precision=precision,
                         device_type=prep.device.type, loss_chunk_tokens=config.loss_chunk_tokens, sequences=sequences)
-    say(f"effective batch: auto; measuring the gradient noise scale over {windows} windows of "
+    limit = f"; at most {NOISE_SCALE_SHARE:.0%} of the --time-budget" if deadline is not None else ""
+    say(f"effective batch: auto; measuring the gradient noise scale over {windows:,} windows of "
         f"{probe['micro_batch_size']} x {probe['grad_accum_steps']} sequences ({precision}, recompute "
-        f"{probe['activation_checkpointing']}), training from the start as the run would")
+        f"{probe['activation_checkpointing']}), training from the start as the run would{limit}")
     trial = prep.variant(micro_batch_size=probe["micro_batch_size"], grad_accum_steps=probe["grad_accum_steps"],
                          effective_batch_size=probe["micro_batch_size"] * probe["grad_accum_steps"],
                          precision=precision, activation_checkpointing=probe["activation_checkpointing"],
                          offload="none")
-    measurement = measure_noise_scale(trial, windows=windows, train=True)
+    stop = (None if deadline is None
+            else lambda: deadline.passed(reserve=deadline.seconds * (1 - NOISE_SCALE_SHARE)))
+    measurement = measure_noise_scale(trial, windows=windows, train=True, stop=stop)
+    time_note = None
+    if measurement.stopped_early and deadline is not None:
+        time_note = (f"the gradient noise scale was measured over {measurement.windows_run:,} of the {windows:,} "
+                     f"--noise-scale-windows: its share ({NOISE_SCALE_SHARE:.0%}) of the --time-budget of "
+                     f"{deadline.seconds:g} s was spent after {deadline.elapsed:.0f} s; a larger --time-budget "
+                     f"measures more")
     if measurement.sequences is None:
+        if time_note is not None:
+            raise NoiseScaleUnmeasured(
+                f"the gradient noise scale could not be measured: {NOISE_SCALE_SHARE:.0%} of the --time-budget of "
+                f"{deadline.seconds:g} s allowed {measurement.windows_run:,} of the {windows:,} "  # type: ignore
+                f"--noise-scale-windows, too few for an estimate ({measurement.unmeasured}); give a larger "
+                f"--time-budget, or --effective-batch-size N")
         raise NoiseScaleUnmeasured(
             f"the gradient noise scale could not be measured over {measurement.windows_run} windows "
             f"({measurement.unmeasured}); give --effective-batch-size N, or more --noise-scale-windows")
@@ -140,6 +166,8 @@ def choose_effective_batch(prep: Prepared, model: PlanModel, *, budget: int, win
             reason += f"; within one standard error the choice would lie between {lower} and {upper}"
     say(f"gradient noise scale: {value:.3g}{spread} sequences ({measurement.tokens or 0:,.0f} tokens) over "
         f"{measurement.windows} windows; effective batch {chosen}")
+    if time_note is not None:
+        say(f"note: {time_note}")
     return BatchChoice(effective_batch_size=chosen, measurement=measurement,
                        probe=probe, bounds=(low, high), reason=reason,
-                       lr_advice=lr_advice(config.lr, chosen, lr_reference))
+                       lr_advice=lr_advice(config.lr, chosen, lr_reference), time_note=time_note)

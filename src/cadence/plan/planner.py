@@ -332,15 +332,19 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         raise UsageError.single("--out", f"default {out} already exists; give --out")
     notes: list[str] = []
     batch_choice: BatchChoice | None = None
+    # One deadline from the plan's start: the noise-scale measurement spends part of it, the trials the rest.
+    deadline = Deadline(options.time_budget, started=started)
     if auto:
         batch_choice = choose_effective_batch(
             prep, model, budget=budget, windows=options.noise_scale_windows,
             bounds=(options.min_effective_batch_size, options.max_effective_batch_size),
-            lr_reference=options.lr_reference_batch, constrained=constrained, say=say)
+            lr_reference=options.lr_reference_batch, constrained=constrained, say=say, deadline=deadline)
         config = dataclasses.replace(config, effective_batch_size=batch_choice.effective_batch_size)
         prep = prep.variant(effective_batch_size=batch_choice.effective_batch_size)
         notes.append(f"effective batch {batch_choice.effective_batch_size}: {batch_choice.reason}. "
                      f"{batch_choice.lr_advice}")
+        if batch_choice.time_note is not None:
+            notes.append(batch_choice.time_note)
     effective = int(config.effective_batch_size or 0)
 
     baseline = model.estimate(micro_batch_size=effective, seq_len=seq_len, precision="fp32", checkpointing="none",
@@ -350,7 +354,6 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         f"{baseline.dominant}")
     states = ([config.optimizer_state] if "optimizer_state" in constrained else ["fp32"])
     candidates = build_candidates(config, constrained, device, seq_len, notes, model, states=states)
-    deadline = Deadline(options.time_budget, started=started)
     measured: list[Candidate] = []
     _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes)
     feasible = [c for c in measured if _feasible(c)]

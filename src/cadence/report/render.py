@@ -38,6 +38,12 @@ CATEGORY_COLORS = {"parameters": "tab:blue", "gradients": "tab:orange", "optimiz
 a category left to matplotlib's colour cycle would take the cycle's first colour, the blue of the parameters."""
 SPARE_COLORS = ("tab:olive", "tab:cyan", "gold", "navy", "teal", "salmon")
 """Colours for a category this module does not know (a newer plan.json): taken in order, skipping used ones."""
+MARKDOWN_MARK = "<!-- written by cadence; `cadence report DIR` rebuilds this file -->"
+HTML_MARK = '<meta name="generator" content="cadence">'
+PNG_SOFTWARE = "cadence"
+"""The marks by which ``cadence report`` knows its own report.md, report.html and report-*.png (the PNG's tEXt
+Software chunk): it rewrites only files that carry them (``cadence.report.document``), never a user's file of the same
+name. Fixed strings, so that the same data still gives the same bytes."""
 MAX_FIGURE_WIDTH_IN = 10.5
 """The HTML page is at most 1100 px wide (CSS below) and figures are drawn at 100 dpi: a wider figure would be
 shrunk to the page, its text with it, until it is unreadable. Figures grow in height, never in width."""
@@ -54,12 +60,13 @@ def new_figure(size: tuple[float, float]) -> Figure:
 
 
 def png_bytes(fig: Figure) -> bytes:
-    """The figure as PNG bytes. The software tag is dropped so that the same data gives the same bytes."""
+    """The figure as PNG bytes. The software tag is cadence's mark (PNG_SOFTWARE), not matplotlib's version: the
+    same data gives the same bytes, and a rebuild knows the plot as its own."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)  # attaches itself as fig.canvas; no global backend is consulted
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
+    fig.savefig(buffer, format="png", dpi=100, metadata={"Software": PNG_SOFTWARE})
     return buffer.getvalue()
 
 
@@ -476,6 +483,7 @@ def to_markdown(report: Report) -> str:
             lines.append("")
         else:
             lines += [f"![{block.title}]({block.name})", "", f"*{block.caption}*", ""]
+    lines += [MARKDOWN_MARK, ""]  # last, invisible when rendered: what a rebuild looks for before overwriting
     return "\n".join(lines)
 
 
@@ -493,7 +501,7 @@ code { background: #f5f5f5; padding: 0 0.2em; }
 
 def to_html(report: Report) -> str:
     """One self-contained HTML page: inline CSS, plots as base64 data URIs, no external resource."""
-    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">', HTML_MARK,
            f"<title>{html.escape(report.title)}</title>", f"<style>{CSS}</style>", "</head>", "<body>",
            f"<h1>{html.escape(report.title)}</h1>"]
     for block in report.blocks:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,16 +143,25 @@ class NoiseScaleMeasurement:
     """True: every window was measured at the same weights (the optimizer did not move them)."""
     unmeasured: str | None = None
     """Why there is no estimate (None when there is one)."""
+    windows_asked: int | None = None
+    """Windows asked for; more than ``windows_run`` when ``stop`` ended the measurement early."""
+    stopped_early: bool = False
+    """True: ``stop`` said to stop (a plan's --time-budget) before every window asked for had run."""
 
 
-def measure_noise_scale(prep: Prepared, *, windows: int, train: bool = False) -> NoiseScaleMeasurement:
+def measure_noise_scale(prep: Prepared, *, windows: int, train: bool = False,
+                        stop: Callable[[], bool] | None = None) -> NoiseScaleMeasurement:
     """Run ``windows`` windows of ``prep`` (``prep.windows(0)``, then the next epochs, cut as ``cadence train`` cuts
     them) and measure the noise scale over them: at the prepared weights (``train=False``: the step chain runs
     whole, with an optimizer of learning rate 0, so every window sees the same weights), or training as the run
     would. Every rank of a distributed ``prep`` calls it; each returns the same measurement.
 
     The estimate is ``sum(tr Sigma) / sum(|G|^2)`` over the windows; the error is the jackknife's over windows, which
-    holds the numerator and denominator's correlation."""
+    holds the numerator and denominator's correlation.
+
+    ``stop``, asked before each window, ends the measurement early (a plan's deadline): the estimate is over the
+    windows run, and ``stopped_early`` says so. Under several processes it must answer the same on every rank (a
+    shared clock, or a window count)."""
     if windows < 1:
         raise ValueError(f"windows must be at least 1, got {windows}")
     config = prep.config
@@ -167,22 +176,32 @@ def measure_noise_scale(prep: Prepared, *, windows: int, train: bool = False) ->
     reason = why_not_measurable(engine, prep.grad_accum_steps)
     if reason is not None:
         return NoiseScaleMeasurement(sequences=None, sequences_error=None, tokens=None, targets=None, windows=0,
-                                     windows_run=0, fixed_weights=not train, unmeasured=reason)
+                                     windows_run=0, fixed_weights=not train, unmeasured=reason,
+                                     windows_asked=windows)
     meter: GradientNoiseScale = engine.noise_scale  # type: ignore[assignment]
     terms: list[WindowTerms] = []
-    run = 0
+    run, stopped = 0, False
     with fp32_matmul(config.fp32_matmul):
         for window in _windows(prep, windows):
+            if stop is not None and stop():
+                stopped = True
+                break
             engine.step(window)
             run += 1
             if meter.last is not None:
                 terms.append(meter.last)
     value = _pooled(terms)
+    if value:
+        unmeasured = None
+    elif stopped and not terms:
+        unmeasured = f"stopped after {run} of {windows} windows, before any gave an estimate"
+    else:
+        unmeasured = meter.unmeasured if not terms else "the pooled estimates are not positive"
     return NoiseScaleMeasurement(
         sequences=value.sequences if value else None, sequences_error=_jackknife_error(terms),
         tokens=value.tokens if value else None, targets=value.targets if value else None, windows=len(terms),
-        windows_run=run, fixed_weights=not train,
-        unmeasured=None if value else (meter.unmeasured if not terms else "the pooled estimates are not positive"))
+        windows_run=run, fixed_weights=not train, unmeasured=unmeasured, windows_asked=windows,
+        stopped_early=stopped)
 
 
 def _windows(prep: Prepared, count: int) -> Iterator[Window]:
