@@ -26,7 +26,7 @@ from cadence.data.store import (
 )
 from cadence.data.store import _remember_verified as remember_verified  # noqa: PLC2701 - a sealed memo, as cadence's
 
-NAMES = ["tokens.bin", "train.idx"]
+NAMES = ["tokens.bin", "train.idx", "train.spans"]
 
 
 def _examples_store(path: Path, *, vocab_size: int = 256) -> Path:
@@ -146,5 +146,5 @@ def test_the_memo_key_is_private_and_another_key_means_verify_again(tmp_path: Pa
     monkeypatch.setattr(store_module, "_keys", {})
     assert memo_key() is None
     TokenStore.open(store)
-    assert len(hashed) == 4
+    assert len(hashed) == 2 * len(NAMES)
     os.chmod(key, 0o600)
