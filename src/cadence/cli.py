@@ -51,7 +51,7 @@ OTHER_OPTION_SECTIONS: dict[str, Section] = {"config_file": FROM_PLAN, "nproc_pe
 
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"lora_targets": ("--lora-target-modules",)}
 """Second spellings of a few flags: peft's own name for the LoRA targets."""
-LIST_METAVARS: dict[str, str] = {"lora_targets": "NAME[,NAME]"}
+LIST_METAVARS: dict[str, str] = {"lora_targets": "NAME[,NAME]", "message": "[ROLE:]TEXT"}
 """What a repeatable flag's value looks like, where it is not KEY=VALUE."""
 
 

@@ -236,3 +236,27 @@ def test_train_on_last_trains_only_the_final_reply(tmp_path):
                      "--val-fraction", "0", "--out", str(out), "--data-cache", str(tmp_path / "cache")]) == 0
         counts[train_on] = read_metrics(out)[0]["targets"]
     assert counts["last"] < counts["assistant"] < counts["all"]
+
+
+def test_save_hf_exports_the_template_the_model_was_trained_under(model_dir, tmp_path):
+    """The exported tokenizer renders conversations as the run did: the byte-level llama gets the ChatML default,
+    the model directory keeps its own template (so transformers' apply_chat_template works unchanged)."""
+    from transformers import AutoTokenizer
+
+    from cadence.data.chat import ChatTemplate
+
+    llama = ["--model", "hf:llama", "--model-config", "hidden_size=32", "--model-config", "intermediate_size=64",
+             "--model-config", "num_hidden_layers=2", "--model-config", "num_attention_heads=4",
+             "--model-config", "num_key_value_heads=2", "--model-config", "vocab_size=256",
+             "--model-config", "max_position_embeddings=256"]
+    data = write_rows(tmp_path / "chat.jsonl", conversations(8))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    for name, model in (("bytes", llama), ("own", ["--model", str(model_dir)])):
+        export = tmp_path / f"export-{name}"
+        assert main(["train", *model, "--data", str(data), "--seq-len", "200", "--too-long", "truncate",
+                     "--max-steps", "1", "--val-fraction", "0", "--save-hf", str(export),
+                     "--out", str(tmp_path / f"run-{name}")]) == 0
+        rendered = AutoTokenizer.from_pretrained(export).apply_chat_template(messages, tokenize=False)
+        expected = ChatTemplate.chatml().render(messages) if name == "bytes" else \
+            AutoTokenizer.from_pretrained(model_dir).apply_chat_template(messages, tokenize=False)
+        assert rendered == expected

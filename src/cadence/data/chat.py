@@ -115,12 +115,13 @@ def detect_chat_format(record: Mapping[str, Any], *, messages_field: str | None 
     return None
 
 
-def parse_conversation(record: Mapping[str, Any], *, messages_field: str | None = None) -> Conversation:
+def parse_conversation(record: Mapping[str, Any], *, messages_field: str | None = None,
+                       for_training: bool = True) -> Conversation:
     """The conversation in ``record`` (see :func:`detect_chat_format` for the formats), or a :class:`ChatDataError`.
 
     A conversational record's prompt messages are untrained unless their ``train`` says so; its completion must not
     be empty. A record whose messages hold no assistant turn and no message marked ``"train": true`` has nothing to
-    train and is refused."""
+    train and is refused (:class:`NothingToTrain`) unless ``for_training`` is False (a prompt to answer)."""
     if not isinstance(record, Mapping):
         raise ChatDataError(f"the row is {_kind(record)}, not an object")
     chat_format = detect_chat_format(record, messages_field=messages_field)
@@ -149,7 +150,7 @@ def parse_conversation(record: Mapping[str, Any], *, messages_field: str | None 
                             "holds no message")
     messages = tuple(MappingProxyType(message) for message, _ in parsed)
     train = tuple(flag for _, flag in parsed)
-    if not any(m["role"] == "assistant" for m in messages) and True not in train:
+    if for_training and not any(m["role"] == "assistant" for m in messages) and True not in train:
         roles = ", ".join(sorted({m["role"] for m in messages}))
         raise NothingToTrain(f"the conversation has no assistant turn (its roles: {roles}): nothing to train on")
     return Conversation(messages=messages, train=train, prompt_length=prompt_length, tools=_tools(record.get("tools")))

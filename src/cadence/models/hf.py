@@ -475,7 +475,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
-            weights: Mapping[str, torch.Tensor] | None = None, *, replace: bool = False) -> None:
+            weights: Mapping[str, torch.Tensor] | None = None, *, replace: bool = False,
+            chat_template: str | None = None) -> None:
     """Write ``model`` (and its tokenizer) with ``save_pretrained``; ``AutoModelForCausalLM.from_pretrained`` loads it.
     A model with LoRA adapters (--lora-rank) writes the adapter alone, as ``PeftModel.save_pretrained`` does:
     ``peft.PeftModel.from_pretrained(base, directory)`` loads it onto its base.
@@ -487,6 +488,8 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
     defaults), or None (nothing to save). ``weights`` replaces the model's own state_dict (FSDP2 shards the model's
     parameters; the caller gathers them whole). ``replace``: ``directory`` holds this run's own earlier export (a
     segment stopped by a signal exports too); it is swapped for the new one only once the new one is complete.
+    ``chat_template``: the Jinja template a chat-trained model was trained under, saved with the tokenizer, so that
+    ``apply_chat_template`` renders conversations as the model learned them.
     """
     inner = _unwrap(model)
     if not hasattr(inner, "save_pretrained"):
@@ -508,6 +511,8 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
                 inner.save_pretrained(str(staging), safe_serialization=True,
                                       state_dict=None if weights is None else dict(weights))
             if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+                if chat_template is not None:
+                    tokenizer.chat_template = chat_template
                 tokenizer.save_pretrained(str(staging))
         _set_token_ids(staging, token_ids)
         os.chmod(staging, 0o755)  # mkdtemp makes 0700; a saved model is meant to be shared

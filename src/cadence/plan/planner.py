@@ -31,6 +31,7 @@ import torch
 from cadence.config import TrainConfig, validate
 from cadence.config.schema import FIELD_NAMES, LORA, section_of
 from cadence.data import DataSplits
+from cadence.data.source import FIELD_DEFAULTS, TRAIN_ON, Source
 from cadence.data.text import PackedSequences
 from cadence.engine.cut import CUT_FLAG_DEFAULTS, Cut
 from cadence.engine.precision import PRECISIONS, precision_problem
@@ -721,9 +722,9 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
         "seq_len": seq_len,
         "data": data.description,
         # What train --plan reads again unless told otherwise: the plan's decision holds for this data and cut.
-        "source": {"data": str(config.data.resolve()) if config.data is not None else None,
-                   "data_fingerprint": data.fingerprint, "text_field": config.text_field,
-                   "prompt_field": config.prompt_field, "completion_field": config.completion_field},
+        "source": {**Source.from_flags(config).flags(),
+                   "data": str(config.data.resolve()) if config.data is not None else None,
+                   "data_fingerprint": data.fingerprint},
         "tokens_per_epoch": tokens_per_epoch,
         "device": str(device),
         "effective_batch_size": config.effective_batch_size,
@@ -808,9 +809,14 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
     if "data" not in given and "data" in source:
         # The plan measured this data: training on other data would train with a decision made for that one.
         decided["data"] = Path(source["data"]) if source["data"] is not None else None
-        for name in ("text_field", "prompt_field", "completion_field"):
-            if name not in given and isinstance(source.get(name), str):
-                decided[name] = source[name]
+        for name, default in FIELD_DEFAULTS.items():  # how its rows became examples (fields, chat template, ...)
+            value = source.get(name, default)
+            if name in given or value == default:
+                continue
+            if not isinstance(value, str) or not value.strip() or (name == "train_on" and value not in TRAIN_ON):
+                raise UsageError.single("--plan", f"{path} is not a cadence plan.json (its source's {name} is "
+                                                  f"{value!r})")
+            decided[name] = Path(value) if name == "chat_template" else value
     elif "data" in given and "data" in source:
         planned = source["data"] or "the built-in corpus"
         given_data = str(config.data.resolve()) if config.data is not None else "the built-in corpus"

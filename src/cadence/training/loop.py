@@ -25,7 +25,9 @@ from safetensors import SafetensorError
 from cadence import __version__
 from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches
+from cadence.data.chat_store import chat_template_for
 from cadence.data.hf import as_tokenizer
+from cadence.data.source import Source
 from cadence.data.store import StoreDamaged
 from cadence.distributed.ranks import (
     SINGLE,
@@ -531,10 +533,15 @@ class TrainingRun:
         config, prep = self.config, self.prep
         if config.save_hf is None or not self.ranks.is_main:
             return
+        # A byte-level model gets cadence's byte tokenizer (as_tokenizer(None)), so that it loads and stops; a model
+        # trained on chat data, the template its conversations were rendered with.
+        tokenizer = prep.hf.tokenizer if prep.hf else None
+        chat_template = None
+        if Source.from_flags(config).kind == "chat":
+            chat_template = chat_template_for(tokenizer, config.chat_template)[0].source
         try:
-            # A byte-level model gets cadence's byte tokenizer (as_tokenizer(None)), so that it loads and stops.
-            save_hf(unwrap(self.parts.model), config.save_hf, as_tokenizer(prep.hf.tokenizer if prep.hf else None),
-                    weights=weights, replace=replace)
+            save_hf(unwrap(self.parts.model), config.save_hf, as_tokenizer(tokenizer), weights=weights,
+                    replace=replace, chat_template=chat_template)
         except (OSError, SafetensorError, UsageError) as err:
             reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
             raise RunDirectoryWriteFailed(
