@@ -260,3 +260,33 @@ def test_save_hf_exports_the_template_the_model_was_trained_under(model_dir, tmp
         expected = ChatTemplate.chatml().render(messages) if name == "bytes" else \
             AutoTokenizer.from_pretrained(model_dir).apply_chat_template(messages, tokenize=False)
         assert rendered == expected
+
+
+def test_prepare_data_shows_the_mask_before_training(tmp_path):
+    data = write_rows(tmp_path / "chat.jsonl", [GOOD] * 3)
+    status, out, err = run_cli(["prepare-data", "--data", str(data), "--data-cache", str(tmp_path / "cache")])
+    assert status == 0, err
+    assert "chat: 3 conversations, 3 assistant turns" in out
+    assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n[[hello<|im_end|>]]\n" in out
+
+
+def test_a_pad_token_that_is_the_eos_never_masks_a_real_eos(model_dir, tmp_path):
+    """cadence pads by position: with pad == EOS (a common setting, trl#1623) every assistant turn's real end is
+    still a target after padding; a warning says so."""
+    from transformers import AutoTokenizer
+
+    from cadence.data.batching import collate
+    from cadence.data.source import Source, open_source
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = tokenizer.eos_token
+    rows = conversations(6)
+    data = write_rows(tmp_path / "chat.jsonl", rows)
+    with pytest.warns(UserWarning, match="pad token is its end of sequence"):
+        splits = open_source(Source.from_flags({"data": data}), tokenizer, seq_len=200, val_fraction=0.0,
+                             cache_dir=tmp_path / "cache")
+    batch = collate(list(splits.train))
+    turns = sum(1 for row in rows for m in row.get("messages", row.get("conversations", []))
+                if m.get("role", m.get("from")) in ("assistant", "gpt"))
+    assert int((batch["labels"] == tokenizer.eos_token_id).sum()) == turns
+    assert len({len(example.input_ids) for example in splits.train}) > 1  # the batch was padded

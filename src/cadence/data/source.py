@@ -23,6 +23,7 @@ Adding a format is one function that turns a record into token ids and trained s
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +179,12 @@ def open_source(source: Source, tokenizer: Any | None, *, seq_len: int, val_frac
         return splits_from_store(store, seq_len=seq_len, val_fraction=val_fraction, from_cache=False,
                                  source=f"token store {source.path} ({store.meta.get('description', '')})",
                                  too_long=too_long)
+    hf_pad, hf_eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
+    if source.kind in ("chat", "jsonl", "datasets") and hf_pad is not None and hf_pad == hf_eos:
+        # trl#1623: tools that mask labels by the pad id then never train the EOS, and the model never stops.
+        warnings.warn(f"the tokenizer's pad token is its end of sequence ({getattr(tokenizer, 'eos_token', hf_eos)}): "
+                      f"cadence masks padding by position, so every real end of sequence is still trained, but a "
+                      f"tool that masks labels by the pad id would not train it", stacklevel=2)
     recipe = source_recipe(source, tokenizer, progress=progress)
     opened = open_or_build(recipe, cache_dir)
     # Messages name file:line for cadence's own readers (bytes, chat), the row for datasets'.

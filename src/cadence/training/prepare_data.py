@@ -24,7 +24,7 @@ from cadence.data import (
     splits_from_store,
 )
 from cadence.data.cache import open_or_build, write_store
-from cadence.data.hf import as_tokenizer
+from cadence.data.hf import ByteTokenizer, as_tokenizer
 from cadence.data.source import Source, source_recipe
 from cadence.data.too_long import TOO_LONG_CHOICES
 from cadence.errors import Problem, UsageError
@@ -109,11 +109,51 @@ def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO
                                  "longer": long_examples.too_long if long_examples else 0,
                                  "truncated": splits.truncated,
                                  "note": long_examples.note() if long_examples else None}
+    chat = store.meta.get("chat")
+    if isinstance(chat, dict) and store.indexes.get("train") is not None and len(store.indexes["train"]):
+        summary["chat"] = {**chat, "trained_share": chat["trained_tokens"] / max(1, chat["tokens"]),
+                           "example": marked_example(store, as_tokenizer(tokenizer), colour=False)}
     if options.json:
         print(json.dumps(summary, indent=1), file=stream)
     else:
-        print(describe(summary, train_data=options.out or config.data), file=stream)
+        text = describe(summary, train_data=options.out or config.data)
+        if "chat" in summary and stream.isatty():
+            # On a terminal the trained spans are coloured instead of bracketed.
+            text = text.replace(summary["chat"]["example"], marked_example(store, as_tokenizer(tokenizer),
+                                                                           colour=True))
+        print(text, file=stream)
     return summary
+
+
+TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"
+"""How a file or a log marks the trained tokens of the example prepare-data shows."""
+_GREEN, _RESET = "\033[32;1m", "\033[0m"
+
+
+def marked_example(store: TokenStore, tokenizer: Any, *, colour: bool) -> str:
+    """The store's first training example as text, its trained tokens marked (``[[...]]``, or green on a
+    terminal): what the loss is on, to be seen before training."""
+    offset, length = (int(v) for v in store.indexes["train"][0, :2])
+    ids = [int(v) for v in store.tokens[offset:offset + length]]
+    spans = store.spans.get("train")
+    listed = [] if spans is None else [(int(a), int(b)) for example, a, b in spans if int(example) == 0]
+    if not listed:
+        listed = [(max(1, int(store.indexes["train"][0, 2])), length)]
+    pieces, at = [], 0
+    for start, end in listed:
+        pieces.append(_decode(tokenizer, ids[at:start]))
+        trained = _decode(tokenizer, ids[start:end])
+        pieces.append(f"{_GREEN}{trained}{_RESET}" if colour else f"{TRAINED_OPEN}{trained}{TRAINED_CLOSE}")
+        at = end
+    pieces.append(_decode(tokenizer, ids[at:]))
+    return "".join(pieces)
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    if hf is not None and not isinstance(tokenizer, ByteTokenizer):
+        return str(hf.decode(ids, skip_special_tokens=False))
+    return bytes(ids).decode("utf-8", errors="replace")
 
 
 def describe(summary: dict[str, Any], *, train_data: Path | None) -> str:
@@ -140,6 +180,13 @@ def describe(summary: dict[str, Any], *, train_data: Path | None) -> str:
         for bucket in histogram:
             bar = "#" * max(1 if bucket["examples"] else 0, round(30 * bucket["examples"] / widest))
             lines.append(f"  {bucket['from']:>7,}-{bucket['to']:<7,} {bar:<30} {bucket['examples']:,}")
+    chat = summary.get("chat")
+    if chat:
+        lines.append(f"chat: {chat['conversations']:,} conversations, {chat['assistant_turns']:,} assistant turns, "
+                     f"{chat['trained_tokens']:,} of {chat['tokens']:,} tokens trained ({chat['trained_share']:.1%}; "
+                     f"--train-on {chat['train_on']}), template {chat['template']}")
+        lines.append(f"the first example, its trained tokens in {TRAINED_OPEN} {TRAINED_CLOSE}:")
+        lines.append(chat["example"])
     at = summary.get("at_seq_len")
     if at:
         lines.append(f"at --seq-len {at['seq_len']}: {at['examples']:,} training examples, {at['targets']:,} targets"
