@@ -107,7 +107,8 @@ class TrainConfig:
     """KEY=VALUE overrides of a Hugging Face model's config (repeat the flag), e.g. hidden_size=256."""
     data: Path | None = setting(None, DATA)
     """Training data: omitted = the built-in corpus (Python's standard library source); a .txt file or a directory
-    is packed into --seq-len sequences; a .jsonl file holds {"text"} or {"prompt", "completion"} examples;
+    is packed into --seq-len sequences; a .jsonl file holds {"text"} or {"prompt", "completion"} examples, or chat
+    conversations ({"messages": [...]}, conversational prompt/completion lists, ShareGPT "conversations");
     hf:PATH is a dataset saved by datasets' save_to_disk; .parquet, .csv and .json files are read with datasets; a
     token store directory written by cadence prepare-data --out."""
     data_cache: Path | None = setting(None, DATA)
