@@ -476,3 +476,11 @@ def test_a_store_of_the_previous_version_is_not_misread(tmp_path: Path) -> None:
     (tmp_path / "s" / "store.json").write_text(json.dumps(meta))
     with pytest.raises(StoreDamaged, match="version 2"):
         TokenStore.open(tmp_path / "s")
+
+
+def test_truncation_says_how_many_trained_tokens_it_lost(tmp_path: Path) -> None:
+    store = _span_store(tmp_path / "s")
+    short = splits_from_store(store, seq_len=7, val_fraction=0.0, from_cache=False, too_long="truncate")
+    # The chat example's 5 trained tokens keep 4 (token 10 was cut with the end); the plain one fits.
+    assert short.long_examples.targets_lost == 1
+    assert "1 trained tokens were lost with what was cut" in short.long_examples.note()

@@ -56,8 +56,13 @@ def test_jsonl_and_a_parquet_source_follow_the_policy_alike_built_or_cached(tmp_
     cached = [load_data(jsonl, SEQ_LEN, 0.0, cache_dir=cache, too_long=too_long),
               load_parquet(parquet, cache, too_long)]
     assert all("from the cache" in splits.description for splits in cached)
+    # Truncation counts the targets it dropped: every target the examples hold whole, less those kept.
+    whole = load_data(jsonl, 1000, 0.0, cache_dir=cache).train.num_targets
+    lost = whole - fresh[0].train.num_targets if too_long == "truncate" else 0
+    assert too_long != "truncate" or lost > 0
     expected = LongExamples(policy=too_long, seq_len=SEQ_LEN, examples=5, too_long=2,
-                            prompts_cut=1 if too_long == "truncate" else 0, ends_cut=1 if too_long == "truncate" else 0)
+                            prompts_cut=1 if too_long == "truncate" else 0, ends_cut=1 if too_long == "truncate" else 0,
+                            targets_lost=lost)
     for splits in fresh + cached:
         assert as_lists(splits.train) == as_lists(fresh[0].train) and splits.long_examples == expected
     assert len(fresh[0].train) == (5 if too_long == "truncate" else 3)

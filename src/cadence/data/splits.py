@@ -97,7 +97,7 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
     head = 0 if (meta.get("options") or {}).get("bos_id") is None else 1
     in_use = [split for split in store.indexes if split == "train" or (split == "val" and val_fraction > 0)]
     parts: dict[str, StoredExamples] = {}
-    empty_rows = examples = longer = prompts_cut = ends_cut = 0
+    empty_rows = examples = longer = prompts_cut = ends_cut = targets_lost = 0
     problems: list[Problem] = []
     for split in in_use:
         index = store.indexes[split]
@@ -110,13 +110,16 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
                                  message=too_long_message(int(index[row, 1]), seq_len, unit))
                          for row in long_rows[:MAX_REPORTED_PROBLEMS - len(problems)]]
         parts[split] = StoredExamples(store.tokens, index, seq_len, rows, head, store.spans.get(split))
+        if too_long == "truncate" and len(long_rows):
+            # What the truncated examples lost of their targets (a chat's earlier turns, a long completion's end).
+            targets_lost += parts[split].targets_lost(long_rows)
     if problems:
         if longer > len(problems):
             problems.append(Problem(where=str(lines_of or meta.get("path") or source),
                                     message=f"and {longer - len(problems)} more examples longer than --seq-len"))
         raise UsageError(problems)
     long_examples = LongExamples(policy=too_long, seq_len=seq_len, examples=examples, too_long=longer,
-                                 prompts_cut=prompts_cut, ends_cut=ends_cut)
+                                 prompts_cut=prompts_cut, ends_cut=ends_cut, targets_lost=targets_lost)
     train_all = parts["train"]
     if not len(train_all):
         rows = int(meta.get("rows", 0))

@@ -755,6 +755,22 @@ class StoredExamples(TokenDataset):
             per_row[listed] = [self._kept_targets(int(row)) for row in self._rows[listed]]
         return int(per_row.sum())
 
+    def targets_lost(self, index_rows: np.ndarray) -> int:
+        """The targets that truncation to this --seq-len drops from these index rows (all of an example's targets,
+        less those its kept tokens still hold)."""
+        lost = 0
+        for row in (int(r) for r in index_rows):
+            _, length, loss_start, _ = (int(v) for v in self._index[row])
+            spans = self._spans_of(row) if len(self._spans) else self._spans[:0, 1:]
+            whole = int((spans[:, 1] - spans[:, 0]).sum()) if len(spans) else max(0, length - max(loss_start, 1))
+            if len(spans):
+                kept = self._kept_targets(row)
+            else:
+                shift = int(tail_shift(length, loss_start, self._seq_len, self._head))
+                kept = max(0, min(length, self._seq_len + 1) - (max(loss_start, 1) - shift))
+            lost += whole - kept
+        return lost
+
     def _kept_targets(self, row: int) -> int:
         """How many of index row ``row``'s span tokens are targets once it is read at this --seq-len."""
         _, length, loss_start, _ = (int(v) for v in self._index[row])

@@ -58,6 +58,9 @@ class LongExamples:
     """Truncated examples that lost the start of their prompt, their completion kept whole."""
     ends_cut: int = 0
     """Truncated examples that lost their end (a text, or a completion longer than --seq-len on its own)."""
+    targets_lost: int = 0
+    """Targets (trained tokens) the truncated examples lost: a text's or completion's end, a conversation's trained
+    turns that did not fit."""
 
     def note(self) -> str | None:
         """The console's one line about them (None when every example fits)."""
@@ -73,6 +76,8 @@ class LongExamples:
         if self.ends_cut:
             parts.append(f"{self.ends_cut:,} lost their end (a text, or a completion longer than --seq-len alone, "
                          f"its end of sequence with it)")
+        if self.targets_lost:
+            parts.append(f"{self.targets_lost:,} trained tokens were lost with what was cut")
         return head + ": " + "; ".join(parts)
 
 
