@@ -290,3 +290,29 @@ def test_a_pad_token_that_is_the_eos_never_masks_a_real_eos(model_dir, tmp_path)
                 if m.get("role", m.get("from")) in ("assistant", "gpt"))
     assert int((batch["labels"] == tokenizer.eos_token_id).sum()) == turns
     assert len({len(example.input_ids) for example in splits.train}) > 1  # the batch was padded
+
+
+def test_a_parquet_of_conversations_trains_as_the_same_jsonl_does(model_dir, tmp_path):
+    """Chat rows in a datasets source (parquet here) go through the same conversation writer: the same examples and
+    the same first loss as the .jsonl file of the same rows; a chat flag on a dataset without conversations is
+    refused naming it."""
+    import datasets
+
+    rows = [row for row in conversations(12) if "messages" in row]
+    jsonl = write_rows(tmp_path / "chat.jsonl", rows)
+    parquet = tmp_path / "chat.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
+    losses = []
+    for data in (jsonl, parquet):
+        out = tmp_path / data.suffix[1:]
+        assert main(["train", "--model", str(model_dir), "--data", str(data), "--seq-len", "200",
+                     "--micro-batch-size", str(len(rows)), "--grad-accum-steps", "1", "--max-steps", "1",
+                     "--val-fraction", "0", "--out", str(out), "--data-cache", str(tmp_path / "cache")]) == 0
+        losses.append(read_metrics(out)[0]["loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    text = tmp_path / "text.parquet"
+    datasets.Dataset.from_list([{"text": "plain text"}] * 8).to_parquet(str(text))
+    status, _, err = run_cli(["train", "--model", str(model_dir), "--data", str(text), "--train-on", "last",
+                              "--max-steps", "1", "--out", str(tmp_path / "refused"),
+                              "--data-cache", str(tmp_path / "cache")])
+    assert status == 2 and "--train-on" in err and not (tmp_path / "refused").exists()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -35,8 +35,8 @@ from cadence.data.chat import (
     parse_conversation,
     tokenize_conversation,
 )
-from cadence.data.hf import Tokenizer
-from cadence.data.jsonl import MAX_REPORTED_PROBLEMS, problems_error
+from cadence.data.hf import ChatRoute, Tokenizer
+from cadence.data.jsonl import MAX_REPORTED_PROBLEMS
 from cadence.data.progress import BuildProgress
 from cadence.data.store import StoreWriter
 from cadence.errors import Problem, UsageError
@@ -119,7 +119,9 @@ def first_record(path: Path) -> Any | None:
 
 
 @dataclass
-class _Counts:
+class ChatCounts:
+    """What :func:`write_conversations` wrote and skipped."""
+
     conversations: int = 0
     skipped: int = 0
     examples: int = 0
@@ -127,6 +129,68 @@ class _Counts:
     tokens: int = 0
     trained: int = 0
     first_skipped: int | None = None
+
+
+def write_conversations(writer: StoreWriter, split: str, rows: Iterable[tuple[int, Any]], *, tokenizer: Tokenizer,
+                        settings: ChatSettings, where: Callable[[int], str],
+                        advance: Callable[[int], None] = lambda size: None) -> ChatCounts:
+    """Write each row of ``rows`` (``(number, record)``; a str record is a problem found while reading it) into
+    ``split`` as the examples of its conversation, with their trained spans. A bad row is a problem named
+    ``where(number)``: all of them refuse the set (a UsageError, nothing kept); a template that cannot be used refuses
+    it at the first row it fails on; a conversation with nothing to train is skipped and counted."""
+    counts = ChatCounts()
+    problems: list[Problem] = []
+    total_problems = 0
+    for number, record, *size in rows:
+        advance(size[0] if size else 0)
+        message = record if isinstance(record, str) else None
+        examples: list[Any] = []
+        if message is None:
+            try:
+                conversation = parse_conversation(record, messages_field=settings.messages_field)
+                examples = tokenize_conversation(conversation, settings.template, tokenizer, train_on=settings.train_on)
+            except NothingToTrain:
+                examples = []
+            except ChatTemplateError as error:
+                raise UsageError.single(settings.template_flag, (
+                    f"the chat template {settings.template.name} cannot be used: {error} (first at {where(number)}); "
+                    f"give another with --chat-template FILE")) from None
+            except ChatDataError as error:
+                message = str(error)
+        if message is not None:
+            total_problems += 1
+            if len(problems) < MAX_REPORTED_PROBLEMS:
+                problems.append(Problem(where=where(number), message=message))
+            continue
+        counts.conversations += 1
+        if not examples:
+            counts.skipped += 1
+            counts.first_skipped = counts.first_skipped or number
+            continue
+        counts.turns += sum(1 for m in conversation.messages if m["role"] == "assistant")
+        for example in examples:
+            writer.add_example(split, list(example.ids), loss_start=0, row=number, spans=example.trained)
+            counts.examples += 1
+            counts.tokens += len(example.ids)
+            counts.trained += example.trained_tokens
+    if total_problems:
+        shown = problems + ([Problem(where=where(-1), message=f"and {total_problems - len(problems)} more bad rows")]
+                            if total_problems > len(problems) else [])
+        raise UsageError(shown)
+    return counts
+
+
+def _no_examples(what: str, counts: ChatCounts, settings: ChatSettings) -> UsageError:
+    why = (f"none of its {counts.conversations:,} conversations has a token to train on (first: line "
+           f"{counts.first_skipped}; --train-on {settings.train_on})") if counts.conversations \
+        else "it holds no conversation (it is empty or only blank lines)"
+    return UsageError.single("--data", f"{what} has no examples: {why}")
+
+
+def _chat_meta(counts: ChatCounts, settings: ChatSettings) -> dict[str, Any]:
+    return {"conversations": counts.conversations, "examples": counts.examples, "assistant_turns": counts.turns,
+            "tokens": counts.tokens, "trained_tokens": counts.trained, "template": settings.template.name,
+            "train_on": settings.train_on}
 
 
 def chat_recipe(path: Path, *, tokenizer: Tokenizer, settings: ChatSettings, progress: IO[str] | None) -> Recipe:
@@ -137,59 +201,17 @@ def chat_recipe(path: Path, *, tokenizer: Tokenizer, settings: ChatSettings, pro
 
     def build(writer: StoreWriter) -> BuildResult:
         digest = hashlib.sha256()
-        counts = _Counts()
-        problems: list[Problem] = []
-        total_problems = 0
         bar = BuildProgress(f"rendering the conversations of {path}", path.stat().st_size, progress)
-        for number, record, size in jsonl_rows(path, digest):
-            bar.advance(size, 1)
-            where = f"{path}:{number}"
-            message = record if isinstance(record, str) else None
-            examples = []
-            if message is None:
-                try:
-                    conversation = parse_conversation(record, messages_field=settings.messages_field)
-                    examples = tokenize_conversation(conversation, settings.template, tokenizer,
-                                                     train_on=settings.train_on)
-                except NothingToTrain:
-                    examples = []
-                except ChatTemplateError as error:
-                    raise UsageError.single(settings.template_flag, (
-                        f"the chat template {settings.template.name} cannot be used: {error} (first at {where}); "
-                        f"give another with --chat-template FILE")) from None
-                except ChatDataError as error:
-                    message = str(error)
-            if message is not None:
-                total_problems += 1
-                if len(problems) < MAX_REPORTED_PROBLEMS:
-                    problems.append(Problem(where=where, message=message))
-                continue
-            counts.conversations += 1
-            if not examples:
-                counts.skipped += 1
-                counts.first_skipped = counts.first_skipped or number
-                continue
-            counts.turns += sum(1 for m in conversation.messages if m["role"] == "assistant")
-            for example in examples:
-                writer.add_example("train", list(example.ids), loss_start=0, row=number, spans=example.trained)
-                counts.examples += 1
-                counts.tokens += len(example.ids)
-                counts.trained += example.trained_tokens
+        counts = write_conversations(writer, "train", jsonl_rows(path, digest), tokenizer=tokenizer,
+                                     settings=settings, where=lambda n: f"{path}:{n}" if n > 0 else str(path),
+                                     advance=lambda size: bar.advance(size, 1))
         bar.close()
-        if total_problems:
-            raise problems_error(path, problems, total_problems)
         if not counts.examples:
-            why = (f"none of its {counts.conversations:,} conversations has a token to train on (first: line "
-                   f"{counts.first_skipped}; --train-on {settings.train_on})") if counts.conversations \
-                else "it holds no conversation (it is empty or only blank lines)"
-            raise UsageError.single("--data", f"{path} has no examples: {why}")
+            raise _no_examples(str(path), counts, settings)
         return BuildResult(fingerprint="sha256:" + digest.hexdigest(), meta={
             "description": f"chat JSONL file {path}", "source_format": "chat", "path": str(path),
             "rows": counts.conversations, "skipped_rows": {"train": counts.skipped},
-            "chat": {"conversations": counts.conversations, "examples": counts.examples,
-                     "assistant_turns": counts.turns, "tokens": counts.tokens, "trained_tokens": counts.trained,
-                     "template": settings.template.name, "train_on": settings.train_on},
-            "tokenizer_name": tokenizer.name})
+            "chat": _chat_meta(counts, settings), "tokenizer_name": tokenizer.name})
 
     info = path.stat()
     identity = [str(path.resolve()), [["", info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino]]]
@@ -197,6 +219,23 @@ def chat_recipe(path: Path, *, tokenizer: Tokenizer, settings: ChatSettings, pro
     return Recipe(kind="examples", source=f"chat JSONL file {path.resolve()}", stat_identity=identity,
                   tokenizer=tokenizer.identity, vocab_size=tokenizer.vocab_size, options=options, build=build,
                   source_bytes=info.st_size)
+
+
+def dataset_route(tokenizer: Tokenizer, settings: ChatSettings, *, description: str,
+                  required_by: str | None) -> ChatRoute:
+    """How :func:`cadence.data.hf.hf_recipe` writes a dataset (parquet, json, hf:DIR) whose rows are conversations:
+    each split's rows through :func:`write_conversations`, problems named by the split's row."""
+
+    def write(writer: StoreWriter, split: str, dataset: Any, bar: BuildProgress) -> tuple[int, int]:
+        rows = ((number, row) for number, row in enumerate(dataset, start=1))
+        counts = write_conversations(writer, split, rows, tokenizer=tokenizer, settings=settings,
+                                     where=lambda n: f"{description} ({split}) row {n}" if n > 0 else description,
+                                     advance=lambda size: bar.advance(1, 1))
+        if split == "train" and not counts.examples:
+            raise _no_examples(description, counts, settings)
+        return counts.conversations, counts.skipped
+
+    return ChatRoute(write=write, key=settings.key(), messages_field=settings.messages_field, required_by=required_by)
 
 
 def chat_template_for(tokenizer_hf: Any | None, template_file: Path | None) -> tuple[ChatTemplate, str]:
@@ -231,5 +270,5 @@ def trained_share(meta: Mapping[str, Any]) -> float | None:
     return float(chat["trained_tokens"]) / float(chat["tokens"])
 
 
-__all__ = ["ChatSettings", "MAX_LINE_BYTES", "TEMPLATE_LIMIT", "chat_recipe", "chat_template_for", "first_record", "jsonl_rows",
-           "trained_share"]
+__all__ = ["ChatCounts", "ChatSettings", "MAX_LINE_BYTES", "TEMPLATE_LIMIT", "chat_recipe", "chat_template_for",
+           "dataset_route", "first_record", "jsonl_rows", "trained_share", "write_conversations"]

@@ -19,13 +19,14 @@ import hashlib
 import logging
 import re
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from cadence.data.batching import BYTE_EOS_ID, PAD_TOKEN_ID
 from cadence.data.cache import BuildResult, Recipe, open_or_build
+from cadence.data.chat import detect_chat_format
 from cadence.data.load import files_fingerprint
 from cadence.data.progress import BuildProgress
 from cadence.data.splits import DataSplits, splits_from_store
@@ -380,10 +381,36 @@ def _tokenize_into(writer: StoreWriter, split: str, dataset: Any, fields: dict[s
     return rows, skipped
 
 
+def _holds_conversations(dataset: Any, messages_field: str | None) -> bool:
+    """Whether the dataset's rows are chat rows (its first row in one of the chat formats)."""
+    return len(dataset) > 0 and detect_chat_format(dataset[0], messages_field=messages_field) is not None
+
+
 # ------------------------------------------------------------------------------------------------ entry point
+ChatRows = Callable[[StoreWriter, str, Any, BuildProgress], tuple[int, int]]
+"""Writes a split's rows as conversations (:func:`cadence.data.chat_store.dataset_conversations`): (rows, skipped)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatRoute:
+    """How hf_recipe writes a dataset whose rows are conversations (decided from its first row)."""
+
+    write: ChatRows
+    """Writes a split's rows as conversations."""
+    key: dict[str, Any]
+    """The chat settings that change the tokens (part of the store's key)."""
+    messages_field: str | None = None
+    """The column --messages-field names, if any."""
+    required_by: str | None = None
+    """A chat flag the user gave: a dataset that is not chat data is then refused naming it."""
+
+
 def hf_recipe(spec: Path | str, *, tokenizer: Any | None, text_field: str = "text", prompt_field: str = "prompt",
-              completion_field: str = "completion", progress: IO[str] | None = None) -> Recipe:
-    """How a datasets source (``hf:DIR``, .parquet, .csv, .json, .jsonl) becomes a store with ``tokenizer``."""
+              completion_field: str = "completion", progress: IO[str] | None = None,
+              chat: ChatRoute | None = None) -> Recipe:
+    """How a datasets source (``hf:DIR``, .parquet, .csv, .json, .jsonl) becomes a store with ``tokenizer``; with
+    ``chat``, a dataset whose rows are conversations is written by it (the chat formats, detected from the first
+    row)."""
     source = _resolve(spec)
     tok = as_tokenizer(tokenizer)
 
@@ -396,9 +423,16 @@ def hf_recipe(spec: Path | str, *, tokenizer: Any | None, text_field: str = "tex
             val_name = splits.get("val_name")
             for role in ["train"] + (["val"] if val_name else []):
                 dataset = splits[role]
-                fields = _choose_fields(dataset, text_field, prompt_field, completion_field)
                 bar = BuildProgress(f"tokenising {source.describe()} ({role})", len(dataset), progress, unit="rows")
-                rows, skipped = _tokenize_into(writer, role, dataset, fields, tok, bar)
+                if chat is not None and _holds_conversations(dataset, chat.messages_field):
+                    rows, skipped = chat.write(writer, role, dataset, bar)
+                else:
+                    if chat is not None and chat.required_by is not None:
+                        raise UsageError.single(chat.required_by, (
+                            f"applies to chat data; {source.describe()} holds no conversations (its first row has "
+                            f"no list of messages)"))
+                    fields = _choose_fields(dataset, text_field, prompt_field, completion_field)
+                    rows, skipped = _tokenize_into(writer, role, dataset, fields, tok, bar)
                 bar.close()
                 counts[role] = {"rows": rows, "skipped": skipped}
                 if role == "train" and rows == skipped:
@@ -410,6 +444,8 @@ def hf_recipe(spec: Path | str, *, tokenizer: Any | None, text_field: str = "tex
             "tokenizer_name": tok.name})
 
     options: dict[str, Any] = {"format": source.format, "fields": [text_field, prompt_field, completion_field]}
+    if chat is not None:
+        options["chat"] = chat.key
     if tok.eos_id is not None and not getattr(tok, "eos_on_text", True):
         # Bytes end only completions with their EOS: part of the tokens, so of the key (a tokenizer's own EOS and
         # BOS are in its identity already).
@@ -456,6 +492,6 @@ def load_hf_data(
 
 
 __all__ = [
-    "ByteTokenizer", "FILE_FORMATS", "HFTokenizer", "HF_DATA_PREFIX", "Tokenizer",
+    "ByteTokenizer", "ChatRoute", "ChatRows", "FILE_FORMATS", "HFTokenizer", "HF_DATA_PREFIX", "Tokenizer",
     "VALIDATION_SPLITS", "as_tokenizer", "byte_level_hf_tokenizer", "hf_recipe", "is_hf_data", "load_hf_data",
 ]

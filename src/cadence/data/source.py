@@ -31,7 +31,7 @@ from typing import IO, Any, Literal
 
 from cadence.data.cache import Recipe, open_or_build
 from cadence.data.chat import TRAIN_ON, TrainOn, detect_chat_format
-from cadence.data.chat_store import ChatSettings, chat_recipe, chat_template_for, first_record
+from cadence.data.chat_store import ChatSettings, chat_recipe, chat_template_for, dataset_route, first_record
 from cadence.data.hf import as_tokenizer, hf_recipe, is_hf_data
 from cadence.data.load import byte_recipe, is_store, open_prepared_store
 from cadence.data.sources import BYTES_TOKENIZER
@@ -109,7 +109,8 @@ class Source:
             wrong = given & column_flags
             why = "chat data holds conversations, not text or prompt/completion columns"
         elif self.kind in ("jsonl", "datasets", "store"):
-            wrong = given & chat_flags
+            # A dataset's rows are seen only when it is read: chat flags are checked then (hf_recipe's ChatRoute).
+            wrong = given & chat_flags if self.kind != "datasets" else set()
             if self.kind == "jsonl" and byte_level:
                 wrong |= given & column_flags
             if self.kind == "store":
@@ -147,14 +148,23 @@ def source_recipe(source: Source, tokenizer: Any | None, *, progress: IO[str] | 
     dispatch every command uses. A store given as --data has no recipe (:func:`open_source` opens it)."""
     if source.kind == "store" or source.path is None and source.kind != "corpus":
         raise ValueError(f"a {source.kind} source is opened, not built")
-    if source.kind == "chat":
+    if source.kind in ("chat", "datasets"):
         assert source.path is not None
         template, flag = chat_template_for(getattr(as_tokenizer(tokenizer), "hf_tokenizer", None)
                                            if tokenizer is not None else None, source.chat_template)
         settings = ChatSettings(template=template, template_flag=flag, train_on=source.train_on,
                                 messages_field=source.messages_field)
-        return chat_recipe(source.path, tokenizer=as_tokenizer(tokenizer), settings=settings, progress=progress)
-    if source.kind == "datasets" or (source.kind == "jsonl" and tokenizer is not None):
+        if source.kind == "chat":
+            return chat_recipe(source.path, tokenizer=as_tokenizer(tokenizer), settings=settings, progress=progress)
+        # Parquet, json and saved datasets: conversations when the first row is one (seen only when it is read).
+        given = [name for name in ("messages_field", "chat_template", "train_on")
+                 if getattr(source, name) != FIELD_DEFAULTS[name]]
+        route = dataset_route(as_tokenizer(tokenizer), settings, description=source.describe(),
+                              required_by="--" + given[0].replace("_", "-") if given else None)
+        return hf_recipe(str(source.path), tokenizer=tokenizer, text_field=source.text_field,
+                         prompt_field=source.prompt_field, completion_field=source.completion_field,
+                         progress=progress, chat=route)
+    if source.kind == "jsonl" and tokenizer is not None:
         return hf_recipe(str(source.path), tokenizer=tokenizer, text_field=source.text_field,
                          prompt_field=source.prompt_field, completion_field=source.completion_field,
                          progress=progress)
