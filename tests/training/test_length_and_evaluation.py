@@ -86,3 +86,45 @@ def test_early_stop_and_keep_best(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert status == 2 and "--keep-best" in err
     status, _, err = run_cli(_common(data, tmp_path / "y", "--early-stop-after", "2"))
     assert status == 2 and "--early-stop-after" in err
+
+
+def test_the_console_s_evaluated_count_is_the_examples_used_and_best_follows_that_figure(tmp_path, monkeypatch):
+    """Issue 41 item 5: the console said "evaluated on 250 examples" while --eval-batches 20 used a slice. Now the
+    whole validation set by default, the console states how many examples each evaluation reads, --eval-batches N
+    is said as what it is, and --keep-best decides on the figure logged (the same evaluate call's)."""
+    import io
+    import re
+
+    seen: list[int] = []
+    real = Engine.evaluate
+
+    def counting(self, batches):
+        seen.append(sum(int((batch["labels"] != -100).any(dim=1).sum()) for batch in batches))
+        return real(self, batches)
+
+    monkeypatch.setattr(Engine, "evaluate", counting)
+    data = write_jsonl(tmp_path / "data.jsonl", 64)
+    stream = io.StringIO()
+    from cadence.config.sources import build_config
+    from cadence.training.loop import train
+
+    args = {"data": data, "seq_len": 64, "too_long": "truncate", "micro_batch_size": 2, "grad_accum_steps": 2,
+            "max_steps": 4, "eval_every": 2, "keep_best": True, "out": tmp_path / "run"}
+    summary = train(build_config(toml_path=None, flags=args), stream=stream, live=False)
+    said = int(re.search(r"evaluation: every 2 steps on (\d+) validation examples \(all of them\)",
+                         stream.getvalue()).group(1))
+    assert said == seen[0] == 3  # 5% of 64 held out (the last 3 examples), every one evaluated
+    rows = [row for row in read_metrics(tmp_path / "run") if row.get("val_loss") is not None]
+    best = min(rows, key=lambda row: row["val_loss"])
+    assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["val_loss"] == best["val_loss"]
+    assert summary["best_val_loss"] == best["val_loss"]
+    stream = io.StringIO()
+    train(build_config(toml_path=None, flags={**args, "eval_batches": 1, "out": tmp_path / "slice"}), stream=stream,
+          live=False)
+    assert "on 2 validation examples (the first 1 micro-batches of 3: --eval-batches)" in stream.getvalue()
+
+
+def test_nothing_is_held_out_when_nothing_evaluates(tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", 40)
+    assert main(_common(data, tmp_path / "run", "--max-steps", "1")) == 0
+    assert "validation" not in json.loads((tmp_path / "run" / "config.json").read_text())["data_description"]

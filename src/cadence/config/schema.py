@@ -236,12 +236,14 @@ class TrainConfig:
     """Seed for weights and data order."""
     last_window: LastWindow = setting("step", LENGTH, changes_math=True)
     """The short last window of an epoch: step (normalised by its own target count) or drop."""
-    val_fraction: float = setting(0.05, VALIDATION, changes_math=True)
-    """Fraction of the data held out for validation (the last examples); 0 = no validation split."""
+    val_fraction: float | None = setting(None, VALIDATION, changes_math=True)
+    """Fraction of the data held out for validation (the last examples); default 0.05 when the run evaluates
+    (--eval-every without --eval-data) and 0 when nothing would use it (all of the data trains); 0 = no split."""
     eval_every: int = setting(0, VALIDATION)
     """Evaluate the validation loss every N optimizer steps and at the end; 0 = never."""
-    eval_batches: int = setting(20, VALIDATION)
-    """Validation micro-batches per evaluation (always the same ones, so evaluations compare)."""
+    eval_batches: int = setting(0, VALIDATION)
+    """Validation micro-batches per evaluation: 0 = the whole validation set; N = its first N micro-batches (always
+    the same ones, so evaluations compare). The console says how many examples that is."""
     eval_data: Path | None = setting(None, VALIDATION)
     """Evaluate on this file (read as --data is) instead of a held-out split of --data: --val-fraction is then not
     used, and all of --data trains."""
@@ -324,6 +326,17 @@ class TrainConfig:
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+DEFAULT_VAL_FRACTION = 0.05
+"""What --val-fraction holds out when the run evaluates and the flag is not given."""
+
+
+def held_out_fraction(config: TrainConfig) -> float:
+    """The validation fraction a run holds out: --val-fraction when given; else 0.05 when it evaluates on a split of
+    --data (--eval-every without --eval-data), and 0 when nothing would ever use the held-out examples."""
+    if config.val_fraction is not None:
+        return config.val_fraction
+    return DEFAULT_VAL_FRACTION if config.eval_every > 0 and config.eval_data is None else 0.0
 
 
 def section_of(name: str) -> Section:

@@ -120,7 +120,8 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     if config.optimizer_state == "8bit" and (reason := eight_bit_problem()) is not None:
         bad("optimizer_state", f"8bit {reason}")
     finite_range("min_lr_ratio", 0.0, 1.0)
-    finite_range("val_fraction", 0.0, 0.5)
+    if config.val_fraction is not None:  # not given: held_out_fraction decides
+        finite_range("val_fraction", 0.0, 0.5)
     finite_range("noise_scale_ema", 0.0, 1.0, high_open=True)
     if config.epochs is not None:
         at_least("epochs", 1)  # the steps follow from the data: warmup is checked against them once it is loaded
@@ -129,7 +130,7 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
                             f"{config.max_steps}")
     if at_least("seed", 0) and config.seed > MAX_SEED:
         bad("seed", f"must be at most 2**64 - 1 = {MAX_SEED}, got {config.seed}")
-    at_least("eval_batches", 1)
+    at_least("eval_batches", 0)
     at_least("checkpoint_every", 0)
     at_least("log_every", 1)
     if at_least("eval_every", 0) and config.eval_every > 0 and config.val_fraction == 0 and config.eval_data is None:

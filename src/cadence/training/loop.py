@@ -214,7 +214,9 @@ class TrainingRun:
         self.prep, self.config, self.ranks, self.stream = prep, config, prep.ranks, stream
         self.parts: Components = build_components(prep)
         self.engine: Engine = self.parts.engine
-        self.val_batches: list[dict[str, torch.Tensor]] = _validation_batches(prep)
+        self.val_batches, self.val_examples = _validation_batches(prep)
+        """The micro-batches every evaluation runs (this rank's share), and how many validation examples all ranks
+        hold together: the figure --keep-best and --early-stop-after decide on, and the console states."""
         self.parameters: int = sum(p.numel() for p in self.parts.model.parameters())
         self.trained, self.frozen = parameter_counts(self.parts.model)  # --lora-rank freezes the base
         self.resolved: dict[str, Any] = _resolved_config(prep, self.parameters)
@@ -298,6 +300,11 @@ class TrainingRun:
         noise_scale = noise_scale_announcement(self.engine, prep.grad_accum_steps)
         if noise_scale is not None:
             print(noise_scale, file=stream, flush=True)
+        if self.val_batches:
+            whole = len(prep.data.val) if prep.data.val is not None else 0
+            print(f"evaluation: every {config.eval_every} steps on {self.val_examples:,} validation examples"
+                  + (f" (the first {config.eval_batches} micro-batches of {whole:,}: --eval-batches)"
+                     if self.val_examples < whole else " (all of them)"), file=stream, flush=True)
         length_note = prep.data.long_examples.note() if prep.data.long_examples else None
         if length_note:  # --too-long: how many examples were skipped or truncated, and what the truncated ones lost
             print(f"note: {length_note}", file=stream)
@@ -757,23 +764,25 @@ class _Discard:
         return False
 
 
-def _validation_batches(prep: Prepared) -> list[dict[str, torch.Tensor]]:
-    """The same first --eval-batches validation micro-batches every time, so evaluations are comparable.
+def _validation_batches(prep: Prepared) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """The validation micro-batches every evaluation runs (the whole validation set, or its first --eval-batches),
+    always the same ones, so evaluations are comparable; and how many examples they hold.
 
     With several processes each rank evaluates every world-th of them (the engine sums over ranks), padded so that
     all ranks run the same number of forwards (FSDP2 gathers parameters in each)."""
     config = prep.config
     if config.eval_every <= 0 or prep.data.val is None:
-        return []
+        return [], 0
     batches = []
     for batch in iterate_micro_batches(prep.data.val, prep.micro_batch_size, config.seed, 0, shuffle=False):
         batches.append(batch)
         if len(batches) == config.eval_batches:
             break
+    examples = sum(int(batch["input_ids"].shape[0]) for batch in batches)
     world, rank = prep.ranks.world_size, prep.ranks.rank
     per_rank = -(-len(batches) // world)
     mine = batches[rank::world]
-    return mine + [padding_micro_batch() for _ in range(per_rank - len(mine))]
+    return mine + [padding_micro_batch() for _ in range(per_rank - len(mine))], examples
 
 
 def _resolved_config(prep: Prepared, parameters: int) -> dict[str, Any]:

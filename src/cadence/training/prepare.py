@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from cadence.config import TrainConfig, resolve_device, validate
+from cadence.config.schema import held_out_fraction
 from cadence.data import DataSplits, default_cache_dir
 from cadence.data.source import Source, open_source
 from cadence.distributed.ranks import SINGLE, Ranks, broadcast_from_main, rank_device
@@ -215,5 +216,5 @@ def load_run_data(config: TrainConfig, seq_len: int, hf: HFModel | None, *, rank
     while the others wait (cadence.data.cache)."""
     # Only the main rank reports a long build; another rank that happens to build is just as correct, but silent.
     return open_source(Source.from_flags(config), hf.tokenizer if hf else None, seq_len=seq_len,
-                       val_fraction=config.val_fraction, cache_dir=config.data_cache or default_cache_dir(),
+                       val_fraction=held_out_fraction(config), cache_dir=config.data_cache or default_cache_dir(),
                        progress=sys.stderr if ranks.is_main else None, too_long=config.too_long)
