@@ -22,6 +22,7 @@ from cadence.data import DataSplits, default_cache_dir
 from cadence.data.source import Source, open_source
 from cadence.distributed.ranks import SINGLE, Ranks, broadcast_from_main, rank_device
 from cadence.engine.cut import Cut
+from cadence.engine.precision import cpu_emulation_note
 from cadence.engine.windows import Window, epoch_windows
 from cadence.errors import UsageError
 from cadence.models import MODEL_CONFIGS, MODEL_NAMES, model_context_length, repeated_blocks
@@ -182,8 +183,11 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
             f"drop leaves nothing to train on: the training split has {len(data.train)} sequences, fewer than one "
             f"window of {effective}; use --last-window step or a smaller --effective-batch-size",
         )
+    device = rank_device(resolve_device(config.device), ranks)
+    if device.type == "cpu" and ranks.is_main and (note := cpu_emulation_note(config.precision)) is not None:
+        warnings.warn(note, stacklevel=2)  # once per run, before its first step: the cost is known up front
     return Prepared(
-        config=config, device=rank_device(resolve_device(config.device), ranks), seq_len=seq_len, micro_batch_size=micro,
+        config=config, device=device, seq_len=seq_len, micro_batch_size=micro,
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
         memory_budget_bytes=config.memory_budget_bytes(), hf=hf, ranks=ranks,
     )
