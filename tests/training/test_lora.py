@@ -180,3 +180,27 @@ def test_a_plan_with_lora_estimates_the_adapters_and_train_plan_trains_them(tmp_
     status, _, err = run_cli(["train", "--plan", str(tmp_path / "lora" / "plan.json"), "--lora-rank", "4",
                               "--out", str(tmp_path / "other")])
     assert status == 2 and "--lora-rank" in err
+
+
+def test_an_adapter_of_a_model_directory_loads_with_auto_peft_from_another_directory(tmp_path, monkeypatch) -> None:
+    """Issue 41 item 6: the exported adapter recorded its base as the path given (relative to where training ran),
+    so AutoPeftModelForCausalLM failed from anywhere else; the base is now recorded as an absolute path. LoRA on a
+    model built from its config (random weights) is said in a warning."""
+    from peft import AutoPeftModelForCausalLM
+
+    base = base_model()
+    base.save_pretrained(tmp_path / "work" / "base")
+    data = write_jsonl(tmp_path / "data.jsonl", 32)
+    monkeypatch.chdir(tmp_path / "work")
+    status, _, err = run_cli(["train", "--model", "base", "--data", str(data), *BATCH, "--max-steps", "2",
+                              "--lora-rank", "4", "--out", str(tmp_path / "run"), "--save-hf", str(tmp_path / "adapter")])
+    assert status == 0, err
+    monkeypatch.chdir(tmp_path)
+    recorded = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(tmp_path / "work" / "base")
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(loaded(ids).logits).all()
+    status, _, err = run_cli(["train", *LLAMA, "--data", str(data), *BATCH, "--max-steps", "1", "--lora-rank", "4",
+                              "--out", str(tmp_path / "random")])
+    assert status == 0 and "the adapters are trained on a random model" in err

@@ -204,10 +204,17 @@ def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
     for note in hf.notes if warn else ():
         warnings.warn(note, stacklevel=3)
     if config.lora_rank > 0:
-        # Right after the build, under the same seeded RNG: lora_A's random init is the same in every build.
+        if warn and config.model.startswith("hf:"):
+            # Adapters on a base of random weights learn nothing a real model could use (issue 41).
+            warnings.warn(f"--lora-rank on {config.model}: the base is built from its config with random weights, so "
+                          f"the adapters are trained on a random model; give a model directory (save_pretrained) for "
+                          f"a real fine-tune", stacklevel=3)
+        # Right after the build, under the same seeded RNG: lora_A's random init is the same in every build. The base
+        # is recorded as an absolute path, so the exported adapter loads with peft from any working directory.
         apply_lora(hf.model, LoraSettings(
             rank=config.lora_rank, alpha=config.lora_alpha, targets=split_targets(config.lora_targets),
-            dropout=config.lora_dropout, base_name_or_path=None if config.model.startswith("hf:") else config.model))
+            dropout=config.lora_dropout,
+            base_name_or_path=None if config.model.startswith("hf:") else str(Path(config.model).resolve())))
         if config.lora_base_precision == "bf16":
             hold_base_in_bf16(hf.model)
         hf.lora = lora_shape(hf.model)
