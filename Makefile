@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint clean bench bench-quick bench-data bench-gpu
+.PHONY: install demo test test-fast lint clean bench bench-quick bench-data bench-gpu flags
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ PYTEST_WORKERS ?= auto
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+
+# docs/FLAGS.md, the flag reference, generated from the schema (tests/config/test_reference.py fails when it drifts).
+flags: $(STAMP)
+	$(BIN)/python -m cadence.config.reference > docs/FLAGS.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
