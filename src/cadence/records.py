@@ -30,7 +30,16 @@ class RecordInvalid(UsageError):
 
     def __init__(self, source: str | Path, field: str, what: str) -> None:
         self.source, self.field, self.what = str(source), field, what
-        super().__init__([Problem(where=self.source, message=f"field '{field}' {what}" if field else what)])
+        super().__init__([Problem(where=self.source, message=f"field '{field}' {what}") if field
+                          else _WholeRecord(where=self.source, message=what)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class _WholeRecord(Problem):
+    """A problem with a record as a whole, read as a sentence: ``run/metrics.jsonl:2 is not valid JSON``."""
+
+    def __str__(self) -> str:
+        return f"{self.where} {self.message}"
 
 
 class _Wrong(Exception):

@@ -180,3 +180,53 @@ def test_a_partial_window_that_does_not_fit_is_refused_in_one_line(runs, capsys,
     assert expected in lines[0] and "training_state.json" in lines[0], lines[0]
     assert "there is no older intact checkpoint: start a new --out" in lines[0]
     assert _snapshot(out) == before
+
+
+def _row(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    """Edit the first row of metrics.jsonl."""
+    def damage(out: Path) -> None:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        row = json.loads(lines[0])
+        edit(row)
+        (out / "metrics.jsonl").write_text("\n".join([json.dumps(row), *lines[1:]]) + "\n")
+    return damage
+
+
+def _summary(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    def damage(out: Path) -> None:
+        summary = json.loads((out / "summary.json").read_text())
+        edit(summary)
+        (out / "summary.json").write_text(json.dumps(summary))
+    return damage
+
+
+RECORD_CASES: list[tuple[str, Callable[[Path], None], str]] = [
+    ("a row without tokens", _row(lambda row: row.pop("tokens")), "metrics.jsonl:1: field 'tokens' is missing"),
+    ("a string window", _row(lambda row: row.update(window="1")),
+     "metrics.jsonl:1: field 'window' is '1', not a count"),
+    ("a float tokens", _row(lambda row: row.update(tokens=256.5)),
+     "metrics.jsonl:1: field 'tokens' is 256.5, not a count"),
+    ("a string val_loss", _row(lambda row: row.update(val_loss="low")),
+     "metrics.jsonl:1: field 'val_loss' is 'low', not a finite number"),
+    ("a string total in summary.json", _summary(lambda summary: summary.update(tokens="1024")),
+     "summary.json: field 'tokens' is '1024', not a count"),
+    ("a string segment bound in summary.json", _summary(lambda summary: summary["segments"][0].update(to_step="4")),
+     "summary.json: field 'segments[0].to_step' is '4', not a count"),
+]
+
+
+@pytest.mark.parametrize(("damage", "expected"), [case[1:] for case in RECORD_CASES],
+                         ids=[case[0] for case in RECORD_CASES])
+def test_a_resumed_runs_records_of_the_wrong_type_are_refused_on_resume_and_report(runs, capsys, damage, expected):
+    """Issue 44 item 4: each ended in a traceback on --resume (and on cadence report)."""
+    data, out = runs("fp32")
+    damage(out)
+    before = _snapshot(out)
+    capsys.readouterr()
+    for command in (train_args(data, out, "--resume", steps=6), ["report", str(out)]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert expected in lines[0] and str(out) in lines[0], lines[0]
+        assert _snapshot(out) == before

@@ -37,9 +37,11 @@ from cadence.training.checkpoint import (
 from cadence.training.run_dir import (
     CHECKPOINTS_DIR,
     METRICS_FILE,
+    RESUMED_ROW_REQUIRED,
     SUMMARY_FILE,
     MetricsUnreadable,
     read_metrics,
+    read_summary,
     rewrite_metrics,
 )
 
@@ -323,10 +325,15 @@ def _check_optimizer_state_shapes(optimizer: Any) -> None:
 def _metrics_rows(run_dir: Path) -> tuple[list[dict[str, Any]], str | None]:
     """The run's metrics rows (none when it has no metrics.jsonl yet), or why they cannot be read: only a torn last
     line, cut short by the kill, is dropped; any other bad line stops the resume before anything is changed."""
+    try:
+        # summary.json too, before anything is changed: the resumed run adds its segments and totals to its own.
+        read_summary(run_dir)
+    except RecordInvalid as err:
+        return [], f"{err} (nothing was changed)"
     if not (run_dir / METRICS_FILE).is_file():
         return [], None
     try:
-        return read_metrics(run_dir), None
+        return read_metrics(run_dir, required=RESUMED_ROW_REQUIRED), None
     except MetricsUnreadable as err:
         return [], f"{err}; only a torn last line (a run killed mid-write) is dropped (nothing was changed)"
 
