@@ -102,6 +102,14 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
 
     Seed the global RNG first: ``lora_A`` is initialised randomly (``lora_B`` with zeros). Bad targets are a
     UsageError naming ``--lora-targets``."""
+    widest = max((min(module.in_features, module.out_features) for module in model.modules()
+                  if isinstance(module, nn.Linear)), default=0)
+    if settings.rank > widest:
+        # Checked before peft allocates anything: a rank of 10**9 asked for terabytes (a traceback from the
+        # allocator), 2**63 overflowed; and a rank above a layer's smaller side adds nothing that side allows.
+        raise UsageError.single("--lora-rank", (
+            f"{settings.rank} is more than the layer's width: the widest linear layer of this model has {widest} on "
+            f"its smaller side, and a rank above that adds nothing (give at most {widest}; 8 to 64 is usual)"))
     peft = _import_peft()
     targets: Any = list(settings.targets) if settings.targets else None
     if targets == ["all-linear"]:
