@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from cadence.models.lora import bitsandbytes_problem
 from cadence.records import COUNT, Kind, Record, tensor_kind
 
 OptimizerStateName = Literal["fp32", "bf16", "8bit"]
@@ -60,9 +61,12 @@ def state_bytes_per_parameter(name: str, numel: int) -> float:
 
 
 def eight_bit_problem() -> str | None:
-    """Why ``--optimizer-state 8bit`` cannot run here (bitsandbytes missing), or None."""
+    """Why ``--optimizer-state 8bit`` cannot run here (bitsandbytes missing, or installed but failing), or None."""
     if importlib.util.find_spec("bitsandbytes") is None:
         return "needs bitsandbytes (pip install 'cadence[8bit]', or pip install bitsandbytes)"
+    broken = bitsandbytes_problem(needs=("optim.AdamW8bit",))
+    if broken is not None:
+        return f"needs bitsandbytes, and {broken}: repair it with pip install --force-reinstall bitsandbytes"
     return None
 
 
