@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cadence"
 
 LAYERS: list[set[str]] = [
     {"errors", "formatting"},
-    {"input_files", "output_files", "process_locks"},
+    {"input_files", "output_files", "process_locks", "records"},
     {"data", "models"},
     {"memory"},
     {"engine"},

@@ -453,7 +453,7 @@ def test_a_file_is_not_a_directory(tmp_path: Path) -> None:
 def test_broken_json_names_the_file_and_line(tmp_path: Path, plan_dir: Path) -> None:
     (plan_dir / "plan.json").write_text('{"version": 1,\n')
     assert "plan.json is not valid JSON" in str(_usage_error(plan_dir))
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "tokens": 8}\nnot json\n{"step": 2}\n')
     _cadence_config(tmp_path)
     assert "metrics.jsonl:2 is not valid JSON" in str(_usage_error(tmp_path))
 

@@ -15,22 +15,23 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_rows_in_order_blank_lines_skipped(tmp_path: Path) -> None:
-    assert read_metrics(_write(tmp_path, '{"step": 1}\n\n{"step": 2, "loss": 3.5}\n')) == [
-        {"step": 1}, {"step": 2, "loss": 3.5}]
+    assert read_metrics(_write(tmp_path, '{"step": 1, "tokens": 8}\n\n{"step": 2, "loss": 3.5, "tokens": 8}\n')) == [
+        {"step": 1, "tokens": 8}, {"step": 2, "loss": 3.5, "tokens": 8}]
 
 
 def test_a_torn_last_line_is_dropped(tmp_path: Path) -> None:
-    assert read_metrics(_write(tmp_path, '{"step": 1}\n{"step": 2, "lo')) == [{"step": 1}]
+    assert read_metrics(_write(tmp_path, '{"step": 1, "tokens": 8}\n{"step": 2, "lo')) == [{"step": 1, "tokens": 8}]
 
 
 def test_an_unterminated_last_line_that_parses_is_a_row(tmp_path: Path) -> None:
-    assert read_metrics(_write(tmp_path, '{"step": 1}\n{"step": 2}')) == [{"step": 1}, {"step": 2}]
+    assert read_metrics(_write(tmp_path, '{"step": 1, "tokens": 8}\n{"step": 2, "tokens": 8}')) == [
+        {"step": 1, "tokens": 8}, {"step": 2, "tokens": 8}]
 
 
 @pytest.mark.parametrize("text, line, reason", [
-    ('{"step": 1}\nnot json\n{"step": 3}\n', 2, "is not valid JSON"),
-    ('{"step": 1}\n{"step": 2, "lo\n', 2, "is not valid JSON"),  # complete line (it has its newline): not torn
-    ('{"step": 1}\n[1, 2]\n', 2, "is not a metrics row"),
+    ('{"step": 1, "tokens": 8}\nnot json\n{"step": 3}\n', 2, "is not valid JSON"),
+    ('{"step": 1, "tokens": 8}\n{"step": 2, "lo\n', 2, "is not valid JSON"),  # complete line (with its newline)
+    ('{"step": 1, "tokens": 8}\n[1, 2]\n', 2, "is not a metrics row"),
     ('{"loss": 1.0}\n', 1, "is not a metrics row"),
 ])
 def test_any_other_bad_line_names_the_file_and_line(tmp_path: Path, text: str, line: int, reason: str) -> None:
@@ -41,7 +42,8 @@ def test_any_other_bad_line_names_the_file_and_line(tmp_path: Path, text: str, l
 
 
 def test_rewrite_then_read(tmp_path: Path) -> None:
-    rewrite_metrics(tmp_path, [{"step": 1, "window": 1}, {"step": 2, "window": 2}])
-    assert read_metrics(tmp_path) == [{"step": 1, "window": 1}, {"step": 2, "window": 2}]
+    rows = [{"step": 1, "window": 1, "tokens": 8}, {"step": 2, "window": 2, "tokens": 8}]
+    rewrite_metrics(tmp_path, rows)
+    assert read_metrics(tmp_path) == rows
     rewrite_metrics(tmp_path, [])
     assert (tmp_path / "metrics.jsonl").read_text() == ""

@@ -14,6 +14,7 @@ from cadence.config.schema import TrainConfig, hint_types
 from cadence.config.validate import is_cadence_config, validate
 from cadence.errors import Problem, UsageError
 from cadence.input_files import read_regular_file
+from cadence.records import Kind, Record, RecordInvalid
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,7 +40,7 @@ def load_toml(path: Path) -> dict[str, Any]:
     if path.is_dir():
         raise UsageError.single("--config", f"{path} is a directory, expected a .toml file (or a run's config.json)")
     if is_cadence_config(path):
-        return recorded_values(path)
+        return recorded_values(path, where="--config")
     raw = _parse_toml(read_regular_file(path, where="--config", limit=CONFIG_LIMIT_BYTES), path)
     hints = get_type_hints(TrainConfig)
     values: dict[str, Any] = {}
@@ -63,11 +64,34 @@ _INVALID = object()
 
 def _type_name(hint: Any) -> str:
     args = hint_types(hint)
+    if any(getattr(arg, "__origin__", None) is list for arg in args):
+        return "list of strings"
     for kind, name in ((bool, "true or false"), (Path, "path string"), (int, "integer"), (float, "number"),
                        (str, "string")):
         if kind in args:
             return name
     return str(hint)
+
+
+def field_kind(hint: Any) -> Kind:
+    """A TrainConfig field's type as the typed reader's :class:`Kind`: what a recorded configuration (a run's
+    config.json, a checkpoint's) must hold for that field; the value comes back as the field's type."""
+    def check(value: Any) -> Any:
+        converted = _convert(value, hint)
+        if converted is _INVALID:
+            raise ValueError
+        return converted
+    name = _type_name(hint)
+    return Kind(name if name.startswith("true") else ("an " if name[0] in "aeiou" else "a ") + name, check)
+
+
+def recorded_config(record: Record) -> dict[str, Any]:
+    """The TrainConfig fields of a recorded configuration, each as its field's type; a value of another type (a
+    string where a number belongs) is a :class:`RecordInvalid` naming the file and the field. Other keys (the
+    resolved extras: fingerprints, versions) and nulls are passed over: what they mean is the reader's to say."""
+    hints = get_type_hints(TrainConfig)
+    return {key: record.take(key, field_kind(hints[key])) for key in record.data
+            if key in hints and record.has(key)}
 
 
 def _convert(value: Any, hint: Any) -> Any:
@@ -156,27 +180,35 @@ def recorded_train_values(out: Path) -> dict[str, Any]:
     config.json holds the resolved configuration: the micro-batch size there is the one used, so a run started with
     ``--micro-batch-size auto`` records ``auto_micro_batch`` and resumes as auto; the accumulation is left to derive
     from the recorded effective batch, so that a new --micro-batch-size alone re-splits the same batch."""
-    return recorded_values(out / "config.json")
+    return recorded_values(out / "config.json", where="--out")
 
 
-def recorded_values(path: Path) -> dict[str, Any]:
+def recorded_values(path: Path, *, where: str = "RUN_DIR", strict: bool = True) -> dict[str, Any]:
     """The TrainConfig values of a run's config.json at ``path`` (empty when it is not one); see
-    :func:`recorded_train_values`."""
+    :func:`recorded_train_values`.
+
+    A config.json that is cadence's but holds a value of the wrong type for a field (edited by hand, or crafted) is
+    refused naming the file and the field (``where``, the flag that named it, leads the line): taken as it is, the
+    field would silently fall back to its default and the run would not be the one recorded. ``strict=False`` drops
+    such fields instead (for collecting the good keys beside a problem already reported)."""
     try:
-        content = read_regular_file(path, where="--out", limit=CONFIG_LIMIT_BYTES)
+        content = read_regular_file(path, where=where, limit=CONFIG_LIMIT_BYTES)
         recorded = json.loads(content.decode("utf-8"))
     except (UsageError, OSError, ValueError, RecursionError):
         return {}
     if not isinstance(recorded, dict) or "effective_batch_size" not in recorded:
         return {}
     hints = get_type_hints(TrainConfig)
+    record = Record(recorded, f"{where} {path}")
     values = {}
-    for key, value in recorded.items():
-        if key not in hints or key in RECORD_ONLY or key == "grad_accum_steps" or value is None:
+    for key in recorded:
+        if key not in hints or key in RECORD_ONLY or key == "grad_accum_steps" or not record.has(key):
             continue
-        converted = _convert(value, hints[key])
-        if converted is not _INVALID:
-            values[key] = converted
+        try:
+            values[key] = record.take(key, field_kind(hints[key]))
+        except RecordInvalid:
+            if strict:
+                raise
     if recorded.get("auto_micro_batch"):
         values["micro_batch_size"] = "auto"
     if values.get("epochs") is not None:
@@ -187,7 +219,7 @@ def recorded_values(path: Path) -> dict[str, Any]:
 def _good_toml_values(path: Path) -> dict[str, Any]:
     """The keys of a TOML file that parse and have the right type (empty if the file is not TOML at all)."""
     if is_cadence_config(path):
-        return recorded_values(path)
+        return recorded_values(path, where="--config", strict=False)
     try:
         raw = _parse_toml(read_regular_file(path, where="--config", limit=CONFIG_LIMIT_BYTES), path)
     except UsageError:

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch
+
+from cadence.models.lora import bitsandbytes_problem
+from cadence.records import COUNT, Kind, Record, tensor_kind
 
 OptimizerStateName = Literal["fp32", "bf16", "8bit"]
 OPTIMIZER_STATES: tuple[OptimizerStateName, ...] = ("fp32", "bf16", "8bit")
@@ -57,9 +61,12 @@ def state_bytes_per_parameter(name: str, numel: int) -> float:
 
 
 def eight_bit_problem() -> str | None:
-    """Why ``--optimizer-state 8bit`` cannot run here (bitsandbytes missing), or None."""
+    """Why ``--optimizer-state 8bit`` cannot run here (bitsandbytes missing, or installed but failing), or None."""
     if importlib.util.find_spec("bitsandbytes") is None:
         return "needs bitsandbytes (pip install 'cadence[8bit]', or pip install bitsandbytes)"
+    broken = bitsandbytes_problem(needs=("optim.AdamW8bit",))
+    if broken is not None:
+        return f"needs bitsandbytes, and {broken}: repair it with pip install --force-reinstall bitsandbytes"
     return None
 
 
@@ -76,6 +83,59 @@ def adamw_8bit_class() -> type[torch.optim.Optimizer]:
     finally:
         logger.setLevel(level)
     return bitsandbytes.optim.AdamW8bit  # type: ignore[no-any-return]
+
+
+_FLOATING = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_MOMENT = tensor_kind(dtypes=_FLOATING, words="a floating-point tensor (a moment)")
+_CODE_BOOK = tensor_kind(dtypes=(torch.float32,), elements=256, words="a float32 code book of 256 entries")
+_SCALES = tensor_kind(dtypes=(torch.float32,), words="a float32 tensor of per-block scales")
+EIGHT_BIT_QUANT_STATE = "__bnb_optimizer_quant_state__"
+"""Where bitsandbytes' state dict wraps a parameter's quantisation state (for FSDP's sake)."""
+
+
+def _step_tensor(value: Any) -> Any:
+    """torch's AdamW keeps the step as a one-element float tensor; a vector or a negative, fractional or infinite
+    count would fail (or silently skew the bias correction) at the first step."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        raise ValueError
+    count = float(value.reshape(()).item())
+    if not (math.isfinite(count) and count >= 0 and count == int(count)):
+        raise ValueError
+    return value
+
+
+_STEP_TENSOR = Kind("a step count (a tensor of one element)", _step_tensor)
+
+
+def check_saved_state(name: str, optimizer: Record) -> None:
+    """The per-parameter state a saved optimizer state dict holds, as the optimizer of ``--optimizer-state name``
+    reads it at its next step: raise ``RecordInvalid`` (naming the file and the field) for a step that is not a
+    count, a missing moment, or an 8-bit state without its scales or code books. torch's ``load_state_dict`` takes
+    any of these as they are (and turns a string step into a generator), so each would otherwise end the resumed
+    run at its first step with a traceback; shapes are checked after loading, against the parameters."""
+    states = optimizer.record("state")
+    for key in states.data:
+        entry = states.record(key)
+        if name == "8bit":
+            entry.count("step")
+            _check_eight_bit(entry.record(EIGHT_BIT_QUANT_STATE, default=entry))
+            continue
+        entry.take("step", _STEP_TENSOR if name == "fp32" else COUNT)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            entry.take(moment, _MOMENT)
+
+
+def _check_eight_bit(state: Record) -> None:
+    """bitsandbytes' state of one parameter: two moments of one dtype, fp32 (a small tensor) or uint8 codes with
+    their per-block scales and code books (``update_step`` picks its kernel by ``state1``'s dtype)."""
+    first = state.take("state1", tensor_kind(dtypes=(torch.float32, torch.uint8), words="a float32 or uint8 tensor"))
+    state.take("state2", tensor_kind(dtypes=(first.dtype,), words=f"a {str(first.dtype).replace('torch.', '')} tensor "
+                                                             f"(as state1)"))
+    if first.dtype == torch.uint8:
+        for name in ("qmap1", "qmap2"):
+            state.take(name, _CODE_BOOK)
+        for name in ("absmax1", "absmax2"):
+            state.take(name, _SCALES)
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

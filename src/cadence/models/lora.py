@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,11 +67,58 @@ class LoraShape:
 
 
 def peft_problem() -> str | None:
-    """Why LoRA cannot run here (peft missing), or None."""
+    """Why LoRA cannot run here (peft missing, or a broken bitsandbytes that peft would import), or None."""
     import importlib.util
 
     if importlib.util.find_spec("peft") is None:
         return "needs peft (pip install 'cadence[hf]', or pip install peft)"
+    # peft reaches for bitsandbytes' 8-bit linear layer whenever bitsandbytes is installed (to tell its layers
+    # apart while injecting the adapters), so a bitsandbytes without it fails every LoRA run.
+    broken = bitsandbytes_problem(needs=("nn.Linear8bitLt",))
+    if broken is None:
+        try:
+            _import_peft()
+        except UsageError:
+            return "needs peft, which fails to import (pip install --force-reinstall peft)"
+        except Exception as err:  # noqa: BLE001 - peft or what it imports, failing as installed
+            reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+            frames = traceback.extract_tb(err.__traceback__)
+            if "bitsandbytes" not in str(err) and not any("bitsandbytes" in frame.filename for frame in frames):
+                return f"needs peft, which is installed but fails to import ({reason}): pip install --force-reinstall peft"
+            broken = f"bitsandbytes is installed but fails to be used ({reason})"
+    if broken is not None:
+        return (f"needs peft, which imports bitsandbytes when it is installed, and {broken}: repair it (pip install "
+                f"--force-reinstall bitsandbytes) or, if you do not use --optimizer-state 8bit, uninstall it (pip "
+                f"uninstall bitsandbytes)")
+    return None
+
+
+def bitsandbytes_problem(*, needs: tuple[str, ...] = ()) -> str | None:
+    """Why an installed bitsandbytes cannot be used (None when it is missing, or imports and has ``needs``, dotted
+    names such as ``optim.AdamW8bit``).
+
+    An installed package can still fail at import: its native library missing or built for another CUDA (an
+    OSError), a symbol a newer torch lacks (an AttributeError). Found here, before any run directory exists, it is
+    one line naming the package; found when the optimizer or peft is built, it was a traceback."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    logger = logging.getLogger("bitsandbytes")  # its CPU backend warns about a 4-bit kernel cadence never uses
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+
+        for name in needs:
+            target: Any = bitsandbytes
+            for part in name.split("."):
+                target = getattr(target, part)
+    except Exception as err:  # noqa: BLE001 - whatever its import raises, the package is unusable as installed
+        reason = (str(err).splitlines() or [""])[0][:160]
+        return f"bitsandbytes is installed but fails to import ({type(err).__name__}: {reason})"
+    finally:
+        logger.setLevel(level)
     return None
 
 
@@ -97,12 +145,31 @@ def _import_peft() -> Any:
     return peft
 
 
+def _imported_peft() -> Any:
+    """peft for apply_lora: a failure of its own imports (validate() has said which package) as one line."""
+    try:
+        return _import_peft()
+    except UsageError:
+        raise
+    except Exception:  # noqa: BLE001 - peft's own imports failing (a broken bitsandbytes): said by peft_problem
+        raise UsageError.single("--lora-rank", f"LoRA {peft_problem() or 'needs peft, which fails to import'}") \
+            from None
+
+
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place (and return it): the base frozen, the adapters trained.
 
     Seed the global RNG first: ``lora_A`` is initialised randomly (``lora_B`` with zeros). Bad targets are a
     UsageError naming ``--lora-targets``."""
-    peft = _import_peft()
+    widest = max((min(module.in_features, module.out_features) for module in model.modules()
+                  if isinstance(module, nn.Linear)), default=0)
+    if settings.rank > widest:
+        # Checked before peft allocates anything: a rank of 10**9 asked for terabytes (a traceback from the
+        # allocator), 2**63 overflowed; and a rank above a layer's smaller side adds nothing that side allows.
+        raise UsageError.single("--lora-rank", (
+            f"{settings.rank} is more than the layer's width: the widest linear layer of this model has {widest} on "
+            f"its smaller side, and a rank above that adds nothing (give at most {widest}; 8 to 64 is usual)"))
+    peft = _imported_peft()
     targets: Any = list(settings.targets) if settings.targets else None
     if targets == ["all-linear"]:
         targets = "all-linear"  # peft's own word: every linear layer but the output head

@@ -15,7 +15,14 @@ from cadence.report import render as plots
 from cadence.report.document import WHERE, plot_block, read_json_object
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Report, Table
 from cadence.training.noise_scale import batch_against_noise_scale
-from cadence.training.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, MetricsUnreadable, read_metrics
+from cadence.training.run_dir import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    MetricsUnreadable,
+    read_metrics,
+    read_summary,
+)
 
 LAST_ROWS = 10
 PADDING_ADVICE_SHARE = 0.25
@@ -42,7 +49,7 @@ def run_report(root: Path) -> Report:
     """The report of a training run: configuration, totals, plots per step and the last metrics rows."""
     rows = _metrics_rows(root)
     config = read_json_object(root / CONFIG_FILE) if (root / CONFIG_FILE).is_file() else {}
-    summary = read_json_object(root / SUMMARY_FILE) if (root / SUMMARY_FILE).is_file() else None
+    summary = read_summary(root)  # its totals checked: a string where a count belongs is one line, not a traceback
     blocks: list[Block] = [Heading(text="Configuration"), Bullets(items=_config_items(config, rows))]
     blocks += [Heading(text="Totals")]
     if summary is None:

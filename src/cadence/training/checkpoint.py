@@ -30,7 +30,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from cadence.config.sources import recorded_config
 from cadence.output_files import atomic_write_json, fsync_directory
+from cadence.records import Record, integer, tensor_kind
 from cadence.training.run_dir import (
     CHECKPOINTS_DIR,
     WEIGHTS_FILE,
@@ -39,7 +41,7 @@ from cadence.training.run_dir import (
     save_weights,
     writing,
 )
-from cadence.training.state_file import StateFileError, read_state, state_file_names, write_state
+from cadence.training.state_file import read_state, state_file_names, write_state
 
 STATE_STEM = "training_state"
 STATE_FILES = state_file_names(STATE_STEM)
@@ -235,15 +237,47 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     Raises ``CheckpointUnreadable`` when a file that matched its checksum still does not parse (a manifest recomputed
     over edited files)."""
     try:
-        info = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
+        info_text = (path / INFO_FILE).read_bytes()
         state = read_state(path, STATE_STEM)
         weights = load_file(str(path / WEIGHTS_FILE))
-        if not isinstance(info, dict) or not isinstance(state, dict):
-            raise StateFileError("checkpoint.json and the training state must each hold an object")
-        step = int(info["step"])
     except (OSError, ValueError, KeyError, TypeError, RecursionError, SafetensorError) as err:
-        raise CheckpointUnreadable(f"{path}: unreadable checkpoint ({err})") from err
-    return LoadedCheckpoint(path=path, step=step, weights=weights, state=state, info=info)
+        raise CheckpointUnreadable(f"{path}: unreadable checkpoint ({str(err)[:300]})") from err
+    info = Record.parse(info_text, path / INFO_FILE)
+    check_contents(path, info, state)
+    return LoadedCheckpoint(path=path, step=info.count("step"), weights=weights, state=dict(state), info=dict(info.data))
+
+
+def check_contents(path: Path, info: Record, state: Any) -> None:
+    """The fields of checkpoint.json and of the training state that a resume reads, each of its type and range
+    (``RecordInvalid`` naming the file and the field otherwise): a checkpoint whose manifest verifies may still
+    have been edited (the manifest recomputed), and a string where a count belongs would otherwise end the resume
+    in a traceback, or worse, mid-run. What each optimizer keeps per parameter is checked where the optimizer is
+    known (``optimizer_state.check_saved_state``); shapes, once the state is loaded into the model's."""
+    info.count("step")
+    info.text("optimizer_format", default="by-index")
+    for name in ("resolved_config", "config"):
+        recorded_config(info.record(name, default=Record({}, info.source)))
+    record = Record.of(state, path / STATE_FILES[0])
+    optimizer = record.record("optimizer")
+    optimizer.record("state")
+    optimizer.records("param_groups")
+    record.record("scheduler", default=None)
+    engine = record.record("engine")
+    for name in ("steps", "skipped_steps", "windows"):
+        engine.count(name)
+    position = record.record("data_position")
+    position.count("epoch")
+    # -1: a mid-window checkpoint of an epoch's first window records the window before it
+    position.take("window_in_epoch", integer(-1))
+    record.record("rng")
+    partial = record.record("partial_window", default=None)
+    if partial is not None:
+        partial.count("micro_batches_done")
+        partial.number("loss_sum")
+        partial.take("micro_batch_size", integer(1))
+        grads = partial.record("grads")
+        for name in grads.data:
+            grads.take(name, tensor_kind(words="a tensor of gradients"))
 
 
 class CheckpointUnreadable(ValueError):

@@ -66,6 +66,7 @@ from cadence.training.run_dir import (
     RunWriter,
     export_files,
     exported_before,
+    read_summary,
 )
 
 T = TypeVar("T")
@@ -693,11 +694,8 @@ def earlier_segments(run_dir: Path, start: ResumePoint | None) -> list[dict[str,
     if start is None:
         return []
     recorded: list[dict[str, Any]] = []
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        summary = None
-    if isinstance(summary, dict):
+    summary = read_summary(run_dir)  # its totals checked (restore refused a bad one before changing anything)
+    if summary is not None:
         if isinstance(summary.get("segments"), list):
             recorded = [dict(s) for s in summary["segments"] if isinstance(s, dict)]
         elif isinstance(summary.get("steps"), int):  # a summary from before segments were recorded

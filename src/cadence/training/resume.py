@@ -23,8 +23,10 @@ from cadence.engine.cut import CUT_FLAG_DEFAULTS
 from cadence.engine.schedules import lr_factor
 from cadence.engine.step import PartialWindow
 from cadence.errors import Problem, UsageError
-from cadence.memory.optimizer_state import EIGHT_BIT_BLOCK
+from cadence.memory.optimizer_state import EIGHT_BIT_BLOCK, check_saved_state
+from cadence.records import Record, RecordInvalid, integer
 from cadence.training.checkpoint import (
+    STATE_FILES,
     CheckpointUnreadable,
     checkpoint_dirs,
     load_checkpoint,
@@ -35,9 +37,11 @@ from cadence.training.checkpoint import (
 from cadence.training.run_dir import (
     CHECKPOINTS_DIR,
     METRICS_FILE,
+    RESUMED_ROW_REQUIRED,
     SUMMARY_FILE,
     MetricsUnreadable,
     read_metrics,
+    read_summary,
     rewrite_metrics,
 )
 
@@ -185,7 +189,9 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
     try:
         checkpoint = load_checkpoint(path)
     except CheckpointUnreadable as err:
-        raise UsageError([Problem(where="--resume", message=f"{err} (nothing was changed)")]) from err
+        raise _refused(path, run_dir, str(err)) from None
+    except RecordInvalid as err:
+        raise _refused(path, run_dir, str(err)) from None
     problems = incompatibilities(checkpoint.info.get("resolved_config", {}), resolved_config)
     saved_format = checkpoint.info.get("optimizer_format", "by-index")
     if saved_format != optimizer_state_format(parts.ranks):
@@ -194,6 +200,12 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
             + " --strategy fsdp; resume with the strategy it was saved with")))
     state = checkpoint.state
     partial = state.get("partial_window")
+    if partial:
+        try:
+            _check_partial_window(Record(partial, path / STATE_FILES[0], "partial_window"), parts.model,
+                                  most=_micro_batches_at_most(resolved_config, cut or {}))
+        except RecordInvalid as err:
+            raise _refused(path, run_dir, str(err)) from None
     if partial and micro_batch_size is not None and int(partial["micro_batch_size"]) != micro_batch_size:
         problems.append(Problem(where="--micro-batch-size", message=(
             f"{micro_batch_size} differs from the {int(partial['micro_batch_size'])} of the window the checkpoint "
@@ -214,6 +226,8 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
         # A checkpoint whose manifest verifies can still hold states that do not fit this run (crafted, or written
         # by another model): each load below raises on its own terms, and all of them are one refusal, before the
         # metrics (the only file a resume changes) are touched.
+        check_saved_state(str(resolved_config.get("optimizer_state", "fp32")),
+                          Record(state["optimizer"], path / STATE_FILES[0], "optimizer"))
         load_full_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"])
         _check_optimizer_state_shapes(parts.optimizer)
         if state["scheduler"] is not None:
@@ -223,11 +237,12 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
         position = state["data_position"]
         windows_done, epoch, window_in_epoch = (int(state["engine"]["windows"]), int(position["epoch"]),
                                                 int(position["window_in_epoch"]))
-    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as err:
-        what = f"missing {err}" if isinstance(err, KeyError) else str(err).splitlines()[0][:300]
-        raise UsageError([Problem(where="--resume", message=(
-            f"{checkpoint.path} verifies against its manifest but does not fit this run ({what}); nothing was "
-            f"changed: resume from another checkpoint (remove this one) or start a new --out"))]) from None
+    except RecordInvalid as err:
+        raise _refused(path, run_dir, str(err)) from None
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError, OverflowError) as err:
+        what = f"missing {err}" if isinstance(err, KeyError) else (str(err).splitlines() or [""])[0][:300]
+        raise _refused(path, run_dir, f"{checkpoint.path} verifies against its manifest but does not fit this run "
+                                      f"({what})") from None
     kept = _truncate_metrics(run_dir, rows, windows=windows_done) if main else []
     point = ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=epoch,
                         windows_done_in_epoch=window_in_epoch, kept_rows=kept,
@@ -241,6 +256,47 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
                                       loss_sum=float(partial["loss_sum"]))
         point.partial_micro_batch_size = int(partial["micro_batch_size"])
     return point
+
+
+def _refused(checkpoint: Path, run_dir: Path, what: str) -> UsageError:
+    """A checkpoint whose files verify but whose contents cannot be resumed: one line saying what is wrong, and the
+    checkpoint to resume from instead. It is not passed over silently as a damaged one is: its manifest vouches for
+    it, so the user decides whether to drop it (and the steps since the older one)."""
+    older = next((found for found in reversed(checkpoint_dirs(run_dir))
+                  if _step_of(found) < _step_of(checkpoint) and verify_checkpoint(found) is None), None)
+    instead = (f"{older.name} is the next older intact checkpoint: remove {checkpoint} to resume from it, or start "
+               f"a new --out" if older is not None else "there is no older intact checkpoint: start a new --out")
+    return UsageError([Problem(where="--resume", message=f"{what}; nothing was changed: {instead}")])
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.rpartition("-")[2])
+
+
+def _micro_batches_at_most(resolved: dict[str, Any], cut: dict[str, Any]) -> int:
+    """The most micro-batches a window of this run has on one process: the accumulation for a cut by rows, at most
+    one per sample of the window when a token budget or packing decides."""
+    accumulation, batch = resolved.get("grad_accum_steps"), resolved.get("effective_batch_size")
+    world = resolved.get("world_size") or 1
+    if not cut.get("micro_batch_tokens") and not cut.get("packing") and isinstance(accumulation, int):
+        return max(accumulation, 1)
+    return max(batch // world, 1) if isinstance(batch, int) and isinstance(world, int) else 1 << 62
+
+
+def _check_partial_window(partial: Record, model: Any, *, most: int) -> None:
+    """An interrupted window's record must fit this run: a stop comes between two micro-batches, so fewer than the
+    window's micro-batches are done (more would skip the whole window, and its gradient with it), and each saved
+    gradient is that of a trained parameter, of its shape (torch refuses another shape only at the assignment)."""
+    partial.take("micro_batches_done", integer(1, most - 1, words=f"a count from 1 to {most - 1} (the micro-batches "
+                                                                  f"done of a window of {most})"))
+    trained = {name: parameter for name, parameter in unwrap(model).named_parameters() if parameter.requires_grad}
+    grads = partial.record("grads")
+    for name, grad in grads.data.items():
+        if name not in trained:
+            raise grads.invalid(name, "is the gradient of no trained parameter of this model")
+        if tuple(grad.shape) != tuple(trained[name].shape):
+            raise grads.invalid(name, f"has shape {tuple(grad.shape)}, not its parameter's "
+                                      f"{tuple(trained[name].shape)}")
 
 
 _PER_BLOCK_STATE = ("absmax1", "absmax2")
@@ -269,10 +325,15 @@ def _check_optimizer_state_shapes(optimizer: Any) -> None:
 def _metrics_rows(run_dir: Path) -> tuple[list[dict[str, Any]], str | None]:
     """The run's metrics rows (none when it has no metrics.jsonl yet), or why they cannot be read: only a torn last
     line, cut short by the kill, is dropped; any other bad line stops the resume before anything is changed."""
+    try:
+        # summary.json too, before anything is changed: the resumed run adds its segments and totals to its own.
+        read_summary(run_dir)
+    except RecordInvalid as err:
+        return [], f"{err} (nothing was changed)"
     if not (run_dir / METRICS_FILE).is_file():
         return [], None
     try:
-        return read_metrics(run_dir), None
+        return read_metrics(run_dir, required=RESUMED_ROW_REQUIRED), None
     except MetricsUnreadable as err:
         return [], f"{err}; only a torn last line (a run killed mid-write) is dropped (nothing was changed)"
 

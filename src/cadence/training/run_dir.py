@@ -20,7 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from cadence.errors import CadenceFailure
+from cadence.input_files import read_regular_file
 from cadence.output_files import atomic_write_bytes, atomic_write_json, finite, fsync_file
+from cadence.records import COUNT, FLAG, NUMBER, REQUIRED, TEXT, Kind, Record, RecordInvalid
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -175,14 +177,68 @@ class NoWriter(RunWriter):
         pass
 
 
-class MetricsUnreadable(ValueError):
-    """A line of metrics.jsonl that is not a metrics row (and not the torn last line of a killed run)."""
+class MetricsUnreadable(RecordInvalid):
+    """A line of metrics.jsonl that is not a metrics row (and not the torn last line of a killed run): one line
+    naming the file, the line and, for a field of the wrong type, the field."""
 
-    def __init__(self, path: Path, line: int, reason: str) -> None:
-        super().__init__(f"{path}:{line} {reason}")
+    def __init__(self, path: Path, line: int, reason: str, field: str = "") -> None:
+        super().__init__(f"{path}:{line}", field, reason)
         self.path = path
         self.line = line
         self.reason = reason
+
+
+METRICS_FIELDS: dict[str, Kind] = {
+    **dict.fromkeys(("window", "tokens", "targets", "samples", "micro_steps", "micro_batch_size", "padded_positions",
+                     "epoch", "oom_retries", "peak_memory_bytes"), COUNT),
+    **dict.fromkeys(("loss", "val_loss", "val_perplexity", "grad_norm", "lr", "loss_scale", "step_time_s",
+                     "tokens_per_s", "grad_noise_scale", "grad_noise_scale_tokens", "compile_time_s"), NUMBER),
+    "skipped": FLAG,
+    "skip_reason": TEXT,
+}
+"""The type of each field of a metrics row that cadence reads back (the resume's totals, the best evaluation, the
+report), each may be null or absent unless a reader requires it; other fields are passed on unread."""
+
+ROW_REQUIRED = ("tokens",)
+"""What every metrics row holds: the tokens are summed into every total a run reports."""
+RESUMED_ROW_REQUIRED = ("tokens", "targets", "samples", "step_time_s")
+"""What a resumed run's totals add up from each kept row."""
+
+
+SUMMARY_FIELDS: dict[str, Kind] = {
+    **dict.fromkeys(("steps", "skipped", "windows", "epochs", "tokens", "targets", "samples", "padded_positions",
+                     "peak_memory_bytes", "max_rss_bytes", "effective_batch_size", "final_micro_batch_size",
+                     "oom_retries", "parameters", "trainable_parameters", "frozen_parameters",
+                     "optimizer_state_bytes", "resumed_from_step", "best_val_step", "save_hf_step",
+                     "grad_noise_scale_windows"), COUNT),
+    **dict.fromkeys(("wall_time_s", "tokens_per_s", "padding_fraction", "final_loss", "final_val_loss",
+                     "final_val_perplexity", "best_val_loss", "run_wall_time_s", "compile_time_s",
+                     "grad_noise_scale", "grad_noise_scale_tokens", "grad_noise_scale_targets"), NUMBER),
+    **dict.fromkeys(("stopped_by", "save_hf", "peak_memory_of", "peak_memory_source"), TEXT),
+}
+"""The totals of summary.json that cadence reads back (a resume's segments, the report), null allowed."""
+SEGMENT_FIELDS: dict[str, Kind] = {"from_step": COUNT, "to_step": COUNT, "tokens": COUNT, "wall_time_s": NUMBER,
+                                   "step_time_s": NUMBER, "stopped_by": TEXT}
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """A run's summary.json, its totals and segments checked (:data:`SUMMARY_FIELDS`); None when there is none.
+    Anything else, a file that is not a JSON object or a total of the wrong type, is a ``RecordInvalid`` naming the
+    file and the field (summary.json is written whole or not at all, so no damage is forgiven)."""
+    path = run_dir / SUMMARY_FILE
+    if not path.is_file():
+        return None
+    record = Record.parse(read_regular_file(path, where=str(path), limit=RUN_RECORD_LIMIT), path)
+    for name, kind in SUMMARY_FIELDS.items():
+        record.take(name, kind, default=None)
+    for segment in record.records("segments", default=[]):
+        for name, kind in SEGMENT_FIELDS.items():
+            segment.take(name, kind, default=None)
+    return dict(record.data)
+
+
+RUN_RECORD_LIMIT = 64 << 20
+"""The most bytes of a summary.json read back (a few kilobytes when cadence wrote it)."""
 
 
 def export_files(directory: Path) -> dict[str, list[int]] | None:
@@ -224,12 +280,13 @@ def exported_before(run_dir: Path, directory: Path) -> bool:
     return same_place and export_files(directory) == files
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+def read_metrics(run_dir: Path, *, required: tuple[str, ...] = ROW_REQUIRED) -> list[dict[str, Any]]:
     """The rows of a run's metrics.jsonl, in order: the one reader of that file.
 
     A run killed mid-write can leave a torn last line (no newline, not valid JSON): the step it was writing did not
-    finish, so that line is dropped. Any other line that is not a metrics row (a JSON object with a ``step``) raises
-    :class:`MetricsUnreadable` naming the file and the line number. Blank lines are skipped.
+    finish, so that line is dropped. Any other line that is not a metrics row (a JSON object with a ``step`` and the
+    ``required`` fields, each field of :data:`METRICS_FIELDS` of its type) raises :class:`MetricsUnreadable` naming
+    the file, the line number and the field. Blank lines are skipped.
     """
     path = run_dir / METRICS_FILE
     text = path.read_text(encoding="utf-8")
@@ -244,12 +301,20 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             if number == len(lines) and not text.endswith("\n"):
                 break  # torn by a kill mid-write
             raise MetricsUnreadable(path, number, f"is not valid JSON ({err.msg})") from None
+        except RecursionError:
+            raise MetricsUnreadable(path, number, "is nested too deeply") from None
         if not isinstance(row, dict) or "step" not in row:
             raise MetricsUnreadable(path, number, "is not a metrics row (a JSON object with a step)")
         step = row["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             # A report of "x optimizer steps" is worse than none: the step is a count, or the row is not ours.
             raise MetricsUnreadable(path, number, f"has step {step!r}, not a count of optimizer steps")
+        record = Record(row, f"{path}:{number}")
+        try:
+            for name, kind in METRICS_FIELDS.items():
+                record.take(name, kind, default=REQUIRED if name in required else None)
+        except RecordInvalid as err:
+            raise MetricsUnreadable(path, number, err.what, err.field) from None
         rows.append(row)
     return rows
 

@@ -36,6 +36,8 @@ _FORMAT = "cadence-state/1"
 # strings not starting with "__" is written as a JSON object; any other dict goes through "__items__", so a user's
 # key can never be mistaken for a marker.
 _TENSOR, _TUPLE, _ITEMS, _NDARRAY = "__tensor__", "__tuple__", "__items__", "__ndarray__"
+_NDARRAY_KINDS = "biuf"
+"""NumPy dtype kinds a stored array may have: bool, signed and unsigned integers, floats."""
 
 
 class StateFileError(ValueError):
@@ -131,11 +133,18 @@ def _decode_ndarray(spec: Any) -> np.ndarray:
         raise StateFileError(f"{_NDARRAY} needs dtype, shape and data")
     try:
         dtype = np.dtype(spec["dtype"])
-        if dtype.hasobject:  # an object array would be pickle again by another name
-            raise StateFileError("object arrays are not allowed in a training state")
+        # Numbers only: an object array would be pickle again by another name, and a string or void dtype of a
+        # crafted width (<U2000000000) would allocate gigabytes for one element. (NumPy's RNG state is uint32.)
+        if dtype.kind not in _NDARRAY_KINDS:
+            raise StateFileError(f"{_NDARRAY} of dtype {dtype.str!r}: only numeric arrays are stored, never an "
+                                 f"object or string array")
+        if not isinstance(spec["shape"], list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                          for n in spec["shape"]):
+            raise StateFileError(f"{_NDARRAY} shape {str(spec['shape'])[:40]} is not a list of sizes")
         return np.asarray(spec["data"], dtype=dtype).reshape(spec["shape"])
-    except (TypeError, ValueError) as err:
-        raise StateFileError(f"malformed {_NDARRAY} ({err})") from err
+    except (TypeError, ValueError, OverflowError) as err:
+        # OverflowError: a number too large for the dtype (a huge value in a uint32 array)
+        raise StateFileError(f"malformed {_NDARRAY} ({str(err)[:200]})") from err
 
 
 def _expect_list(value: Any, marker: str) -> list[Any]:
