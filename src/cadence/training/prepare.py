@@ -33,6 +33,7 @@ from cadence.models.hf import (
     save_hf_problem,
 )
 from cadence.models.lora import LoraSettings, apply_lora, hold_base_in_bf16, lora_shape, split_targets
+from cadence.models.quantized import already_quantized, quantize_base_nf4
 from cadence.models.packed_attention import runs_packed_attention
 from cadence.training.run_dir import exported_before
 
@@ -194,11 +195,22 @@ def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
     (dropout left on, ...) as warnings, once per run."""
     if config.model in MODEL_NAMES:
         return None
+    if not config.model.startswith("hf:") and (quantized := already_quantized(Path(config.model) / "config.json")):
+        # Its weights are packed codes and scales, not the parameters its architecture lists: reading them as such
+        # would be garbage, and quantising or de-quantising them again is not what the user has.
+        raise UsageError.single("--model", (
+            f"{config.model} holds an already quantised model ({quantized}: its config.json has quantization_config); "
+            f"cadence reads full-precision weights only: give the original model directory (with --lora-rank and "
+            f"--lora-base-precision nf4 to train LoRA on a 4-bit base)"))
     torch.manual_seed(config.seed)
     hf = build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])))
     for note in hf.notes if warn else ():
         warnings.warn(note, stacklevel=3)
     if config.lora_rank > 0:
+        if config.lora_base_precision == "nf4":
+            # Before the adapters, so that peft wraps the 4-bit layers with its bitsandbytes LoRA layer; the
+            # quantisation draws nothing from the RNG, so lora_A's init is the same as on a full-precision base.
+            quantize_base_nf4(hf.model, torch.bfloat16 if config.precision == "bf16" else torch.float32)
         # Right after the build, under the same seeded RNG: lora_A's random init is the same in every build.
         apply_lora(hf.model, LoraSettings(
             rank=config.lora_rank, alpha=config.lora_alpha, targets=split_targets(config.lora_targets),
