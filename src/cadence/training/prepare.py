@@ -33,8 +33,8 @@ from cadence.models.hf import (
     save_hf_problem,
 )
 from cadence.models.lora import LoraSettings, apply_lora, hold_base_in_bf16, lora_shape, split_targets
-from cadence.models.quantized import already_quantized, quantize_base_nf4
 from cadence.models.packed_attention import runs_packed_attention
+from cadence.models.quantized import already_quantized, quantize_base_nf4
 from cadence.training.run_dir import exported_before
 
 
