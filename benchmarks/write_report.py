@@ -94,6 +94,9 @@ SECTIONS = (
     Section("optimizer_state.json", "Smaller optimizer state and LoRA: --optimizer-state, --lora-rank (issue 26)",
             ".venv/bin/python benchmarks/optimizer_state.py", lambda data: render_optimizer_state(data),
             ("transformers", "peft", "bitsandbytes"), optional=True),
+    Section("qlora.json", "QLoRA: an 8B model on a 24 GB GPU with a 4-bit base, --lora-base-precision nf4 (issue 39)",
+            ".venv/bin/python benchmarks/qlora.py", lambda data: render_qlora(data),
+            uses=("transformers", "peft", "bitsandbytes"), optional=True),
     Section("estimate_1b.json", "A 1B model on a 24 GB GPU: the estimate before and after the memory levers (issue 26)",
             ".venv/bin/python benchmarks/estimate_1b.py", lambda data: render_estimate_1b(data),
             ("transformers", "peft"), optional=True),
@@ -472,6 +475,48 @@ def render_optimizer_state(data: dict) -> list[str]:
     worst = max(abs(run["estimate_error"]) for group in (states, adapters) for run in group["runs"].values())
     lines.append(f"- the estimate is within {worst:.1%} of every measured peak above")
     lines.append("")
+    return lines
+
+
+def render_qlora(data: dict) -> list[str]:
+    """Issue 39 item 2: the Llama-3.1-8B estimate with a bf16 and an nf4 base; the CPU measurement of both bases."""
+    model, gib = data["model"], 2**30
+    lines = sections.para(
+        f"`estimate_hf_step_memory` for the Llama-3.1-8B shape ({model['num_hidden_layers']} layers, hidden "
+        f"{model['hidden_size']}, {model['num_attention_heads']} query / {model['num_key_value_heads']} key-value "
+        f"heads, MLP {model['intermediate_size']}, vocabulary {model['vocab_size']:,}, untied head; "
+        f"{data['parameters'] / 1e9:.2f}B parameters, on the meta device) at seq {data['seq_len']}, bf16 autocast, "
+        "full recompute, on CUDA, LoRA rank 16 on all linear layers. nf4: the blocks' linear layers at about 0.52 "
+        "bytes a weight; the embeddings (1.05B parameters) and the LM head (another 0.53B) stay fp32, about 4 GiB "
+        "of the nf4 figures. An estimate, not a run (the CUDA context and the allocator's reserve come on top).")
+    cells: dict[tuple[str, int], dict[int, dict]] = {}
+    for row in data["rows"]:
+        cells.setdefault((row["base"], row["loss_chunk_tokens"]), {})[row["micro_batch_size"]] = row
+    micro_sizes = sorted({row["micro_batch_size"] for row in data["rows"]})
+    budget = data["budget_bytes"] / gib
+    rows = [[f"--lora-base-precision {base}" + (f" --loss-chunk-tokens {chunk}" if chunk else ""),
+             *[f"{by[m]['peak_bytes'] / gib:.2f} GiB" + (" (fits)" if by[m]["fits_24_gib"] else "")
+               for m in micro_sizes]] for (base, chunk), by in cells.items()]
+    lines += sections.table(["base", *[f"micro-batch {m}" for m in micro_sizes]], rows)
+    lines.append(f"- (fits): within {budget:.0f} GiB.")
+    lines.append("")
+    llama = data["cpu_model"]
+    lines += sections.para(
+        f"CPU: `cadence train --model hf:llama` (hidden {llama['hidden_size']}, {llama['num_hidden_layers']} "
+        f"layers, MLP {llama['intermediate_size']}, vocabulary {llama['vocab_size']}: 13.9M parameters, the blocks' "
+        f"linear layers 13.6M of them), seq {data['cpu_seq_len']}, micro-batch {data['cpu_micro_batch_size']}, "
+        f"{data['cpu_steps']} steps, LoRA rank 16 on all linear layers. bf16 on this CPU: {data['cpu_bf16']} "
+        "(emulated: bf16 runs only where the CPU multiplies bf16 natively, so fp32 compute here). Load average "
+        f"{data['load_average_before']:.1f} before, {data['load_average_after']:.1f} after (2 shared cores).")
+    reference = {run["precision"]: run for run in data["measured"] if run["base"] != "nf4"}
+    rows = []
+    for run in data["measured"]:
+        ref = reference[run["precision"]]
+        rows.append([f"{run['base']} base, --precision {run['precision']}", f"{sections.mib(run['peak_memory_bytes'])} MiB",
+                     f"{run['peak_memory_bytes'] / ref['peak_memory_bytes']:.2f}x", f"{run['final_loss']:.4f}",
+                     f"{run['final_loss'] / ref['final_loss'] - 1:+.2%}", f"{run['tokens_per_s']:,.0f}"])
+    lines += sections.table(["run", "peak", "vs full-precision base", f"loss after {data['cpu_steps']} steps",
+                             "vs full-precision base", "tokens/s"], rows)
     return lines
 
 

@@ -29,8 +29,8 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 DEVICE_CHOICES: tuple[DeviceName, ...] = ("auto", "cpu", "cuda")
 Fp32Matmul = Literal["tf32", "exact"]
 FP32_MATMUL_CHOICES: tuple[Fp32Matmul, ...] = ("tf32", "exact")
-LoraBasePrecision = Literal["fp32", "bf16"]
-LORA_BASE_PRECISIONS: tuple[LoraBasePrecision, ...] = ("fp32", "bf16")
+LoraBasePrecision = Literal["fp32", "bf16", "nf4"]
+LORA_BASE_PRECISIONS: tuple[LoraBasePrecision, ...] = ("fp32", "bf16", "nf4")
 Strategy = Literal["ddp", "fsdp"]
 STRATEGIES: tuple[Strategy, ...] = ("ddp", "fsdp")
 MAX_SEED = 2**64 - 1
@@ -220,7 +220,13 @@ class TrainConfig:
     lora_base_precision: LoraBasePrecision = setting("fp32", LORA)
     """How the frozen base's linear layers are held: fp32, or bf16 (with --precision bf16 only): half their bytes and
     no autocast copies, for the same math (autocast rounds an fp32 weight to the same bf16 weight in every matmul;
-    the norms, embeddings and adapters stay fp32). model.safetensors then holds those weights in bf16."""
+    the norms, embeddings and adapters stay fp32). model.safetensors then holds those weights in bf16. nf4 (QLoRA,
+    bitsandbytes: pip install 'cadence[8bit]'): every linear layer of the blocks (q/k/v/o and the MLP's, adapted or
+    not) held as 4-bit NormalFloat, block-wise (64 weights per absmax) with the absmaxes double-quantised to 8 bits,
+    about 0.52 bytes a weight; each matmul dequantises its weight to the compute dtype (--precision bf16 or fp32)
+    in the forward and again in the backward. Embeddings, norms and the LM head stay fp32. Not the same math as the
+    full-precision base (4-bit weights); not with --strategy fsdp; model.safetensors holds the packed codes and
+    their scales, and --save-hf the adapter alone, for the original base."""
     lr_schedule: LRScheduleName = setting("cosine", SCHEDULE, changes_math=True)
     """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
     warmup_steps: int = setting(0, SCHEDULE, changes_math=True)

@@ -31,6 +31,7 @@ from cadence.memory.optimizer_state import OPTIMIZER_STATES, eight_bit_problem
 from cadence.memory.recompute import CHECKPOINTING_MODES
 from cadence.models import MODEL_NAMES, compile_problem, model_context_length
 from cadence.models.lora import peft_problem, split_targets
+from cadence.models.quantized import bitsandbytes_problem
 
 if TYPE_CHECKING:
     import torch
@@ -209,6 +210,20 @@ def _lora_problems(config: TrainConfig) -> list[Problem]:
         elif config.precision != "bf16":
             bad("lora_base_precision", f"bf16 needs --precision bf16 (got {config.precision}): only under bf16 "
                                        f"autocast is a bf16 base the same math as the fp32 one")
+    elif config.lora_base_precision == "nf4":
+        if config.lora_rank <= 0:
+            bad("lora_base_precision", "nf4 needs --lora-rank above 0 (only a frozen base can be held in 4 bits)")
+        elif config.model in MODEL_NAMES:
+            bad("lora_base_precision", f"nf4 quantises a Hugging Face model's linear layers; {config.model} is built "
+                                       f"in")
+        if (reason := bitsandbytes_problem()) is not None:
+            bad("lora_base_precision", f"nf4 {reason}")
+        if config.precision not in ("bf16", "fp32"):
+            bad("lora_base_precision", f"nf4 computes in bf16 or fp32 (--precision bf16 or fp32), got "
+                                       f"{config.precision}")
+        if config.strategy == "fsdp":
+            bad("lora_base_precision", "nf4 does not work with --strategy fsdp (FSDP2 shards parameters as DTensors, "
+                                       "which bitsandbytes' packed 4-bit weights are not); use --strategy ddp")
     if config.lora_targets is not None and not split_targets(config.lora_targets):
         bad("lora_targets", "names no layer; give module names such as q_proj,v_proj (or all-linear)")
     return problems

@@ -152,6 +152,9 @@ class HFStepReplay(StepReplay):
         self.lora_parameters = 0 if lora is None else lora.adapter_parameters
         self.bf16_base = 0 if lora is None else lora.bf16_base_parameters
         """--lora-base-precision bf16: frozen linear-layer elements held in bf16 (and never copied by autocast)."""
+        self.nf4_base = 0 if lora is None else lora.nf4_base_parameters
+        self.nf4_base_bytes = 0 if lora is None else lora.nf4_base_bytes
+        """--lora-base-precision nf4: the blocks' linear-layer elements held as NF4, and the bytes they take."""
         self.grad = False
         """Under LoRA: whether the residual stream needs a gradient here (the frozen embedding's output does not;
         a block's output does once an adapter is upstream)."""
@@ -195,14 +198,28 @@ class HFStepReplay(StepReplay):
         return self.shape.num_parameters + self.lora_parameters
 
     def parameter_bytes(self) -> int:
-        return self.parameter_count() * FP32_BYTES - 2 * self.bf16_base
+        return (self.parameter_count() * FP32_BYTES - 2 * self.bf16_base
+                - (FP32_BYTES * self.nf4_base - self.nf4_base_bytes))
 
     def _weight(self, name: str, numel: int, *, saved: bool) -> None:
         """As the parent's; a frozen bf16 weight (--lora-base-precision bf16) is used as it is: no autocast copy."""
         frozen_linear = not self.shape.tied_embeddings if name == "w.head" else name.split(".")[-2:-1] == ["w"]
         if self.bf16_base and frozen_linear:
             return
+        if self.nf4_base and name.startswith("b") and frozen_linear:
+            return  # an NF4 weight is dequantised inside each matmul (:meth:`_dequantised`), never cached
         super()._weight(name, numel, saved=saved)
+
+    def _dequantised(self, p: str, weight: str) -> str | None:
+        """--lora-base-precision nf4: the compute-dtype weight bitsandbytes dequantises for one matmul of
+        ``weight`` (forward, recompute, or the input's gradient in the backward), with the fp32 absmaxes it
+        dequantises first; allocated here, freed by the caller once the matmul's output exists. None otherwise."""
+        if not self.nf4_base:
+            return None
+        numel = self._block_weights()[weight]
+        name = f"{p}{weight}.dq"
+        self.alloc(name, numel * self.act + -(-numel // 64) * FP32_BYTES, "temporaries")
+        return name
 
     def trained_tensors(self) -> list[int]:
         if self.lora is not None:
@@ -520,7 +537,8 @@ class HFStepReplay(StepReplay):
         if not grad_in:
             self.free(p + ".stats")
 
-    def _projection(self, p: str, weight: str, out: str, width_in: int, width_out: int, *, fp32_input: bool) -> None:
+    def _projection(self, p: str, weight: str, out: str, width_in: int, width_out: int, *, fp32_input: bool,
+                    last_saved: bool = False) -> None:
         """A frozen projection (``weight``) making ``p + out`` from an input of ``width_in`` (fp32: a norm's output,
         which autocast casts; else already in the compute dtype), and its adapter when ``weight`` is adapted."""
         assert self.lora is not None
@@ -528,13 +546,19 @@ class HFStepReplay(StepReplay):
         cast = self.lowp and fp32_input
         if cast:
             self.alloc(p + weight + ".in", n * width_in * a, "activations")  # the base layer's cast: not saved
+        dq = self._dequantised(p, weight)
         self.alloc(p + out, n * width_out * a, "activations")
-        self.free(p + weight + ".in")
+        self.free(p + weight + ".in", *([dq] if dq else []))
         if weight not in self.lora.targets:
             return
+        if dq:  # peft's bitsandbytes layer clones the base output before adding the adapter's
+            self.alloc(p + out + ".clone", n * width_out * a, "activations")
+            self.free(p + out)
+            self.tensors[p + out] = self.tensors.pop(p + out + ".clone")
         # peft casts the adapter's input to lora_A's dtype (fp32): a compute-dtype input (o_proj's, down_proj's)
-        # gets an fp32 copy for a moment, and dropout works on fp32 either way.
-        if self.lowp and not fp32_input:
+        # gets an fp32 copy for a moment, and dropout works on fp32 either way. Not peft's layer for a 4-bit base:
+        # under autocast it leaves the input as it is.
+        if self.lowp and not fp32_input and not self.nf4_base:
             self.alloc(p + weight + ".in32", n * width_in * FP32_BYTES, "activations")
         if self.lora.dropout > 0:
             self.alloc(p + weight + ".mask", n * width_in, "activations")  # dropout's bool mask, saved
@@ -543,6 +567,8 @@ class HFStepReplay(StepReplay):
             self.alloc(p + weight + ".la.in", n * width_in * a, "activations")
             self.free(p + weight + ".drop", p + weight + ".in32")
         self.alloc(p + weight + ".la", n * r * a, "activations")  # lora_A's output, saved by lora_B
+        if last_saved:  # a checkpoint's recompute stops at the last tensor the forward saved: this one
+            return
         self.alloc(p + weight + ".lb", n * width_out * a, "activations")
         self.alloc(p + weight + ".ls", n * width_out * a, "activations")  # times alpha / rank
         self.free(p + weight + ".lb")
@@ -620,8 +646,10 @@ class HFStepReplay(StepReplay):
             self.free(*([p + "gate", p + "up"] if not gate_grad else []), *([p + "silu"] if not up_grad else []))
         if recompute:  # non-reentrant checkpointing stops once the last saved tensor exists
             if mlp[-1] in targets:  # ... which is the down projection adapter's input, past its base output
-                self._projection(p, mlp[-1], "mo", i, c, fp32_input=False)
-                if self.lowp:  # measured: under autocast the recompute runs on to the block's fp32 output
+                # (peft's layer on a 4-bit base under autocast: lora_A's output, its input left in bf16)
+                nf4_lowp = bool(self.nf4_base) and self.lowp
+                self._projection(p, mlp[-1], "mo", i, c, fp32_input=False, last_saved=nf4_lowp)
+                if self.lowp and not nf4_lowp:  # measured: under autocast the recompute runs on to the block's fp32 output
                     self.alloc(p + "rec.out", n * c * FP32_BYTES, "activations")
                 self.free(p + "mo")
             self.free(p + "n2.out.f32")
@@ -698,7 +726,9 @@ class HFStepReplay(StepReplay):
         if attention_grad or any(w in targets for w in mlp):
             if self.lowp:
                 grad("dres.c", n * c * a)
+            dq = self._dequantised(p, mlp[-1])
             grad("dg", n * i * a)
+            release(*([dq[len(p):]] if dq else []))
             self._adapter_backward(p, mlp[-1], i, c, input_grad=True)
             release("dres.c", "g", mlp[-1])
             if self.style == "gpt2":
@@ -716,8 +746,12 @@ class HFStepReplay(StepReplay):
                 self._adapter_backward(p, "w.gate", c, i, input_grad=attention_grad)
                 self._adapter_backward(p, "w.up", c, i, input_grad=attention_grad)
                 if attention_grad:
+                    dq = self._dequantised(p, "w.gate")
                     grad("dh2", n * c * a)
+                    release(*([dq[len(p):]] if dq else []))
+                    dq = self._dequantised(p, "w.up")
                     grad("dh2b", n * c * a)
+                    release(*([dq[len(p):]] if dq else []))
                 release("dgate", "dup", "w.gate", "w.up")
             if attention_grad:
                 self._norm_backward(p + "dh2", p + "dx1")
@@ -726,7 +760,9 @@ class HFStepReplay(StepReplay):
         if attention_grad:
             if self.lowp:
                 grad("dres.c", n * c * a)
+            dq = self._dequantised(p, attention[-1])
             grad("dy", n * self.dq * a)
+            release(*([dq[len(p):]] if dq else []))
             self._adapter_backward(p, attention[-1], self.dq, c, input_grad=True)
             release("dres.c", attention[-1])
             widths = (3 * c,) if self.style == "gpt2" else (self.dq, self.dkv, self.dkv)
@@ -738,7 +774,9 @@ class HFStepReplay(StepReplay):
             for weight, width in zip(attention[:-1], widths, strict=True):
                 self._adapter_backward(p, weight, c, width, input_grad=grad_in)
             if grad_in:  # each projection gives its input a gradient, summed into one
+                dq = self._dequantised(p, attention[0])  # one at a time: the largest (q's) stands for them
                 grad("dh1", (1 if self.style == "gpt2" else 3) * n * c * a)
+                release(*([dq[len(p):]] if dq else []))
             release("dqkv.parts", "dqkv", *attention[:-1])
             if grad_in:
                 self._norm_backward(p + "dh1", p + "dx")

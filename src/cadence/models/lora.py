@@ -19,7 +19,9 @@ peft is an optional dependency (``cadence[hf]``), imported only when LoRA is ask
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import math
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from cadence.errors import UsageError
+from cadence.models.quantized import logical_numel, nf4_bytes, quantizable_linears, quantized_layers
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -64,6 +67,10 @@ class LoraShape:
     dropout: float
     bf16_base_parameters: int = 0
     """Frozen linear-layer elements held in bf16 (--lora-base-precision bf16)."""
+    nf4_base_parameters: int = 0
+    """Frozen linear-layer elements held in 4-bit NormalFloat (--lora-base-precision nf4), unpacked."""
+    nf4_base_bytes: int = 0
+    """What those elements take: packed codes, absmaxes, scales and codes (:func:`cadence.models.quantized.nf4_bytes`)."""
 
 
 def peft_problem() -> str | None:
@@ -233,7 +240,7 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
         if param.requires_grad:
             trained += param.numel()
         else:
-            frozen += param.numel()
+            frozen += logical_numel(param)  # an nf4 weight at its unpacked size (its packed tensor holds two a byte)
     return trained, frozen
 
 
@@ -252,10 +259,20 @@ def lora_shape(model: nn.Module) -> LoraShape | None:
             adapted.append((name, int(a.shape[1]), int(b.shape[0])))
             adapter_parameters += a.numel() + b.numel()
     trained, frozen = parameter_counts(model)
-    bf16 = sum(p.numel() for p in model.parameters() if not p.requires_grad and p.dtype == torch.bfloat16)
+    nf4 = [math.prod(module.weight.quant_state.shape) for _, module in quantized_layers(model)]
+    quantized = {id(module.weight) for _, module in quantized_layers(model)}
+    bf16 = sum(p.numel() for p in model.parameters()
+               if not p.requires_grad and p.dtype == torch.bfloat16 and id(p) not in quantized)
     return LoraShape(rank=int(config.r), adapted=tuple(adapted), adapter_parameters=adapter_parameters,
                      trainable_parameters=trained, frozen_parameters=frozen, dropout=float(config.lora_dropout),
-                     bf16_base_parameters=bf16)
+                     bf16_base_parameters=bf16, nf4_base_parameters=sum(nf4), nf4_base_bytes=nf4_bytes(nf4))
+
+
+def planned_nf4(lora: LoraShape, model: nn.Module) -> LoraShape:
+    """``lora`` as it would be with an nf4 base, for a model that is not quantised (one on the meta device, for an
+    estimate): the layers :func:`cadence.models.quantized.quantize_base_nf4` would quantise, counted."""
+    sizes = [module.weight.numel() for _, module in quantizable_linears(model)]
+    return dataclasses.replace(lora, nf4_base_parameters=sum(sizes), nf4_base_bytes=nf4_bytes(sizes))
 
 
 def adapter_weights(model: nn.Module, weights: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -278,4 +295,4 @@ def write_adapter(model: nn.Module, directory: Path, weights: Mapping[str, torch
 
 
 __all__ = ["LoraSettings", "LoraShape", "apply_lora", "hold_base_in_bf16", "is_lora", "lora_shape",
-           "parameter_counts", "peft_problem", "split_targets", "write_adapter"]
+           "parameter_counts", "peft_problem", "planned_nf4", "split_targets", "write_adapter"]

@@ -36,6 +36,7 @@ from cadence.models.hf import (
 )
 from cadence.models.lora import LoraSettings, apply_lora, hold_base_in_bf16, lora_shape, split_targets
 from cadence.models.packed_attention import runs_packed_attention
+from cadence.models.quantized import already_quantized, quantize_base_nf4
 from cadence.training.run_dir import exported_before
 
 
@@ -199,6 +200,13 @@ def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
     (dropout left on, ...) as warnings, once per run."""
     if config.model in MODEL_NAMES:
         return None
+    if not config.model.startswith("hf:") and (quantized := already_quantized(Path(config.model) / "config.json")):
+        # Its weights are packed codes and scales, not the parameters its architecture lists: reading them as such
+        # would be garbage, and quantising or de-quantising them again is not what the user has.
+        raise UsageError.single("--model", (
+            f"{config.model} holds an already quantised model ({quantized}: its config.json has quantization_config); "
+            f"cadence reads full-precision weights only: give the original model directory (with --lora-rank and "
+            f"--lora-base-precision nf4 to train LoRA on a 4-bit base)"))
     torch.manual_seed(config.seed)
     hf = build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])))
     for note in hf.notes if warn else ():
@@ -209,6 +217,10 @@ def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
             warnings.warn(f"--lora-rank on {config.model}: the base is built from its config with random weights, so "
                           f"the adapters are trained on a random model; give a model directory (save_pretrained) for "
                           f"a real fine-tune", stacklevel=3)
+        if config.lora_base_precision == "nf4":
+            # Before the adapters, so that peft wraps the 4-bit layers with its bitsandbytes LoRA layer; the
+            # quantisation draws nothing from the RNG, so lora_A's init is the same as on a full-precision base.
+            quantize_base_nf4(hf.model, torch.bfloat16 if config.precision == "bf16" else torch.float32)
         # Right after the build, under the same seeded RNG: lora_A's random init is the same in every build. The base
         # is recorded as an absolute path, so the exported adapter loads with peft from any working directory.
         apply_lora(hf.model, LoraSettings(
