@@ -217,7 +217,7 @@ class TrainConfig:
     the head); default: peft's choice for the model type (llama, qwen2, mistral: q_proj and v_proj; gpt2: c_attn)."""
     lora_dropout: float = setting(0.0, LORA, changes_math=True)
     """Dropout on the adapters' input (0 keeps every step deterministic, so splits agree exactly)."""
-    lora_base_precision: LoraBasePrecision = setting("fp32", LORA)
+    lora_base_precision: LoraBasePrecision = setting("fp32", LORA, changes_math=True)
     """How the frozen base's linear layers are held: fp32, or bf16 (with --precision bf16 only): half their bytes and
     no autocast copies, for the same math (autocast rounds an fp32 weight to the same bf16 weight in every matmul;
     the norms, embeddings and adapters stay fp32). model.safetensors then holds those weights in bf16. nf4 (QLoRA,

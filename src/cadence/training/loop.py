@@ -218,8 +218,9 @@ class TrainingRun:
         self.val_batches, self.val_examples = _validation_batches(prep)
         """The micro-batches every evaluation runs (this rank's share), and how many validation examples all ranks
         hold together: the figure --keep-best and --early-stop-after decide on, and the console states."""
-        self.parameters: int = sum(p.numel() for p in self.parts.model.parameters())
         self.trained, self.frozen = parameter_counts(self.parts.model)  # --lora-rank freezes the base
+        # Counted as weights, not as stored elements: an nf4 base packs two weights in each byte it holds.
+        self.parameters: int = self.trained + self.frozen
         self.resolved: dict[str, Any] = _resolved_config(prep, self.parameters)
         # Before the writer opens metrics.jsonl.
         self.start: ResumePoint | None = restore(prep.out, self.resolved, self.parts, prep.micro_batch_size,
