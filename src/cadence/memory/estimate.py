@@ -106,9 +106,10 @@ def estimate_step_memory(
     of the ``target_tokens`` positions, nothing recomputed, so the logits are the target positions' only. None counts
     every position as a target: the conservative choice, and the one ``cadence plan`` gets, since its estimates know
     the data's shapes, not its share of targets (assistant-only chat data has far fewer; the measured trials see it).
-    ``full_logits``: the loss makes every position's logits instead (:func:`cadence.engine.step.token_cross_entropy_sum`,
-    the ``Engine``'s own default, which ``cadence train`` keeps for a model whose logits cannot be made from its head's
-    input); with every position a target the two differ by the gather's few bytes per token.
+    ``full_logits``: the loss makes every position's logits instead
+    (:func:`cadence.engine.step.token_cross_entropy_sum`, the ``Engine``'s own default, which ``cadence train`` keeps
+    for a model whose logits cannot be made from its head's input); with every position a target the two differ by
+    the gather's few bytes per token.
     ``optimizer_state``: how AdamW stores its moments (--optimizer-state fp32, bf16 or 8bit), which sets the state's
     bytes and the optimizer step's scratch (:func:`optimizer_step_bytes`).
     """

@@ -108,7 +108,8 @@ def estimate_hf_step_memory(
     """Predict the peak memory of one step of the Hugging Face model ``shape`` describes, trained by the Engine;
     ``loss_chunk_tokens``, ``target_tokens``, ``optimizer_state`` and ``full_logits`` as in
     :func:`cadence.memory.estimate.estimate_step_memory` (``loss_chunk_tokens`` 0: the target positions' logits only,
-    every position counted as a target unless ``target_tokens`` says otherwise). ``lora``: the adapters --lora-rank injected
+    every position counted as a target unless ``target_tokens`` says otherwise). ``lora``: the adapters --lora-rank
+    injected
     (:func:`cadence.models.lora.lora_shape`; ``shape`` stays the base model's): the base is frozen (no gradient, no
     optimizer state, and no saved inputs where only a weight gradient needed them), the adapters are trained.
     ``packed``: rows hold several examples (``--packing``): transformers builds a block-diagonal mask for the
