@@ -563,7 +563,10 @@ def render_targets_only_head(data: dict) -> list[str]:
                          f"synchronisation) costs {gathered['cpu_time_vs_full']:.2f}x the CPU time (median), "
                          f"{speed:.2f}x the tokens per CPU second")
     worst = max(row["max_loss_difference"] for entry in data["data"].values() for row in entry["results"].values())
-    lines.append(f"- every loss of the gathered runs equals the full-logits one to {worst:.0e} relative (rounding: "
-                 "the head's rows and the sums in another order)")
+    apart = max(entry["weights_relative_l2"] for entry in data["data"].values())
+    steps = 2 + data["rounds"]
+    lines.append(f"- every loss of the gathered runs equals the full-logits one to {worst:.0e} relative, and the "
+                 f"weights after {steps} steps to {apart:.0e} (rounding: the head's rows and the sums in another "
+                 "order, which AdamW's normalisation carries from step to step)")
     lines.append("")
     return lines
