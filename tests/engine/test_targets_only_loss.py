@@ -199,6 +199,18 @@ def test_a_transformers_llama_gets_the_gathered_head_and_a_trimmed_vocabulary_ke
     assert build_loss(TrainConfig(), trimmed, vocab_size=1024) is token_cross_entropy_sum
 
 
+def test_a_model_holding_bf16_weights_is_probed_under_autocast() -> None:
+    """A LoRA base in bf16 (--lora-base-precision bf16) runs only under autocast, as --precision bf16 trains it: the
+    probe that decides the loss runs it so too, instead of failing on a bf16 weight times an fp32 activation."""
+    model = llama()
+    for module in model.model.layers.modules():
+        if isinstance(module, nn.Linear):
+            module.to(torch.bfloat16)
+    with pytest.raises(RuntimeError):  # outside autocast this model cannot run at all
+        model(torch.zeros(1, 4, dtype=torch.long))
+    assert isinstance(build_loss(TrainConfig(), model, vocab_size=1024), TargetsOnlyCrossEntropy)
+
+
 def test_the_engine_still_refuses_hugging_face_style_labels() -> None:
     model = GPT(TINY)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
