@@ -512,3 +512,61 @@ def render_plan_prediction(data: dict) -> list[str]:
                           + (f"the same configuration ({chosen[0]})." if same else
                              f"different configurations ({', '.join(chosen)}): see their notes for a tie.")]
     return lines + [""]
+
+
+def render_targets_only_head(data: dict) -> list[str]:
+    """Issue 37 item 7: the default loss with the target positions gathered before the LM head, against full logits,
+    on assistant-only chat-like data and on text where every position is a target."""
+    llama = data["llama_config"]
+    env = data["environment"]
+    lines = para(
+        f"A transformers llama (transformers {env['versions'].get('transformers')}; width {llama['hidden_size']}, "
+        f"{llama['num_hidden_layers']} layers, {data['parameters'] / 1e6:.1f}M parameters, vocabulary "
+        f"{llama['vocab_size']:,}), {data['precision']}, one torch thread, sequences up to {data['seq_len']}. "
+        "\"full\" makes every position's logits (the default loss before issue 37); \"gathered\" gathers the hidden "
+        "states of the positions with a target before the head (`TargetsOnlyCrossEntropy`, what `cadence train` "
+        "now uses at `--loss-chunk-tokens 0` for every model that can be split at its head). One engine per loss, "
+        "built as `cadence train` builds it, on the same windows: step 1 warms up, step 2 is measured by cadence's "
+        f"own memory meter (the peak `summary.json` reports), then {data['rounds']} rounds step both once on the "
+        "round's window, alternating which goes first. tokens/s: the window's real input tokens over the median step "
+        "time (wall), and over the median step's CPU time (what a quiet core gives); time ratios: the median over "
+        "rounds of each step over the full-logits step of the same round (wall, and the process's CPU time). "
+        "Assistant-only chat-like data: a system prompt and 1-3 user turns untrained, "
+        "the assistant replies trained. Load average "
+        f"{data['load_average_before']:.1f} before, {data['load_average_after']:.1f} after (2 cores: above 2, "
+        "other work shared the machine and the wall times are noisier than the CPU times).")
+    for name, entry in data["data"].items():
+        lines += para(
+            f"**{name}**: micro {entry['micro_batch_size']} x accumulation {entry['grad_accum_steps']}, a window of "
+            f"{entry['window_tokens']:,.0f} real tokens in {entry['window_positions']:,.0f} positions, "
+            f"{entry['window_targets']:,.0f} targets ({entry['target_share']:.0%} of the positions); final weights of "
+            f"the two runs {entry['weights_relative_l2']:.1e} apart (relative L2):")
+        rows = [[loss, f"{mib(row['peak_memory_bytes'])} MiB", f"{row['peak_vs_full']:.2f}x",
+                 f"{row['tokens_per_s']:,.0f}", f"{row['tokens_per_cpu_s']:,.0f}", f"{row['time_vs_full']:.2f}x",
+                 f"{row['cpu_time_vs_full']:.2f}x", f"{row['max_loss_difference']:.1e}"]
+                for loss, row in entry["results"].items()]
+        lines += table(["loss", "peak", "vs full", "tokens/s", "tokens per CPU second", "step time vs full",
+                        "CPU time vs full", "max loss difference vs full"], rows)
+    for name, entry in data["data"].items():
+        gathered = entry["results"]["gathered"]
+        saved = 1 - gathered["peak_vs_full"]
+        # Throughput from the CPU time: on a shared machine the wall time also counts the waits for a core.
+        speed = gathered["tokens_per_cpu_s"] / entry["results"]["full"]["tokens_per_cpu_s"]
+        if saved >= 0.02:
+            lines.append(f"- {name}: the gathered head cuts the peak to {gathered['peak_vs_full']:.2f}x and runs at "
+                         f"{speed:.1f}x the tokens per CPU second ({gathered['cpu_time_vs_full']:.2f}x the CPU "
+                         f"time): the logits of the {1 - entry['target_share']:.0%} of positions without a target are "
+                         "never made")
+        else:
+            lines.append(f"- {name}: nothing to leave out: the peak is the full logits' "
+                         f"({gathered['peak_vs_full']:.2f}x), and the gather (a copy of the hidden states, one host "
+                         f"synchronisation) costs {gathered['cpu_time_vs_full']:.2f}x the CPU time (median), "
+                         f"{speed:.2f}x the tokens per CPU second")
+    worst = max(row["max_loss_difference"] for entry in data["data"].values() for row in entry["results"].values())
+    apart = max(entry["weights_relative_l2"] for entry in data["data"].values())
+    steps = 2 + data["rounds"]
+    lines.append(f"- every loss of the gathered runs equals the full-logits one to {worst:.0e} relative, and the "
+                 f"weights after {steps} steps to {apart:.0e} (rounding: the head's rows and the sums in another "
+                 "order, which AdamW's normalisation carries from step to step)")
+    lines.append("")
+    return lines

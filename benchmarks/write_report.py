@@ -91,6 +91,9 @@ SECTIONS = (
     Section("loss_chunking.json", "Chunked LM head and loss: --loss-chunk-tokens (issue 26)",
             ".venv/bin/python benchmarks/loss_chunking.py", lambda data: render_loss_chunking(data), ("transformers",),
             optional=True),
+    Section("targets_only_head.json", "Targets only through the LM head: the default loss on chat data (issue 37)",
+            ".venv/bin/python benchmarks/targets_only_head.py", sections.render_targets_only_head, ("transformers",),
+            optional=True),
     Section("optimizer_state.json", "Smaller optimizer state and LoRA: --optimizer-state, --lora-rank (issue 26)",
             ".venv/bin/python benchmarks/optimizer_state.py", lambda data: render_optimizer_state(data),
             ("transformers", "peft", "bitsandbytes"), optional=True),
@@ -604,9 +607,12 @@ def render_loss_chunking(data: dict) -> list[str]:
                          f"{results[largest]['cpu_time_vs_whole'] - 1:+.0%} CPU time")
     lines.append("")
     lines += sections.para(
-        "The default stays 0 (all logits at once): chunking is a memory lever that costs compute wherever the logits "
+        "The default stays 0 (the logits at once): chunking is a memory lever that costs compute wherever the logits "
         "are large enough for it to save memory, and saves nothing where they are small. It is the lever to pull "
-        "when the logits dominate the peak (large vocabularies, long micro-batches), as the other memory levers are.")
+        "when the logits dominate the peak (large vocabularies, long micro-batches), as the other memory levers are. "
+        "0 in this table is every position's logits; since issue 37 the default gathers the target positions before "
+        "the head first (the next section), which is the same as the full logits where every position is a target, "
+        "as in this benchmark's text.")
     return lines
 
 

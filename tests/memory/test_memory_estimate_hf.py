@@ -11,7 +11,7 @@ import torch
 from helpers import cpu_has_bf16
 
 from cadence.config import TrainConfig
-from cadence.engine.chunked_loss import ChunkedCrossEntropy
+from cadence.engine.chunked_loss import ChunkedCrossEntropy, TargetsOnlyCrossEntropy
 from cadence.engine.step import Engine, token_cross_entropy_sum
 from cadence.memory.estimate import ESTIMATE_CATEGORIES, MemoryEstimate
 from cadence.memory.estimate_hf import block_style, estimate_hf_step_memory
@@ -345,8 +345,12 @@ def test_packed_rows_and_token_budgets_are_estimated_within_10_percent(spec, ove
         rows, seq = 16, 32
         warm, window = make_window(rows, seq, seed=0), make_window(rows, seq)
         targets = rows * seq
-    Engine(hf.model, optimizer, precision="fp32", max_grad_norm=1.0).step(warm)
-    engine = Engine(hf.model, optimizer, precision=precision, max_grad_norm=1.0)  # type: ignore[arg-type]
+    # The loss cadence train runs (issue 37 item 7: the target positions gathered before the head), which is what
+    # the estimate at --loss-chunk-tokens 0 models once it is given the target count; the Engine's own default
+    # (every position's logits) is estimated with full_logits=True.
+    loss = TargetsOnlyCrossEntropy()
+    Engine(hf.model, optimizer, precision="fp32", max_grad_norm=1.0, loss_fn=loss).step(warm)
+    engine = Engine(hf.model, optimizer, precision=precision, max_grad_norm=1.0, loss_fn=loss)  # type: ignore[arg-type]
     measured = measure_step(hf.model, optimizer, lambda: engine.step(window), "cpu")
     predicted = estimate(hf, micro_batch_size=rows, seq_len=seq, precision=precision, checkpointing=checkpointing,
                          target_tokens=targets, packed=cut == "packed")

@@ -8,11 +8,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import relative_l2, sample_text
+from helpers import relative_l2, sample_text, write_jsonl
 from safetensors.torch import load_file
 
 from cadence.cli import main
+from cadence.config import TrainConfig
+from cadence.engine import TargetsOnlyCrossEntropy, token_cross_entropy_sum
+from cadence.training import components
 from cadence.training.checkpoint import checkpoint_dirs
+from cadence.training.prepare import prepare
 from cadence.training.run_dir import read_metrics
 
 pytest.importorskip("transformers")
@@ -74,3 +78,26 @@ def test_a_resume_may_change_the_chunk_size_and_continues_the_same_run(tmp_path:
     assert relative_l2(load_file(str(tmp_path / "cut" / "model.safetensors")),
                        load_file(str(tmp_path / "whole" / "model.safetensors"))) < 1e-5
     assert json.loads((tmp_path / "cut" / "config.json").read_text())["loss_chunk_tokens"] == 16
+
+
+
+@pytest.mark.parametrize(("model", "overrides", "gathered"), [
+    ("gpt-tiny", [], True),
+    # A family whose forward trims its logits after the head: cadence cannot make them from the head's input, so its
+    # default loss stays all the logits at once (and --loss-chunk-tokens is refused for it, tests/test_cli_errors.py).
+    ("hf:inkling2_text", ["hidden_size=32", "num_hidden_layers=1", "num_attention_heads=2", "num_key_value_heads=1",
+                          "head_dim=16", "intermediate_size=64", "vocab_size=512"], False),
+])
+def test_every_command_gets_the_gathered_head_by_default(tmp_path: Path, model: str, overrides: list[str],
+                                                        gathered: bool) -> None:
+    """Issue 37 item 7: at --loss-chunk-tokens 0 the run's engine (train, plan's trials, profile: all built by
+    build_components) gathers the target positions before the head when the model can be split at its head; its
+    parity with the full logits is tests/engine/test_targets_only_loss.py's."""
+    config = TrainConfig(model=model, model_config=overrides or None, data=write_jsonl(tmp_path / "examples.jsonl"),
+                         data_cache=tmp_path / "cache", seq_len=32, micro_batch_size=4, val_fraction=0.0,
+                         out=tmp_path / "run")
+    loss_fn = components.build_components(prepare(config)).engine.loss_fn
+    if gathered:
+        assert isinstance(loss_fn, TargetsOnlyCrossEntropy)
+    else:
+        assert loss_fn is token_cross_entropy_sum

@@ -4,7 +4,7 @@ the gradient noise scale it can measure on the way.
 Usable from a user's own loop: ``from cadence.engine import Engine, iter_windows, prefetch``.
 """
 
-from cadence.engine.chunked_loss import ChunkedCrossEntropy
+from cadence.engine.chunked_loss import ChunkedCrossEntropy, TargetsOnlyCrossEntropy
 from cadence.engine.cut import Cut
 from cadence.engine.noise_scale import GradientNoiseScale, NoiseScale
 from cadence.engine.precision import PRECISIONS, Precision, PrecisionName
@@ -26,8 +26,7 @@ from cadence.engine.windows import (
 
 __all__ = [
     "IGNORE_INDEX", "LR_SCHEDULES", "PRECISIONS", "Batch", "ChunkedCrossEntropy", "Cut", "Engine", "GradientNoiseScale",
-    "LossFn", "NoiseScale", "PartialWindow", "Precision",
-    "PrecisionName", "Prefetcher", "SingleProcess", "StepResult", "Window", "build_lr_scheduler", "count_targets",
-    "count_tokens", "epoch_windows", "iter_windows", "lr_factor", "make_window", "prefetch", "recut", "shift_hf_labels",
-    "token_cross_entropy_sum",
+    "LossFn", "NoiseScale", "PartialWindow", "Precision", "PrecisionName", "Prefetcher", "SingleProcess", "StepResult",
+    "TargetsOnlyCrossEntropy", "Window", "build_lr_scheduler", "count_targets", "count_tokens", "epoch_windows",
+    "iter_windows", "lr_factor", "make_window", "prefetch", "recut", "shift_hf_labels", "token_cross_entropy_sum",
 ]

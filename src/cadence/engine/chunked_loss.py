@@ -17,6 +17,15 @@ What it costs: one more head matmul per token (each chunk's forward again in the
 cast of the head's weight, once per chunk), and one host synchronisation per micro-batch (the number of target
 positions decides the chunks' shapes). Precision is the unchunked path's: the head's matmul runs in the autocast
 dtype, the cross-entropy in fp32.
+
+:class:`TargetsOnlyCrossEntropy` is the same loss with one chunk of every target and no recompute: the default loss of
+``cadence train`` (``--loss-chunk-tokens 0``) for every model that can be split at its head. Prompt tokens, user and
+system turns and padding never reach the head, so their logits are never computed (on assistant-only chat data most
+positions), and nothing is recomputed: its only costs over the full logits are the gather (one ``index_select`` of
+the target rows, and its scatter back in the backward) and the host synchronisation above. Where every position is a
+target (text) it saves nothing and costs about 2% more CPU time (benchmarks/targets_only_head.py); on a GPU the
+synchronisation also lets the host queue no further than the current micro-batch, which the full-logits loss
+(:func:`cadence.engine.step.token_cross_entropy_sum`, the ``Engine``'s own default) never waits for.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ class ChunkedCrossEntropy:
     next_token_labels = True
     """The engine checks the first window's labels for the Hugging Face convention, as for the default loss."""
 
+    chunk_tokens: int | None
+    """Target positions per chunk; None: one chunk of every target (:class:`TargetsOnlyCrossEntropy`)."""
+
     def __init__(self, chunk_tokens: int) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
@@ -48,30 +60,57 @@ class ChunkedCrossEntropy:
         return f"ChunkedCrossEntropy({self.chunk_tokens})"
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        head = output_head(model)
-        labels = batch["labels"].flatten()
-        # The one host sync: the positions with a target, before the trunk's forward is queued, so that the device
-        # waits only for the work already queued (the previous micro-batch), not for this forward too.
-        positions = (labels != IGNORE_INDEX).nonzero().squeeze(1)
-        with head_bypassed(head.module) as captured:
-            output = model(batch["input_ids"], **attention_inputs(model, batch))
-        del output  # the head's input (or a transform of it), not logits: nothing reads it
-        if len(captured) != 1:
-            raise RuntimeError(f"the model called its output head {len(captured)} times in one forward; the chunked "
-                               f"loss needs exactly one call (cadence.models.heads.chunking_problem checks this)")
-        hidden = captured.pop().flatten(0, 1).index_select(0, positions)
-        return chunked_head_cross_entropy_sum(hidden, labels.index_select(0, positions), head, self.chunk_tokens)
+        return targets_only_cross_entropy_sum(model, batch, self.chunk_tokens)
+
+
+class TargetsOnlyCrossEntropy(ChunkedCrossEntropy):
+    """The chunked loss with one chunk of all the micro-batch's targets and no recompute: the hidden states of the
+    positions with a target (labels != -100) are gathered before the LM head, so the logits of every other position
+    (prompts, user and system turns, padding) are never computed. The loss and gradient are the full-logits ones
+    (:func:`cadence.engine.step.token_cross_entropy_sum`), to rounding.
+
+    ``cadence train`` (and plan, profile, the noise-scale measurement: everything built by
+    :func:`cadence.training.components.build_components`) uses it for ``--loss-chunk-tokens 0`` whenever the model can
+    be split at its head (:func:`cadence.models.heads.chunking_problem` finds nothing)."""
+
+    def __init__(self) -> None:
+        self.chunk_tokens = None  # no chunk size: every target is in the one chunk
+
+    def __repr__(self) -> str:
+        return "TargetsOnlyCrossEntropy()"
+
+
+def targets_only_cross_entropy_sum(model: torch.nn.Module, batch: Batch, chunk_tokens: int | None) -> torch.Tensor:
+    """The micro-batch's next-token loss sum with the head applied to the target positions only: the model's forward
+    with its head bypassed, one ``index_select`` of the positions with labels != -100, then the head and the
+    cross-entropy ``chunk_tokens`` targets at a time (None: all at once) by :func:`chunked_head_cross_entropy_sum`."""
+    head = output_head(model)
+    labels = batch["labels"].flatten()
+    # The one host sync: the positions with a target, before the trunk's forward is queued, so that the device
+    # waits only for the work already queued (the previous micro-batch), not for this forward too.
+    positions = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    with head_bypassed(head.module) as captured:
+        output = model(batch["input_ids"], **attention_inputs(model, batch))
+    del output  # the head's input (or a transform of it), not logits: nothing reads it
+    if len(captured) != 1:
+        raise RuntimeError(f"the model called its output head {len(captured)} times in one forward; the chunked "
+                           f"loss needs exactly one call (cadence.models.heads.chunking_problem checks this)")
+    hidden = captured.pop().flatten(0, 1).index_select(0, positions)
+    return chunked_head_cross_entropy_sum(hidden, labels.index_select(0, positions), head, chunk_tokens)
 
 
 def chunked_head_cross_entropy_sum(hidden: torch.Tensor, targets: torch.Tensor, head: OutputHead,
-                                   chunk_tokens: int) -> torch.Tensor:
+                                   chunk_tokens: int | None) -> torch.Tensor:
     """Sum over rows of ``cross_entropy(head(hidden[i]), targets[i])`` ([N, H] and [N] -> an fp32 scalar), the head
-    applied ``chunk_tokens`` rows at a time, each chunk's logits recomputed in backward when gradients are wanted
-    and there is more than one chunk."""
+    applied ``chunk_tokens`` rows at a time (None: all N rows at once), each chunk's logits recomputed in backward
+    when gradients are wanted and there is more than one chunk."""
+    if chunk_tokens is None:
+        # Every target in one chunk: its logits are all the logits, needed at once by its backward either way, so
+        # it runs plainly (no checkpoint, nothing recomputed): the full-logits loss on the target rows alone.
+        return _chunk_loss_sum(head.module, head.transform, hidden, targets)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    # One chunk holds every target: its logits are all the logits, needed at once by its backward either way, so
-    # recomputing them would cost a head matmul and save nothing (measured: 28% more CPU time per step for a width-256
-    # llama with a 32,000-token vocabulary). Only the target gathering is left.
+    # One chunk holds every target: as above (measured: recomputing it costs 28% more CPU time per step for a
+    # width-256 llama with a 32,000-token vocabulary, and saves nothing). Only the target gathering is left.
     recompute = torch.is_grad_enabled() and hidden.shape[0] > chunk_tokens
     for rows, wanted in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True):
         if recompute:
@@ -96,4 +135,5 @@ def _chunk_loss_sum(head: torch.nn.Module, transform: LogitTransform | None, row
     return F.cross_entropy(logits, wanted, reduction="sum")
 
 
-__all__ = ["ChunkedCrossEntropy", "chunked_head_cross_entropy_sum"]
+__all__ = ["ChunkedCrossEntropy", "TargetsOnlyCrossEntropy", "chunked_head_cross_entropy_sum",
+           "targets_only_cross_entropy_sum"]

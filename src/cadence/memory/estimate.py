@@ -93,6 +93,7 @@ def estimate_step_memory(
     loss_chunk_tokens: int = 0,
     target_tokens: int | None = None,
     optimizer_state: str = "fp32",
+    full_logits: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one step of ``GPT(config)`` trained the way :class:`cadence.engine.step.Engine` does.
 
@@ -101,6 +102,14 @@ def estimate_step_memory(
     optimizer is the one :func:`cadence.training.components.build_optimizer` makes (AdamW, matrices and biases in two groups).
     ``loss_chunk_tokens`` > 0: the loss of :class:`cadence.engine.chunked_loss.ChunkedCrossEntropy` (--loss-chunk-tokens),
     whose head sees only the micro-batch's ``target_tokens`` loss-bearing positions (None: every position has one).
+    0: the default loss of ``cadence train``, :class:`cadence.engine.chunked_loss.TargetsOnlyCrossEntropy`: one chunk
+    of the ``target_tokens`` positions, nothing recomputed, so the logits are the target positions' only. None counts
+    every position as a target: the conservative choice, and the one ``cadence plan`` gets, since its estimates know
+    the data's shapes, not its share of targets (assistant-only chat data has far fewer; the measured trials see it).
+    ``full_logits``: the loss makes every position's logits instead
+    (:func:`cadence.engine.step.token_cross_entropy_sum`, the ``Engine``'s own default, which ``cadence train`` keeps
+    for a model whose logits cannot be made from its head's input); with every position a target the two differ by
+    the gather's few bytes per token.
     ``optimizer_state``: how AdamW stores its moments (--optimizer-state fp32, bf16 or 8bit), which sets the state's
     bytes and the optimizer step's scratch (:func:`optimizer_step_bytes`).
     """
@@ -108,7 +117,7 @@ def estimate_step_memory(
                               context_length=config.context_length, precision=precision,
                               checkpointing=checkpointing, offload=offload, optimizer=optimizer,
                               loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens,
-                              optimizer_state=optimizer_state)
+                              optimizer_state=optimizer_state, full_logits=full_logits)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -118,6 +127,7 @@ def estimate_step_memory(
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
         loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens, optimizer_state=optimizer_state,
+        full_logits=full_logits,
     )
     return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
                                 on_device=on_device)
@@ -149,7 +159,7 @@ def optimizer_step_bytes(optimizer_state: str, trained: list[int], *, on_device:
 def input_problems(*, micro_batch_size: int, seq_len: int, grad_accum_steps: int, context_length: int,
                    precision: str, checkpointing: str, offload: str, optimizer: str = "adamw",
                    loss_chunk_tokens: int = 0, target_tokens: int | None = None,
-                   optimizer_state: str = "fp32") -> list[str]:
+                   optimizer_state: str = "fp32", full_logits: bool = False) -> list[str]:
     """What is wrong with an estimate's arguments (shared by the built-in and the Hugging Face estimates)."""
     choices = {"precision": (precision, ("fp32", "bf16", "fp16")), "optimizer": (optimizer, ("adamw",)),
                "optimizer_state": (optimizer_state, OPTIMIZER_STATES),
@@ -162,7 +172,10 @@ def input_problems(*, micro_batch_size: int, seq_len: int, grad_accum_steps: int
     if seq_len > context_length:
         problems.append(f"seq_len {seq_len} exceeds the model's context length {context_length}")
     if loss_chunk_tokens < 0:
-        problems.append(f"loss_chunk_tokens must be >= 0 (0: all logits at once), got {loss_chunk_tokens}")
+        problems.append(f"loss_chunk_tokens must be >= 0 (0: the target positions' logits at once), got "
+                        f"{loss_chunk_tokens}")
+    if full_logits and loss_chunk_tokens > 0:
+        problems.append("full_logits and loss_chunk_tokens > 0 are two different losses: give one")
     if target_tokens is not None and not 0 <= target_tokens <= micro_batch_size * seq_len:
         problems.append(f"target_tokens {target_tokens} is not between 0 and micro_batch_size x seq_len")
     return problems
@@ -211,15 +224,18 @@ class StepReplay:
     def __init__(
         self, config: GPTConfig, *, tokens: int, seq_len: int, precision: str, checkpointing: str,
         offload_activations: bool, offload_optimizer: bool, on_device: bool, loss_chunk_tokens: int = 0,
-        target_tokens: int | None = None, optimizer_state: str = "fp32",
+        target_tokens: int | None = None, optimizer_state: str = "fp32", full_logits: bool = False,
     ) -> None:
         self.cfg, self.n, self.t, self.c = config, tokens, seq_len, config.n_embd
         self.optimizer_state = optimizer_state
         """--optimizer-state: how AdamW stores its moments (fp32, bf16, 8bit)."""
         self.chunk = loss_chunk_tokens
-        """--loss-chunk-tokens: 0 computes all logits at once; N > 0 the head and loss N target tokens at a time."""
+        """--loss-chunk-tokens: N > 0 the head and loss N target tokens at a time; 0 all target tokens at once."""
+        self.gathered = not full_logits
+        """The target positions' hidden states are gathered before the head (the chunked and the targets-only loss);
+        False: every position's logits are made (``token_cross_entropy_sum``)."""
         self.targets = tokens if target_tokens is None else target_tokens
-        """Loss-bearing positions of a micro-batch: the only ones the chunked loss gives the head."""
+        """Loss-bearing positions of a micro-batch: the only ones the gathering losses give the head."""
         self.lowp = precision != "fp32"
         self.act = 2 if self.lowp else FP32_BYTES  # bytes per element of the compute dtype
         self.mode = checkpointing
@@ -346,7 +362,7 @@ class StepReplay:
         for layer in range(self.cfg.n_layer):
             self._block_forward(layer)
         self.alloc("lnf.stats", _STATS * n * FP32_BYTES, "activations")
-        if self.chunk:
+        if self.gathered:
             self.alloc("hf.f32", n * c * FP32_BYTES, "activations")  # ln_f's output (fp32), the head's input
             self._chunked_loss_forward("hf.f32")
         else:
@@ -449,7 +465,10 @@ class StepReplay:
 
     # ------------------------------------------------------------------------------------------------ chunked loss
     def _chunks(self) -> list[int]:
-        """The chunks' sizes (target positions each), in the order the forward makes them."""
+        """The chunks' sizes (target positions each), in the order the forward makes them (the targets-only loss:
+        one chunk of every target)."""
+        if not self.chunk:
+            return [self.targets]
         full, rest = divmod(self.targets, self.chunk)
         return [self.chunk] * full + ([rest] if rest or not full else [])
 
@@ -457,13 +476,17 @@ class StepReplay:
         """--loss-chunk-tokens: the head's input (``head_input``, fp32, every position) is gathered at the target
         positions and freed; each chunk then makes its logits, their fp32 copy and the log-softmax, and lets them go
         (the checkpoint keeps only its input rows: views of the gathered tensor, which it holds itself). A single
-        chunk (every target in it) is not checkpointed: it keeps what the whole-logits loss keeps, for its rows."""
+        chunk (every target in it: the targets-only loss, or a chunk size above the target count) is not
+        checkpointed: it keeps what the whole-logits loss keeps, for its rows: the head's input (fp32: the gathered
+        rows themselves; under autocast their cast, and the gathered rows go when the loss returns), the labels
+        (cross-entropy's) and the log-softmax."""
         v, c, a, targets = self.cfg.vocab_size, self.c, self.act, self.targets
         single = len(self._chunks()) == 1
         self.alloc("positions", targets * _INDEX, "activations")  # nonzero: kept by index_select's backward
         self.alloc("targets", targets * _INDEX, "activations")  # the gathered labels, held by the checkpoints
         self.alloc("hg", targets * c * FP32_BYTES, "activations")  # the gathered hidden states
-        self.held.update({"hg", "targets"})
+        if not single:  # a checkpoint's own references: on the device even under offload
+            self.held.update({"hg", "targets"})
         self.free(head_input)  # index_select keeps only the positions: nothing holds every position's state
         self._weight("w.head", v * c, saved=single)  # autocast's copy, cached over the chunks until autocast exits
         size = self._chunks()[0]  # the first chunk is the largest; every chunk lets everything go
@@ -477,6 +500,8 @@ class StepReplay:
         self.free("logits", "logits.f32")
         if not single:
             self.free("rows", "lsm", "w.head")  # the chunk's loss is a scalar; the checkpoint saved nothing
+        elif self.lowp:
+            self.free("hg")  # the head saved its cast ("rows"): nothing holds the fp32 rows once the loss returns
 
     def _chunked_loss_backward(self, head_param: str) -> None:
         """The chunks in backward, last first: each recomputes its logits (the head's weight cast again under
@@ -488,7 +513,8 @@ class StepReplay:
         chunks = list(reversed(self._chunks()))
         for index, size in enumerate(chunks):
             if len(chunks) == 1:
-                self._bring_back("lsm", "rows", "w.head")  # kept by the forward, as the whole-logits loss keeps them
+                # kept by the forward, as the whole-logits loss keeps them (fp32: the head kept its input, hg)
+                self._bring_back("lsm", "rows", "w.head", "hg")
             else:
                 if self.lowp:
                     self._weight("w.head", v * c, saved=False)
@@ -521,16 +547,20 @@ class StepReplay:
             self.free("dw.low")
             self.param_grad(head_param, v * c)
         pieces = [f"dh{i}" + (".f32" if self.lowp else "") for i in range(len(chunks))]
-        self.alloc("dhg", self.targets * c * FP32_BYTES, "temporaries")  # split's backward: the pieces joined
-        self.free(*pieces, "hg")
+        if self.chunk:
+            self.alloc("dhg", self.targets * c * FP32_BYTES, "temporaries")  # split's backward: the pieces joined
+            self.free(*pieces, "hg")
+            pieces = ["dhg"]
+        else:  # the targets-only loss splits nothing: its one piece is the gathered rows' gradient
+            self.free("hg")
         self.alloc("dhf", self.n * c * FP32_BYTES, "temporaries")  # index_select's backward: zeros + index_add
-        self.free("dhg", "positions", "targets")
+        self.free(*pieces, "positions", "targets")
 
     # ------------------------------------------------------------------------------------------------ backward
     def _backward(self) -> None:
         n, c, v, a = self.n, self.c, self.cfg.vocab_size, self.act
         last = f"r{self.cfg.n_layer}"
-        if self.chunk:
+        if self.gathered:
             self._chunked_loss_backward("tok_emb")  # lm_head is tied to the token embedding
             self._bring_back(last, "lnf.stats")
             self.alloc("dres", n * c * FP32_BYTES, "temporaries")  # ln_f backward (its input gradient is fp32)

@@ -103,10 +103,13 @@ def estimate_hf_step_memory(
     optimizer_state: str = "fp32",
     lora: LoraShape | None = None,
     packed: bool = False,
+    full_logits: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one step of the Hugging Face model ``shape`` describes, trained by the Engine;
-    ``loss_chunk_tokens``, ``target_tokens`` and ``optimizer_state`` as in
-    :func:`cadence.memory.estimate.estimate_step_memory`. ``lora``: the adapters --lora-rank injected
+    ``loss_chunk_tokens``, ``target_tokens``, ``optimizer_state`` and ``full_logits`` as in
+    :func:`cadence.memory.estimate.estimate_step_memory` (``loss_chunk_tokens`` 0: the target positions' logits only,
+    every position counted as a target unless ``target_tokens`` says otherwise). ``lora``: the adapters --lora-rank
+    injected
     (:func:`cadence.models.lora.lora_shape`; ``shape`` stays the base model's): the base is frozen (no gradient, no
     optimizer state, and no saved inputs where only a weight gradient needed them), the adapters are trained.
     ``packed``: rows hold several examples (``--packing``): transformers builds a block-diagonal mask for the
@@ -115,7 +118,8 @@ def estimate_hf_step_memory(
     problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
                               context_length=shape.context_length, precision=precision,
                               checkpointing=checkpointing, offload=offload, loss_chunk_tokens=loss_chunk_tokens,
-                              target_tokens=target_tokens, optimizer_state=optimizer_state)
+                              target_tokens=target_tokens, optimizer_state=optimizer_state,
+                              full_logits=full_logits)
     if not shape.num_heads or not shape.head_dim or not shape.intermediate_size:
         problems.append("the model's config gives no attention heads, head size or MLP width to estimate from")
     if problems:
@@ -126,7 +130,7 @@ def estimate_hf_step_memory(
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
         loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens, optimizer_state=optimizer_state,
-        lora=lora, packed=packed,
+        lora=lora, packed=packed, full_logits=full_logits,
     )
     return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
                                 on_device=on_device)
@@ -271,7 +275,7 @@ class HFStepReplay(StepReplay):
                 self._lora_block_forward(layer)
             else:
                 self._hf_block_forward(layer)
-        if self.chunk:
+        if self.gathered:
             self._norm_forward("nf", users=0)  # the head's input stays fp32: each chunk casts its own rows
             self._chunked_loss_forward("nf.out.f32" if self.lowp else "nf.out")
         else:
@@ -381,7 +385,7 @@ class HFStepReplay(StepReplay):
     def _backward(self) -> None:
         n, c, v, a = self.n, self.c, self.shape.vocab_size, self.act
         head = "lm_head" if not self.shape.tied_embeddings else "embed"
-        if self.chunk:
+        if self.gathered:
             self._chunked_loss_backward(head)
             self.alloc("dres", n * c * FP32_BYTES, "temporaries")  # the final norm's backward (fp32 gradient in)
             self.free("dhf")

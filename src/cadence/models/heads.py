@@ -177,7 +177,7 @@ def chunking_problem(model: nn.Module, vocab_size: int) -> str | None:
     was_training = inner.training
     inner.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _as_trained(inner, device):
             whole = _logits(inner(ids)).float()
             with head_replaced(head.module, record):
                 returned = _logits(inner(ids)).float()
@@ -198,6 +198,18 @@ def chunking_problem(model: nn.Module, vocab_size: int) -> str | None:
     finally:
         inner.train(was_training)
     return None
+
+
+def _as_trained(model: nn.Module, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """What the probe's forwards run under: nothing for fp32 weights; autocast to their dtype for a model holding
+    weights in a lower precision (a LoRA base in bf16, --lora-base-precision bf16, runs only under autocast, as
+    --precision bf16 trains it: a bf16 weight times an fp32 activation is an error outside it). The head applied to
+    the recorded hidden states runs under it too, so both sides of the comparison round alike."""
+    lower = {param.dtype for param in model.parameters() if param.is_floating_point() and param.dtype != torch.float32}
+    if not lower:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if torch.bfloat16 in lower else lower.pop()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def _logits(output: Any) -> torch.Tensor:

@@ -11,14 +11,15 @@ import torch
 
 from cadence.config import TrainConfig
 from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
-from cadence.engine.chunked_loss import ChunkedCrossEntropy
+from cadence.engine.chunked_loss import ChunkedCrossEntropy, TargetsOnlyCrossEntropy
 from cadence.engine.noise_scale import GradientNoiseScale
 from cadence.engine.schedules import build_lr_scheduler
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.memory.offload import OffloadedOptimizer
 from cadence.memory.optimizer_state import BF16StateAdamW, adamw_8bit_class
 from cadence.memory.recompute import apply_activation_checkpointing
-from cadence.models import CompileClock, build_model, compile_blocks
+from cadence.models import MODEL_CONFIGS, CompileClock, build_model, compile_blocks
+from cadence.models.heads import chunking_problem
 from cadence.training.prepare import Prepared
 
 
@@ -48,11 +49,26 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     return optimizer_class(groups, **options)  # type: ignore[no-any-return]
 
 
-def build_loss(config: TrainConfig) -> LossFn:
-    """The next-token loss: all logits at once, or the head and cross-entropy --loss-chunk-tokens targets at a time
-    (prepare() has checked that the model's logits can be made chunk by chunk)."""
+def build_loss(config: TrainConfig, model: torch.nn.Module | None = None, *, vocab_size: int | None = None
+               ) -> LossFn:
+    """The next-token loss of ``model`` (as built, before any wrapping), whose vocabulary has ``vocab_size`` tokens:
+
+    - ``--loss-chunk-tokens N`` > 0: the head and cross-entropy N targets at a time (prepare() has checked that the
+      model's logits can be made chunk by chunk);
+    - 0, a model that can be split at its head (:func:`cadence.models.heads.chunking_problem` finds nothing, checked
+      here by its probe of 6 tokens): the head on the target positions only (:class:`TargetsOnlyCrossEntropy`), so
+      the logits of positions without a target (prompts, user and system turns, padding) are never made; the same
+      loss and gradient as all the logits;
+    - otherwise all logits at once (:func:`token_cross_entropy_sum`): families whose logits cadence cannot reproduce
+      from the head's input keep their own forward. That is recurrent Gemma (its own ``logits_soft_cap``), a padded
+      vocabulary trimmed after the head (``unpadded_vocab_size``), a config with more than one post-processing of the
+      logits, a model without an output-embedding module, a forward that calls its head more than once or not on
+      every position, or changes the logits in any way the probe does not recognise; and a model not given here.
+    """
     if config.loss_chunk_tokens > 0:
         return ChunkedCrossEntropy(config.loss_chunk_tokens)
+    if model is not None and vocab_size is not None and chunking_problem(model, vocab_size) is None:
+        return TargetsOnlyCrossEntropy()
     return token_cross_entropy_sum
 
 
@@ -75,6 +91,9 @@ def build_components(prep: Prepared) -> Components:
     config = prep.config
     torch.manual_seed(config.seed)
     model = (prep.hf.model if prep.hf else build_model(config.model)).to(prep.device)
+    # Chosen (and the model probed) before recompute, compilation and wrapping change what a forward runs.
+    loss_fn = build_loss(config, model, vocab_size=prep.hf.vocab_size if prep.hf else
+                         MODEL_CONFIGS[config.model].vocab_size)
     apply_activation_checkpointing(model, config.activation_checkpointing)
     # After recompute (the checkpointed forward is what compiles), before wrapping (FSDP2's hooks stay eager around
     # each compiled block); parameter names stay the model's.
@@ -99,7 +118,7 @@ def build_components(prep: Prepared) -> Components:
     if measured and collective is not None:
         collective.watch_local_gradients(model)  # DDP, one micro-batch per window: this rank's norm before the sync
     engine = Engine(
-        model, optimizer, scheduler=scheduler, precision=config.precision, loss_fn=build_loss(config),
+        model, optimizer, scheduler=scheduler, precision=config.precision, loss_fn=loss_fn,
         max_grad_norm=config.max_grad_norm, offload_activations=config.offload == "activations",
         memory_budget_bytes=budget if prep.device.type == "cpu" else None,
         collective=collective,
