@@ -221,3 +221,46 @@ def test_a_plan_whose_data_is_not_a_path_is_refused(tmp_path, data):
     status, _, err = run_cli(["train", "--plan", str(plan), "--max-steps", "1", "--out", str(tmp_path / "run")])
     assert status == 2 and "--plan" in err and "not the path of the data it measured" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("target", ["checkpoint", "best", "final weights"])
+def test_a_full_disk_at_a_later_write_keeps_the_previous_checkpoint_intact_and_resumable(tmp_path, capsys,
+                                                                                          monkeypatch, target):
+    """Issue 44 case 1: ENOSPC while writing a checkpoint, OUT/best or the final weights exits 1 in one line, and
+    the checkpoint before it stays intact: --resume then finishes the run."""
+    import cadence.training.checkpoint as checkpoint_module
+    import cadence.training.run_dir as run_dir_module
+    from cadence.training.checkpoint import verify_checkpoint
+
+    losses = iter([3.0, 2.0, 1.0, 0.5, 0.25, 0.1] * 2)
+    monkeypatch.setattr(Engine, "evaluate", lambda self, batches: next(losses))
+    data = write_jsonl(tmp_path / "data.jsonl", 64)
+    out = tmp_path / "run"
+    common = ["train", "--data", str(data), "--seq-len", "64", "--too-long", "truncate", "--micro-batch-size", "4",
+              "--grad-accum-steps", "2", "--eval-every", "2", "--keep-best", "--checkpoint-every", "2",
+              "--max-steps", "4", "--out", str(out)]
+    real = run_dir_module.save_weights
+
+    def fills_up(weights, path, metadata=None):
+        failing = {"checkpoint": ".step-4." in str(path), "best": path.parent == out / "best" and bool(seen),
+                   "final weights": path == out / "model.safetensors"}[target]
+        if path.parent == out / "best":
+            seen.append(path)
+        if failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(weights, path, metadata)
+
+    seen: list[Path] = []
+    monkeypatch.setattr(run_dir_module, "save_weights", fills_up)
+    monkeypatch.setattr(checkpoint_module, "save_weights", fills_up)
+    capsys.readouterr()
+    assert main(common) == 1
+    err = capsys.readouterr().err
+    assert "cadence: training failed: cannot write" in err and "No space left on device" in err
+    assert "Traceback" not in err
+    assert verify_checkpoint(out / "checkpoints" / "step-2") is None
+    assert not [p for p in out.rglob(".*") if p.name != ".gitkeep"]  # no staging folder, no temporary file
+    monkeypatch.setattr(run_dir_module, "save_weights", real)
+    monkeypatch.setattr(checkpoint_module, "save_weights", real)
+    assert main([*common, "--resume"]) == 0
+    assert [row["step"] for row in read_metrics(out)] == [1, 2, 3, 4]
