@@ -219,7 +219,7 @@ def test_a_plan_whose_data_is_not_a_path_is_refused(tmp_path, data):
                                 "model": "gpt-tiny", "seq_len": 32, "effective_batch_size": 4,
                                 "source": {"data": data}}))
     status, _, err = run_cli(["train", "--plan", str(plan), "--max-steps", "1", "--out", str(tmp_path / "run")])
-    assert status == 2 and "--plan" in err and "not the path of the data it measured" in err
+    assert status == 2 and "--plan" in err and "field 'source.data'" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
 
 

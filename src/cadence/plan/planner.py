@@ -15,7 +15,6 @@ diagnose (the analytic estimate of the configuration one would naively try: the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -24,12 +23,13 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, get_type_hints
 
 import torch
 
 from cadence.config import TrainConfig, validate
 from cadence.config.schema import FIELD_NAMES, LORA, section_of
+from cadence.config.sources import field_kind
 from cadence.data import DataSplits
 from cadence.data.source import FIELD_DEFAULTS, TRAIN_ON, Source
 from cadence.data.text import PackedSequences
@@ -50,6 +50,7 @@ from cadence.plan.measure import Deadline, Rates, alternate, probe_precisions, r
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
 from cadence.plan.trials import DECISION_DEFAULTS, DECISION_FIELDS, TrialResult, TrialSetup, run_trial, timed_round
+from cadence.records import Record
 from cadence.report.document import write_report
 from cadence.training.prepare import Prepared, prepare
 from cadence.verify.equivalence import compare_gradients, compare_losses
@@ -778,47 +779,46 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
     path = config.plan
     assert path is not None
     content = read_regular_file(path, where="--plan", limit=64 << 20)  # a pipe or a device is refused, not read
-    try:
-        plan = json.loads(content.decode("utf-8"))
-        choice = plan["choice"]
-        # A lever a plan.json predates (it has no key for it) was not pulled: its default.
-        decided = {name: choice[name] if name in choice or name not in DECISION_DEFAULTS else DECISION_DEFAULTS[name]
-                   for name in DECISION_FIELDS}
-        decided.update({name: choice.get(name, default) for name, default in CUT_FLAG_DEFAULTS.items()})
-        decided.update(model=plan["model"], seq_len=plan["seq_len"], effective_batch_size=None)
-        if plan.get("model_config"):  # a Hugging Face model's --model-config overrides
-            decided["model_config"] = list(plan["model_config"])
-        lora = plan.get("lora") or {}  # plans made before LoRA was recorded trained no adapters
-        if not isinstance(lora, dict):
-            raise TypeError("its lora is not an object")
-        decided.update({name: value for name, value in lora.items() if name in FIELD_NAMES and section_of(name) is LORA})
-        source = plan.get("source") or {}  # plans written before sources were recorded have none
-        if not isinstance(source, dict):
-            raise TypeError("its source is not an object")
-        # An empty path is the current directory: a plan.json edited or damaged to "" would have train read (and
-        # store) everything under it. The data is a named file or directory, or null for the built-in corpus.
-        if "data" in source and source["data"] is not None \
-                and (not isinstance(source["data"], str) or not source["data"].strip()):
-            raise TypeError(f"its source's data is {source['data']!r}, not the path of the data it measured")
-        if not isinstance(plan["model"], str) or not plan["model"].strip():
-            raise TypeError(f"its model is {plan['model']!r}, not a model name")
-        if isinstance(plan["seq_len"], bool) or not isinstance(plan["seq_len"], (int, type(None))):
-            raise TypeError(f"its seq_len is {plan['seq_len']!r}, not a number of tokens")
-    except (ValueError, KeyError, TypeError, RecursionError) as err:
-        raise UsageError.single("--plan", f"{path} is not a cadence plan.json ({err})") from None
-    if "data" not in given and "data" in source:
+    # plan.json is read back like user input (cadence.records): every field it gives the run has the type of the
+    # flag it sets, or the refusal names the file and the field.
+    plan = Record.parse(content, f"--plan {path}")
+    hints = get_type_hints(TrainConfig)
+    choice = plan.record("choice")
+    # A lever a plan.json predates (it has no key for it) was not pulled: its default.
+    decided = {name: choice.take(name, field_kind(hints[name])) if choice.has(name)
+               else DECISION_DEFAULTS.get(name) for name in DECISION_FIELDS}
+    missing = [name for name in DECISION_FIELDS if not choice.has(name) and name not in DECISION_DEFAULTS]
+    if missing:
+        raise choice.invalid(missing[0], "is missing")
+    decided.update({name: choice.take(name, field_kind(hints[name]), default)
+                    for name, default in CUT_FLAG_DEFAULTS.items()})
+    model = plan.text("model")
+    if not model.strip():
+        raise plan.invalid("model", "is empty, not a model name")
+    decided.update(model=model, seq_len=plan.take("seq_len", field_kind(hints["seq_len"]), None),
+                   effective_batch_size=None)
+    if plan.get("model_config"):  # a Hugging Face model's --model-config overrides
+        decided["model_config"] = plan.take("model_config", field_kind(hints["model_config"]))
+    empty = Record({}, plan.source)
+    lora = plan.record("lora", empty)  # plans made before LoRA was recorded trained no adapters
+    decided.update({name: lora.take(name, field_kind(hints[name])) for name in lora.data
+                    if name in FIELD_NAMES and section_of(name) is LORA and lora.has(name)})
+    source = plan.record("source", empty)  # plans written before sources were recorded have none
+    # An empty path is the current directory: a plan.json edited or damaged to "" would have train read (and store)
+    # everything under it. The data is a named file or directory (field_kind refuses ""), or null for the corpus.
+    planned_data = source.take("data", field_kind(hints["data"]), None) if source.has("data") else None
+    if source.has("data") and isinstance(planned_data, Path) and not str(source.get("data")).strip():
+        raise source.invalid("data", "is empty, not the path of the data it measured")
+    if "data" not in given and "data" in source.data:
         # The plan measured this data: training on other data would train with a decision made for that one.
-        decided["data"] = Path(source["data"]) if source["data"] is not None else None
-        for name, default in FIELD_DEFAULTS.items():  # how its rows became examples (fields, chat template, ...)
-            value = source.get(name, default)
-            if name in given or value == default:
-                continue
-            if not isinstance(value, str) or not value.strip() or (name == "train_on" and value not in TRAIN_ON):
-                raise UsageError.single("--plan", f"{path} is not a cadence plan.json (its source's {name} is "
-                                                  f"{value!r})")
-            decided[name] = Path(value) if name == "chat_template" else value
-    elif "data" in given and "data" in source:
-        planned = source["data"] or "the built-in corpus"
+        decided["data"] = planned_data
+        for name in FIELD_DEFAULTS:  # how its rows became examples (fields, chat template, what is trained)
+            if name not in given and source.has(name):
+                decided[name] = source.take(name, field_kind(hints[name]))
+        if decided.get("train_on", "assistant") not in TRAIN_ON:
+            raise source.invalid("train_on", f"is {decided['train_on']!r}, not one of {', '.join(TRAIN_ON)}")
+    elif "data" in given and "data" in source.data:
+        planned = str(planned_data) if planned_data is not None else "the built-in corpus"
         given_data = str(config.data.resolve()) if config.data is not None else "the built-in corpus"
         if given_data != planned:
             warnings.warn(f"training on --data {config.data or 'the built-in corpus'}, while the plan {path} was made "
