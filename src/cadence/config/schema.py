@@ -182,8 +182,8 @@ class TrainConfig:
     loss_chunk_tokens: int = setting(0, PRECISION)
     """Compute the LM head and the cross-entropy N target tokens at a time, each chunk's logits recomputed in the
     backward, so that the [tokens x vocabulary] logits and their gradient never exist whole; only positions with a
-    target reach the head. Same gradient (fp32: to rounding); a resume may change it. 0 (default): all logits at
-    once. Measured on CPU (BENCHMARKS.md), llama of width 256 with 32,000 tokens, 4 x 512 tokens: peak 1,146 -> 523
+    target reach the head. Same gradient (fp32: to rounding); a resume may change it. 0 (default): no chunks, but
+    still only the target positions' logits (all logits for a model whose logits cadence cannot reproduce). Measured on CPU (BENCHMARKS.md), llama of width 256 with 32,000 tokens, 4 x 512 tokens: peak 1,146 -> 523
     MiB at 256 for 12% more compute; the byte-level models gain nothing. Transformers models whose forward changes
     the logits in a way cadence does not reproduce are refused."""
     memory_budget: str | None = setting(None, MEMORY)
