@@ -316,3 +316,27 @@ def test_a_parquet_of_conversations_trains_as_the_same_jsonl_does(model_dir, tmp
                               "--max-steps", "1", "--out", str(tmp_path / "refused"),
                               "--data-cache", str(tmp_path / "cache")])
     assert status == 2 and "--train-on" in err and not (tmp_path / "refused").exists()
+
+
+@pytest.mark.slow
+def test_a_chat_run_resumed_after_sigterm_is_the_uninterrupted_one_and_plan_measures_chat_data(tmp_path):
+    """Issue 37 item 8: exact resume on chat data (the spans come back from the same store), and cadence plan
+    prepares and measures chat data like any other."""
+    from helpers import sigterm_at
+
+    data = write_rows(tmp_path / "chat.jsonl", conversations(32))
+    common = ["train", "--data", str(data), "--seq-len", "256", "--too-long", "truncate", "--micro-batch-size", "2",
+              "--grad-accum-steps", "2", "--max-steps", "4", "--val-fraction", "0", "--checkpoint-every", "100",
+              "--data-cache", str(tmp_path / "cache")]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    with sigterm_at(2, 1):
+        assert main([*common, "--out", str(tmp_path / "cut")]) == 0
+    assert main([*common, "--out", str(tmp_path / "cut"), "--resume"]) == 0
+    whole, cut = (read_metrics(tmp_path / name) for name in ("whole", "cut"))
+    assert [row["loss"] for row in cut] == [row["loss"] for row in whole]
+    status, _, err = run_cli(["plan", "--data", str(data), "--seq-len", "256", "--too-long", "truncate",
+                              "--memory-budget", "256MiB", "--effective-batch-size", "4", "--time-budget", "60",
+                              "--out", str(tmp_path / "plan"), "--data-cache", str(tmp_path / "cache")])
+    assert status == 0, err
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["source"]["train_on"] == "assistant" and "chat JSONL file" in plan["data"]
