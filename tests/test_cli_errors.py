@@ -128,7 +128,7 @@ CASES: list[tuple[str, Builder, str]] = [
     ("adam-beta2-1", flags("--adam-beta2", "1"), "--adam-beta2"),
     ("eval-every-without-val", flags("--eval-every", "5", "--val-fraction", "0"), "--eval-every"),
     ("val-fraction-0.9", flags("--val-fraction", "0.9"), "--val-fraction"),
-    ("eval-batches-0", flags("--eval-batches", "0"), "--eval-batches"),
+    ("eval-batches-negative", flags("--eval-batches", "-1"), "--eval-batches"),
     ("log-every-0", flags("--log-every", "0"), "--log-every"),
     ("checkpoint-every-negative", flags("--checkpoint-every", "-2"), "--checkpoint-every"),
     # The built-in GPT's packed attention splits rows in Python: each new packing would compile again.
@@ -172,7 +172,8 @@ CASES: list[tuple[str, Builder, str]] = [
     ("data-txt-too-short", data_file("short.txt", "only ten b"), "--data"),
     ("data-txt-not-utf8", data_file("binary.txt", b"\xff\xfe" * 200), "--data"),
     ("data-dir-without-text", empty_dir, "--data"),
-    ("data-txt-one-sequence-no-val-room", data_file("one.txt", TEXT[:17]), "--val-fraction"),
+    ("data-txt-one-sequence-no-val-room", lambda tmp: [*data_file("one.txt", TEXT[:17])(tmp), "--val-fraction", "0.05"],
+     "--val-fraction"),
     ("data-empty-jsonl", data_file("empty.jsonl", b""), "--data"),
     ("data-blank-jsonl", data_file("blank.jsonl", "\n  \n\n"), "--data"),
     ("data-jsonl-not-json", data_file("bad.jsonl", '{"text": "hello there"}\n{"text": "fine too"}\n{oops\n'),

@@ -212,11 +212,6 @@ def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
     for note in hf.notes if warn else ():
         warnings.warn(note, stacklevel=3)
     if config.lora_rank > 0:
-        if warn and config.model.startswith("hf:"):
-            # Adapters on a base of random weights learn nothing a real model could use (issue 41).
-            warnings.warn(f"--lora-rank on {config.model}: the base is built from its config with random weights, so "
-                          f"the adapters are trained on a random model; give a model directory (save_pretrained) for "
-                          f"a real fine-tune", stacklevel=3)
         if config.lora_base_precision == "nf4":
             # Before the adapters, so that peft wraps the 4-bit layers with its bitsandbytes LoRA layer; the
             # quantisation draws nothing from the RNG, so lora_A's init is the same as on a full-precision base.
@@ -230,6 +225,12 @@ def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
         if config.lora_base_precision == "bf16":
             hold_base_in_bf16(hf.model)
         hf.lora = lora_shape(hf.model)
+        if warn and config.model.startswith("hf:"):
+            # Adapters on a base of random weights learn nothing a real model could use (issue 41); said once the
+            # adapters are in place, so that a refused --lora-rank is its one line alone.
+            warnings.warn(f"--lora-rank on {config.model}: the base is built from its config with random weights, so "
+                          f"the adapters are trained on a random model; give a model directory (save_pretrained) for "
+                          f"a real fine-tune", stacklevel=3)
     return hf
 
 
