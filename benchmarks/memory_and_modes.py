@@ -25,11 +25,11 @@ from bench_env import environment
 
 from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches, load_data
-from cadence.engine.precision import PrecisionName
+from cadence.engine.choices import PrecisionName
 from cadence.engine.step import Engine
 from cadence.engine.windows import iter_windows
-from cadence.memory.offload import OffloadMode
-from cadence.memory.recompute import CheckpointingMode, apply_activation_checkpointing
+from cadence.memory.choices import CheckpointingMode, OffloadMode
+from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import MODEL_CONFIGS, build_model
 from cadence.profiling.flops import measured_peak_flops, model_flops_per_token
 from cadence.training.components import build_optimizer

@@ -26,10 +26,11 @@ import torch
 from bench_env import environment
 
 from cadence.config import TrainConfig
-from cadence.engine.precision import PrecisionName
+from cadence.engine.choices import PrecisionName
 from cadence.engine.step import Engine
+from cadence.memory.choices import CheckpointingMode
 from cadence.memory.estimate import estimate_step_memory
-from cadence.memory.recompute import CheckpointingMode, apply_activation_checkpointing
+from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import MODEL_CONFIGS, build_model
 from cadence.plan.estimate_check import estimate_against_measurement
 from cadence.training.components import build_optimizer

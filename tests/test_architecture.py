@@ -16,7 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cadence"
 
 LAYERS: list[set[str]] = [
-    {"errors", "formatting"},
+    {"errors", "formatting", "lazy"},
     {"input_files", "output_files", "process_locks", "records"},
     {"data", "models"},
     {"memory"},
@@ -69,6 +69,13 @@ def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
                 rest = [n for n in names if n not in modules]
                 if rest:
                     found.append((node.lineno, target, rest))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports":
+            # A package's names imported on first use (cadence/lazy.py) are its imports all the same.
+            exports = node.args[1]
+            assert isinstance(exports, ast.Dict), f"{path}: lazy_exports takes a literal dict"
+            for key, value in zip(exports.keys, exports.values):
+                names = [element.value for element in value.elts]  # type: ignore[attr-defined]
+                found.append((node.lineno, key.value, names))  # type: ignore[union-attr]
     return found
 
 

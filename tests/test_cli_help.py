@@ -4,16 +4,15 @@ and a typo answered with the flag it was meant to be."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
-from cadence.cli import OTHER_OPTION_SECTIONS, app, main
+from cadence.cli import EVERYDAY_TITLE, OTHER_OPTION_SECTIONS, app, main
 from cadence.config import TrainConfig
-from cadence.config.schema import SECTIONS, Section, command_fields, flag
-from cadence.plan.planner import PlanOptions
-from cadence.profiling.profiler import ProfileOptions
-from cadence.training.prepare_data import PrepareDataOptions
-from cadence.verify.check import VerifyOptions
+from cadence.config.commands import PlanOptions, PrepareDataOptions, ProfileOptions, VerifyOptions
+from cadence.config.schema import EVERYDAY, SECTIONS, Section, command_fields, flag
 
 
 def test_every_training_flag_has_one_section_and_the_help_shows_them_all() -> None:
@@ -56,7 +55,15 @@ def test_train_help_is_grouped_and_shows_the_choices(capsys: pytest.CaptureFixtu
     assert main(["train", "--help"]) == 0
     text = capsys.readouterr().out
     headings = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert headings == [*(section.title for section in SECTIONS), "Other"]
+    # A section whose flags are all everyday ones (Output: --out) has no heading of its own.
+    rest = {f.metadata["section"] for f in dataclasses.fields(TrainConfig) if f.name not in EVERYDAY}
+    rest |= set(OTHER_OPTION_SECTIONS.values())
+    assert headings == [EVERYDAY_TITLE, *(section.title for section in SECTIONS if section in rest), "Other"]
+    # The everyday flags come first, in their order, and are not repeated under their sections.
+    everyday = text[:text.index("\nModel:")]
+    starts = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+    assert [start for start in starts if start in map(flag, EVERYDAY)] == [flag(name) for name in EVERYDAY]
+    assert all(f"\n  {flag(name)} " in everyday for name in EVERYDAY)
     for shown in ("--precision [fp32|bf16|fp16]", "--activation-checkpointing [none|full|selective]",
                   "--lr-schedule [constant|linear|cosine]", "--strategy [ddp|fsdp]", "--micro-batch-size N|auto"):
         assert shown in text, shown
@@ -65,7 +72,29 @@ def test_train_help_is_grouped_and_shows_the_choices(capsys: pytest.CaptureFixtu
 def test_a_command_lists_its_own_options_first(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", "--help"]) == 0
     text = capsys.readouterr().out
-    assert text.index("Profile options:") < text.index("Data:") and "--compare RUN_A RUN_B" in text
+    assert text.index("Profile options:") < text.index(EVERYDAY_TITLE) < text.index("Data:")
+    assert "--compare RUN_A RUN_B" in text
+
+
+HELPS = [["--help"], ["--version"], *([command, "--help"] for command in app.commands)]
+
+
+def test_no_help_imports_torch() -> None:
+    """Issue 41: a help took 5 s, most of it importing torch before click answered. Every help (and --version) is
+    asked in one fresh interpreter each, and none may import torch, numpy, transformers or safetensors: a module
+    added to a help's imports that pulls them in fails here (its time is in BENCHMARKS.md, not asserted)."""
+    script = (
+        "import sys, io, contextlib\n"
+        "from cadence.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    status = main(sys.argv[1:])\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'transformers', 'safetensors', 'datasets') if m in sys.modules)\n"
+        "print(status, len(out.getvalue().splitlines()), ','.join(heavy))\n")
+    for argv in HELPS:
+        shown = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, check=True)
+        status, lines, heavy = (shown.stdout.split(" ") + [""])[:3]
+        assert (status, heavy.strip()) == ("0", ""), (argv, shown.stdout, shown.stderr)
+        assert int(lines) >= 1, argv
 
 
 @pytest.mark.parametrize(("argv", "shown"), [

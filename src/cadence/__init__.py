@@ -10,52 +10,16 @@ The engine is usable from your own loop::
 
 from __future__ import annotations
 
+from cadence.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "cadence.data": ("Example",),
+    "cadence.engine": (
+        "ChunkedCrossEntropy", "Cut", "Engine", "GradientNoiseScale", "Precision", "SingleProcess", "StepResult",
+        "TargetsOnlyCrossEntropy", "Window", "build_lr_scheduler", "count_targets", "epoch_windows", "iter_windows",
+        "lr_factor", "make_window", "prefetch", "shift_hf_labels", "token_cross_entropy_sum"),
+    "cadence.errors": ("Problem", "UsageError"),
+})
+
 __version__ = "0.1.0"
-
-from cadence.data import Example  # noqa: E402
-from cadence.engine import (  # noqa: E402
-    ChunkedCrossEntropy,
-    Cut,
-    Engine,
-    GradientNoiseScale,
-    Precision,
-    SingleProcess,
-    StepResult,
-    TargetsOnlyCrossEntropy,
-    Window,
-    build_lr_scheduler,
-    count_targets,
-    epoch_windows,
-    iter_windows,
-    lr_factor,
-    make_window,
-    prefetch,
-    shift_hf_labels,
-    token_cross_entropy_sum,
-)
-from cadence.errors import Problem, UsageError  # noqa: E402
-
-__all__ = [
-    "ChunkedCrossEntropy",
-    "Cut",
-    "Engine",
-    "Example",
-    "GradientNoiseScale",
-    "Precision",
-    "Problem",
-    "SingleProcess",
-    "StepResult",
-    "TargetsOnlyCrossEntropy",
-    "UsageError",
-    "Window",
-    "__version__",
-    "build_lr_scheduler",
-    "count_targets",
-    "epoch_windows",
-    "iter_windows",
-    "lr_factor",
-    "make_window",
-    "prefetch",
-    "shift_hf_labels",
-    "token_cross_entropy_sum",
-]
+__all__ = [*__all__, "__version__"]

@@ -5,7 +5,7 @@ import sys
 import traceback
 
 from cadence.cli import main
-from cadence.distributed.ranks import torchrun_ranks
+from cadence.distributed.torchrun import torchrun_ranks
 
 if torchrun_ranks() is None:
     sys.exit(main())

@@ -21,10 +21,11 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import click
 
 from cadence import __version__
-from cadence.audit.run import run_script
-from cadence.config import DEVICE_CHOICES, TrainConfig, flag, hint_types, read_field_docs, resolve_device
+from cadence.config import DEVICE_CHOICES, TrainConfig, flag, hint_types, read_field_docs
+from cadence.config.commands import PlanOptions, PrepareDataOptions, ProfileOptions, SampleOptions, VerifyOptions
 from cadence.config.schema import (
     DISTRIBUTED,
+    EVERYDAY,
     FIELD_NAMES,
     FROM_PLAN,
     SECTIONS,
@@ -32,22 +33,18 @@ from cadence.config.schema import (
     command_fields,
     section_of,
 )
-from cadence.config.sources import build_config, given_keys
-from cadence.distributed.launch import arguments_without_nproc, launch
-from cadence.distributed.ranks import SINGLE, start, stop, torchrun_ranks
+from cadence.distributed.torchrun import torchrun_ranks
 from cadence.errors import CadenceFailure, UsageError
-from cadence.plan.planner import PlanOptions, apply_plan, make_plan
-from cadence.profiling.compare import terminal_summary, write_comparison
-from cadence.profiling.profiler import ProfileOptions, run_profile
-from cadence.rebuild import build_report
-from cadence.sampling import SampleOptions, sample
-from cadence.training.loop import train
-from cadence.training.prepare_data import PrepareDataOptions, prepare_data
-from cadence.verify.check import VerifyOptions, run_verify
+
+# Each command imports what runs it inside its function, not here: `cadence --help` and `cadence COMMAND --help` must
+# answer without importing torch (about 2 of the 5 seconds a help took; issue 41). tests/test_cli_help.py checks
+# that no help imports it.
 
 OTHER_OPTION_SECTIONS: dict[str, Section] = {"config_file": FROM_PLAN, "nproc_per_node": DISTRIBUTED}
 """The --help section of the options that are not TrainConfig fields (those have their section in the schema)."""
 
+
+EVERYDAY_TITLE = "Everyday flags (the rest by section below)"
 
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"lora_targets": ("--lora-target-modules",)}
 """Second spellings of a few flags: peft's own name for the LoRA targets."""
@@ -62,11 +59,15 @@ class GroupedCommand(click.Command):
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         fields = set(FIELD_NAMES)
         sections: dict[str, list[tuple[str, str]]] = {}
+        everyday: dict[str, tuple[str, str]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is None:
                 continue
             name = param.name or ""
+            if name in EVERYDAY:
+                everyday[name] = record
+                continue
             if "--help" in param.opts:
                 title = "Other"
             elif name in fields:
@@ -78,6 +79,9 @@ class GroupedCommand(click.Command):
             sections.setdefault(title, []).append(record)
         schema_order = [section.title for section in SECTIONS]
         order = [title for title in sections if title not in schema_order and title != "Other"]
+        if everyday:  # after the command's own options, in EVERYDAY's order: a first run's flags before the rare ones
+            sections[EVERYDAY_TITLE] = [everyday[name] for name in EVERYDAY if name in everyday]
+            order.append(EVERYDAY_TITLE)
         order += [title for title in schema_order if title in sections] + (["Other"] if "Other" in sections else [])
         for title in order:
             with formatter.section(title):
@@ -198,6 +202,9 @@ def _own_options(cls: type, options: dict[str, Any]) -> tuple[Any, dict[str, Any
 def _train_config(config_file: Path | None, flags: dict[str, Any]) -> TrainConfig:
     """Flags over the --config file over the defaults, and then --plan's decision (where the command takes --plan:
     a flag that contradicts the plan is an error)."""
+    from cadence.config.sources import build_config, given_keys
+    from cadence.plan.planner import apply_plan
+
     config = build_config(toml_path=config_file, flags=flags)
     if config.plan is not None:
         config = apply_plan(config, given_keys(toml_path=config_file, flags=flags))
@@ -226,6 +233,8 @@ def nproc_option(command: Any) -> Any:
 @click.pass_context
 def train_command(ctx: click.Context, config_file: Path | None, nproc_per_node: int | None, **options: Any) -> None:
     """Train a model; writes a run directory (config.json, metrics.jsonl, summary.json, model.safetensors)."""
+    from cadence.training.loop import train
+
     config = _train_config(config_file, options)
     _on_every_rank(ctx, "train", config, nproc_per_node, lambda ranks: train(config, ranks=ranks))
 
@@ -233,6 +242,9 @@ def train_command(ctx: click.Context, config_file: Path | None, nproc_per_node: 
 def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_per_node: int | None,
                    run: Callable[[Any], Any]) -> None:
     """``run(ranks)`` in this process, or as a rank of torchrun's group, or launched on --nproc-per-node ranks."""
+    from cadence.config import resolve_device
+    from cadence.distributed.launch import arguments_without_nproc, launch
+    from cadence.distributed.ranks import SINGLE, start, stop
 
     if nproc_per_node is not None:
 
@@ -270,6 +282,9 @@ def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_
 def plan_command(config_file: Path | None, **options: Any) -> None:
     """Choose micro-batch, accumulation, recompute, offload and precision under --memory-budget for
     --effective-batch-size, by estimate and measured trials; writes plan.json and a report."""
+    from cadence.config.sources import build_config, given_keys
+    from cadence.plan.planner import make_plan
+
     plan_options, flags = _own_options(PlanOptions, options)
     constrained = given_keys(toml_path=config_file, flags=flags)
     config = build_config(toml_path=config_file, flags=flags)
@@ -286,6 +301,9 @@ def plan_command(config_file: Path | None, **options: Any) -> None:
 def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None, **options: Any) -> None:
     """Profile a few training steps: time and memory per phase, top operators, tokens/s, MFU and a verdict;
     writes trace.json (Chrome/Perfetto), profile.json and a report."""
+    from cadence.profiling.compare import terminal_summary, write_comparison
+    from cadence.profiling.profiler import run_profile
+
     if compare is not None:
         given = [flag(k) for k, v in options.items() if v not in (None, ()) and k != "out"]
         if given or config_file is not None:
@@ -311,6 +329,8 @@ def verify_command(ctx: click.Context, config_file: Path | None, as_json: bool, 
                    **options: Any) -> None:
     """Check that a configuration (micro-batch x accumulation, precision, recompute, offload) gives the gradient of
     the whole effective batch in fp32; exit status 1 when it does not."""
+    from cadence.verify.check import run_verify
+
     verify_options, flags = _own_options(VerifyOptions, options)
     config = _train_config(config_file, flags)
     _on_every_rank(ctx, "verify", config, nproc_per_node,
@@ -327,6 +347,8 @@ def audit_command(as_json: bool, strict: bool, command: tuple[str, ...]) -> None
     rule it broke (rule id, explanation, fix, file:line). Your output and exit status pass through; the exit status
     is 1 when an error-level rule fired (the loop's gradient, update or LR schedule is wrong), and with --strict
     also on a warning (performance only)."""
+    from cadence.audit.run import run_script
+
     raise click.exceptions.Exit(run_script(list(command), as_json=as_json, strict=strict))
 
 
@@ -336,6 +358,9 @@ def audit_command(as_json: bool, strict: bool, command: tuple[str, ...]) -> None
 def prepare_data_command(**options: Any) -> None:
     """Tokenise --data once into a memory-mapped token store (in --data-cache, or --out DIR) and print what it
     holds: examples, tokens, targets and a length histogram. cadence train then opens it in milliseconds."""
+    from cadence.config.sources import build_config
+    from cadence.training.prepare_data import prepare_data
+
     prepare_options, flags = _own_options(PrepareDataOptions, options)
     prepare_data(build_config(toml_path=None, flags=flags), prepare_options)
 
@@ -345,6 +370,7 @@ def prepare_data_command(**options: Any) -> None:
 def report_command(run_dir: Path) -> None:
     """(Re)build report.md and report.html (and the plots beside them) of DIR: a run directory (cadence train), a
     plan directory (cadence plan) or a profile directory (cadence profile)."""
+    from cadence.rebuild import build_report
 
     for path in build_report(run_dir):
         click.echo(str(path))
@@ -356,6 +382,8 @@ def report_command(run_dir: Path) -> None:
 def sample_command(run_dir: Path, **options: Any) -> None:
     """Generate text from a run's final model (or its best, or a checkpoint's): the prompt's continuation on
     stdout, which weights were used on stderr."""
+    from cadence.sampling import sample
+
     sample_options, _ = _own_options(SampleOptions, options)
     text, run, ended = sample(run_dir, sample_options)
     click.echo(f"weights: {run.weights}" + ("" if ended else " (stopped at --max-new-tokens, not at the end of "

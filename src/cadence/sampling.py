@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from cadence.config import TrainConfig
+from cadence.config.commands import SampleOptions
 from cadence.config.sources import recorded_values
 from cadence.config.validate import is_cadence_config
 from cadence.data.chat import ROLES, ChatDataError, ChatTemplateError, parse_conversation
@@ -56,30 +57,7 @@ SEED_LIMIT = 2**64
 """torch.Generator takes 64-bit seeds: 0 to 2**64 - 1."""
 
 
-@dataclass(kw_only=True)
-class SampleOptions:
-    """What ``cadence sample`` generates."""
 
-    prompt: str = ""
-    """The text to continue (a prompt/completion run: the prompt, as its data had it)."""
-    message: list[str] | None = None
-    """A chat message to answer (a chat-trained run), ROLE:TEXT (system, user, assistant, tool) or TEXT for a user
-    message; repeat for a conversation. Rendered with the run's chat template and its generation prompt; generation
-    stops at the end of the assistant's turn."""
-    messages_file: Path | None = None
-    """A JSON file holding the conversation to answer: a list of {role, content} messages, or {"messages": [...]}."""
-    max_new_tokens: int = 200
-    """Tokens generated at most (fewer when the model ends the sequence); at most 16384."""
-    temperature: float = 0.8
-    """Softmax temperature, 0.001 or more; 0 picks the most likely token every time (greedy, the same text on every
-    call)."""
-    top_k: int = 50
-    """Sample among the k most likely tokens only (0: all of them)."""
-    seed: int = 0
-    """Seed of the sampling, 0 to 2**64 - 1: the same seed, prompt and weights give the same text."""
-    weights: str = "final"
-    """Whose weights: final (the run's model.safetensors), best (the checkpoint --keep-best kept) or step-N (that
-    checkpoint)."""
 
 
 @dataclass(kw_only=True)

@@ -11,12 +11,8 @@ import torch
 from torch import nn
 
 from cadence import Engine, iter_windows, token_cross_entropy_sum
-from cadence.memory.offload import (
-    OFFLOAD_MODES,
-    OffloadedOptimizer,
-    activation_offload,
-    offloaded_state_bytes,
-)
+from cadence.memory.choices import OFFLOAD_MODES
+from cadence.memory.offload import OffloadedOptimizer, activation_offload, offloaded_state_bytes
 from cadence.models import GPT, GPTConfig
 
 GPT_CONFIG = GPTConfig(vocab_size=256, context_length=16, n_layer=2, n_head=2, n_embd=32)

@@ -1,29 +1,13 @@
 """The training configuration: the schema (one typed dataclass), its validation, and where values come from."""
 
-from cadence.config.schema import (
-    DEVICE_CHOICES,
-    FIELD_NAMES,
-    MAX_SEED,
-    STRATEGIES,
-    DeviceName,
-    Strategy,
-    TrainConfig,
-    field_help,
-    flag,
-    hint_types,
-    parse_size,
-    read_field_docs,
-)
-from cadence.config.validate import (
-    distributed_problems,
-    is_cadence_config,
-    resolve_device,
-    run_directory_problem,
-    validate,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DEVICE_CHOICES", "FIELD_NAMES", "MAX_SEED", "STRATEGIES", "DeviceName", "Strategy", "TrainConfig",
-    "distributed_problems", "field_help", "flag", "hint_types", "is_cadence_config", "parse_size", "read_field_docs",
-    "resolve_device", "run_directory_problem", "validate",
-]
+from cadence.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "cadence.config.schema": (
+        "DEVICE_CHOICES", "FIELD_NAMES", "MAX_SEED", "STRATEGIES", "DeviceName", "Strategy", "TrainConfig",
+        "field_help", "flag", "hint_types", "parse_size", "read_field_docs"),
+    "cadence.config.validate": (
+        "distributed_problems", "is_cadence_config", "resolve_device", "run_directory_problem", "validate"),
+})

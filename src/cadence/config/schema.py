@@ -10,20 +10,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from cadence.data.chat import TrainOn
-from cadence.data.too_long import TooLong
+from cadence.data.choices import TooLong
+from cadence.engine.choices import DEFAULT_MIN_LR_RATIO, LastWindow, LRScheduleName, PrecisionName
 from cadence.engine.cut import MicroBatchOrder
-from cadence.engine.precision import PrecisionName
-from cadence.engine.schedules import DEFAULT_MIN_LR_RATIO, LRScheduleName
-from cadence.engine.windows import LastWindow
-from cadence.memory.offload import OffloadMode
-from cadence.memory.optimizer_state import OptimizerStateName
-from cadence.memory.recompute import CheckpointingMode
+from cadence.memory.choices import CheckpointingMode, OffloadMode, OptimizerStateName
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 DEVICE_CHOICES: tuple[DeviceName, ...] = ("auto", "cpu", "cuda")
@@ -55,6 +52,14 @@ class Section:
 
 def _section(title: str, *commands: str) -> Section:
     return Section(title=title, commands=frozenset(commands))
+
+
+EVERYDAY: tuple[str, ...] = (
+    "model", "data", "seq_len", "micro_batch_size", "effective_batch_size", "precision", "lr", "max_steps", "out",
+    "resume", "lora_rank", "plan",
+)
+"""The flags most runs set, which `--help` shows first under their own heading (the rest follow by section): a new
+user finds what to type for a first run without reading past the rare levers. Each still belongs to its section."""
 
 
 # The run's math and shape, which every command that runs a step takes.
@@ -384,17 +389,24 @@ def read_field_docs(cls: type) -> dict[str, str]:
     Cached: the command line asks for TrainConfig's once per command that shares its flags, and parsing the source
     each time is a visible part of every start-up. Callers must not modify the returned dict."""
     import ast
-    import inspect
-    import textwrap
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     docs: dict[str, str] = {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    body = _class_bodies(sys.modules[cls.__module__].__file__ or "")[cls.__qualname__]
     for node, following in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
                 docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs
+
+
+@functools.cache
+def _class_bodies(module_file: str) -> dict[str, list[Any]]:
+    """The statements of each top-level class in a module's source, by name: the module parsed once for all its
+    classes (inspect.getsource searched the file again for each class, about 20 ms each at every start-up)."""
+    import ast
+
+    tree = ast.parse(Path(module_file).read_text(encoding="utf-8"))
+    return {node.name: node.body for node in tree.body if isinstance(node, ast.ClassDef)}
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,

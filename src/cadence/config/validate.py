@@ -20,15 +20,13 @@ from cadence.config.schema import (
     hint_types,
     parse_size,
 )
-from cadence.data.too_long import TOO_LONG_CHOICES
+from cadence.data.choices import TOO_LONG_CHOICES
+from cadence.engine.choices import LAST_WINDOW_CHOICES, LR_SCHEDULES, PRECISIONS
 from cadence.engine.cut import MICRO_BATCH_ORDER_CHOICES
-from cadence.engine.precision import PRECISIONS, precision_problem
-from cadence.engine.schedules import LR_SCHEDULES
-from cadence.engine.windows import LAST_WINDOW_CHOICES
+from cadence.engine.precision import precision_problem
 from cadence.errors import Problem, UsageError
-from cadence.memory.offload import OFFLOAD_MODES
-from cadence.memory.optimizer_state import OPTIMIZER_STATES, eight_bit_problem
-from cadence.memory.recompute import CHECKPOINTING_MODES
+from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES, OPTIMIZER_STATES
+from cadence.memory.optimizer_state import eight_bit_problem
 from cadence.models import MODEL_NAMES, compile_problem, model_context_length
 from cadence.models.lora import peft_problem, split_targets
 from cadence.models.quantized import bitsandbytes_problem

@@ -7,68 +7,21 @@ Byte-level sources' tokens are bytes (0..255), so they work with the byte-level 
 
 from __future__ import annotations
 
-from cadence.data.batching import (
-    BYTE_EOS_ID,
-    IGNORE_INDEX,
-    PAD_TOKEN_ID,
-    Example,
-    TokenDataset,
-    collate,
-    epoch_order,
-    iterate_micro_batches,
-    make_example,
-    micro_batch_indices,
-)
-from cadence.data.cache import default_cache_dir
-from cadence.data.corpus import corpus_bytes, corpus_description, corpus_files, stdlib_root
-from cadence.data.jsonl import read_jsonl
-from cadence.data.load import (
-    byte_recipe,
-    bytes_fingerprint,
-    files_fingerprint,
-    is_store,
-    load_data,
-    open_prepared_store,
-)
-from cadence.data.sources import BYTES_TOKENIZER
-from cadence.data.splits import DataSplits, split_validation, splits_from_store
-from cadence.data.store import PackedSequences, StoredExamples, TokenStore
-from cadence.data.text import pack_bytes, read_text_source
-from cadence.data.too_long import TOO_LONG_CHOICES, LongExamples, TooLong
+from cadence.lazy import lazy_exports
 
-__all__ = [
-    "BYTE_EOS_ID",
-    "BYTES_TOKENIZER",
-    "LongExamples",
-    "TOO_LONG_CHOICES",
-    "TooLong",
-    "IGNORE_INDEX",
-    "PackedSequences",
-    "StoredExamples",
-    "TokenStore",
-    "byte_recipe",
-    "default_cache_dir",
-    "is_store",
-    "open_prepared_store",
-    "split_validation",
-    "splits_from_store",
-    "PAD_TOKEN_ID",
-    "DataSplits",
-    "bytes_fingerprint",
-    "files_fingerprint",
-    "Example",
-    "TokenDataset",
-    "collate",
-    "corpus_bytes",
-    "corpus_description",
-    "corpus_files",
-    "epoch_order",
-    "iterate_micro_batches",
-    "load_data",
-    "make_example",
-    "micro_batch_indices",
-    "pack_bytes",
-    "read_jsonl",
-    "read_text_source",
-    "stdlib_root",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "cadence.data.batching": (
+        "BYTE_EOS_ID", "IGNORE_INDEX", "PAD_TOKEN_ID", "Example", "TokenDataset", "collate", "epoch_order",
+        "iterate_micro_batches", "make_example", "micro_batch_indices"),
+    "cadence.data.cache": ("default_cache_dir",),
+    "cadence.data.corpus": ("corpus_bytes", "corpus_description", "corpus_files", "stdlib_root"),
+    "cadence.data.jsonl": ("read_jsonl",),
+    "cadence.data.load": (
+        "byte_recipe", "bytes_fingerprint", "files_fingerprint", "is_store", "load_data", "open_prepared_store"),
+    "cadence.data.sources": ("BYTES_TOKENIZER",),
+    "cadence.data.splits": ("DataSplits", "split_validation", "splits_from_store"),
+    "cadence.data.store": ("PackedSequences", "StoredExamples", "TokenStore"),
+    "cadence.data.text": ("pack_bytes", "read_text_source"),
+    "cadence.data.choices": ("TOO_LONG_CHOICES", "TooLong"),
+    "cadence.data.too_long": ("LongExamples",),
+})

@@ -27,11 +27,11 @@ from typing import IO, Any, Protocol, runtime_checkable
 from cadence.data.batching import BYTE_EOS_ID, PAD_TOKEN_ID
 from cadence.data.cache import BuildResult, Recipe, open_or_build
 from cadence.data.chat import detect_chat_format
+from cadence.data.choices import TooLong
 from cadence.data.load import files_fingerprint
 from cadence.data.progress import BuildProgress
 from cadence.data.splits import DataSplits, splits_from_store
 from cadence.data.store import StoreWriter
-from cadence.data.too_long import TooLong
 from cadence.errors import UsageError
 
 HF_DATA_PREFIX = "hf:"

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from cadence.data.batching import BYTE_EOS_ID, IGNORE_INDEX, Example, make_example
-from cadence.data.too_long import TOO_LONG_CHOICES, TooLong, tail_shift, too_long_message
+from cadence.data.choices import TOO_LONG_CHOICES, TooLong
+from cadence.data.too_long import tail_shift, too_long_message
 from cadence.errors import Problem, UsageError
 from cadence.input_files import read_regular_file, read_regular_file_chunks, regular_file_problem
 

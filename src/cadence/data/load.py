@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import IO
 
 from cadence.data.cache import Recipe, open_or_build
+from cadence.data.choices import TooLong
 from cadence.data.sources import BYTES_TOKENIZER, corpus_recipe, jsonl_recipe, text_recipe
 from cadence.data.splits import DataSplits, splits_from_store
 from cadence.data.store import META_FILE, StoreDamaged, TokenStore
-from cadence.data.too_long import TooLong
 from cadence.errors import UsageError
 
 _ALLOWED_DATA = ("a .txt file, a directory of text files, a .jsonl file ({\"text\"} or {\"prompt\", \"completion\"} per "

@@ -32,11 +32,11 @@ from typing import IO, Any, Literal
 from cadence.data.cache import Recipe, open_or_build
 from cadence.data.chat import TRAIN_ON, TrainOn, detect_chat_format
 from cadence.data.chat_store import ChatSettings, chat_recipe, chat_template_for, dataset_route, first_record
+from cadence.data.choices import TooLong
 from cadence.data.hf import as_tokenizer, hf_recipe, is_hf_data
 from cadence.data.load import byte_recipe, is_store, open_prepared_store
 from cadence.data.sources import BYTES_TOKENIZER
 from cadence.data.splits import DataSplits, splits_from_store
-from cadence.data.too_long import TooLong
 from cadence.errors import Problem, UsageError
 
 SourceKind = Literal["corpus", "text", "jsonl", "chat", "datasets", "store"]

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cadence.data.batching import TokenDataset
+from cadence.data.choices import TOO_LONG_CHOICES, TooLong
 from cadence.data.jsonl import MAX_REPORTED_PROBLEMS, no_examples_message
 from cadence.data.store import StoredExamples, TokenStore
 from cadence.data.text import pack_tokens
-from cadence.data.too_long import TOO_LONG_CHOICES, LongExamples, TooLong, select_rows, too_long_message
+from cadence.data.too_long import LongExamples, select_rows, too_long_message
 from cadence.errors import Problem, UsageError
 
 

@@ -20,12 +20,10 @@ Longer ones are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
-TooLong = Literal["skip", "truncate", "error"]
-TOO_LONG_CHOICES: tuple[TooLong, ...] = ("skip", "truncate", "error")
+from cadence.data.choices import TooLong
 
 
 def tail_shift(length: int | np.ndarray, loss_start: int | np.ndarray, seq_len: int, head: int = 0) -> np.ndarray:
@@ -106,4 +104,4 @@ def too_long_message(length: int, seq_len: int, unit: str) -> str:
             f"({seq_len} inputs and the last target); give a larger --seq-len, or --too-long skip or truncate")
 
 
-__all__ = ["TOO_LONG_CHOICES", "LongExamples", "TooLong", "kept_head", "select_rows", "tail_shift", "too_long_message"]
+__all__ = ["LongExamples", "TooLong", "kept_head", "select_rows", "tail_shift", "too_long_message"]

@@ -1,17 +1,13 @@
 """Several processes: torchrun's ranks, DDP / FSDP2 wrapping, when gradients sync, and launching N ranks."""
 
-from cadence.distributed.launch import launch
-from cadence.distributed.ranks import (
-    SINGLE,
-    ProcessGroupCollective,
-    Ranks,
-    rank_device,
-    start,
-    stop,
-    torchrun_ranks,
-    unwrap,
-    wrap_model,
-)
+from __future__ import annotations
 
-__all__ = ["SINGLE", "ProcessGroupCollective", "Ranks", "launch", "rank_device", "start", "stop", "torchrun_ranks",
-           "unwrap", "wrap_model"]
+from cadence.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "cadence.distributed.launch": ("launch",),
+    "cadence.distributed.torchrun": ("torchrun_ranks",),
+    "cadence.distributed.ranks": (
+        "SINGLE", "ProcessGroupCollective", "Ranks", "rank_device", "start", "stop", "unwrap",
+        "wrap_model"),
+})

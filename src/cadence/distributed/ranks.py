@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.config import Strategy
+from cadence.distributed.torchrun import torchrun_ranks
 from cadence.engine.noise_scale import FirstGradient, gradient_norm, local_first_gradient
 from cadence.memory.recompute import checkpoint_blocks
 
@@ -48,14 +48,6 @@ class Ranks:
 
 SINGLE = Ranks()
 """One process, no process group."""
-
-
-def torchrun_ranks() -> tuple[int, int, int] | None:
-    """(rank, local_rank, world_size) when torchrun started this process, else None."""
-    try:
-        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["WORLD_SIZE"])
-    except (KeyError, ValueError):
-        return None
 
 
 def start(*, device_type: str, strategy: Strategy, sync_every_micro_step: bool, timeout_s: float) -> Ranks:

@@ -4,29 +4,21 @@ the gradient noise scale it can measure on the way.
 Usable from a user's own loop: ``from cadence.engine import Engine, iter_windows, prefetch``.
 """
 
-from cadence.engine.chunked_loss import ChunkedCrossEntropy, TargetsOnlyCrossEntropy
-from cadence.engine.cut import Cut
-from cadence.engine.noise_scale import GradientNoiseScale, NoiseScale
-from cadence.engine.precision import PRECISIONS, Precision, PrecisionName
-from cadence.engine.prefetch import Prefetcher, prefetch
-from cadence.engine.schedules import LR_SCHEDULES, build_lr_scheduler, lr_factor
-from cadence.engine.step import Engine, LossFn, PartialWindow, SingleProcess, StepResult, token_cross_entropy_sum
-from cadence.engine.windows import (
-    IGNORE_INDEX,
-    Batch,
-    Window,
-    count_targets,
-    count_tokens,
-    epoch_windows,
-    iter_windows,
-    make_window,
-    recut,
-    shift_hf_labels,
-)
+from __future__ import annotations
 
-__all__ = [
-    "IGNORE_INDEX", "LR_SCHEDULES", "PRECISIONS", "Batch", "ChunkedCrossEntropy", "Cut", "Engine", "GradientNoiseScale",
-    "LossFn", "NoiseScale", "PartialWindow", "Precision", "PrecisionName", "Prefetcher", "SingleProcess", "StepResult",
-    "TargetsOnlyCrossEntropy", "Window", "build_lr_scheduler", "count_targets", "count_tokens", "epoch_windows",
-    "iter_windows", "lr_factor", "make_window", "prefetch", "recut", "shift_hf_labels", "token_cross_entropy_sum",
-]
+from cadence.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "cadence.engine.choices": ("LR_SCHEDULES", "PRECISIONS", "PrecisionName"),
+    "cadence.engine.chunked_loss": ("ChunkedCrossEntropy", "TargetsOnlyCrossEntropy"),
+    "cadence.engine.cut": ("Cut",),
+    "cadence.engine.noise_scale": ("GradientNoiseScale", "NoiseScale"),
+    "cadence.engine.precision": ("Precision",),
+    "cadence.engine.prefetch": ("Prefetcher", "prefetch"),
+    "cadence.engine.schedules": ("build_lr_scheduler", "lr_factor"),
+    "cadence.engine.step": (
+        "Engine", "LossFn", "PartialWindow", "SingleProcess", "StepResult", "token_cross_entropy_sum"),
+    "cadence.engine.windows": (
+        "IGNORE_INDEX", "Batch", "Window", "count_targets", "count_tokens", "epoch_windows", "iter_windows",
+        "make_window", "recut", "shift_hf_labels"),
+})

@@ -15,8 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-PrecisionName = Literal["fp32", "bf16", "fp16"]
-PRECISIONS: tuple[PrecisionName, ...] = ("fp32", "bf16", "fp16")
+from cadence.engine.choices import PRECISIONS, PrecisionName
 
 _AUTOCAST_DTYPE: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

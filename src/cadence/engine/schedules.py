@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
-LRScheduleName = Literal["constant", "linear", "cosine"]
-LR_SCHEDULES: tuple[LRScheduleName, ...] = ("constant", "linear", "cosine")
-
-DEFAULT_MIN_LR_RATIO = 0.1
-"""The floor of a decaying schedule, as a fraction of the peak LR: the library's default and ``--min-lr-ratio``'s, so a
-loop built from the library decays as ``cadence train`` does (a tenth of the peak, the usual choice for fine-tuning
-and pretraining alike; 0.0 decays to nothing, which leaves the last steps with almost no update)."""
+from cadence.engine.choices import DEFAULT_MIN_LR_RATIO, LR_SCHEDULES, LRScheduleName
 
 
 def lr_factor(

@@ -29,8 +29,9 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from cadence.engine.choices import PrecisionName
 from cadence.engine.noise_scale import FirstGradient, GradientNoiseScale, local_first_gradient
-from cadence.engine.precision import Precision, PrecisionName
+from cadence.engine.precision import Precision
 from cadence.engine.windows import IGNORE_INDEX, Batch, Window, WindowCounter, make_window
 from cadence.errors import CadenceFailure
 from cadence.memory.meter import StepMemoryMeter

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -23,8 +22,7 @@ from cadence.engine.cut import Cut, rank_bounds
 Batch = Mapping[str, torch.Tensor]
 """A micro-batch: ``input_ids`` [B, T] and ``labels`` [B, T] (-100 = no loss), or anything a custom loss reads."""
 
-LastWindow = Literal["step", "drop"]
-LAST_WINDOW_CHOICES: tuple[LastWindow, ...] = ("step", "drop")
+from cadence.engine.choices import LastWindow
 
 
 def count_targets(batch: Batch) -> int:

@@ -1,14 +1,15 @@
 """Where a step's memory goes and how to spend less: the measured peak, the analytic estimate, recompute, offload."""
 
-from cadence.memory.estimate import MemoryEstimate, estimate_step_memory
-from cadence.memory.estimate_hf import estimate_hf_step_memory
-from cadence.memory.measure import MeasuredMemory, measure_step
-from cadence.memory.meter import StepMemoryMeter
-from cadence.memory.offload import OFFLOAD_MODES, OffloadedOptimizer
-from cadence.memory.recompute import CHECKPOINTING_MODES, apply_activation_checkpointing
+from __future__ import annotations
 
-__all__ = [
-    "CHECKPOINTING_MODES", "OFFLOAD_MODES", "MeasuredMemory", "MemoryEstimate", "OffloadedOptimizer",
-    "StepMemoryMeter", "apply_activation_checkpointing", "estimate_hf_step_memory", "estimate_step_memory",
-    "measure_step",
-]
+from cadence.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "cadence.memory.choices": ("CHECKPOINTING_MODES", "OFFLOAD_MODES"),
+    "cadence.memory.estimate": ("MemoryEstimate", "estimate_step_memory"),
+    "cadence.memory.estimate_hf": ("estimate_hf_step_memory",),
+    "cadence.memory.measure": ("MeasuredMemory", "measure_step"),
+    "cadence.memory.meter": ("StepMemoryMeter",),
+    "cadence.memory.offload": ("OffloadedOptimizer",),
+    "cadence.memory.recompute": ("apply_activation_checkpointing",),
+})

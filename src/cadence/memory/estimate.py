@@ -24,15 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cadence.formatting import format_mib
-from cadence.memory.offload import OffloadMode
+from cadence.memory.choices import OPTIMIZER_STATES, CheckpointingMode, OffloadMode
 from cadence.memory.optimizer_state import (
     CHUNK_ELEMENTS,
     EIGHT_BIT_CODE_BOOK,
     EIGHT_BIT_MIN_SIZE,
-    OPTIMIZER_STATES,
     state_bytes_per_parameter,
 )
-from cadence.memory.recompute import CheckpointingMode
 from cadence.models.gpt import GPTConfig
 
 PrecisionName = Literal["fp32", "bf16", "fp16"]

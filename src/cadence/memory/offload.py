@@ -20,12 +20,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
-
-OffloadMode = Literal["none", "activations", "optimizer"]
-OFFLOAD_MODES: tuple[OffloadMode, ...] = ("none", "activations", "optimizer")
 
 
 def activation_offload(device: torch.device | str) -> contextlib.AbstractContextManager[Any]:

@@ -23,15 +23,12 @@ import importlib.util
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from cadence.models.lora import bitsandbytes_problem
 from cadence.records import COUNT, Kind, Record, tensor_kind
-
-OptimizerStateName = Literal["fp32", "bf16", "8bit"]
-OPTIMIZER_STATES: tuple[OptimizerStateName, ...] = ("fp32", "bf16", "8bit")
 
 EIGHT_BIT_BLOCK = 256
 """Elements per quantisation block of bitsandbytes' block-wise 8-bit state (one fp32 absmax each)."""

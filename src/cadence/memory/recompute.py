@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from cadence.memory.choices import CHECKPOINTING_MODES, CheckpointingMode
 from cadence.models.blocks import repeated_blocks
-
-CheckpointingMode = Literal["none", "full", "selective"]
-CHECKPOINTING_MODES: tuple[CheckpointingMode, ...] = ("none", "full", "selective")
 
 
 def _expensive_ops() -> frozenset[Any]:

@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from cadence.config import TrainConfig
-from cadence.engine.precision import PrecisionName
+from cadence.engine.choices import PrecisionName
 from cadence.engine.step import Engine
+from cadence.memory.choices import CheckpointingMode
 from cadence.memory.estimate import estimate_step_memory
 from cadence.memory.measure import MeasuredMemory, measure_step
-from cadence.memory.recompute import CheckpointingMode, apply_activation_checkpointing
+from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import MODEL_CONFIGS, build_model
 from cadence.training.components import build_optimizer
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from cadence.engine.precision import PrecisionName
+from cadence.engine.choices import PrecisionName
 from cadence.profiling.flops import matmul_speed
 
 T = TypeVar("T")

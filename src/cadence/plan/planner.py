@@ -28,20 +28,21 @@ from typing import IO, Any, get_type_hints
 import torch
 
 from cadence.config import TrainConfig, validate
+from cadence.config.commands import PlanOptions
 from cadence.config.schema import FIELD_NAMES, LORA, section_of
 from cadence.config.sources import field_kind
 from cadence.data import DataSplits
 from cadence.data.source import FIELD_DEFAULTS, TRAIN_ON, Source
 from cadence.data.text import PackedSequences
+from cadence.engine.choices import PRECISIONS
 from cadence.engine.cut import CUT_FLAG_DEFAULTS, Cut
-from cadence.engine.precision import PRECISIONS, precision_problem
+from cadence.engine.precision import precision_problem
 from cadence.errors import CadenceFailure, Problem, UsageError
 from cadence.formatting import format_bytes
 from cadence.input_files import read_regular_file
+from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES
 from cadence.memory.estimate import MemoryEstimate
-from cadence.memory.offload import OFFLOAD_MODES
 from cadence.memory.optimizer_state import eight_bit_problem
-from cadence.memory.recompute import CHECKPOINTING_MODES
 from cadence.models.hf import packed_attention_supported
 from cadence.models.packed_attention import runs_packed_attention
 from cadence.output_files import atomic_write_json
@@ -70,33 +71,7 @@ OFFLOAD_COST = {"none": 1.0, "activations": 1.3, "optimizer": 1.5}
 CHUNK_COST = 1.15
 """Prior relative cost per token, used only to order which candidates to measure first, never to decide."""
 
-@dataclass(kw_only=True)
-class PlanOptions:
-    """How much measuring a plan does."""
 
-    trial_steps: int = 4
-    """Optimizer steps per measured trial: one warm-up, one measured for memory, the rest timed."""
-    max_trials: int = 10
-    """Candidates measured at most; 0 measures every candidate (an exhaustive sweep)."""
-    quality_steps: int = 6
-    """Optimizer steps of the loss comparison against fp32."""
-    rounds: int = 3
-    """Alternating rounds (A B C A B C ...) in which the front-runners, and the cuts, are timed again; each one's
-    median decides, and two within the rounds' noise band are a tie, decided by the lower peak memory."""
-    time_budget: float = 300.0
-    """Seconds the plan may spend measuring. Trials are ordered by what they can teach (the fastest groups first)
-    and stop when it is spent, keeping time for the quality check; the plan says what it did not measure."""
-    noise_scale_windows: int = 8
-    """With --effective-batch-size auto: windows over which the gradient noise scale is measured at the start of
-    training (more: a smaller standard error, recorded in plan.json)."""
-    min_effective_batch_size: int = 1
-    """With --effective-batch-size auto: the smallest effective batch the plan may choose."""
-    max_effective_batch_size: int = 4096
-    """With --effective-batch-size auto: the largest effective batch the plan may choose (also at most the training
-    split's sequences)."""
-    lr_reference_batch: int | None = None
-    """With --effective-batch-size auto: the effective batch --lr was tuned at, for the plan's advice on scaling it
-    (advice only: the plan never changes --lr)."""
 
 
 class PlanFailed(CadenceFailure):

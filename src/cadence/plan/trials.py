@@ -17,7 +17,7 @@ import torch
 
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import prefetch
-from cadence.memory.optimizer_state import OptimizerStateName
+from cadence.memory.choices import OptimizerStateName
 from cadence.training.components import build_components
 from cadence.training.prepare import Prepared
 from cadence.verify.equivalence import Setup

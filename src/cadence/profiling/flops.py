@@ -6,7 +6,8 @@ import time
 
 import torch
 
-from cadence.engine.precision import Precision, PrecisionName
+from cadence.engine.choices import PrecisionName
+from cadence.engine.precision import Precision
 from cadence.models import GPTConfig
 from cadence.models.hf import HFModel
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from cadence.config.commands import ProfileOptions
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import prefetch
 from cadence.engine.step import Engine
@@ -345,14 +346,7 @@ def load_profile(directory: Path) -> dict[str, Any]:
     return json.loads((directory / PROFILE_FILE).read_text(encoding="utf-8"))
 
 
-@dataclass(kw_only=True)
-class ProfileOptions:
-    """What `cadence profile` measures."""
 
-    steps: int = 5
-    """Optimizer steps profiled (after one wait and one warm-up step, which are not)."""
-    peak_flops: float | None = None
-    """Peak FLOP/s of the device for MFU; default: measured by a short matmul benchmark in the run's precision."""
 
 
 def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> dict[str, Any]:

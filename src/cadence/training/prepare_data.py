@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from cadence.config import TrainConfig
+from cadence.config.commands import PrepareDataOptions
 from cadence.data import (
     DataSplits,
     TokenStore,
@@ -24,23 +24,13 @@ from cadence.data import (
     splits_from_store,
 )
 from cadence.data.cache import open_or_build, write_store
+from cadence.data.choices import TOO_LONG_CHOICES
 from cadence.data.hf import ByteTokenizer, as_tokenizer
 from cadence.data.source import Source, source_recipe
-from cadence.data.too_long import TOO_LONG_CHOICES
 from cadence.errors import Problem, UsageError
 from cadence.formatting import format_bytes
 from cadence.models import MODEL_NAMES
 from cadence.models.hf import model_tokenizer
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrepareDataOptions:
-    """Options of ``cadence prepare-data`` beyond the train flags it shares."""
-
-    out: Path | None = None
-    """Write the store into this new directory (then train with --data DIR) instead of the --data-cache."""
-    json: bool = False
-    """Print what the store holds as JSON."""
 
 
 def _recipe(config: TrainConfig, tokenizer: Any | None, progress: IO[str] | None) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from cadence.config.commands import VerifyOptions
 from cadence.distributed.ranks import (
     SINGLE,
     ProcessGroupCollective,
@@ -289,12 +290,7 @@ def format_result(result: VerifyResult) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the command
-@dataclass(kw_only=True)
-class VerifyOptions:
-    """What `cadence verify` checks beyond the gradient of one window."""
 
-    steps: int = 0
-    """Also train K optimizer steps with the configuration and with the reference, and compare the parameters."""
 
 
 class VerifyFailed(CadenceFailure):
