@@ -105,6 +105,7 @@ def test_run_markdown_has_the_configuration_and_totals(run_dir: Path, run_report
     assert f"**final val loss:** {summary['final_val_loss']:.4f}" in md
     assert "**Peak memory:** " in md and summary["peak_memory_source"] in md
     assert "**Steps:** 4 optimizer steps, 0 skipped" in md
+    assert "offload none; optimizer state fp32; loss over whole logits" in md and "LoRA" not in md
     for name in RUN_PNGS:
         assert f"]({name})" in md
     assert md.index("## Totals") < md.index("## What to try next") < md.index("## Plots")
@@ -242,6 +243,15 @@ ADVICE_CASES: list[tuple[str, dict, dict, list | None, set[str], list[str], list
      ["--precision fp32 --compile --out DIR"], []),
     ("stopped by a signal", {}, {"stopped_by": "SIGTERM"}, None, {"**Continue:**"}, ["`cadence train --resume --out "],
      []),
+    # Issue 41: the suggested commands carry every lever of the run, or following them measures another job. LoRA
+    # and the chat data are the job (profile and plan both); the optimizer state and loss chunking are this run's
+    # configuration (profile), which a plan searches itself (said in its note).
+    ("LoRA on chat data, 8-bit state, chunked loss",
+     {"lora_rank": 8, "lora_alpha": 16.0, "lora_targets": ["q_proj", "v_proj"], "lora_base_precision": "nf4",
+      "train_on": "last", "optimizer_state": "8bit", "loss_chunk_tokens": 128}, {}, None, set(),
+     ["--lora-rank 8 --lora-alpha 16.0 --lora-targets q_proj,v_proj --lora-base-precision nf4 --micro-batch-size",
+      "--train-on last", "--optimizer-state 8bit --loss-chunk-tokens 128", "this run's --optimizer-state 8bit "
+      "--loss-chunk-tokens 128 left to the plan"], []),
 ]
 
 
@@ -468,3 +478,14 @@ def test_report_refuses_metrics_whose_step_is_not_a_count(tmp_path, capsys, row)
     assert main(["report", str(run)]) == 2
     err = capsys.readouterr().err
     assert "metrics.jsonl:2" in err and "not a count of optimizer steps" in err and "Traceback" not in err
+
+
+def test_the_configuration_names_every_lever_of_the_run(run_dir: Path) -> None:
+    """Issue 41: the report left out LoRA, the optimizer state and loss chunking (a LoRA run read as full training)."""
+    from cadence.report.runs import _config_items
+
+    config = {**json.loads((run_dir / "config.json").read_text()), "lora_rank": 8, "lora_alpha": None,
+              "lora_targets": None, "lora_base_precision": "nf4", "optimizer_state": "bf16", "loss_chunk_tokens": 256}
+    text = "\n".join(_config_items(config))
+    assert "optimizer state bf16; loss in chunks of 256 tokens" in text
+    assert "**LoRA adapters:** rank 8, alpha 8, dropout 0, on every linear layer; frozen base in nf4" in text

@@ -97,7 +97,10 @@ def _config_items(config: dict[str, Any], rows: list[dict[str, Any]] | None = No
     items = [
         f"**Model:** {get('model', '?')}" + (f", {params:,} parameters" if isinstance(params, int) else ""),
         f"**Device:** {get('resolved_device', get('device', '?'))}; **precision:** {get('precision', '?')}; "
-        f"recompute {get('activation_checkpointing', 'none')}; offload {get('offload', 'none')}",
+        f"recompute {get('activation_checkpointing', 'none')}; offload {get('offload', 'none')}; optimizer state "
+        f"{get('optimizer_state') or 'fp32'}; loss "
+        + (f"in chunks of {get('loss_chunk_tokens'):,} tokens" if isinstance(get("loss_chunk_tokens"), int)
+           and get("loss_chunk_tokens") > 0 else "over whole logits"),
         f"**Effective batch:** {effective} sequences = {micro} "
         + ("rows per micro-batch before the cut" if cut else "micro-batch") + f" x {accum} accumulation x {world} "
         f"process(es)" + (f"; {cut}" if cut else "")
@@ -109,6 +112,12 @@ def _config_items(config: dict[str, Any], rows: list[dict[str, Any]] | None = No
         f"{get('warmup_steps', '?')} steps, max grad norm {get('max_grad_norm', '?')}, "
         f"max steps {get('max_steps', '?')}",
     ]
+    if isinstance(get("lora_rank"), int) and get("lora_rank") > 0:
+        targets = get("lora_targets")
+        items.append(f"**LoRA adapters:** rank {get('lora_rank')}, alpha {get('lora_alpha') or get('lora_rank')}, "
+                     f"dropout {get('lora_dropout') or 0}, on "
+                     + (", ".join(map(str, targets)) if isinstance(targets, list) and targets else "every linear layer")
+                     + f"; frozen base in {get('lora_base_precision') or 'fp32'}")
     if get("memory_budget_bytes"):
         items.append(f"**Memory budget:** {format_bytes(get('memory_budget_bytes'))}")
     versions = get("versions")
@@ -322,6 +331,7 @@ def _shape_flags(config: dict[str, Any], summary: dict[str, Any]) -> str:
     for name in ("activation_checkpointing", "offload"):
         if get(name) not in (None, "none"):
             flags.append(f"--{name.replace('_', '-')} {get(name)}")
+    flags += _lever_flags(config)
     # train's default order (by-length) goes without saying; the record of an older run may lack the cut flags.
     cut = Cut.from_flags({"micro_batch_order": "by-length", **config}, micro_batch_size=1,
                          seq_len=int(get("seq_len") or 1))
@@ -343,11 +353,42 @@ def _model_and_data_flags(config: dict[str, Any]) -> list[str]:
     if get("data"):
         flags.append(f"--data {shlex.quote(str(get('data')))}")
     defaults = TrainConfig()
-    for name in ("text_field", "prompt_field", "completion_field"):
+    for name in ("text_field", "prompt_field", "completion_field", "messages_field", "chat_template", "train_on",
+                 "too_long"):
         if get(name) not in (None, getattr(defaults, name)):
             flags.append(f"--{name.replace('_', '-')} {shlex.quote(str(get(name)))}")
     if get("seq_len"):
         flags.append(f"--seq-len {get('seq_len')}")
+    return flags + _lora_flags(config)
+
+
+def _lora_flags(config: dict[str, Any]) -> list[str]:
+    """The LoRA adapters of this run: part of the job (which parameters train, the frozen base's precision), so every
+    suggested command carries them, or it would measure another job."""
+    get = config.get
+    if not (isinstance(get("lora_rank"), int) and get("lora_rank") > 0):
+        return []
+    flags = [f"--lora-rank {get('lora_rank')}"]
+    if get("lora_alpha") is not None:
+        flags.append(f"--lora-alpha {get('lora_alpha')}")
+    if get("lora_dropout"):
+        flags.append(f"--lora-dropout {get('lora_dropout')}")
+    if isinstance(get("lora_targets"), list) and get("lora_targets"):
+        flags.append(f"--lora-targets {shlex.quote(','.join(map(str, get('lora_targets'))))}")
+    if get("lora_base_precision") not in (None, "fp32"):
+        flags.append(f"--lora-base-precision {get('lora_base_precision')}")
+    return flags
+
+
+def _lever_flags(config: dict[str, Any]) -> list[str]:
+    """The memory levers of this run that are not its cut or recompute: profile measures this configuration, so it
+    takes them (a plan searches them itself, so its command leaves them free)."""
+    get = config.get
+    flags = []
+    if get("optimizer_state") not in (None, "fp32"):
+        flags.append(f"--optimizer-state {get('optimizer_state')}")
+    if isinstance(get("loss_chunk_tokens"), int) and get("loss_chunk_tokens") > 0:
+        flags.append(f"--loss-chunk-tokens {get('loss_chunk_tokens')}")
     return flags
 
 
@@ -403,6 +444,9 @@ def _plan_note(config: dict[str, Any]) -> str:
     if isinstance(config.get("world_size"), int) and config["world_size"] > 1:
         notes.append(f"the effective batch is each of the {config['world_size']} processes' share, as a plan is "
                      f"made for one process")
+    if _lever_flags(config):
+        notes.append(f"this run's {' '.join(_lever_flags(config))} left to the plan, which measures the optimizer "
+                     f"state and loss chunking among its candidates")
     return f" ({'; '.join(notes)})" if notes else ""
 
 
