@@ -177,7 +177,9 @@ def test_non_text_field_and_empty_and_unknown_sources(tmp_path: Path) -> None:
         (tmp_path / name).write_text(content)
         with pytest.raises(UsageError) as excinfo:
             load(tmp_path / name)
-        assert problem(excinfo)[0] == "--data" and "no rows" in problem(excinfo)[1]
+        # datasets' "no rows" for the CSV; cadence's own JSONL route for the .jsonl file, whatever the model
+        assert problem(excinfo)[0] == "--data" and ("no rows" in problem(excinfo)[1] or "has no examples (it is "
+                                                    "empty or only blank lines)" in problem(excinfo)[1])
     (tmp_path / "notes.md").write_text("hi")
     for spec in [tmp_path / "notes.md", tmp_path / "missing.parquet", f"hf:{tmp_path / 'notes.md'}", f"hf:{tmp_path}"]:
         with pytest.raises(UsageError) as excinfo:
@@ -292,3 +294,40 @@ def test_a_malformed_datasets_file_is_one_line_with_the_real_cause(tmp_path, nam
     assert len(lines) == 1 and lines[0].startswith("cadence: error: --data: could not read ") and says in lines[0], \
         result.stderr
     assert "<class" not in lines[0]
+
+
+# ------------------------------------------------------------------------------------------------ one JSONL route
+def test_a_jsonl_file_reads_by_the_same_rules_whatever_the_model(tmp_path: Path) -> None:
+    """Issue 37: a .jsonl file was read by cadence's byte reader for a built-in model and by datasets for a model
+    with a tokenizer, with different rules (a row holding a text and a prompt: refused by one, trained on the
+    completion by the other; the field flags ignored by one). Now one route: the same rows become the same examples
+    (up to the tokenizer's ids), bad lines are named file:line for both, and the field flags apply to both."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"body": "a plain text row", "id": 1},
+            {"q": "question?", "a": " answer", "body": "ignored: the pair wins"},
+            {"q": "", "a": "completion alone"}]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    fields = {"text_field": "body", "prompt_field": "q", "completion_field": "a"}
+    byte_examples = [e for e in load(path, seq_len=64, **fields).train]
+    tokenizer = hf_tokenizer()
+    token_examples = [e for e in load(path, seq_len=64, tokenizer=tokenizer, **fields).train]
+    eos = tokenizer.eos_token_id
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    # Bytes: a text without an end of sequence, a completion with BYTE_EOS_ID; the tokenizer: both end with its EOS.
+    assert byte_examples[0].input_ids.tolist() == list(b"a plain text row")[:-1]
+    assert token_examples[0].labels.tolist() == ids("a plain text row")[1:] + [eos]
+    question, answer = ids("question?"), ids(" answer")
+    assert token_examples[1].labels.tolist() == [IGNORE_INDEX] * (len(question) - 1) + answer + [eos]
+    assert byte_examples[1].labels.tolist() == [IGNORE_INDEX] * (len(b"question?") - 1) + list(b" answer") + [
+        BYTE_EOS_ID]
+    assert [e.num_targets for e in byte_examples][2] == len(b"completion alone")  # the first byte has no input
+    # The same bad lines, named the same way, for both models.
+    path.write_text(path.read_text() + json.dumps({"q": "no answer"}) + "\n" + json.dumps({"body": 3}) + "\n")
+    for tok in (None, tokenizer):
+        with pytest.raises(UsageError) as excinfo:
+            load(path, seq_len=64, tokenizer=tok, **fields)
+        assert [(p.where, p.message.split(";")[0]) for p in excinfo.value.problems] == [
+            (f"{path}:4", 'has no "a"'), (f"{path}:5", '"body" must be a string, got int')]

@@ -110,7 +110,8 @@ BAD_LINES: list[tuple[str, str]] = [
     ('{"completion": "a"}', 'has no "prompt"'),
     ('{"prompt": 1, "completion": "a"}', '"prompt" must be a string'),
     ('{"prompt": "a", "completion": ""}', '"completion" is empty'),
-    ('{"text": "ab", "prompt": "a", "completion": "b"}', 'both "text" and "prompt"'),
+    ('{"text": "ab", "prompt": "a"}', 'has no "completion"'),
+    ('{"prompt": "a", "completion": null}', 'has no "completion"'),
 ]
 
 

@@ -120,11 +120,12 @@ class TrainConfig:
     """Directory of token stores: every source is tokenised once into a memory-mapped store there and reopened in
     milliseconds while its content stays the same; default ~/.cache/cadence/data."""
     text_field: str = setting("text", DATA)
-    """Column of a datasets source holding the text."""
+    """The key (a .jsonl row's, or a dataset's column) holding a text: the loss is on every token after the first."""
     prompt_field: str = setting("prompt", DATA)
-    """Column of a datasets source holding the prompt (no loss on it)."""
+    """The key holding a prompt (no loss on it). A row with a prompt and a completion trains on the completion, also
+    when it holds a text as well; rows of both kinds may be mixed."""
     completion_field: str = setting("completion", DATA)
-    """Column of a datasets source holding the completion (the loss is on it)."""
+    """The key holding a completion (the loss is on it and on the end of sequence after it)."""
     messages_field: str | None = setting(None, DATA)
     """Chat data: the column holding each row's list of messages ({role, content}), when it is not "messages" (nor
     ShareGPT's "conversations"). Chat rows are found by themselves: "messages", a conversational "prompt" and

@@ -1,99 +1,192 @@
-"""JSON Lines sources: one variable-length example per line, plain text or prompt + completion.
+"""JSON Lines sources: one variable-length example per line, a text or a prompt + completion, read by one route
+whatever the model (issue 37: a byte model's reader and datasets' used to apply different rules to the same file).
+
+The rules, the same for every model and every route:
+
+- which fields a row uses (:func:`row_texts`): the prompt and completion (``--prompt-field``, ``--completion-field``)
+  when the row has either, else its text (``--text-field``); a row may hold other keys (ids, metadata), and rows of
+  both kinds may be mixed in one file. A row holding a text and a prompt/completion trains on the completion (the
+  more specific request), as a dataset with both columns does.
+- how its texts become one example (:func:`append_example`): the tokenizer's BOS (if it adds one), then the text's
+  ids, every one after the first a target, and its EOS where the tokenizer ends texts with it; or BOS, the prompt,
+  the completion and the EOS, the loss on the completion and the EOS only (an answer must end: a model that never
+  sees the EOS trained never stops).
 
 Every bad line is reported (not just the first), each naming ``file:line``, so a user fixes a file in one pass.
-A prompt + completion ends with :data:`cadence.data.batching.BYTE_EOS_ID`, so a model learns to stop.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cadence.data.batching import BYTE_EOS_ID, IGNORE_INDEX, Example, make_example
+from cadence.data.batching import IGNORE_INDEX, Example, make_example
 from cadence.data.choices import TOO_LONG_CHOICES, TooLong
 from cadence.data.too_long import tail_shift, too_long_message
 from cadence.errors import Problem, UsageError
 from cadence.input_files import read_regular_file, read_regular_file_chunks, regular_file_problem
 
+if TYPE_CHECKING:
+    from cadence.data.tokenizer import Tokenizer
+
 MAX_REPORTED_PROBLEMS = 20
 """Bad lines listed one by one; beyond this, a single "and N more" line keeps the output readable."""
 
-_FORMATS = 'each line must be a JSON object with a "text" string, or "prompt" and "completion" strings'
+ENCODE_BATCH_ROWS = 1024
+"""Rows whose texts a tokenizer encodes in one call (a fast tokenizer encodes a batch in parallel)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextFields:
+    """The keys a row's texts are under (``--text-field``, ``--prompt-field``, ``--completion-field``)."""
+
+    text: str = "text"
+    prompt: str = "prompt"
+    completion: str = "completion"
+
+    def formats(self) -> str:
+        """What a row must be, in words, with these keys."""
+        return (f'each line must be a JSON object with a "{self.text}" string, or "{self.prompt}" and '
+                f'"{self.completion}" strings')
+
+    def is_default(self) -> bool:
+        return self == TextFields()
 
 
 class LineError(Exception):
     """A problem with one line; carries the message for its :class:`Problem`."""
 
 
-def _utf8(value: str, key: str) -> bytes:
-    """A JSON string as UTF-8 bytes. JSON can spell a lone surrogate (``"\\ud800"``), which is no Unicode text."""
+def _checked(value: Any, key: str) -> str:
+    """A JSON string that is Unicode text. JSON can spell a lone surrogate (``"\ud800"``), which no encoder takes."""
+    if not isinstance(value, str):
+        raise LineError(f'"{key}" must be a string, got {type(value).__name__}')
     try:
-        return value.encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError as error:
         code = ord(value[error.start])
         raise LineError(f'"{key}" holds a lone surrogate (\\u{code:04x}), which is not valid Unicode text') from None
+    return value
 
 
-def parse_record(line: bytes) -> tuple[bytes, int]:
-    """One non-blank line as (its example's bytes, the position of its first target); raises :class:`LineError`.
-
-    ``{"text": t}``: every byte after the first is a target (first target 1). ``{"prompt": p, "completion": c}``:
-    the bytes of p + c + :data:`BYTE_EOS_ID`, with the first target at ``len(p)``: position i predicts byte i + 1,
-    a loss only on the completion and the end of sequence after it (a text is a document, continued like packed
-    text; an answer must end). Nothing here depends on ``--seq-len``: the length limit applies when the example is
-    read (:mod:`cadence.data.too_long`).
-    """
+def decode_line(line: bytes) -> Any:
+    """One non-blank line's JSON value; raises :class:`LineError`."""
     try:
         text_line = line.decode("utf-8")
     except UnicodeDecodeError as error:
         raise LineError(f"not valid UTF-8 (invalid byte at column {error.start + 1})") from None
     try:
-        record = json.loads(text_line)
+        return json.loads(text_line)
     except json.JSONDecodeError as error:
         raise LineError(f"not valid JSON: {error.msg} at column {error.colno}") from None
     except RecursionError:
         raise LineError("nested too deeply to be an example (JSON arrays or objects thousands of levels deep)") from None
+
+
+def row_texts(record: Any, fields: TextFields) -> tuple[str, str | None]:
+    """A row's texts: ``(prompt, completion)``, or ``(text, None)``; raises :class:`LineError` (the rules are in the
+    module docstring). A key holding null counts as absent, as a dataset's missing value does."""
     if not isinstance(record, dict):
-        raise LineError(f"expected a JSON object, got {type(record).__name__}; {_FORMATS}")
-
-    has_text = "text" in record
-    has_pair = "prompt" in record or "completion" in record
-    if has_text and has_pair:
-        # Ambiguous: we would have to guess whether the loss belongs on everything or on the completion only.
-        raise LineError(f'has both "text" and "prompt"/"completion"; {_FORMATS}')
-    if has_text:
-        text = record["text"]
-        if not isinstance(text, str):
-            raise LineError(f'"text" must be a string, got {type(text).__name__}')
-        if not text:
-            raise LineError('"text" is empty; it needs at least 2 bytes (one input and one target)')
-        tokens = _utf8(text, "text")
-        if len(tokens) < 2:
-            raise LineError(f'"text" has {len(tokens)} byte; it needs at least 2 (one input and one target)')
-        return tokens, 1
-    if has_pair:
-        missing = [key for key in ("prompt", "completion") if key not in record]
-        if missing:
-            raise LineError(f'has no "{missing[0]}"; {_FORMATS}')
-        prompt, completion = record["prompt"], record["completion"]
-        for key, value in (("prompt", prompt), ("completion", completion)):
-            if not isinstance(value, str):
-                raise LineError(f'"{key}" must be a string, got {type(value).__name__}')
+        raise LineError(f"expected a JSON object, got {type(record).__name__}; {fields.formats()}")
+    prompt, completion = record.get(fields.prompt), record.get(fields.completion)
+    if prompt is not None or completion is not None:
+        if prompt is None or completion is None:
+            missing = fields.prompt if prompt is None else fields.completion
+            raise LineError(f'has no "{missing}"; {fields.formats()}')
+        prompt, completion = _checked(prompt, fields.prompt), _checked(completion, fields.completion)
         if not completion:
-            raise LineError('"completion" is empty; the loss is on the completion, so it needs at least one byte')
-        prompt_bytes, completion_bytes = _utf8(prompt, "prompt"), _utf8(completion, "completion")
-        # At least 2 bytes (the completion's and the end's): one input and one target, even with an empty prompt.
-        return prompt_bytes + completion_bytes + bytes([BYTE_EOS_ID]), len(prompt_bytes)
-    keys = ", ".join(repr(key) for key in list(record)[:5]) or "none"
-    raise LineError(f"has neither \"text\" nor \"prompt\"+\"completion\" (keys: {keys}); {_FORMATS}")
+            raise LineError(f'"{fields.completion}" is empty; the loss is on the completion, so it needs at least '
+                            f'one token')
+        return prompt, completion
+    text = record.get(fields.text)
+    if text is None:
+        keys = ", ".join(repr(key) for key in list(record)[:5]) or "none"
+        raise LineError(f'has neither "{fields.text}" nor "{fields.prompt}"+"{fields.completion}" (keys: {keys}); '
+                        f'{fields.formats()}')
+    text = _checked(text, fields.text)
+    if not text:
+        raise LineError(f'"{fields.text}" is empty; it needs at least one input and one target')
+    return text, None
 
 
-def example_at(tokens: bytes, first_target: int, seq_len: int) -> Example:
+def append_example(buffer: Any, tokenizer: Tokenizer, first: Sequence[int], completion: Sequence[int] | None) -> int:
+    """Append one example's ids to ``buffer`` (a bytearray for byte ids, else a list or array of ints): BOS, the text
+    (``completion`` None) or the prompt and completion, and the EOS where it belongs. Returns the position of its
+    first target (position i predicts token i + 1, so targets start at 1 for a text)."""
+    start = len(buffer)
+    if tokenizer.bos_id is not None:
+        buffer.append(tokenizer.bos_id)
+    buffer += first
+    if completion is None:
+        if tokenizer.eos_id is not None and getattr(tokenizer, "eos_on_text", True):
+            buffer.append(tokenizer.eos_id)
+        return 1
+    first_target = len(buffer) - start
+    buffer += completion
+    if tokenizer.eos_id is not None:
+        buffer.append(tokenizer.eos_id)
+    return first_target
+
+
+def _encoder(tokenizer: Tokenizer) -> Any:
+    """texts -> ids of each: bytes for the byte tokenizer (kept as bytes: a 100 MB file is not made into a list of
+    ints), the tokenizer's own batch encoding otherwise."""
+    if tokenizer.identity == "bytes":
+        return lambda texts: [text.encode("utf-8") for text in texts]
+    return lambda texts: tokenizer.encode_batch(texts, None) if texts else []  # a fast tokenizer refuses no texts
+
+
+def records(content: bytes, fields: TextFields) -> Iterator[tuple[int, tuple[str, str | None] | LineError]]:
+    """(line number, :func:`row_texts`'s result or its error) for every non-blank line of ``content``.
+
+    Split on b"\\n" (not text mode), so a bad byte on one line is reported on that line, not for the file."""
+    for lineno, line in enumerate(content.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, row_texts(decode_line(line), fields)
+        except LineError as error:
+            yield lineno, error
+
+
+def examples(content: bytes, fields: TextFields, tokenizer: Tokenizer, unit: str) -> Iterator[
+        tuple[int, tuple[Sequence[int], int] | LineError]]:
+    """(line number, (the example's ids, its first target) or the line's error) for every non-blank line, the texts
+    encoded a batch of rows at a time. An example with no target (a one-token text) is an error of its line."""
+    encode = _encoder(tokenizer)
+    pending: list[tuple[int, tuple[str, str | None]]] = []
+
+    def flush() -> Iterator[tuple[int, tuple[Sequence[int], int] | LineError]]:
+        firsts = encode([texts[0] for _, texts in pending])
+        completions = iter(encode([texts[1] for _, texts in pending if texts[1] is not None]))
+        for (lineno, texts), first in zip(pending, firsts):
+            ids: Any = bytearray() if isinstance(first, bytes) else []
+            first_target = append_example(ids, tokenizer, first, next(completions) if texts[1] is not None else None)
+            if len(ids) - 1 < max(first_target, 1):
+                yield lineno, LineError(f'"{fields.text}" has {len(ids)} {unit}; it needs at least 2 (one input '
+                                        f'and one target)')
+            else:
+                yield lineno, (ids, first_target)
+        pending.clear()
+
+    for lineno, parsed in records(content, fields):
+        if isinstance(parsed, LineError):
+            yield from flush()
+            yield lineno, parsed
+            continue
+        pending.append((lineno, parsed))
+        if len(pending) >= ENCODE_BATCH_ROWS:
+            yield from flush()
+    yield from flush()
+
+
+def example_at(tokens: Sequence[int], first_target: int, seq_len: int) -> Example:
     """The example of ``tokens`` at ``seq_len``: whole when it fits ``seq_len + 1`` bytes, else truncated as
     ``--too-long truncate`` does (:func:`cadence.data.too_long.tail_shift`: the loss-bearing end is kept)."""
     shift = int(tail_shift(len(tokens), first_target, seq_len))
@@ -130,28 +223,17 @@ class RangeResult:
     problem_count: int
 
 
-def records(content: bytes) -> Iterator[tuple[int, tuple[bytes, int] | LineError]]:
-    """(line number, :func:`parse_record`'s result or its error) for every non-blank line of ``content``.
-
-    Split on b"\\n" (not text mode), so a bad byte on one line is reported on that line, not for the file."""
-    for lineno, line in enumerate(content.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield lineno, parse_record(line)
-        except LineError as error:
-            yield lineno, error
-
-
-def parse_range(path: Path, start: int, end: int, part: Path) -> RangeResult:
-    """Parse the lines of ``path[start:end]`` (cut at line breaks) into ``part.tok`` (bytes) and ``part.idx``
-    (int64 rows: offset within the part, length, first target, line within the range)."""
+def parse_range(path: Path, start: int, end: int, part: Path, fields: TextFields, tokenizer: Tokenizer,
+                dtype: str) -> RangeResult:
+    """Parse the lines of ``path[start:end]`` (cut at line breaks) into ``part.tok`` (ids in ``dtype``) and
+    ``part.idx`` (int64 rows: offset within the part, length, first target, line within the range)."""
     content = b"".join(read_regular_file_chunks(path, where="--data", start=start, end=end))
-    tokens = bytearray()
+    # Bytes stay bytes; a tokenizer's ids go into a list (an array of 32-bit ints would not take a list).
+    tokens: Any = bytearray() if np.dtype(dtype) == np.uint8 else []
     rows: list[tuple[int, int, int, int]] = []
     problems: list[tuple[int, str]] = []
     count = 0
-    for lineno, parsed in records(content):
+    for lineno, parsed in examples(content, fields, tokenizer, _unit(tokenizer)):
         if isinstance(parsed, LineError):
             count += 1
             if len(problems) <= MAX_REPORTED_PROBLEMS:
@@ -161,24 +243,32 @@ def parse_range(path: Path, start: int, end: int, part: Path) -> RangeResult:
         rows.append((len(tokens), len(example), first_target, lineno))
         tokens += example
     if not problems:
-        part.with_suffix(".tok").write_bytes(tokens)
+        np.asarray(tokens, dtype=dtype).tofile(part.with_suffix(".tok"))
         np.asarray(rows, dtype="<i8").reshape(-1, 4).tofile(part.with_suffix(".idx"))
     return RangeResult(newlines=content.count(b"\n"), examples=len(rows), tokens=len(tokens), problems=problems,
                        problem_count=count)
 
 
-def read_jsonl(path: Path, seq_len: int, too_long: TooLong = "skip") -> tuple[list[Example], int]:
-    """Read a ``.jsonl`` file into examples of at most ``seq_len`` positions.
+def _unit(tokenizer: Tokenizer) -> str:
+    return "byte" if tokenizer.identity == "bytes" else "token"
 
-    ``{"text": t}``: the loss is on every byte after the first. ``{"prompt": p, "completion": c}``: the loss is on
-    the completion's bytes and the end of sequence after them (:data:`cadence.data.BYTE_EOS_ID`). Other keys are
-    ignored (records often carry ids or metadata). An example longer than ``seq_len + 1`` bytes is handled as
-    ``too_long`` says (:mod:`cadence.data.too_long`): skipped, truncated (keeping the completion), or an error naming
-    its line. Returns the examples and how many were longer (skipped or truncated).
+
+def read_jsonl(path: Path, seq_len: int, too_long: TooLong = "skip", *, fields: TextFields | None = None,
+               tokenizer: Tokenizer | None = None) -> tuple[list[Example], int]:
+    """Read a ``.jsonl`` file into examples of at most ``seq_len`` positions, by the rules of the module docstring
+    (``tokenizer`` None: bytes, the built-in models' tokens).
+
+    An example longer than ``seq_len + 1`` tokens is handled as ``too_long`` says (:mod:`cadence.data.too_long`):
+    skipped, truncated (keeping the completion), or an error naming its line. Returns the examples and how many were
+    longer (skipped or truncated).
 
     Raises :class:`UsageError` listing every bad line as ``file:line``, or naming ``--data`` for a missing or empty
     file.
     """
+    from cadence.data.tokenizer import ByteTokenizer
+
+    fields = fields or TextFields()
+    tokenizer = tokenizer or ByteTokenizer()
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if too_long not in TOO_LONG_CHOICES:
@@ -186,12 +276,13 @@ def read_jsonl(path: Path, seq_len: int, too_long: TooLong = "skip") -> tuple[li
     problem = regular_file_problem(path)
     if problem is not None:
         raise UsageError.single("--data", f"{problem}; give a .jsonl file with one JSON object per line")
-    examples: list[Example] = []
+    found: list[Example] = []
     problems: list[Problem] = []
     longer = 0
     # A UTF-8 byte order mark (some Windows editors write one) is not part of the first record.
     content = read_regular_file(path, where="--data").removeprefix(codecs.BOM_UTF8)
-    for lineno, parsed in records(content):
+    unit = _unit(tokenizer)
+    for lineno, parsed in examples(content, fields, tokenizer, unit):
         if isinstance(parsed, LineError):
             problems.append(Problem(where=f"{path}:{lineno}", message=str(parsed)))
             continue
@@ -200,13 +291,13 @@ def read_jsonl(path: Path, seq_len: int, too_long: TooLong = "skip") -> tuple[li
             longer += 1
             if too_long == "error":
                 problems.append(Problem(where=f"{path}:{lineno}", message=too_long_message(len(tokens), seq_len,
-                                                                                           "bytes")))
+                                                                                           unit + "s")))
             if too_long != "truncate":
                 continue
-        examples.append(example_at(tokens, first_target, seq_len))
+        found.append(example_at(tokens, first_target, seq_len))
     if problems:
         raise problems_error(path, problems, len(problems))
-    if not examples:
+    if not found:
         raise UsageError.single("--data", no_examples_message(path, longer, seq_len) if longer else
                                 f"{path} has no examples (it is empty or only blank lines)")
-    return examples, longer
+    return found, longer

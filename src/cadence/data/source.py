@@ -10,8 +10,8 @@ every command through one dispatch (:func:`source_recipe`).
 The kinds:
 
 - ``corpus``: the built-in corpus (no --data); ``text``: a .txt file or a directory of text, packed;
-- ``jsonl``: a .jsonl file of ``{"text"}`` or ``{"prompt", "completion"}`` rows (cadence's parallel reader for
-  byte-level models, datasets' for a model with its own tokenizer);
+- ``jsonl``: a .jsonl file of text or prompt/completion rows (the field flags name the keys), read by one route
+  whatever the model (:mod:`cadence.data.jsonl`: one set of rules, every bad line named ``file:line``);
 - ``chat``: a .jsonl file of conversations (``messages``, conversational prompt/completion lists, ShareGPT
   ``conversations``, or the column --messages-field names), rendered under the model's chat template with an exact
   trained-token mask (:mod:`cadence.data.chat`, :mod:`cadence.data.chat_store`), whatever the model;
@@ -34,8 +34,9 @@ from cadence.data.chat import TRAIN_ON, TrainOn, detect_chat_format
 from cadence.data.chat_store import ChatSettings, chat_recipe, chat_template_for, dataset_route, first_record
 from cadence.data.choices import TooLong
 from cadence.data.hf import as_tokenizer, hf_recipe, is_hf_data
+from cadence.data.jsonl import TextFields
 from cadence.data.load import byte_recipe, is_store, open_prepared_store
-from cadence.data.sources import BYTES_TOKENIZER
+from cadence.data.sources import BYTES_TOKENIZER, jsonl_recipe
 from cadence.data.splits import DataSplits, splits_from_store
 from cadence.errors import Problem, UsageError
 
@@ -55,7 +56,7 @@ class Source:
     kind: SourceKind
     """What the path holds (decided from its form, and for a .jsonl file from its first row)."""
     text_field: str = "text"
-    """The column holding a text (datasets sources, and JSONL read with a model's tokenizer)."""
+    """The column (or JSONL key) holding a text."""
     prompt_field: str = "prompt"
     """The column holding a prompt (no loss on it)."""
     completion_field: str = "completion"
@@ -87,6 +88,10 @@ class Source:
                 "chat_template": None if self.chat_template is None else str(self.chat_template),
                 "train_on": self.train_on}
 
+    def text_fields(self) -> TextFields:
+        """The keys a text or prompt/completion row's texts are under."""
+        return TextFields(text=self.text_field, prompt=self.prompt_field, completion=self.completion_field)
+
     def describe(self) -> str:
         """In words, for the console and the report."""
         if self.kind == "corpus":
@@ -111,14 +116,11 @@ class Source:
         elif self.kind in ("jsonl", "datasets", "store"):
             # A dataset's rows are seen only when it is read: chat flags are checked then (hf_recipe's ChatRoute).
             wrong = given & chat_flags if self.kind != "datasets" else set()
-            if self.kind == "jsonl" and byte_level:
-                wrong |= given & column_flags
             if self.kind == "store":
                 wrong |= given & column_flags
             why = ("applies to chat data (rows holding 'messages', a conversational prompt/completion or ShareGPT "
                    "'conversations'; --messages-field names another column)" if wrong & chat_flags else
-                   "a built-in model's JSONL reader takes the fields text, prompt and completion as they are named"
-                   if self.kind == "jsonl" else "a token store's examples are already made")
+                   "a token store's examples are already made")
             if self.messages_field is not None and self.kind == "jsonl":
                 why = f"the data's first row has no list of messages in {self.messages_field!r}"
         else:
@@ -164,10 +166,9 @@ def source_recipe(source: Source, tokenizer: Any | None, *, progress: IO[str] | 
         return hf_recipe(str(source.path), tokenizer=tokenizer, text_field=source.text_field,
                          prompt_field=source.prompt_field, completion_field=source.completion_field,
                          progress=progress, chat=route)
-    if source.kind == "jsonl" and tokenizer is not None:
-        return hf_recipe(str(source.path), tokenizer=tokenizer, text_field=source.text_field,
-                         prompt_field=source.prompt_field, completion_field=source.completion_field,
-                         progress=progress)
+    if source.kind == "jsonl":  # one route whatever the model (bytes: the byte tokenizer)
+        assert source.path is not None
+        return jsonl_recipe(source.path, progress, tokenizer=as_tokenizer(tokenizer), fields=source.text_fields())
     if tokenizer is not None:
         raise UsageError.single("--data", "a model with its own tokenizer needs a .jsonl, .parquet, .csv, .json or "
                                           "hf:PATH dataset (packing text is byte-level)")
@@ -197,8 +198,8 @@ def open_source(source: Source, tokenizer: Any | None, *, seq_len: int, val_frac
                       f"tool that masks labels by the pad id would not train it", stacklevel=2)
     recipe = source_recipe(source, tokenizer, progress=progress)
     opened = open_or_build(recipe, cache_dir)
-    # Messages name file:line for cadence's own readers (bytes, chat), the row for datasets'.
-    lines_of = source.path if tokenizer is None or source.kind == "chat" else None
+    # Messages name file:line for cadence's own readers (text, JSONL, chat), the row for datasets'.
+    lines_of = source.path if source.kind in ("text", "jsonl", "chat") else None
     return splits_from_store(opened.store, seq_len=seq_len, val_fraction=val_fraction,
                              from_cache=not opened.built and cache_dir is not None,
                              max_stream_tokens=max_corpus_bytes if source.kind == "corpus" else None,
@@ -216,8 +217,8 @@ def _described(source: Source, meta: Mapping[str, Any], *, byte_level: bool) -> 
                 f"{chat.get('template')})")
     if source.kind == "text":
         return f"{'directory' if source.path is not None and source.path.is_dir() else 'text file'} {source.path}"
-    if source.kind == "jsonl" and byte_level:
-        return source.describe()
+    if source.kind == "jsonl":
+        return source.describe() + ("" if byte_level else f" ({meta.get('tokenizer_name')})")
     # The built-in corpus, and datasets' sources: as their store describes them.
     return None if source.kind == "corpus" else str(meta.get("description") or source.describe())
 

@@ -19,13 +19,13 @@ from typing import IO, Any
 
 import numpy as np
 
-from cadence.data.batching import BYTE_EOS_ID
 from cadence.data.cache import BuildResult, Recipe
 from cadence.data.corpus import corpus_description, corpus_files
-from cadence.data.jsonl import RangeResult, parse_range, problems_error
+from cadence.data.jsonl import RangeResult, TextFields, parse_range, problems_error
 from cadence.data.progress import BuildProgress
-from cadence.data.store import StoreWriter
+from cadence.data.store import StoreWriter, token_dtype
 from cadence.data.text import directory_files
+from cadence.data.tokenizer import ByteTokenizer, Tokenizer
 from cadence.errors import Problem, UsageError
 from cadence.input_files import os_error_message, read_regular_file_chunks, regular_file_problem
 
@@ -174,11 +174,14 @@ def _line_ranges(path: Path, size: int, start: int, range_bytes: int) -> list[tu
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a] or [(start, start)]
 
 
-def _parse_task(task: tuple[Path, int, int, Path]) -> RangeResult:
+_Task = tuple[Path, int, int, Path, TextFields, Tokenizer, str]
+
+
+def _parse_task(task: _Task) -> RangeResult:
     return parse_range(*task)
 
 
-def _results(tasks: list[tuple[Path, int, int, Path]], workers: int) -> Iterator[RangeResult]:
+def _results(tasks: list[_Task], workers: int) -> Iterator[RangeResult]:
     """Each range's result in file order: in this process for one range, by ``workers`` processes otherwise."""
     if workers <= 1 or len(tasks) == 1:
         yield from map(_parse_task, tasks)
@@ -203,14 +206,22 @@ def _quiet_worker() -> None:
         os._exit(0)
 
 
-def jsonl_recipe(path: Path, stream: IO[str] | None, *, workers: int | None = None,
+def jsonl_recipe(path: Path, stream: IO[str] | None, *, tokenizer: Tokenizer | None = None,
+                 fields: TextFields | None = None, workers: int | None = None,
                  range_bytes: int = JSONL_RANGE_BYTES) -> Recipe:
-    """A .jsonl file of ``{"text"}`` or ``{"prompt", "completion"}`` records, one example per line (a completion
-    followed by :data:`BYTE_EOS_ID`), parsed in parallel; every bad line is reported as ``file:line`` and nothing is
-    stored."""
+    """A .jsonl file of text or prompt/completion rows, one example per line (:mod:`cadence.data.jsonl`'s rules),
+    read with ``tokenizer`` (None: bytes); every bad line is reported as ``file:line`` and nothing is stored.
+
+    Bytes are parsed by ``workers`` processes in parallel, ranges of ``range_bytes``; a real tokenizer encodes in
+    this process, a batch of rows per call (a fast tokenizer is parallel itself, and a forked copy of one that has
+    already run would give up its threads)."""
+    tokenizer = tokenizer or ByteTokenizer()
+    fields = fields or TextFields()
+    byte_level = tokenizer.identity == "bytes"
     problem = regular_file_problem(path)
     if problem is not None:
         raise UsageError.single("--data", f"{problem}; give a .jsonl file with one JSON object per line")
+    dtype = token_dtype(tokenizer.vocab_size).name
 
     def build(writer: StoreWriter) -> BuildResult:
         digest = hashlib.sha256()
@@ -223,12 +234,12 @@ def jsonl_recipe(path: Path, stream: IO[str] | None, *, workers: int | None = No
         start = 3 if head.startswith(codecs.BOM_UTF8) else 0
         parts = writer.directory / "parts"
         parts.mkdir()
-        tasks = [(path, a, b, parts / f"{i:06d}") for i, (a, b) in enumerate(_line_ranges(path, size, start,
-                                                                                             range_bytes))]
+        tasks: list[_Task] = [(path, a, b, parts / f"{i:06d}", fields, tokenizer, dtype)
+                              for i, (a, b) in enumerate(_line_ranges(path, size, start, range_bytes))]
         progress = BuildProgress(f"tokenising {path}", size, stream)
         problems: list[Problem] = []
         problem_count, line_base = 0, 0
-        for task, result in zip(tasks, _results(tasks, workers or available_cores())):
+        for task, result in zip(tasks, _results(tasks, (workers or available_cores()) if byte_level else 1)):
             problem_count += result.problem_count
             problems += [Problem(where=f"{path}:{line_base + line}", message=message)
                          for line, message in result.problems]
@@ -248,13 +259,21 @@ def jsonl_recipe(path: Path, stream: IO[str] | None, *, workers: int | None = No
         if not writer.rows("train"):
             raise UsageError.single("--data", f"{path} has no examples (it is empty or only blank lines)")
         return BuildResult(fingerprint="sha256:" + digest.hexdigest(),
-                           meta={"description": f"JSONL file {path}", "source_format": "jsonl", "path": str(path)})
+                           meta={"description": f"JSONL file {path}", "source_format": "jsonl", "path": str(path),
+                                 "tokenizer_name": tokenizer.name})
 
     identity = _stat_identity([("", path)])
-    # The end of sequence after each completion is part of the tokens, so of the store's key: a store of this file
-    # built before completions ended with it is not reused.
+    options: dict[str, Any] = {}
+    if not fields.is_default():
+        options["fields"] = [fields.text, fields.prompt, fields.completion]
+    if tokenizer.eos_id is not None and not getattr(tokenizer, "eos_on_text", True):
+        # The end of sequence after each completion is part of the tokens, so of the store's key: a store of this
+        # file built before completions ended with it is not reused.
+        options["completion_eos"] = tokenizer.eos_id
+    if tokenizer.bos_id is not None:
+        options["bos_id"] = tokenizer.bos_id  # how splits_from_store knows that examples start with a BOS to keep
     return Recipe(kind="examples", source=f"JSONL file {path.resolve()}", stat_identity=[str(path.resolve()), identity],
-                  tokenizer=BYTES_TOKENIZER, vocab_size=256, options={"completion_eos": BYTE_EOS_ID}, build=build,
+                  tokenizer=tokenizer.identity, vocab_size=tokenizer.vocab_size, options=options, build=build,
                   source_bytes=identity[0][1])
 
 
