@@ -135,6 +135,8 @@ def test_cli_table_json_and_exit_status(capsys, monkeypatch):
     assert main(["verify", "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum-steps", "4", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["passed"] and payload["effective_batch_size"] == 8 and len(payload["worst_parameters"]) == 5
+    # Issue 37: verify checks the loss train computes, the LM head on the target positions only (not all logits).
+    assert payload["setup"]["targets_only"] and payload["setup"]["loss_chunk_tokens"] == 0
     monkeypatch.setitem(__import__("cadence.verify.check", fromlist=["x"]).GRADIENT_TOLERANCE, "fp32", 0.0)
     assert main(["verify", "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum-steps", "4"]) == 1
     captured = capsys.readouterr()

@@ -33,13 +33,14 @@ from cadence.distributed.ranks import (
     full_model_state,
     wrap_model,
 )
+from cadence.engine.chunked_loss import TargetsOnlyCrossEntropy
 from cadence.engine.cut import Cut
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.engine.windows import IGNORE_INDEX, Batch, Window, make_window
 from cadence.errors import CadenceFailure, UsageError
 from cadence.memory.recompute import apply_activation_checkpointing
-from cadence.models import build_model
-from cadence.training.components import build_optimizer
+from cadence.models import MODEL_CONFIGS, build_model
+from cadence.training.components import build_loss, build_optimizer
 from cadence.training.prepare import prepare
 from cadence.verify.equivalence import (
     GRADIENT_TOLERANCE,
@@ -325,8 +326,12 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ra
         torch.manual_seed(config.seed)
         return build_model(config.model).to(prep.device)
 
+    # The loss train would compute (the head on the targets only, where the model's head splits): the one verified.
+    loss = build_loss(config, model_factory(), vocab_size=prep.hf.vocab_size if prep.hf else
+                      MODEL_CONFIGS[config.model].vocab_size)
     setup = Setup(cut=prep.cut, precision=config.precision, activation_checkpointing=config.activation_checkpointing,
-                  offload=config.offload, loss_chunk_tokens=config.loss_chunk_tokens)
+                  offload=config.offload, loss_chunk_tokens=config.loss_chunk_tokens,
+                  targets_only=isinstance(loss, TargetsOnlyCrossEntropy))
     result = verify(model_factory, windows, setup, steps=options.steps,
                     build_optimizer=lambda model: build_optimizer(model, config),
                     max_grad_norm=config.max_grad_norm, ranks=ranks)

@@ -22,7 +22,7 @@ import torch
 
 from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
 from cadence.engine.choices import PrecisionName
-from cadence.engine.chunked_loss import ChunkedCrossEntropy
+from cadence.engine.chunked_loss import ChunkedCrossEntropy, TargetsOnlyCrossEntropy
 from cadence.engine.cut import Cut
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.engine.windows import Window, recut
@@ -50,6 +50,9 @@ class Setup:
     offload: OffloadMode = "none"
     loss_chunk_tokens: int = 0
     """``--loss-chunk-tokens``: the LM head and cross-entropy this many target tokens at a time (0: all at once)."""
+    targets_only: bool = False
+    """At ``loss_chunk_tokens`` 0, the LM head on the target positions only, as training computes the loss of a
+    model whose head it can split (:func:`cadence.training.components.build_loss`): verify checks what train runs."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -62,13 +65,18 @@ class Setup:
 
     def lever_text(self) -> str:
         """The levers beyond precision, recompute and offload, as a suffix ("" when none is pulled)."""
-        return f", loss chunks of {self.loss_chunk_tokens}" if self.loss_chunk_tokens else ""
+        if self.loss_chunk_tokens:
+            return f", loss chunks of {self.loss_chunk_tokens}"
+        return ", LM head on the targets only" if self.targets_only else ""
 
     def loss_for(self, loss_fn: LossFn) -> LossFn:
         """The loss this setup computes: ``loss_fn``, or, when it is the default next-token loss and the setup chunks
-        it, the same loss a chunk of targets at a time (an exact lever: the reference keeps all logits at once)."""
+        it, the same loss a chunk of targets at a time, or the head on the targets only (exact levers: the reference
+        keeps all logits at once)."""
         if self.loss_chunk_tokens and loss_fn is token_cross_entropy_sum:
             return ChunkedCrossEntropy(self.loss_chunk_tokens)
+        if self.targets_only and loss_fn is token_cross_entropy_sum:
+            return TargetsOnlyCrossEntropy()
         return loss_fn
 
 
