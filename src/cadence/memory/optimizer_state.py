@@ -20,7 +20,6 @@ bitsandbytes lacks is DTensor support: ``8bit`` is refused under ``--strategy fs
 from __future__ import annotations
 
 import importlib.util
-import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from cadence.models.lora import bitsandbytes_problem
+from cadence.models.quantized import quiet_bitsandbytes
 from cadence.records import COUNT, Kind, Record, tensor_kind
 
 EIGHT_BIT_BLOCK = 256
@@ -72,13 +72,8 @@ def adamw_8bit_class() -> type[torch.optim.Optimizer]:
 
     Imported only when asked for: it is a large optional dependency. Its CPU backend logs a warning at import about
     an unrelated 4-bit matmul kernel it could not fetch; that is silenced (cadence never uses 4-bit matmuls)."""
-    logger = logging.getLogger("bitsandbytes")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
+    with quiet_bitsandbytes():
         import bitsandbytes
-    finally:
-        logger.setLevel(level)
     return bitsandbytes.optim.AdamW8bit  # type: ignore[no-any-return]
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import math
 import traceback
 from collections.abc import Mapping
@@ -32,7 +31,13 @@ import torch
 from torch import nn
 
 from cadence.errors import UsageError
-from cadence.models.quantized import logical_numel, nf4_bytes, quantizable_linears, quantized_layers
+from cadence.models.quantized import (
+    logical_numel,
+    nf4_bytes,
+    quantizable_linears,
+    quantized_layers,
+    quiet_bitsandbytes,
+)
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -111,11 +116,9 @@ def bitsandbytes_problem(*, needs: tuple[str, ...] = ()) -> str | None:
 
     if importlib.util.find_spec("bitsandbytes") is None:
         return None
-    logger = logging.getLogger("bitsandbytes")  # its CPU backend warns about a 4-bit kernel cadence never uses
-    level = logger.level
-    logger.setLevel(logging.ERROR)
     try:
-        import bitsandbytes
+        with quiet_bitsandbytes():
+            import bitsandbytes
 
         for name in needs:
             target: Any = bitsandbytes
@@ -124,8 +127,6 @@ def bitsandbytes_problem(*, needs: tuple[str, ...] = ()) -> str | None:
     except Exception as err:  # noqa: BLE001 - whatever its import raises, the package is unusable as installed
         reason = (str(err).splitlines() or [""])[0][:160]
         return f"bitsandbytes is installed but fails to import ({type(err).__name__}: {reason})"
-    finally:
-        logger.setLevel(level)
     return None
 
 
@@ -138,17 +139,11 @@ def split_targets(items: list[str] | tuple[str, ...] | None) -> tuple[str, ...] 
 
 
 def _import_peft() -> Any:
-    # peft imports bitsandbytes when it is installed, whose CPU backend logs a warning about a 4-bit kernel
-    # cadence never uses.
-    logger = logging.getLogger("bitsandbytes")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
     try:
-        import peft
+        with quiet_bitsandbytes():  # peft imports bitsandbytes when it is installed
+            import peft
     except ImportError:
         raise UsageError.single("--lora-rank", "LoRA needs peft: pip install 'cadence[hf]'") from None
-    finally:
-        logger.setLevel(level)
     return peft
 
 

@@ -22,6 +22,7 @@ state's keys.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -62,17 +63,26 @@ def nf4_bytes(layer_elements: Iterable[int]) -> int:
     return total
 
 
-def _import_bnb() -> Any:
-    # bitsandbytes' CPU backend logs a warning about optional kernels on import; cadence needs none of them.
+@contextlib.contextmanager
+def quiet_bitsandbytes() -> Iterator[None]:
+    """Around an import of bitsandbytes (or of peft, which imports it): its CPU backend logs a warning about optional
+    kernels it could not load (a 4-bit matmul kernel among them) that cadence never uses, which would read as a
+    problem with the run. Errors still show; the logger's level is restored."""
     logger = logging.getLogger("bitsandbytes")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        import bitsandbytes
-    except ImportError:
-        raise UsageError.single("--lora-base-precision", f"nf4 needs bitsandbytes ({INSTALL})") from None
+        yield
     finally:
         logger.setLevel(level)
+
+
+def _import_bnb() -> Any:
+    try:
+        with quiet_bitsandbytes():
+            import bitsandbytes
+    except ImportError:
+        raise UsageError.single("--lora-base-precision", f"nf4 needs bitsandbytes ({INSTALL})") from None
     return bitsandbytes
 
 
