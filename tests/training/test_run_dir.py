@@ -47,3 +47,23 @@ def test_rewrite_then_read(tmp_path: Path) -> None:
     assert read_metrics(tmp_path) == rows
     rewrite_metrics(tmp_path, [])
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+@pytest.mark.parametrize(("resume", "earlier", "kept"), [
+    (True, "/plans/plan.json", "/plans/plan.json"),  # a resume keeps the plan the run started with on record
+    (False, "/plans/plan.json", None),  # a new run over the folder is not the planned one
+    (True, None, None),
+])
+def test_a_resumed_run_keeps_its_plan_on_record(tmp_path: Path, resume: bool, earlier: str | None,
+                                                kept: str | None) -> None:
+    """Issue 41: after --resume the run report lost the comparison with the plan's prediction, because --plan is not
+    given again at a resume and config.json was written without it."""
+    import json
+
+    from cadence.training.run_dir import CONFIG_FILE, RunWriter
+
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({"effective_batch_size": 8, "plan": earlier}))
+    writer = RunWriter(tmp_path, tensorboard=False)
+    writer.write_config({"effective_batch_size": 8, "resume": resume, "plan": None})
+    writer.close()
+    assert json.loads((tmp_path / CONFIG_FILE).read_text())["plan"] == kept

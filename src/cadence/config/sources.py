@@ -183,6 +183,20 @@ def recorded_train_values(out: Path) -> dict[str, Any]:
     return recorded_values(out / "config.json", where="--out")
 
 
+def recorded_plan(out: Path) -> str | None:
+    """The plan.json the run in ``out`` was trained with (its config.json's ``plan``), None when there is none.
+
+    A resume does not take the plan over as a setting (its decisions are in the recorded fields, and the file may be
+    gone), but keeps it on record: the run's report sets the plan's prediction beside what the run measured, before
+    and after a resume alike."""
+    try:
+        recorded = json.loads(read_regular_file(out / "config.json", where="--out", limit=CONFIG_LIMIT_BYTES))
+    except (UsageError, OSError, ValueError, RecursionError):
+        return None
+    plan = recorded.get("plan") if isinstance(recorded, dict) else None
+    return plan if isinstance(plan, str) and plan else None
+
+
 def recorded_values(path: Path, *, where: str = "RUN_DIR", strict: bool = True) -> dict[str, Any]:
     """The TrainConfig values of a run's config.json at ``path`` (empty when it is not one); see
     :func:`recorded_train_values`.

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from cadence.config.sources import recorded_plan
 from cadence.errors import CadenceFailure
 from cadence.input_files import read_regular_file
 from cadence.output_files import atomic_write_bytes, atomic_write_json, finite, fsync_file
@@ -109,6 +110,10 @@ class RunWriter:
                 self._tb = SummaryWriter(log_dir=str(root / TENSORBOARD_DIR))
 
     def write_config(self, resolved: dict[str, Any]) -> None:
+        if resolved.get("resume") and resolved.get("plan") is None and (plan := recorded_plan(self.root)):
+            # --plan is not given again at --resume: the plan the run started with stays on record (issue 41: the
+            # report of a resumed run lost its comparison with the plan's prediction).
+            resolved = {**resolved, "plan": plan}
         with writing(str(self.root / CONFIG_FILE)):
             atomic_write_json(self.root / CONFIG_FILE, resolved)
 
