@@ -61,6 +61,8 @@ def test_real_loop(case: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         # the library's frame that made the call
         assert Path(finding["file"]).resolve() == (LOOPS / script).resolve(), finding["where"]
         assert finding["via_file"] is not None and "site-packages" in finding["via_file"].split(os.sep), finding
+        library = finding["where"].split(" via ")[1]  # as imported: accelerate/accelerator.py:2767
+        assert library.split("/")[0] in {"accelerate", "transformers", "trl", "pytorch_lightning"}, finding["where"]
         if measured is not None:
             assert measured in finding["detail"], finding["detail"]
     print(f"{case_id(case)}: exit {status}, " + (", ".join(f"{f['rule']} {f['where']} {f['detail']}".strip()

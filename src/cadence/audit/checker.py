@@ -146,7 +146,7 @@ def _library_dirs() -> tuple[str, ...]:
     user_site = getattr(site, "getusersitepackages", lambda: None)()
     if user_site:
         dirs.add(user_site)
-    dirs.add(os.path.dirname(os.path.dirname(_HERE.rstrip(os.sep))))  # cadence/
+    dirs.add(os.path.dirname(_HERE.rstrip(os.sep)))  # cadence/
     return tuple(sorted(os.path.join(os.path.realpath(d), "") for d in dirs))
 
 
