@@ -228,6 +228,17 @@ def test_per_micro_batch_mean_is_measured_from_the_gradient(capsys: pytest.Captu
         torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).step()
     assert not audit.report().findings
     assert torch.allclose(equal, window_gradient([16, 16], per_micro_mean=False), atol=1e-6)
+    # At the threshold: counts 6.7% apart are not reported, 14% apart are; the gradient error each gives.
+    near = {}
+    for lengths in ([16, 15], [16, 14]):
+        with Audit() as audit:
+            near[lengths[1]] = window_gradient(lengths, per_micro_mean=True)
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).step()
+        right_near = window_gradient(lengths, per_micro_mean=False)
+        near[lengths[1]] = (float((near[lengths[1]] - right_near).norm() / right_near.norm()),
+                            [f.rule for f in audit.report().findings])
+    assert near[15][1] == [] and near[14][1] == ["CAD018"]
     with capsys.disabled():
         print(f"\nper-micro-batch mean over 16 and 3 targets: weights {finding.detail.split('weigh ')[1][:5]} apart, "
-              f"gradient relative error {error:.3f} vs one big batch; equal counts: exact")
+              f"gradient relative error {error:.3f} vs one big batch; 16 and 15 (not reported): {near[15][0]:.3f}; "
+              f"16 and 14 (CAD018): {near[14][0]:.3f}; equal counts: exact")
