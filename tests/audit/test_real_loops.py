@@ -33,6 +33,16 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def environment_restored():  # type: ignore[no-untyped-def]
+    """The loops run in this process: what the libraries set in os.environ on import (TORCHINDUCTOR_CACHE_DIR, ...)
+    must not reach the tests that run after them in the same worker."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def case_id(case: tuple) -> str:
     return Path(case[0]).stem + ("-" + "-".join(arg.strip("-") for arg in case[1]) if case[1] else "-correct")
 
