@@ -519,7 +519,8 @@ class Analyzer:
             ratio = total / typical
             if not (1 / _APART <= ratio <= _APART):
                 self._hit_measured("CAD021", locs[self._norm_locs[i]], abs(math.log(ratio)),
-                                   f"a window of {self._lengths[i]} micro-batches (the others {usual}) gets "
+                                   f"a window of {self._lengths[i]} micro-batch{'es' if self._lengths[i] != 1 else ''} (the "
+                                   f"others {usual}) gets "
                                    f"{ratio:.2f}x the gradient of one big batch of its micro-batches")
 
 

@@ -5,6 +5,8 @@ accumulate_grad_batches=2, an LR scheduler stepped every optimizer step (interva
     python lightning_loop.py OUT_DIR --broken   fp16 mixed precision with a GradScaler that starts at 2**24: the first
                                                 steps overflow and the scaler skips them, yet Lightning steps the
                                                 scheduler after each (the schedule runs ahead of the optimizer)
+    python lightning_loop.py OUT_DIR --short    fp32 on 9 micro-batches: the epoch ends in a window of 1, whose loss
+                                                Lightning still divides by accumulate_grad_batches (0.50x)
 """
 import sys
 
@@ -14,7 +16,7 @@ from pytorch_lightning.plugins import MixedPrecision
 from tiny import llama, token_rows, tokenizer
 from torch.utils.data import DataLoader
 
-out, broken = sys.argv[1], "--broken" in sys.argv
+out, broken, short = sys.argv[1], "--broken" in sys.argv, "--short" in sys.argv
 
 
 class TinyLM(pl.LightningModule):
@@ -35,4 +37,4 @@ plugins = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_sc
 trainer = pl.Trainer(default_root_dir=out, accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=2,
                      plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False)
-trainer.fit(TinyLM(), DataLoader(token_rows(32, vocab_size=len(tokenizer())), batch_size=2))
+trainer.fit(TinyLM(), DataLoader(token_rows(18 if short else 32, vocab_size=len(tokenizer())), batch_size=2))
