@@ -298,6 +298,19 @@ def render_audit_overhead(data: dict) -> list[str]:
                    [["plain", f"{data['median_step_s_plain'] * 1000:.1f} ms"],
                     ["under audit", f"{data['median_step_s_audited'] * 1000:.1f} ms"],
                     ["overhead", f"{overhead:+.1%} ({note}target < 5%: {verdict(overhead < 0.05)})"]])
+    real = data.get("real_loops")
+    if real:
+        lines += para(f"The correct forms of the real loops of `tests/audit/real_loops/` (a tiny llama: 2 layers, "
+                      f"hidden 64; micro-batches of 2), each run whole in one process with and without the audit in "
+                      f"{real[0]['rounds']} paired rounds (A B, then B A), timed in process CPU time; a run includes "
+                      f"the library's set-up (datasets, Trainer), so the added time per backward is the figure to "
+                      f"scale to a longer run. On a shared machine a run's CPU time moves by a few percent from round "
+                      f"to round: overheads of that size, either sign, are noise.")
+        lines += table(["loop", "backwards", "CPU per run, plain", "under audit", "overhead (median of pairs)",
+                        "added CPU per backward"],
+                       [[item["loop"], str(item["backwards"]), f"{item['median_cpu_s_plain']:.2f} s",
+                         f"{item['median_cpu_s_audited']:.2f} s", f"{item['overhead']:+.1%}",
+                         f"{item['added_cpu_ms_per_backward']:+.1f} ms"] for item in real])
     return lines
 
 

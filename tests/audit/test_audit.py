@@ -146,8 +146,8 @@ def patched_objects() -> dict[str, object]:
         "autocast.__enter__": (torch.amp.autocast_mode.autocast, "__enter__"),
         "DDP.forward": (DistributedDataParallel, "forward"),
         "DDP.no_sync": (DistributedDataParallel, "no_sync"),
-        "F.cross_entropy": (torch.nn.functional, "cross_entropy"),
         "DataLoader.__iter__": (torch.utils.data.DataLoader, "__iter__"),
+        "DataLoader iterator __next__": (torch.utils.data.dataloader._BaseDataLoaderIter, "__next__"),
     }
     objects = {name: vars(owner)[attr] for name, (owner, attr) in owners.items()}
     objects["post hooks"] = tuple(optimizer_module._global_optimizer_post_hooks.values())
@@ -191,3 +191,54 @@ def test_context_manager_on_an_inline_loop() -> None:
     with pytest.raises(RuntimeError):
         with audit:  # one run per Audit
             pass
+
+
+# ---------------------------------------------------------------------------------------------- normalisation
+def window_gradient(lengths: list[int], per_micro_mean: bool) -> torch.Tensor:
+    """The gradient of one window of micro-batches holding ``lengths`` targets: each loss a per-micro-batch mean
+    (divided by its own count, then by the micro-batch count) or the window's token mean (summed / window count)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    total = sum(lengths)
+    for n in lengths:
+        x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+        y[n:] = -100
+        if per_micro_mean:
+            loss = F.cross_entropy(model(x), y) / len(lengths)
+        else:
+            loss = F.cross_entropy(model(x), y, reduction="sum") / total
+        loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_per_micro_batch_mean_is_measured_from_the_gradient(capsys: pytest.CaptureFixture[str]) -> None:
+    """CAD018 reads the weights from the gradients that reach the loss's reduction: for micro-batches of 16 and 3
+    targets a per-micro-batch mean weighs the short one's targets 16/3 = 5.33x; the gradient it gives differs from one
+    big batch's by the relative error printed; equal counts (16, 16) weigh alike and give the same gradient."""
+    with Audit() as audit:
+        broken = window_gradient([16, 3], per_micro_mean=True)
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).step()  # closes the window
+    right = window_gradient([16, 3], per_micro_mean=False)
+    error = float((broken - right).norm() / right.norm())
+    (finding,) = audit.report().findings
+    assert finding.rule == "CAD018" and "5.33x" in finding.detail
+    assert error > 0.1
+    with Audit() as audit:
+        equal = window_gradient([16, 16], per_micro_mean=True)
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).step()
+    assert not audit.report().findings
+    assert torch.allclose(equal, window_gradient([16, 16], per_micro_mean=False), atol=1e-6)
+    # At the threshold: counts 6.7% apart are not reported, 14% apart are; the gradient error each gives.
+    near = {}
+    for lengths in ([16, 15], [16, 14]):
+        with Audit() as audit:
+            near[lengths[1]] = window_gradient(lengths, per_micro_mean=True)
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).step()
+        right_near = window_gradient(lengths, per_micro_mean=False)
+        near[lengths[1]] = (float((near[lengths[1]] - right_near).norm() / right_near.norm()),
+                            [f.rule for f in audit.report().findings])
+    assert near[15][1] == [] and near[14][1] == ["CAD018"]
+    with capsys.disabled():
+        print(f"\nper-micro-batch mean over 16 and 3 targets: weights {finding.detail.split('weigh ')[1][:5]} apart, "
+              f"gradient relative error {error:.3f} vs one big batch; 16 and 15 (not reported): {near[15][0]:.3f}; "
+              f"16 and 14 (CAD018): {near[14][0]:.3f}; equal counts: exact")

@@ -13,10 +13,27 @@ From the shell, ``cadence audit -- python train.py [args]`` calls ``run_script(a
 While the audit is active, the calls below are instrumented (and restored on exit, exceptions included): backward
 (``Tensor.backward``, ``torch.autograd.backward``), optimizer steps (torch's global step post-hook) and ``zero_grad``
 (optimizer and module), gradient clipping, ``GradScaler.scale/unscale_/step/update``, LR scheduler steps, autocast
-entry, DDP forward and ``no_sync``, ``F.cross_entropy`` and ``DataLoader`` iteration (epoch ends). Each hook appends a
-small tuple with the file:line of the first frame outside torch and outside this module; calls that torch makes
+entry, DDP forward and ``no_sync``, and ``DataLoader`` iteration (epoch ends; the ``labels`` of each batch). Each hook
+appends a small tuple with the place of the call: the first frame of the user's own code (outside torch, this package,
+the standard library and the installed packages: site-packages, cadence itself) with the library frame that made the
+call after it (``train.py:51 via accelerate/accelerator.py:2889``); calls that torch makes
 itself (``Tensor.backward`` -> ``autograd.backward``, ``scaler.step`` -> ``unscale_``, a scheduler's initial step) are
 not user events and are not recorded. A *window* is the backward passes between two optimizer steps.
+
+Normalisation (CAD018, CAD021) is read from what each backward's gradient is, whatever loss function made it: at every
+backward the audit walks a few autograd nodes from the loss (through scalar arithmetic: division, multiplication,
+addition, the GradScaler's scale) to the node that reduced the per-target losses to a scalar (``nll_loss`` /
+``cross_entropy`` with mean or sum, a ``.sum()`` or ``.mean()`` of per-token losses: a fused LM-head loss, a hand-written
+``-log_softmax`` sum, ``reduction="none"`` then divided by anything) and hooks the gradient that reaches it. That
+gradient over the node's own divisor (its target count for a mean ``nll_loss``, its element count for ``.mean()``)
+and over the GradScaler's scale is the weight each target of the micro-batch gets in the window's gradient. One big
+batch gives every target of a window the same weight: CAD018 is a window whose micro-batches weigh their targets more
+than 10% apart (a per-micro-batch mean over uneven target counts; equal counts make a per-micro-batch mean exact and
+are not reported). The window's total weight (weight x targets, summed) is the same for every window of a loop that
+averages over the window; CAD021 is a short window (an epoch's last) whose total differs from the full windows' by
+more than 10% (a loss divided by the fixed accumulation steps: 2 of 4 micro-batches get 0.50x). Target counts come from
+the ``nll_loss`` node, else from the ``labels`` of the DataLoader batches (``labels != -100``, shifted by one as
+Hugging Face models shift them), taken in order, one batch per backward.
 
 | rule   | level   | what                                                        | fix                               |
 | ------ | ------- | ----------------------------------------------------------- | --------------------------------- |
@@ -37,9 +54,10 @@ not user events and are not recorded. A *window* is the backward passes between 
 | CAD015 | warning | DDP all-reduce on a non-final micro-step (outside no_sync)  | no_sync around forward+backward   |
 | CAD016 | warning | DDP no_sync entered after the forward (around backward)     | no_sync before the forward        |
 | CAD017 | error   | DDP sync suppressed on the window's last micro-step         | last micro-step outside no_sync   |
-| CAD018 | error   | mean cross_entropy, micro-batch target counts >10% apart    | sum / window's target count       |
+| CAD018 | error   | per-micro-batch mean: targets of a window weigh >10% apart  | sum / window's target count       |
 | CAD019 | error   | gradients not cleared after an optimizer step               | zero_grad after each step         |
 | CAD020 | info    | backwards after the last optimizer step were never stepped  | step (or drop) the last window    |
+| CAD021 | error   | short window normalised as a full one (e.g. 0.50x gradient) | divide by the window's own count  |
 
 Levels: **error** when the loop's gradient, update or LR schedule differs from one big batch's (CI gates on it:
 exit status 1); **warning** for performance only (the math is right: needless communication; exit 0 unless
@@ -47,8 +65,8 @@ exit status 1); **warning** for performance only (the math is right: needless co
 
 The line reported is the call that breaks the rule: the clip (CAD001/002), the unscale_ (003/004), the scheduler step
 (005-007), the zero_grad (008), the optimizer or scaler step (009, 010: the step closing the odd window, 013), the
-autocast entry (011), the scaler.scale (012), the update (014), the backward (015, 017-020) and the no_sync entry
-(016). ``cadence.audit.rules`` holds the same table (``RULES``) and the analysis.
+autocast entry (011), the scaler.scale (012), the update (014), the backward (015, 017-020; the window's first backward
+for 018 and 021) and the no_sync entry (016). ``cadence.audit.rules`` holds the same table (``RULES``) and the analysis.
 """
 
 from __future__ import annotations
@@ -56,10 +74,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import site
 import sys
+import sysconfig
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -67,9 +88,9 @@ import torch
 from cadence.audit.rules import (
     AUTOCAST,
     BACKWARD,
-    CE_COUNTS,
     CLIP,
     EPOCH,
+    NORM,
     RULES,
     SCALE,
     SCHEDULER,
@@ -90,8 +111,16 @@ __all__ = ["Audit", "AuditReport", "ObservedCadence", "RULES", "RuleViolation", 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_CE_KEY = "cadence_audit_targets"  # node metadata key: (target, ignore_index) of a mean cross_entropy
+_SCALE_KEY = "cadence_audit_loss_scale"  # node metadata key: the GradScaler scale that multiplied this loss
 _DRAIN_AT = 4096  # events kept before the analyzer consumes them: a long run keeps aggregates, not its history
+_WALK = 16  # autograd nodes looked at from a loss towards its reduction: a few scalar ops, never the model
+# Nodes that reduce per-target losses to the scalar loss; the scalar arithmetic walked through on the way to them.
+_REDUCTIONS = frozenset({"NllLossBackward0", "NllLoss2DBackward0", "SumBackward0", "MeanBackward0"})
+_SCALAR_OPS = frozenset({"DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1", "AddBackward0", "AddBackward1",
+                         "SubBackward0", "SubBackward1", "NegBackward0", "ToCopyBackward0", "CloneBackward0",
+                         "AliasBackward0", "ViewBackward0", "SqueezeBackward0", "SqueezeBackward1",
+                         "UnsqueezeBackward0"})
+_INTERNAL, _LIBRARY, _USER = range(3)
 
 
 def _is_torch(filename: str) -> bool:
@@ -108,6 +137,32 @@ def _is_internal(filename: str) -> bool:
     return filename.startswith(_TORCH_DIR) or filename == contextlib.__file__ or is_audit_file(filename)
 
 
+def _library_dirs() -> tuple[str, ...]:
+    """Where installed code lives: the standard library, site-packages (also a virtual environment's) and cadence
+    itself (a library to its users, installed or not)."""
+    paths = sysconfig.get_paths()
+    dirs = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(key)}
+    dirs.update(getattr(site, "getsitepackages", list)())
+    user_site = getattr(site, "getusersitepackages", lambda: None)()
+    if user_site:
+        dirs.add(user_site)
+    dirs.add(os.path.dirname(_HERE.rstrip(os.sep)))  # cadence/
+    return tuple(sorted(os.path.join(os.path.realpath(d), "") for d in dirs))
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+def _frame_kind(filename: str) -> int:
+    """_INTERNAL (torch, the audit, contextlib's plumbing: never named), _LIBRARY (installed code: named after the
+    user's frame) or _USER."""
+    if _is_internal(filename):
+        return _INTERNAL
+    if filename.startswith("<frozen") or os.path.realpath(filename).startswith(_LIBRARY_DIRS):
+        return _LIBRARY
+    return _USER
+
+
 class Audit:
     """Instruments torch while the ``with`` block runs (nothing stays patched after it); ``report()`` afterwards."""
 
@@ -118,7 +173,7 @@ class Audit:
         self._crashed = False
         self._report: AuditReport | None = None
         self._undo: contextlib.ExitStack | None = None
-        self._internal: dict[str, bool] = {}  # filename -> not the user's (cached: the hooks stay cheap)
+        self._kinds: dict[str, int] = {}  # filename -> _INTERNAL / _LIBRARY / _USER (cached: the hooks stay cheap)
         self._torch_file: dict[str, bool] = {}
         # state the hooks share between events
         self._in_scaler_step = 0
@@ -127,9 +182,9 @@ class Audit:
         self._ddp_module: Any = None
         self._ddp_fwd_sync = True
         self._no_sync_locs: list[Loc] = []
-        self._ce_pending = 0  # mean cross_entropy calls since the last backward
-        self._ce_window: list[list[tuple[torch.Tensor, int]]] | None = []  # per backward; None: one was not mean CE
-        self._ce_loc: Loc = None
+        self._norm: list[_Probe | None] = []  # the open window's backwards: where their loss was reduced
+        self._norm_loc: Loc = None  # the window's first backward
+        self._labels: deque[Any] = deque(maxlen=256)  # target counts of the DataLoader batches not yet backpropagated
 
     def __enter__(self) -> Audit:
         if self._undo is not None:
@@ -169,18 +224,23 @@ class Audit:
 
     # ------------------------------------------------------------------------------------------------ stack
     def _loc(self) -> Loc:
-        """(filename, line) of the first frame outside torch and the audit: usually 1-3 frames up."""
+        """(filename, line, via) of the first frame of the user's code, ``via`` the (filename, line) of the first
+        library frame below it (the call into torch) or None; when no frame is the user's (a loop run from an
+        installed package), the library frame itself."""
         frame = sys._getframe(1)
-        internal = self._internal
+        kinds = self._kinds
+        via = None
         while frame is not None:
             name = frame.f_code.co_filename
-            flag = internal.get(name)
-            if flag is None:
-                flag = internal[name] = _is_internal(name)
-            if not flag:
-                return (name, frame.f_lineno)
+            kind = kinds.get(name)
+            if kind is None:
+                kind = kinds[name] = _frame_kind(name)
+            if kind == _USER:
+                return (name, frame.f_lineno, via)
+            if kind == _LIBRARY and via is None:
+                via = (name, frame.f_lineno)
             frame = frame.f_back
-        return None
+        return (via[0], via[1], None) if via is not None else None
 
     def _from_torch(self) -> bool:
         """True when the wrapper calling this was called by torch itself (``Tensor.backward`` calling
@@ -219,6 +279,7 @@ class Audit:
         scaler = torch.amp.GradScaler  # torch.cuda.amp / torch.cpu.amp.GradScaler subclass it, not overriding these
         for name, kind in (("scale", SCALE), ("unscale_", UNSCALE), ("update", UPDATE)):
             patch(scaler, name, self._event_wrapper(kind))
+        patch(scaler, "scale", self._scale_wrapper)  # around the event wrapper: tags the scaled loss with its scale
         patch(scaler, "step", self._scaler_step_wrapper)
         # LRScheduler.step, and every torch scheduler that overrides it (ReduceLROnPlateau, SequentialLR, ...)
         for cls in vars(lr_scheduler).values():
@@ -228,8 +289,8 @@ class Audit:
         patch(torch.amp.autocast_mode.autocast, "__enter__", self._autocast_wrapper)
         patch(DistributedDataParallel, "forward", self._ddp_forward_wrapper)
         patch(DistributedDataParallel, "no_sync", self._no_sync_wrapper)
-        patch(torch.nn.functional, "cross_entropy", self._cross_entropy_wrapper)
         patch(torch.utils.data.DataLoader, "__iter__", self._event_wrapper(EPOCH))
+        patch(torch.utils.data.dataloader._BaseDataLoaderIter, "__next__", self._next_batch_wrapper)
 
     def _backward_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any, **kwargs: Any) -> Any:
@@ -275,7 +336,7 @@ class Audit:
                 return original(scaler, optimizer, *args, **kwargs)
             finally:
                 self._in_scaler_step -= 1
-                self._window_targets()
+                self._window_norm()
                 self._events.append((STEP, loc, id(optimizer), self._scaler_stepped, True))
                 self._after_step(optimizer)
 
@@ -319,27 +380,27 @@ class Audit:
 
         return no_sync
 
-    def _cross_entropy_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def cross_entropy(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-            out = original(input, target, *args, **kwargs)
-            if not self._active or out.grad_fn is None:
-                return out
-            if args or "size_average" in kwargs or "reduce" in kwargs:
-                # positional order after target: weight, size_average, ignore_index, reduce, reduction
-                given = dict(zip(("weight", "size_average", "ignore_index", "reduce", "reduction"), args)) | kwargs
-                reduction = given.get("reduction", "mean")
-                if given.get("size_average") is not None or given.get("reduce") is not None:
-                    reduction = torch.nn._reduction.legacy_get_string(given.get("size_average"), given.get("reduce"))
-            else:  # the common call: keywords only, no legacy arguments
-                given, reduction = kwargs, kwargs.get("reduction", "mean")
-            if reduction == "mean" and not target.is_floating_point():
-                # On the node itself: its metadata outlives the Python wrapper object, and holding the node would keep
-                # the graph alive. Counting waits for the window's end (one batched count per optimizer step).
-                out.grad_fn.metadata[_CE_KEY] = (target, given.get("ignore_index", -100))
-                self._ce_pending += 1
-            return out
+    def _scale_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def scale(scaler: Any, outputs: Any) -> Any:
+            scaled = original(scaler, outputs)
+            node = getattr(scaled, "grad_fn", None)
+            if self._active and node is not None and scaler.is_enabled() and scaler._scale is not None:
+                # a copy: update() changes the scale in place, and the window's weights are read at its step
+                node.metadata[_SCALE_KEY] = scaler._scale.detach().clone()
+            return scaled
 
-        return cross_entropy
+        return scale
+
+    def _next_batch_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def next_batch(iterator: Any) -> Any:
+            batch = original(iterator)
+            if self._active and torch.is_grad_enabled():  # an evaluation under no_grad backpropagates nothing
+                count = _target_count(batch)
+                if count is not None:
+                    self._labels.append(count)
+            return batch
+
+        return next_batch
 
     # ------------------------------------------------------------------------------------------------ events
     def _on_backward(self, loss: Any) -> None:
@@ -349,15 +410,10 @@ class Audit:
             self._ddp_module = None
             in_no_sync = not module.require_backward_grad_sync
             ddp = (self._ddp_fwd_sync, in_no_sync, self._no_sync_locs[-1] if self._no_sync_locs else None)
-        found = self._match_cross_entropy(loss) if self._ce_pending else None
         loc = self._loc()
-        if self._ce_window is not None:
-            if found:
-                if not self._ce_window:
-                    self._ce_loc = loc
-                self._ce_window.append(found)
-            else:
-                self._ce_window = None  # the rule needs every micro-batch's loss to be a mean cross_entropy
+        if not self._norm:
+            self._norm_loc = loc
+        self._norm.append(_probe_reduction(loss, self._labels.popleft() if self._labels else None))
         stale = False
         probe = self._probe
         if probe is not None:
@@ -367,39 +423,27 @@ class Audit:
             stale = grad is not None and grad is grad_ref() and grad._version == version  # untouched since the step
         self._events.append((BACKWARD, loc, ddp, stale))
 
-    def _match_cross_entropy(self, loss: Any) -> list[tuple[torch.Tensor, int]]:
-        """(target, ignore_index) of the mean cross_entropy(s) this loss comes from (a few autograd nodes up)."""
-        wanted, self._ce_pending = self._ce_pending, 0
-        if isinstance(loss, (list, tuple)):
-            loss = loss[0] if loss else None
-        root = getattr(loss, "grad_fn", None)
-        todo = [root] if root is not None else []
-        found: list[tuple[torch.Tensor, int]] = []
-        visited = 0
-        while todo and visited < 16 and len(found) < wanted:  # a few nodes from the loss: never walk the model
-            node = todo.pop()
-            visited += 1
-            entry = node.metadata.get(_CE_KEY)
-            if entry is not None:
-                found.append(entry)
-                continue
-            todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-        return found
-
-    def _window_targets(self) -> None:
-        """At a step: the target count of each micro-batch of the window, when every loss was a mean cross_entropy
-        (CAD018). One batched count per step; an accelerator's counts stay tensors until the analyzer resolves them."""
-        window, self._ce_window = self._ce_window, []
-        if not window or len(window) < 2:
+    def _window_norm(self) -> None:
+        """At a step: the weight each micro-batch of the window gave its targets, and their counts (CAD018, CAD021),
+        when every backward's reduction was found. Tensors on an accelerator stay tensors until the analyzer resolves
+        them in batches (no synchronisation per step)."""
+        window, self._norm = self._norm, []
+        if not window or any(probe is None or not probe.grad for probe in window):
             return
-        targets = [target for found in window for target, _ in found]
-        if all(len(found) == 1 for found in window) and len({(t.shape, t.device) for t in targets}) == 1:
-            ignore = torch.tensor([found[0][1] for found in window], device=targets[0].device)
-            stacked = torch.stack(targets).reshape(len(window), -1)
-            counts: Any = (stacked != ignore[:, None]).sum(1)
-        else:
-            counts = torch.stack([sum((t != i).sum() for t, i in found) for found in window])
-        self._events.append((CE_COUNTS, self._ce_loc, counts.tolist() if counts.device.type == "cpu" else counts))
+        weights: Any = torch.stack([probe.weight() for probe in window])
+        counts: Any = None
+        if all(probe.count is not None for probe in window):
+            raw = [probe.count for probe in window]
+            if all(isinstance(count, int) for count in raw):
+                counts = raw
+            else:
+                counts = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=weights.device).reshape(())
+                                      for c in raw])
+        if weights.device.type == "cpu":
+            weights = weights.tolist()
+            if counts is not None and not isinstance(counts, list):
+                counts = counts.tolist()
+        self._events.append((NORM, self._norm_loc, weights, counts))
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """torch's global step post-hook: it fires only when the optimizer really stepped."""
@@ -408,7 +452,7 @@ class Audit:
         if self._in_scaler_step:
             self._scaler_stepped = True  # the scaler.step wrapper records the event, with did_step
             return
-        self._window_targets()
+        self._window_norm()
         self._events.append((STEP, self._loc(), id(optimizer), True, False))
         self._after_step(optimizer)
 
@@ -426,6 +470,90 @@ class Audit:
         if len(self._events) >= _DRAIN_AT:
             self._analyzer.feed(self._events)
             self._events.clear()
+
+
+class _Probe:
+    """Where one backward's loss reduced its per-target losses: the gradient reaching that node (filled in by a hook
+    during the backward), what the node divides by, the GradScaler scale above it and the micro-batch's target
+    count (from the node, else from the DataLoader's labels; None when unknown)."""
+
+    __slots__ = ("grad", "divisor", "scale", "count")
+
+    def __init__(self, divisor: Any, scale: Any, count: Any) -> None:
+        self.grad: list[torch.Tensor] = []
+        self.divisor = divisor
+        self.scale = scale
+        self.count = count
+
+    def weight(self) -> torch.Tensor:
+        """The gradient weight of each of this micro-batch's targets in the window's gradient."""
+        weight = self.grad[0].detach().float().reshape(())
+        if self.divisor is not None:
+            weight = weight / self.divisor
+        if self.scale is not None:
+            weight = weight / self.scale.to(weight.device)
+        return weight
+
+
+def _probe_reduction(loss: Any, loader_count: Any) -> _Probe | None:
+    """Find the node that reduced ``loss``'s per-target losses (a few scalar ops below it) and hook its gradient;
+    None when there is no single such node (a custom autograd function, two losses of the same kind added)."""
+    if isinstance(loss, (list, tuple)):
+        loss = loss[0] if len(loss) == 1 else None
+    root = getattr(loss, "grad_fn", None)
+    if root is None or loss.numel() != 1:
+        return None
+    todo, found, scale, seen = [root], [], None, 0
+    while todo and seen < _WALK:
+        node = todo.pop()
+        seen += 1
+        name = node.name()
+        if name in _REDUCTIONS:
+            found.append(node)
+            continue
+        if name not in _SCALAR_OPS:
+            continue
+        if name == "MulBackward0" and scale is None:
+            scale = node.metadata.get(_SCALE_KEY)
+        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    nll = [node for node in found if node.name().startswith("NllLoss")]
+    if len(nll) == 1:  # e.g. cross_entropy plus an auxiliary .mean(): the targets' loss is the nll_loss
+        node = nll[0]
+    elif len(found) == 1:
+        node = found[0]
+    else:
+        return None
+    name = node.name()
+    if name.startswith("NllLoss"):
+        reduction = node._saved_reduction  # 1: mean (divides by the targets' total weight), 2: sum
+        total = node._saved_total_weight
+        probe = _Probe(total if reduction == 1 else None, scale, total)
+    elif name == "MeanBackward0":
+        probe = _Probe(node._saved_self_sym_numel, scale, loader_count)
+    else:
+        probe = _Probe(None, scale, loader_count)
+    node.register_prehook(lambda grads: probe.grad.append(grads[0]) if not probe.grad else None)
+    return probe
+
+
+def _target_count(batch: Any) -> Any:
+    """Targets in a DataLoader batch: ``labels != -100`` of a mapping's ``labels`` (shifted by one position when 2-D,
+    as Hugging Face causal LMs shift them; ``shift_labels`` as given), else of the last item of a tuple or list
+    when it holds integers; an int on the CPU, a 0-d tensor elsewhere, None when the batch has no labels."""
+    if isinstance(batch, Mapping):
+        labels = batch.get("shift_labels")
+        if labels is None:
+            labels = batch.get("labels")
+            if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+                labels = labels[..., 1:]
+    elif isinstance(batch, (tuple, list)) and batch:
+        labels = batch[-1]
+    else:
+        return None
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex():
+        return None
+    count = (labels != -100).sum()
+    return int(count) if count.device.type == "cpu" else count
 
 
 def _warnings_from_caller(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -5,12 +5,14 @@ The instrumentation (``cadence.audit.checker``) appends small tuples, one per ca
 turns that stream into windows (the backward passes between two optimizer steps) and findings. The analysis is a
 single pass that can be fed in chunks, so a long run keeps only aggregates, never its whole history.
 
-Event tuples (the first item is the kind; ``loc`` is ``(filename, lineno)`` in the user's code, or None):
+Event tuples (the first item is the kind; ``loc`` is ``(filename, lineno, via)`` in the user's code, ``via`` the
+``(filename, lineno)`` of the library call below it or None; or None):
 
     (BACKWARD, loc, ddp, stale)        ddp: None | (forward_synced, backward_in_no_sync, no_sync_loc);
                                        stale: the gradients were left untouched since the previous step
-    (CE_COUNTS, loc, counts)           just before a STEP: the non-ignored targets of each micro-batch of the window
-                                       (ints, or a tensor on an accelerator), when every loss was a mean cross_entropy
+    (NORM, loc, weights, counts)       just before a STEP: the gradient weight each micro-batch of the window gave
+                                       each of its targets, and its target count (None when unknown); lists, or
+                                       tensors on an accelerator; loc is the window's first backward
     (STEP, loc, optimizer_id, did_step, via_scaler)
     (ZERO_GRAD, loc)  (CLIP, loc)  (SCALE, loc)  (UNSCALE, loc, optimizer_id)  (UPDATE, loc)
     (SCHEDULER, loc, scheduler_id, is_plateau)  (AUTOCAST, loc, is_fp16)  (EPOCH,)
@@ -18,16 +20,21 @@ Event tuples (the first item is the kind; ``loc`` is ``(filename, lineno)`` in t
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
+import sys
 from array import array
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-BACKWARD, STEP, ZERO_GRAD, CLIP, SCALE, UNSCALE, UPDATE, SCHEDULER, AUTOCAST, EPOCH, CE_COUNTS = range(11)
+BACKWARD, STEP, ZERO_GRAD, CLIP, SCALE, UNSCALE, UPDATE, SCHEDULER, AUTOCAST, EPOCH, NORM = range(11)
 
-Loc = tuple[str, int] | None
+Loc = tuple[str, int, tuple[str, int] | None] | None
+
+_APART = 1.1  # CAD018/CAD021: weights more than 10% apart
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 """The levels. ERROR: the loop computes a different gradient, update or LR schedule than one big batch would (or
@@ -91,13 +98,20 @@ _RULE_LIST = [
     Rule(id="CAD017", level=ERROR, what="DDP sync suppressed on the window's last micro-step: the optimizer "
          "steps on gradients that were never all-reduced (ranks drift apart)",
          fix="run the window's last forward and backward outside no_sync"),
-    Rule(id="CAD018", level=ERROR, what="loss is a mean-reduced cross_entropy while the micro-batches of a "
-         "window hold different target counts (>10% apart; heuristic): targets of short micro-batches weigh more "
-         "than in one big batch", fix="sum the loss (reduction='sum') and divide by the window's total target count"),
+    Rule(id="CAD018", level=ERROR, what="per-micro-batch mean: the micro-batches of a window give their targets "
+         "gradient weights more than 10% apart (each loss divided by its own target count over uneven counts): "
+         "targets of short micro-batches weigh more than in one big batch",
+         fix="sum the per-target losses and divide by the window's total target count (transformers/TRL: keep "
+         "model_accepts_loss_kwargs so the loss is divided by num_items_in_batch)"),
     Rule(id="CAD019", level=ERROR, what="gradients not cleared after an optimizer step: the next window "
          "accumulates onto the gradients already applied", fix="call optimizer.zero_grad() after each step"),
     Rule(id="CAD020", level=INFO, what="backward passes after the last optimizer step were never stepped",
          fix="step the short last window too (or drop it explicitly)"),
+    Rule(id="CAD021", level=ERROR, what="a short window (fewer micro-batches than the others: an epoch's last) is "
+         "normalised as a full one (a loss divided by the fixed accumulation steps): its gradient is scaled "
+         "differently from one big batch of its micro-batches",
+         fix="divide by the window's own target count (or its number of micro-batches), not the fixed accumulation "
+         "steps"),
 ]
 RULES: dict[str, Rule] = {rule.id: rule for rule in _RULE_LIST}
 
@@ -117,14 +131,23 @@ class RuleViolation:
     what: str
     fix: str
     file: str | None
+    """The first frame of the user's own code (outside torch and the installed libraries)."""
     line: int | None
+    via_file: str | None = None
+    """The library frame that made the call below the user's frame (accelerate, transformers, ...), or None."""
+    via_line: int | None = None
     count: int = 1
+    detail: str = ""
+    """What was measured, when the rule measures (CAD018: how far apart the weights were; CAD021: the scaling)."""
 
     @property
     def where(self) -> str:
         if self.file is None:
             return "<unknown>"
-        return f"{_short_path(self.file)}:{self.line}"
+        place = f"{_short_path(self.file)}:{self.line}"
+        if self.via_file is not None:
+            place += f" via {_library_path(self.via_file)}:{self.via_line}"
+        return place
 
 
 @dataclass(kw_only=True)
@@ -178,6 +201,17 @@ class AuditReport:
         }
 
 
+def _library_path(path: str) -> str:
+    """A library file as its import path shows it (``accelerate/accelerator.py``): below the sys.path entry that holds
+    it, else as ``_short_path``."""
+    best = ""
+    for entry in sys.path:
+        entry = os.path.join(os.path.abspath(entry or "."), "")
+        if path.startswith(entry) and len(entry) > len(best):
+            best = entry
+    return path[len(best):] if best else _short_path(path)
+
+
 def _short_path(path: str) -> str:
     """Relative to the working directory when the file is below it (what a user types), else as recorded."""
     try:
@@ -218,7 +252,14 @@ class Analyzer:
         self._sched_last: dict[int, int] = {}
         self._sched_steps: Counter[int] = Counter()
         self._after_skip: list[tuple[int, Loc]] = []
-        self._ce_windows: list[tuple[Loc, Any]] = []  # target counts per micro-batch, resolved in batches
+        # normalisation: the pending NORM of the open window; the closed windows' (index, loc, weights, counts) not
+        # yet resolved; each window's total weight (NaN: unknown) and its first backward's place (an index in _locs)
+        self._norm_pending: tuple[Loc, Any, Any] | None = None
+        self._norm_windows: list[tuple[int, Loc, Any, Any]] = []
+        self._totals = array("d")
+        self._norm_locs = array("l")
+        self._all_unit = True  # every weight so far exactly 1: a plain summed loss (no normalisation to check)
+        self._details: dict[tuple[str, Loc], tuple[float, str]] = {}  # the worst measurement per finding
         self._precisions: set[str] = set()
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -257,13 +298,13 @@ class Analyzer:
             elif kind == AUTOCAST:
                 self._autocast = (event[1], event[2])
                 self._precisions.add("fp16" if event[2] else "bf16")
-            elif kind == CE_COUNTS:
-                self._ce_windows.append((event[1], event[2]))
+            elif kind == NORM:
+                self._norm_pending = (event[1], event[2], event[3])
             elif kind == EPOCH:
                 if self._lengths and not self._bws:
                     self._epoch_ends.add(len(self._lengths) - 1)
-        if len(self._ce_windows) >= 64:
-            self._resolve_ce()
+        if len(self._norm_windows) >= 64:
+            self._resolve_norm()
 
     def _backward(self, event: tuple) -> None:
         _, loc, ddp, stale = event
@@ -335,6 +376,11 @@ class Analyzer:
         self._bws = []
         self._lengths.append(len(bws))
         self._step_locs.append(self._locs.setdefault(loc, len(self._locs)))
+        self._totals.append(math.nan)
+        self._norm_locs.append(-1)
+        pending, self._norm_pending = self._norm_pending, None
+        if pending is not None and len(pending[1]) == len(bws):
+            self._norm_windows.append((len(self._lengths) - 1, *pending))
         last = len(bws) - 1
         for index, (_, bw_loc, ddp, _) in enumerate(bws):
             if ddp is None:
@@ -364,18 +410,39 @@ class Analyzer:
                 self._after_skip.append((scheduler, loc))
         self._sched_last[scheduler] = self._boundaries
 
-    def _resolve_ce(self) -> None:
-        """Turn the recorded target counts into ints; done in batches so a GPU is not synchronised every step."""
-        for loc, counts in self._ce_windows:
-            values = counts if isinstance(counts, list) else counts.tolist()
-            if min(values) * 1.1 < max(values):
-                self._hit("CAD018", loc)
-        self._ce_windows.clear()
+    def _hit_measured(self, rule: str, loc: Loc, severity: float, detail: str) -> None:
+        """A finding with a measurement: the worst (largest ``severity``) is the one reported."""
+        self._hit(rule, loc)
+        key = (rule, loc)
+        if key not in self._details or severity > self._details[key][0]:
+            self._details[key] = (severity, detail)
+
+    def _resolve_norm(self) -> None:
+        """CAD018 per window, and each window's total weight for CAD021 (read at the end); the weights are resolved
+        in batches so an accelerator is not synchronised every step."""
+        for index, loc, weights, counts in self._norm_windows:
+            weights = weights if isinstance(weights, list) else weights.tolist()
+            if counts is not None and not isinstance(counts, list):
+                counts = counts.tolist()
+            # a micro-batch without targets weighs nothing, whatever its loss was divided by
+            held = [w for i, w in enumerate(weights) if counts is None or counts[i] > 0]
+            if not held or not all(math.isfinite(w) and w > 0 for w in held):
+                continue
+            self._all_unit = self._all_unit and all(w == 1.0 for w in held)
+            apart = max(held) / min(held)
+            if apart > _APART:
+                self._hit_measured("CAD018", loc, apart,
+                                   f"in one window the targets of one micro-batch weigh {apart:.2f}x those of "
+                                   "another (one big batch: 1.00x)")
+            if counts is not None:
+                self._totals[index] = sum(w * n for w, n in zip(weights, counts))
+                self._norm_locs[index] = self._locs.setdefault(loc, len(self._locs))
+        self._norm_windows.clear()
 
     # ------------------------------------------------------------------------------------------------ the end
     def finish(self, *, crashed: bool) -> AuditReport:
         """Rules that need the whole run (window lengths, trailing backwards), then the sorted findings."""
-        self._resolve_ce()
+        self._resolve_norm()
         self._check_window_lengths()
         boundaries = max(self._boundaries, 1)
         for scheduler, loc in self._after_skip:
@@ -398,8 +465,11 @@ class Analyzer:
             if implied_by is not None and (implied_by, loc) in self._hits:
                 continue
             rule = RULES[rule_id]
+            via = loc[2] if loc else None
             findings.append(RuleViolation(rule=rule_id, level=rule.level, what=rule.what, fix=rule.fix,
-                                          file=loc[0] if loc else None, line=loc[1] if loc else None, count=count))
+                                          file=loc[0] if loc else None, line=loc[1] if loc else None,
+                                          via_file=via[0] if via else None, via_line=via[1] if via else None,
+                                          count=count, detail=self._details.get((rule_id, loc), (0.0, ""))[1]))
         findings.sort(key=lambda f: (f.file or "", f.line or 0, f.rule))
         return AuditReport(findings=findings, cadence=cadence, crashed=crashed)
 
@@ -421,10 +491,37 @@ class Analyzer:
             periodic = (period >= 2 and short == list(range(period - 1, last, period))
                         and len({lengths[i] for i in short}) == 1)
         locs = list(self._locs)
+        short_ok = []
         for i in odd:
             if lengths[i] < usual and (i == last or i in self._epoch_ends or periodic):
+                short_ok.append(i)
                 continue
             self._hit("CAD010", locs[self._step_locs[i]])
+        self._check_short_windows(short_ok, usual, locs)
+
+    def _check_short_windows(self, short: list[int], usual: int, locs: list[Loc]) -> None:
+        """CAD021: a short window (one CAD010 accepts) whose total weight differs from the full windows'. Only for a
+        loop that averages over its windows: the full windows' totals agree (within 10%) and are not a plain summed
+        loss (every weight 1: one big batch sums too, and its short window is right)."""
+        if not short or self._all_unit:
+            return
+        full = [self._totals[i] for i, length in enumerate(self._lengths) if length == usual]
+        full = [total for total in full if not math.isnan(total)]
+        if not full:
+            return
+        typical = statistics.median(full)
+        if typical <= 0 or any(not (1 / _APART <= total / typical <= _APART) for total in full):
+            return
+        for i in short:
+            total = self._totals[i]
+            if math.isnan(total) or self._norm_locs[i] < 0:
+                continue
+            ratio = total / typical
+            if not (1 / _APART <= ratio <= _APART):
+                self._hit_measured("CAD021", locs[self._norm_locs[i]], abs(math.log(ratio)),
+                                   f"a window of {self._lengths[i]} micro-batch{'es' if self._lengths[i] != 1 else ''} (the "
+                                   f"others {usual}) gets "
+                                   f"{ratio:.2f}x the gradient of one big batch of its micro-batches")
 
 
 def format_report(report: AuditReport) -> str:
@@ -442,6 +539,8 @@ def format_report(report: AuditReport) -> str:
     for f in report.findings:
         times = f" (x{f.count})" if f.count > 1 else ""
         lines.append(f"{f.level:<7} {f.rule} {f.where}{times}: {f.what}")
+        if f.detail:
+            lines.append(f"{'':<15}measured: {f.detail}")
         lines.append(f"{'':<15}fix: {f.fix}")
     levels = Counter(f.level for f in report.findings)
     if report.findings:

@@ -1,6 +1,6 @@
 # expect: none
 """Plain lists (no DataLoader) over 3 epochs of 10 micro-batches, accum 4: windows 4, 4, 2 in every epoch; a
-ReduceLROnPlateau stepped once per epoch."""
+ReduceLROnPlateau stepped once per epoch; each loss is divided by its window's own micro-batch count."""
 import torch
 import torch.nn.functional as F
 
@@ -14,7 +14,7 @@ for epoch in range(3):
     total = 0.0
     for i, (x, y) in enumerate(data):
         loss = F.cross_entropy(model(x), y)
-        (loss / accum).backward()
+        (loss / min(accum, len(data) - i // accum * accum)).backward()
         total += loss.item()
         if (i + 1) % accum == 0 or i == len(data) - 1:
             optimizer.step()

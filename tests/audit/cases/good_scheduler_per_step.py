@@ -1,6 +1,6 @@
 # expect: none
 """A DataLoader over 2 epochs of 10 micro-batches, accum 4: a short window ends each epoch; the scheduler steps once
-per optimizer step."""
+per optimizer step; each loss is divided by its window's own micro-batch count (4, or 2 in the short one)."""
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -13,7 +13,8 @@ loader = DataLoader(TensorDataset(torch.randn(40, 8), torch.randint(0, 4, (40,))
 accum = 4
 for epoch in range(2):
     for i, (x, y) in enumerate(loader):
-        (F.cross_entropy(model(x), y) / accum).backward()
+        in_window = min(accum, len(loader) - i // accum * accum)
+        (F.cross_entropy(model(x), y) / in_window).backward()
         if (i + 1) % accum == 0 or i == len(loader) - 1:
             optimizer.step()
             scheduler.step()
