@@ -229,3 +229,22 @@ def test_an_nf4_base_halves_the_peak_and_keeps_the_loss(tmp_path) -> None:
         results[base] = json.loads((out / "summary.json").read_text())
     assert results["nf4"]["peak_memory_bytes"] <= 0.6 * results["fp32"]["peak_memory_bytes"]
     assert abs(results["nf4"]["final_loss"] / results["fp32"]["final_loss"] - 1) <= 0.03
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_give_the_one_process_nf4_losses(nf4_run, tmp_path) -> None:
+    """Issue 39 item 4: an nf4 base under DDP. The frozen 4-bit weights are buffers DDP leaves alone (only the
+    adapters' gradients are reduced); 2 ranks x micro 2 x accum 1 is the one-process run's effective batch of 4, so
+    the losses are the same (each rank dequantises the same nf4 weights; only the all-reduce's order differs)."""
+    import subprocess
+    import sys
+
+    root = nf4_run["root"]
+    args = [*LLAMA, "--data", str(nf4_run["data"]), "--data-cache", str(root / "cache"), *BATCH,
+            "--micro-batch-size", "2", "--grad-accum-steps", "1", "--max-steps", "4", *NF4]
+    result = subprocess.run([sys.executable, "-m", "cadence", "train", "--nproc-per-node", "2", *args,
+                             "--out", str(tmp_path / "ddp")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one = [row["loss"] for row in read_metrics(nf4_run["run"])]
+    two = [row["loss"] for row in read_metrics(tmp_path / "ddp")]
+    assert len(one) == len(two) == 4 and max(abs(a - b) / abs(a) for a, b in zip(one, two)) < 1e-5, (one, two)
