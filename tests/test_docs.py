@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 import torch
 from helpers import sample_text
@@ -263,6 +264,21 @@ def test_the_blocks_are_found() -> None:
     continued = [command for block in blocks(ROOT / "docs" / "distributed.md") if block.language == "sh"
                  for command in shell_commands(block) if "--rdzv-endpoint" in command[0]]
     assert continued and "--out /shared/runs/big" in continued[0][0] and continued[0][1] == "several machines"
+
+
+def test_a_cap_wins_and_a_declared_line_is_still_checked() -> None:
+    """The two rules the page runs rely on: click keeps the last value of a flag given twice (so a cap replaces the
+    page's value), and the parse-only check of a ``# needs:`` line refuses a flag that does not exist or a bad value."""
+    assert capped(["train", "--max-steps", "500", "--seq-len", "256"])[-6:] == [
+        "--max-steps", "2", "--warmup-steps", "0", "--seq-len", "64"]
+    context = app.commands["train"].make_context("train", capped(["train", "--max-steps", "500", "--seq-len", "256"])[1:])
+    assert context.params["max_steps"] == 2 and context.params["seq_len"] == 64
+    assert capped(["train", "--plan", "p.json"])[-2:] == ["--warmup-steps", "0"]  # the plan's length stays
+    assert capped(["profile", "--compare", "a", "b"]) == ["profile", "--compare", "a", "b"]
+    with pytest.raises(click.NoSuchOption):
+        parses(["train", "--nproc-per-node", "4", "--strategie", "fsdp"])
+    with pytest.raises(click.BadParameter):
+        parses(["train", "--nproc-per-node", "four"])
 
 
 def test_the_engine_example_is_examples_own_loop() -> None:
