@@ -37,7 +37,7 @@ demo: $(STAMP)
 
 # pytest-xdist: one worker per core (-n auto), each computing with one thread (tests/conftest.py); tests that share a
 # module fixture run on one worker (--dist loadgroup). The suite is ~1,160 tests, a fifth of them training runs or
-# process launches: on 2 cores about 7 minutes of pytest on a quiet machine (README, "Development").
+# process launches: on 2 cores about 7 minutes of pytest on a quiet machine (docs/development.md).
 # PYTEST_WORKERS=0 runs it in this process (a debugger, print-debugging). --durations=25: every run lists its slowest
 # tests, where the suite's time goes (the 10-minute target is kept by shrinking those).
 PYTEST_WORKERS ?= auto

@@ -314,6 +314,28 @@ def render_audit_overhead(data: dict) -> list[str]:
     return lines
 
 
+# -------------------------------------------------------------------------------------------- CLI help (issue 41)
+
+
+def render_cli_help(data: dict) -> list[str]:
+    median, fastest = data["median_s"], data["min_s"]
+    before, after = data["load_average_before"][0], data["load_average_after"][0]
+    cores = data.get("environment", {}).get("cpu_count")
+    torch_free = not any(data["imports_torch"].values())
+    lines = para(f"Each command in a fresh interpreter, {data['runs']} runs each, interleaved, after `python -m "
+                 f"compileall -q src` (as `make install` leaves it); the bare interpreter start for scale. Load average "
+                 f"(1 min) {before:.1f} before and {after:.1f} after" + (f" on {cores} cores" if cores else "")
+                 + ": figures from a loaded machine are upper bounds of the quiet ones.")
+    rows = [[f"`{name}`", f"{median[name]:.3f} s", f"{fastest[name]:.3f} s",
+             "" if name not in data["imports_torch"] else ("yes" if data["imports_torch"][name] else "no")]
+            for name in median]
+    lines += table(["command", "median", "fastest", "imports torch"], rows)
+    helps = [median[name] for name in data["imports_torch"]]
+    lines += para(f"Target: every help under 0.5 s on a quiet machine, without importing torch: "
+                  f"{verdict(torch_free and max(helps) < 0.5)} (slowest median {max(helps):.3f} s).")
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------------------- demo
 
 

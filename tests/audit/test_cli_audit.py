@@ -40,7 +40,7 @@ def test_good_loop_exits_0_and_json(capsys):
 
 @pytest.mark.slow
 def test_a_module_of_an_uninstalled_package_in_the_current_directory_is_audited(tmp_path: Path) -> None:
-    """The README's form, `cadence audit --json -- python -m mypackage.train`, through the installed console script
+    """docs/commands.md's form, `cadence audit --json -- python -m mypackage.train`, through the installed console script
     (whose sys.path starts at its bin directory, not the current directory) from the directory holding the package:
     found and run as `python -m` would, as is an unknown module refused as a usage error."""
     package = tmp_path / "mypackage"

@@ -24,7 +24,7 @@ STEPS, ACCUM = 3, 4
 
 def main() -> None:
     ranks = start(device_type="cpu", strategy="ddp", sync_every_micro_step=False, timeout_s=60)
-    device = rank_device(torch.device("cpu"), ranks)  # as the README's fragment of this file: cuda:LOCAL_RANK on GPUs
+    device = rank_device(torch.device("cpu"), ranks)  # as docs/distributed.md's fragment of this file: cuda:LOCAL_RANK on GPUs
     model = wrap_model(tiny_model().to(device), ranks, device)
     calls: list[int] = []  # the engine's window count at each all-reduce
 
