@@ -60,7 +60,8 @@ class TrialSetup(Setup):
                 + (f", {cut}" if cut else ""))
 
 
-_SETUP_FIELDS = [f for f in dataclasses.fields(TrialSetup) if f.name not in ("cut", "grad_accum_steps")]
+# targets_only is how verify computes the loss of a model whose head splits (derived from the model, not a flag).
+_SETUP_FIELDS = [f for f in dataclasses.fields(TrialSetup) if f.name not in ("cut", "grad_accum_steps", "targets_only")]
 DECISION_FIELDS: tuple[str, ...] = ("micro_batch_size", "grad_accum_steps", *(f.name for f in _SETUP_FIELDS))
 """What a plan decides, in plan.json's order: the split of the effective batch, then how the setup computes a
 window and updates (each of its fields, so a new one is decided and recorded too). plan.json records the setup's
