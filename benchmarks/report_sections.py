@@ -350,6 +350,24 @@ def render_demo(data: dict) -> list[str]:
         f"{s['peak_memory_source']}.")
 
 
+def render_demo_load(data: dict) -> list[str]:
+    cores = data.get("environment", {}).get("cpu_count")
+    lines = para(
+        f"The demo's steps (gpt-tiny, seq 256, micro 8 x accum 4) in {data['precision']}, the precision `make demo` "
+        f"picks on this CPU (bf16 instructions: {data['cpu_bf16'] or 'unknown'}), {data['steps_per_round']} steps a "
+        f"round, {data['rounds']} rounds of each condition alternating, on {cores or '?'} cores; the loaded rounds "
+        f"have one Python process spinning beside the run.")
+    lines += table(["condition", "median tokens/s", "rounds"],
+                   [["quiet", f"{data['quiet_median']:,.0f}", ", ".join(f"{v:,.0f}" for v in data["quiet_tokens_per_s"])],
+                    ["one CPU-bound process beside it", f"{data['loaded_median']:,.0f}",
+                     ", ".join(f"{v:,.0f}" for v in data["loaded_tokens_per_s"])]])
+    lines += para(f"Loaded share of the quiet throughput: {data['loaded_share']:.0%} (target at least 40%: "
+                  f"{verdict(data['loaded_share'] >= 0.4)}; a process with half the cores would get about 50%). At the "
+                  f"quiet rate the demo's 300 steps train in about {data['demo_training_s_projected'] / 60:.1f} min "
+                  f"(the README's figure for this kind of CPU).")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------- GPU check (issue 16)
 
 

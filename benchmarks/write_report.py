@@ -110,6 +110,8 @@ SECTIONS = (
     Section("cli_help.json", "`cadence --help` without torch: time to answer (issue 41)",
             ".venv/bin/python benchmarks/cli_help.py", sections.render_cli_help, optional=True),
     Section("demo.json", "The demo", "make demo && .venv/bin/python benchmarks/record_demo.py", sections.render_demo),
+    Section("demo_load.json", "The demo on a busy CPU: quiet and beside one CPU-bound process (issue 41)",
+            ".venv/bin/python benchmarks/demo_load.py", sections.render_demo_load, optional=True),
 )
 VERSION_COLUMNS = ("python", "torch", "cadence", "accelerate", "lightning")
 # Shown only while some result predates machine recording: the earlier hand-written BENCHMARKS.md's description of
