@@ -41,6 +41,7 @@ from cadence.profiling.compare import terminal_summary, write_comparison
 from cadence.profiling.profiler import ProfileOptions, run_profile
 from cadence.rebuild import build_report
 from cadence.sampling import SampleOptions, sample
+from cadence.training.export import export_checkpoint
 from cadence.training.loop import train
 from cadence.training.prepare_data import PrepareDataOptions, prepare_data
 from cadence.verify.check import VerifyOptions, run_verify
@@ -348,6 +349,17 @@ def report_command(run_dir: Path) -> None:
 
     for path in build_report(run_dir):
         click.echo(str(path))
+
+
+@app.command("export", no_args_is_help=True)
+@click.argument("checkpoint", type=PATH, metavar="CHECKPOINT")
+@click.option("--out", "out", type=PATH, required=True, metavar="DIR",
+              help="A new (or empty) directory for the save_pretrained files.")
+def export_command(checkpoint: Path, out: Path) -> None:
+    """Write a checkpoint of a run on a transformers model (a run's checkpoints/step-N, whole or sharded) as a
+    save_pretrained directory that from_pretrained loads (under --lora-rank the adapter alone, for peft)."""
+    for name in export_checkpoint(checkpoint, out):
+        click.echo(str(out / name))
 
 
 @app.command("sample", no_args_is_help=True)

@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import relative_l2, sigterm_at, write_jsonl
+import torch
+from helpers import relative_l2, run_cli, sigterm_at, write_jsonl
 from safetensors.torch import load_file
 
 from cadence.cli import main
 from cadence.training.checkpoint import checkpoint_dirs, verify_checkpoint
-from cadence.training.checkpoint.sharded import MetadataRefused, read_metadata
+from cadence.training.checkpoint.sharded import MetadataRefused, read_metadata, read_model_tensors
 from cadence.training.run_dir import read_metrics
 
 pytestmark = pytest.mark.slow  # real gloo processes
@@ -84,6 +85,18 @@ def test_each_rank_writes_its_own_shard_and_the_index_is_read_through_an_allow_l
     (checkpoint / ".metadata").write_bytes(pickle.dumps(subprocess.Popen))
     with pytest.raises(MetadataRefused, match="subprocess.Popen"):
         read_metadata(checkpoint)
+
+
+def test_a_sharded_checkpoint_s_weights_assemble_in_one_process_and_sample(uninterrupted: tuple[Path, Path]) -> None:
+    """`cadence sample --weights step-N` of a sharded checkpoint: its shards assembled without a process group are
+    the weights FSDP2 gathered into model.safetensors at the same step, bit for bit, and sample the same text."""
+    _, whole = uninterrupted
+    assembled = read_model_tensors(whole / "checkpoints" / f"step-{STEPS}")
+    final = load_file(str(whole / "model.safetensors"))
+    assert assembled.keys() == final.keys() and all(torch.equal(assembled[key], final[key]) for key in final)
+    texts = [run_cli(["sample", str(whole), "--weights", which, "--prompt", "The ", "--max-new-tokens", "12"])
+             for which in ("final", f"step-{STEPS}")]
+    assert texts[0][0] == 0 and texts[0] == texts[1], texts
 
 
 def _index(metadata, key: str, offsets):  # type: ignore[no-untyped-def]

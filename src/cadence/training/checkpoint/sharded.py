@@ -165,3 +165,16 @@ def read_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
 def shard_files(folder: Path, rank: int) -> list[str]:
     """The shard files ``rank`` wrote into ``folder`` (DCP names them after their writer's rank)."""
     return sorted(path.name for path in folder.glob(f"__{rank}_*{SHARD_SUFFIX}"))
+
+
+def read_model_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole model's weights of a sharded checkpoint, assembled from every rank's shard in this one process
+    without a process group (``cadence sample --weights step-N``): what ``model.safetensors`` holds in the
+    single-file format, by the same names."""
+    metadata = read_metadata(folder)
+    weights = {key.removeprefix("model."): torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+               for key, entry in metadata.state_dict_metadata.items() if key.startswith("model.")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING)
+        dcp.load({"model": weights}, storage_reader=SafeReader(str(folder)), no_dist=True)
+    return weights
