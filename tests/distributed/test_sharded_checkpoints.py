@@ -64,7 +64,7 @@ def _same_run(resumed: Path, whole: Path) -> tuple[float, float]:
 
 
 def test_each_rank_writes_its_own_shard_and_the_index_is_read_through_an_allow_list(
-        uninterrupted: tuple[Path, Path]) -> None:
+        uninterrupted: tuple[Path, Path], tmp_path: Path) -> None:
     _, whole = uninterrupted
     checkpoint = checkpoint_dirs(whole)[-1]
     assert verify_checkpoint(checkpoint) is None
@@ -81,10 +81,13 @@ def test_each_rank_writes_its_own_shard_and_the_index_is_read_through_an_allow_l
         files = {chunk.offsets[0]: metadata.storage_data[_index(metadata, key, chunk.offsets)].relative_path
                  for chunk in entry.chunks}
         assert files[0] == "__0_0.distcp" and files[max(files)] == "__1_0.distcp", (key, files)
-    # A .metadata naming anything outside the allow-list is refused before it is called.
-    (checkpoint / ".metadata").write_bytes(pickle.dumps(subprocess.Popen))
+    # A .metadata naming anything outside the allow-list is refused before it is called (in a copy: the run's
+    # checkpoints serve the other tests).
+    crafted = tmp_path / "crafted"
+    shutil.copytree(checkpoint, crafted)
+    (crafted / ".metadata").write_bytes(pickle.dumps(subprocess.Popen))
     with pytest.raises(MetadataRefused, match="subprocess.Popen"):
-        read_metadata(checkpoint)
+        read_metadata(crafted)
 
 
 def test_a_sharded_checkpoint_s_weights_assemble_in_one_process_and_sample(uninterrupted: tuple[Path, Path]) -> None:

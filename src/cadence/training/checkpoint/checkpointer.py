@@ -7,6 +7,9 @@ A checkpoint is one step-N folder (``layout``: staging, manifest, verification, 
   gathered, and each rank its own random generators; rank 0 adds the JSON training state and, once every rank has
   written and checksummed its files, the manifest, then renames the folder into place.
 
+With --async-checkpoint the state is copied and a thread of the Checkpointer's writes and seals it while training
+goes on (see :class:`Checkpointer`).
+
 The format a run writes is chosen from the run (:meth:`CheckpointFormat.from_ranks`); the format a checkpoint is
 read in, from its manifest. Either format resumes on any world size and strategy (DCP reshards; the single file is
 loaded whole and FSDP2 keeps its shard), with the same effective batch (the resume refuses another).
@@ -285,8 +288,7 @@ def _copied(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
-        return type(value)((key, _copied(item)) for key, item in value.items()) if type(value) is not dict \
-            else {key: _copied(item) for key, item in value.items()}
+        return {key: _copied(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_copied(item) for item in value)
     return copy.deepcopy(value)
