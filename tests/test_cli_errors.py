@@ -151,8 +151,8 @@ CASES: list[tuple[str, Builder, str]] = [
     ("nproc-fsdp-fp16", flags("--nproc-per-node", "2", "--strategy", "fsdp", "--precision", "fp16"), "--precision"),
     ("nproc-fsdp-offload-optimizer", flags("--nproc-per-node", "2", "--strategy", "fsdp", "--offload", "optimizer"),
      "--offload"),
-    ("nproc-mid-window-checkpoint", flags("--nproc-per-node", "2", "--checkpoint-mid-window"),
-     "--checkpoint-mid-window"),
+    ("nproc-fsdp-mid-window-checkpoint", flags("--nproc-per-node", "2", "--strategy", "fsdp",
+                                               "--checkpoint-mid-window"), "--checkpoint-mid-window"),
     # ---------------------------------------------------------------- click-level errors
     ("unknown-flag", flags("--foo"), "--foo"),
     ("missing-flag-value", lambda tmp: [*FAST, "--lr"], "--lr"),

@@ -376,6 +376,19 @@ def report_command(run_dir: Path) -> None:
         click.echo(str(path))
 
 
+@app.command("export", no_args_is_help=True)
+@click.argument("checkpoint", type=PATH, metavar="CHECKPOINT")
+@click.option("--out", "out", type=PATH, required=True, metavar="DIR",
+              help="A new (or empty) directory for the save_pretrained files.")
+def export_command(checkpoint: Path, out: Path) -> None:
+    """Write a checkpoint of a run on a transformers model (a run's checkpoints/step-N, whole or sharded) as a
+    save_pretrained directory that from_pretrained loads (under --lora-rank the adapter alone, for peft)."""
+    from cadence.training.export import export_checkpoint
+
+    for name in export_checkpoint(checkpoint, out):
+        click.echo(str(out / name))
+
+
 @app.command("sample", no_args_is_help=True)
 @click.argument("run_dir", type=PATH, metavar="RUN_DIR")
 @dataclass_options(SampleOptions)

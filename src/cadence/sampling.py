@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from cadence.config import TrainConfig
 from cadence.config.commands import SampleOptions
@@ -39,7 +40,8 @@ from cadence.data.hf import HFTokenizer, Tokenizer, as_tokenizer
 from cadence.errors import CadenceFailure, Problem, UsageError
 from cadence.input_files import read_regular_file, regular_file_problem
 from cadence.models import build_model, model_context_length
-from cadence.training.checkpoint import checkpoint_dirs, verify_checkpoint
+from cadence.training.checkpoint import CheckpointFormat, checkpoint_dirs, verify_checkpoint
+from cadence.training.checkpoint.sharded import read_model_tensors
 from cadence.training.prepare import build_run_hf
 from cadence.training.run_dir import WEIGHTS_FILE
 
@@ -149,19 +151,21 @@ def weights_file(run_dir: Path, which: str) -> Path:
         raise UsageError.single("--weights", f"checkpoint {folders[which]} is damaged ({problem}); "
                                              + (f"give another: {', '.join(others)}" if others else
                                                 "the run has no other weights"))
-    return folders[which] / WEIGHTS_FILE
+    # A sharded checkpoint (FSDP2) has no weights file: its folder, whose shards read_weights assembles.
+    return folders[which] / WEIGHTS_FILE if CheckpointFormat.of_checkpoint(folders[which]).kind == "files" \
+        else folders[which]
 
 
 def read_weights(path: Path, model: torch.nn.Module, model_name: str) -> dict[str, torch.Tensor]:
     """The tensors of ``path``, checked against ``model``: a safetensors file (a pickle or garbage is refused
     without being run) whose every tensor the model has, of the model's shape, with finite values. UsageError naming
     --weights and the file otherwise."""
-    problem = regular_file_problem(path)
+    problem = None if path.is_dir() else regular_file_problem(path)
     if problem is not None:
         raise UsageError.single("--weights", problem)
     try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        state = read_model_tensors(path) if path.is_dir() else load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError, CheckpointException) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UsageError.single("--weights", f"{path} is not a safetensors file of weights ({reason})") from None
     expected = model.state_dict()

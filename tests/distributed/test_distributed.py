@@ -435,7 +435,8 @@ def test_hugging_face_model_under_fsdp2_validates_and_saves_like_one_process(tmp
               "--val-fraction", "0.1", "--eval-every", "2"]
     sharded, saved = tmp_path / "fsdp", tmp_path / "saved-hf"
     result = cadence("train", "--nproc-per-node", "2", "--strategy", "fsdp", *common, "--micro-batch-size", "2",
-                     "--grad-accum-steps", "2", "--save-hf", str(saved), "--out", str(sharded))
+                     "--grad-accum-steps", "2", "--save-hf", str(saved), "--checkpoint-every", "4",
+                     "--out", str(sharded))
     assert result.returncode == 0, result.stderr[-3000:]
     single = tmp_path / "single"
     assert main(["train", *common, "--micro-batch-size", "2", "--grad-accum-steps", "4", "--out", str(single)]) == 0
@@ -450,6 +451,14 @@ def test_hugging_face_model_under_fsdp2_validates_and_saves_like_one_process(tmp
     weights = load_file(str(sharded / "model.safetensors"))
     for name, tensor in reloaded.state_dict().items():
         assert torch.equal(tensor, weights[name]), name
+    # Issue 38: `cadence export` of the sharded (DCP) step-4 checkpoint, its shards assembled in one process, loads in
+    # transformers with the logits of the --save-hf export of the same step.
+    exported = tmp_path / "exported"
+    assert main(["export", str(sharded / "checkpoints" / "step-4"), "--out", str(exported)]) == 0
+    assert (sharded / "checkpoints" / "step-4" / "__1_0.distcp").is_file()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(str(exported))(ids).logits, reloaded(ids).logits)
 
 
 @pytest.mark.gpu

@@ -228,7 +228,7 @@ def test_a_full_disk_at_a_later_write_keeps_the_previous_checkpoint_intact_and_r
                                                                                           monkeypatch, target):
     """Issue 44 case 1: ENOSPC while writing a checkpoint, OUT/best or the final weights exits 1 in one line, and
     the checkpoint before it stays intact: --resume then finishes the run."""
-    import cadence.training.checkpoint as checkpoint_module
+    import cadence.training.checkpoint.files as checkpoint_module
     import cadence.training.run_dir as run_dir_module
     from cadence.training.checkpoint import verify_checkpoint
 

@@ -445,7 +445,9 @@ def distributed_problems(config: TrainConfig, world_size: int, launched: bool) -
 
     if config.strategy not in STRATEGIES:
         bad("strategy", f"{config.strategy!r} is not one of {', '.join(STRATEGIES)}")
-    elif not launched and config.strategy != "ddp":
+    elif not launched and config.strategy != "ddp" and not config.resume:
+        # A resume on one process may continue a run of several (its recorded strategy comes with it): one process
+        # shares the model with nobody, so the strategy decides nothing there, and its checkpoints load either way.
         bad("strategy", f"{config.strategy} needs several processes: add --nproc-per-node N or start with torchrun")
     if config.sync_every_micro_step and config.strategy != "fsdp":
         bad("sync_every_micro_step", "only helps --strategy fsdp (DDP keeps whole gradients on every rank either way, "
@@ -455,9 +457,10 @@ def distributed_problems(config: TrainConfig, world_size: int, launched: bool) -
         bad("collective_timeout", f"must be a positive number of seconds up to {MAX_COLLECTIVE_TIMEOUT_S:,} (7 days), "
                                   f"got {config.collective_timeout:g}")
     if launched:
-        if config.checkpoint_mid_window and world_size > 1:
-            bad("checkpoint_mid_window", "works with one process: mid-window, each rank holds different, not yet "
-                                         "synchronised gradients")
+        if config.checkpoint_mid_window and world_size > 1 and config.strategy == "fsdp":
+            bad("checkpoint_mid_window", "works with one process or --strategy ddp: under FSDP2 a rank's not yet "
+                                         "synchronised gradients of a window are inside FSDP2's own state, which "
+                                         "has no public accessor to save them from")
         if config.strategy == "fsdp" and config.precision == "fp16":
             bad("precision", "fp16 with --strategy fsdp is not supported: each rank would find inf/nan in its own "
                              "gradient shard and skip steps alone; use bf16")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,37 +285,3 @@ def full_model_state(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Te
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return dict(unwrap(model).state_dict())
-
-
-def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: Ranks) -> dict[str, Any]:
-    """The optimizer's state as rank 0 saves it; a collective under FSDP2 (every rank calls it)."""
-    if ranks.launched and ranks.strategy == "fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return optimizer.state_dict()
-
-
-def optimizer_state_format(ranks: Ranks) -> str:
-    """How ``full_optimizer_state`` keys parameters: FSDP2's full state by name, torch's own by index. A checkpoint
-    resumes only under the same format."""
-    return "by-name" if ranks.launched and ranks.strategy == "fsdp" else "by-index"
-
-
-def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: Ranks,
-                    weights: Mapping[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
-    """Load what ``full_model_state`` and ``full_optimizer_state`` saved (every rank reads the same checkpoint)."""
-    if ranks.launched and ranks.strategy == "fsdp":
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, dict(weights), options=options)
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
-        return
-    unwrap(model).load_state_dict(weights)
-    optimizer.load_state_dict(optimizer_state)

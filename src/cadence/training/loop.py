@@ -35,9 +35,7 @@ from cadence.distributed.ranks import (
     any_rank,
     broadcast_from_main,
     full_model_state,
-    full_optimizer_state,
     max_over_ranks,
-    optimizer_state_format,
     unwrap,
 )
 from cadence.engine.precision import fp32_matmul
@@ -50,7 +48,7 @@ from cadence.memory.optimizer_state import optimizer_state_bytes
 from cadence.models.hf import save_hf
 from cadence.models.lora import parameter_counts
 from cadence.training.autobatch import MicroBatchController, MicroBatchTooLarge
-from cadence.training.checkpoint import save_checkpoint
+from cadence.training.checkpoint import Checkpointer
 from cadence.training.components import Components, build_components
 from cadence.training.lock import RunDirectoryLock, claim_run_directory
 from cadence.training.noise_scale import noise_scale_announcement, noise_scale_fields
@@ -202,6 +200,9 @@ class TrainingRun:
         ``lock``: rank 0's hold on the run directory (:func:`claim_run_directory`), released by :meth:`close`."""
         self.lock: RunDirectoryLock | None = lock
         self.metrics_open = False
+        self.checkpointer = Checkpointer(prep.out, prep.ranks, keep=prep.config.keep_checkpoints,
+                                         background=prep.config.async_checkpoint)
+        """Every checkpoint this run writes, in its format (sharded under FSDP2), and the one it resumes from."""
         self.prefetcher: Prefetcher[EpochWindow] | None = None
         """The thread preparing the next windows once ``windows_across_epochs`` has started (--prefetch-windows)."""
         try:
@@ -223,9 +224,10 @@ class TrainingRun:
         self.parameters: int = self.trained + self.frozen
         self.resolved: dict[str, Any] = _resolved_config(prep, self.parameters)
         # Before the writer opens metrics.jsonl.
-        self.start: ResumePoint | None = restore(prep.out, self.resolved, self.parts, prep.micro_batch_size,
-                                                           prep.cut.flags()) \
-            if config.resume else None
+        self.start: ResumePoint | None = restore(prep.out, self.resolved, self.parts, self.checkpointer,
+                                                 prep.micro_batch_size, prep.cut.flags()) if config.resume else None
+        if self.start is not None:
+            self.checkpointer.intact.add(self.start.checkpoint)
         # Before summary.json is written again: what the earlier processes of a resumed run did.
         self.earlier_segments: list[dict[str, Any]] = earlier_segments(prep.out, self.start)
         kept_rows = self.start.kept_rows if self.start else []
@@ -256,9 +258,6 @@ class TrainingRun:
         self.stop = StopOnSignal()
         self.windows_at_start: int = self.engine.windows
         """The windows done before this process (a resumed run's): none done since means nothing was trained."""
-        self.intact_checkpoints: set[Path] = {self.start.checkpoint} if self.start else set()
-        """Checkpoints known to be whole (written by this run, or verified to resume from): pruning skips hashing
-        them again."""
         self.saved_at: int = self.engine.windows if self.start else -1
         """The window count at the last checkpoint, so that one window is never checkpointed twice."""
         self.progress = TrainProgress(total_steps=config.max_steps, grad_accum_steps=prep.grad_accum_steps,
@@ -282,6 +281,7 @@ class TrainingRun:
         count on when that happens.)"""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        self.checkpointer.close()  # a checkpoint still being written is finished first
         self.close_metrics()
         if self.lock is not None:
             self.lock.release()
@@ -365,7 +365,7 @@ class TrainingRun:
                                                                      len(place.window.micro_batches)),
         }
         if config.checkpoint_mid_window:
-            step_options["stop_requested"] = lambda: self.stop.requested is not None
+            step_options["stop_requested"] = self._agree_on_stop  # every rank stops after the same micro-batch
         if self.partial is not None:  # continue the window a mid-window checkpoint interrupted
             step_options["resume"], self.partial = self.partial, None
         try:
@@ -448,32 +448,18 @@ class TrainingRun:
         # At a window boundary: periodically, at the end, and when a signal asked to stop.
         wanted = (periodic and not result.skipped) or (done and config.checkpoint_every) or stopping
         if wanted and self.saved_at != self.engine.windows:
-            self._checkpoint(data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch},
-                             info={"loss": result.loss, "config": config.to_json_dict(),
-                                   "resolved_config": self.resolved})
+            self.checkpointer.save(self.parts,
+                                   data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch},
+                                   info={"loss": result.loss, "config": config.to_json_dict(),
+                                         "resolved_config": self.resolved})
             self.saved_at = self.engine.windows
-
-    def _checkpoint(self, *, data_position: dict[str, int], info: dict[str, Any],
-                    partial_window: dict[str, Any] | None = None) -> None:
-        """Every rank gathers its part of the state (FSDP2 shards it); rank 0 writes the checkpoint."""
-        parts = self.parts
-        weights = full_model_state(parts.model, parts.ranks)
-        optimizer_state = full_optimizer_state(parts.model, parts.optimizer, parts.ranks)
-        if not parts.ranks.is_main:
-            return
-        written = save_checkpoint(
-            self.prep.out, step=parts.engine.steps, weights=weights, optimizer_state=optimizer_state,
-            scheduler=parts.scheduler, engine_state=parts.engine.state_dict(), data_position=data_position,
-            info={**info, "optimizer_format": optimizer_state_format(parts.ranks)},
-            keep=self.config.keep_checkpoints, partial_window=partial_window, known_intact=self.intact_checkpoints,
-        )
-        self.intact_checkpoints.add(written)
 
     def _checkpoint_mid_window(self, interrupted: WindowInterrupted, place: EpochWindow) -> None:
         """A checkpoint inside a window: the state before it, plus the gradients of the micro-batches it has done."""
         grads = {name: p.grad.detach().to("cpu").clone() for name, p in unwrap(self.parts.model).named_parameters()
                  if p.grad is not None}
-        self._checkpoint(
+        self.checkpointer.save(
+            self.parts,
             # This window is continued: the position is the window before it.
             data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch - 1},
             info={"loss": None, "config": self.config.to_json_dict(), "resolved_config": self.resolved,
@@ -490,6 +476,7 @@ class TrainingRun:
         full disk) costs the export alone. A resumed run that had already ended (--max-steps reached, or stopped
         early) trains nothing and rewrites none of its files: it only exports, when asked to and not done before."""
         config, engine, prep, ranks = self.config, self.engine, self.prep, self.ranks
+        self.checkpointer.wait()  # --async-checkpoint: the last checkpoint is complete before the run ends
         wall = time.perf_counter() - self.started
         weights = full_model_state(self.parts.model, ranks)  # a collective under FSDP2: every rank takes part
         peak_memory = max_over_ranks(self.totals.peak_memory, ranks)

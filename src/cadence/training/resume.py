@@ -17,8 +17,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from cadence.config.schema import MATH_FIELDS
-from cadence.distributed.ranks import broadcast_from_main, load_full_state, optimizer_state_format, unwrap
+from cadence.distributed.ranks import broadcast_from_main, unwrap
 from cadence.engine.cut import CUT_FLAG_DEFAULTS
 from cadence.engine.schedules import lr_factor
 from cadence.engine.step import PartialWindow
@@ -27,13 +29,14 @@ from cadence.memory.optimizer_state import EIGHT_BIT_BLOCK, check_saved_state
 from cadence.records import Record, RecordInvalid, integer
 from cadence.training.checkpoint import (
     STATE_FILES,
+    Checkpointer,
     CheckpointUnreadable,
     checkpoint_dirs,
     load_checkpoint,
     newest_intact_checkpoint,
-    restore_rng_state,
     verify_checkpoint,
 )
+from cadence.training.components import Components
 from cadence.training.run_dir import (
     CHECKPOINTS_DIR,
     METRICS_FILE,
@@ -142,9 +145,10 @@ def distinct_figures(first: float, second: float) -> tuple[str, str]:
     return f"{first!r}", f"{second!r}"
 
 
-def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
+def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Components, checkpointer: Checkpointer,
             micro_batch_size: int | None = None, cut: dict[str, Any] | None = None) -> ResumePoint | None:
-    """Load the newest intact checkpoint of ``run_dir`` into ``parts`` (training.components.Components); None if there is none.
+    """Load the newest intact checkpoint of ``run_dir`` into ``parts`` with ``checkpointer`` (in the format the
+    checkpoint was written in, whatever this run writes); None if there is none.
 
     Raises UsageError when the configuration changes the math, or when ``micro_batch_size`` or ``cut`` (the run's
     cut flags, if given: :meth:`cadence.engine.cut.Cut.flags`) differs from that of a window the checkpoint interrupted. Call before the run
@@ -193,11 +197,6 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
     except RecordInvalid as err:
         raise _refused(path, run_dir, str(err)) from None
     problems = incompatibilities(checkpoint.info.get("resolved_config", {}), resolved_config)
-    saved_format = checkpoint.info.get("optimizer_format", "by-index")
-    if saved_format != optimizer_state_format(parts.ranks):
-        problems.append(Problem(where="--strategy", message=(
-            "the checkpoint's optimizer state was saved " + ("under" if saved_format == "by-name" else "without")
-            + " --strategy fsdp; resume with the strategy it was saved with")))
     state = checkpoint.state
     partial = state.get("partial_window")
     if partial:
@@ -206,6 +205,11 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
                                   most=_micro_batches_at_most(resolved_config, cut or {}))
         except RecordInvalid as err:
             raise _refused(path, run_dir, str(err)) from None
+    saved_world = checkpoint.info.get("world_size", checkpoint.info.get("resolved_config", {}).get("world_size", 1))
+    if partial and saved_world != parts.ranks.world_size:
+        problems.append(Problem(where="--nproc-per-node", message=(
+            f"{parts.ranks.world_size} process(es) cannot continue the window the checkpoint interrupted on "
+            f"{saved_world}: each rank holds its own gradients of that window (resume on {saved_world})")))
     if partial and micro_batch_size is not None and int(partial["micro_batch_size"]) != micro_batch_size:
         problems.append(Problem(where="--micro-batch-size", message=(
             f"{micro_batch_size} differs from the {int(partial['micro_batch_size'])} of the window the checkpoint "
@@ -228,18 +232,14 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
         # metrics (the only file a resume changes) are touched.
         check_saved_state(str(resolved_config.get("optimizer_state", "fp32")),
                           Record(state["optimizer"], path / STATE_FILES[0], "optimizer"))
-        load_full_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"])
+        continued = checkpointer.load(checkpoint, parts)
         _check_optimizer_state_shapes(parts.optimizer)
-        if state["scheduler"] is not None:
-            parts.scheduler.load_state_dict(state["scheduler"])
-        parts.engine.load_state_dict(state["engine"])
-        restore_rng_state(state["rng"])
         position = state["data_position"]
         windows_done, epoch, window_in_epoch = (int(state["engine"]["windows"]), int(position["epoch"]),
                                                 int(position["window_in_epoch"]))
     except RecordInvalid as err:
         raise _refused(path, run_dir, str(err)) from None
-    except (KeyError, ValueError, TypeError, RuntimeError, IndexError, OverflowError) as err:
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError, OverflowError, CheckpointException) as err:
         what = f"missing {err}" if isinstance(err, KeyError) else (str(err).splitlines() or [""])[0][:300]
         raise _refused(path, run_dir, f"{checkpoint.path} verifies against its manifest but does not fit this run "
                                       f"({what})") from None
@@ -248,12 +248,7 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Any,
                         windows_done_in_epoch=window_in_epoch, kept_rows=kept,
                         saved_config=dict(checkpoint.info.get("resolved_config", {})))
     if partial:
-        # The interrupted window's accumulated gradients go back exactly where they were.
-        for name, parameter in unwrap(parts.model).named_parameters():
-            if name in partial["grads"]:
-                parameter.grad = partial["grads"][name].to(parameter.device, parameter.dtype)
-        point.partial = PartialWindow(micro_batches_done=int(partial["micro_batches_done"]),
-                                      loss_sum=float(partial["loss_sum"]))
+        point.partial = continued
         point.partial_micro_batch_size = int(partial["micro_batch_size"])
     return point
 
@@ -290,7 +285,7 @@ def _check_partial_window(partial: Record, model: Any, *, most: int) -> None:
     partial.take("micro_batches_done", integer(1, most - 1, words=f"a count from 1 to {most - 1} (the micro-batches "
                                                                   f"done of a window of {most})"))
     trained = {name: parameter for name, parameter in unwrap(model).named_parameters() if parameter.requires_grad}
-    grads = partial.record("grads")
+    grads = partial.record("grads", default=Record({}, partial.source))  # per rank: checked as each rank loads
     for name, grad in grads.data.items():
         if name not in trained:
             raise grads.invalid(name, "is the gradient of no trained parameter of this model")

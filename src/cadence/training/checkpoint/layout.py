@@ -1,12 +1,13 @@
-"""Checkpoints: every piece of state a run needs, written atomically into checkpoints/step-N/, and read back.
+"""A checkpoint folder, whatever its format: checkpoints/step-N/, staged, sealed by its manifest, verified, pruned.
 
 A checkpoint is assembled in a hidden temporary folder, every file fsynced, a manifest of SHA-256 checksums written
 last, and the folder renamed into place only then (rename is atomic within a filesystem): a crash mid-write leaves
 either no step-N folder or a whole one. Reading verifies the manifest, so a folder damaged afterwards (a disk error,
 a partial copy) is detected and the previous checkpoint is used instead, with a warning.
 
-Nothing in a checkpoint is pickled: the training state is JSON plus safetensors (``state_file``), so a checkpoint
-from someone else can damage a run at worst, never run code. The manifest guards against damage, not tampering
+Nothing in a checkpoint is unpickled: the training state is JSON plus safetensors (``state_file``), and a sharded
+checkpoint's DCP index is read through an allow-list (``sharded``), so a checkpoint from someone else can damage a
+run at worst, never run code. The manifest guards against damage, not tampering
 (anyone who edits a file can recompute its checksum); the pickle-free format is what guards against tampering.
 """
 
@@ -38,17 +39,23 @@ from cadence.training.run_dir import (
     WEIGHTS_FILE,
     RunDirectoryWriteFailed,
     run_folder,
-    save_weights,
-    writing,
 )
-from cadence.training.state_file import read_state, state_file_names, write_state
+from cadence.training.state_file import read_state, state_file_names
 
 STATE_STEM = "training_state"
 STATE_FILES = state_file_names(STATE_STEM)
 INFO_FILE = "checkpoint.json"
 MANIFEST_FILE = "manifest.json"
-CHECKPOINT_FILES = (WEIGHTS_FILE, *STATE_FILES, INFO_FILE)
-"""Every file of a checkpoint; the manifest must vouch for each of them."""
+FILES, DCP = "files", "dcp"
+"""The two formats (``CheckpointFormat.kind``): one weights file and one state, or torch.distributed.checkpoint's
+shards (one ``.distcp`` per rank and a ``.metadata``) beside the same JSON state."""
+DCP_METADATA_FILE = ".metadata"
+SHARD_SUFFIX = ".distcp"
+FORMAT_FILES: dict[str, tuple[str, ...]] = {FILES: (WEIGHTS_FILE, *STATE_FILES, INFO_FILE),
+                                            DCP: (DCP_METADATA_FILE, *STATE_FILES, INFO_FILE)}
+"""The files a checkpoint of each format always has: its manifest must vouch for each of them (and for any other
+file it lists: a DCP checkpoint's shards and per-rank states)."""
+_PLAIN_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.-]+$")
 LEGACY_PICKLE_FILE = "training_state.pt"
 """What cadence before the pickle-free format wrote: never loaded, since unpickling it could run code."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -72,7 +79,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -80,53 +87,17 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(
-    run_dir: Path,
-    *,
-    step: int,
-    weights: Mapping[str, torch.Tensor],
-    optimizer_state: dict[str, Any],
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    engine_state: dict[str, Any],
-    data_position: dict[str, int],
-    info: dict[str, Any],
-    keep: int = 0,
-    partial_window: dict[str, Any] | None = None,
-    known_intact: Collection[Path] = (),
-) -> Path:
-    """Write checkpoints/step-{step}/ (weights, optimizer, scheduler, precision, counters, RNG, data position);
-    with ``keep`` > 0, delete all but the newest ``keep`` intact checkpoints afterwards (``prune_checkpoints``;
-    ``known_intact``: checkpoints the caller knows are intact, which it need not hash again)."""
-    state = {
-        "optimizer": optimizer_state,
-        "scheduler": None if scheduler is None else scheduler.state_dict(),
-        "engine": engine_state,
-        "data_position": data_position,
-        "rng": rng_state(),
-        # --checkpoint-mid-window: the gradients of the micro-batches already done in the interrupted window
-        "partial_window": partial_window,
-    }
-    with writing(f"checkpoint step-{step} in {run_dir / CHECKPOINTS_DIR}",
-                 then="the checkpoints before it are intact: free space, then --resume"):
-        final = _write_atomically(run_dir, step=step, weights=weights, state=state, info=info)
-    if keep > 0:
-        prune_checkpoints(run_dir, keep=keep, known_intact={*known_intact, final})
-    return final
-
-
-def _write_atomically(run_dir: Path, *, step: int, weights: Mapping[str, torch.Tensor], state: dict[str, Any],
-                      info: dict[str, Any]) -> Path:
-    """Assemble the checkpoint in a hidden staging folder and rename it into place (removed whole on any failure)."""
+def stage(run_dir: Path, step: int) -> tuple[Path, Path]:
+    """A new hidden staging folder for checkpoint ``step`` and the step-N folder it becomes (``seal``)."""
     root = run_folder(run_dir, CHECKPOINTS_DIR)
-    final = root / f"step-{step}"
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step}."))
+    return Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step}.")), root / f"step-{step}"
+
+
+def seal(staging: Path, final: Path, *, step: int, kind: str, checksums: Mapping[str, str]) -> Path:
+    """Write the manifest (last: a folder with a valid manifest was complete when it was written) and rename the
+    staging folder into place; the staging folder is removed whole on any failure."""
     try:
-        save_weights(weights, staging / WEIGHTS_FILE)
-        write_state(staging, STATE_STEM, state)
-        atomic_write_json(staging / INFO_FILE, {"step": step, **info})
-        # The manifest is written last: a folder with a valid manifest was complete when it was written.
-        manifest = {name: _sha256(staging / name) for name in CHECKPOINT_FILES}
-        atomic_write_json(staging / MANIFEST_FILE, {"step": step, "sha256": manifest})
+        atomic_write_json(staging / MANIFEST_FILE, {"step": step, "format": kind, "sha256": dict(checksums)})
         if final.is_symlink() or final.is_file():
             # Not a checkpoint of this run's (it writes folders): never removed, and not replaced either.
             raise RunDirectoryWriteFailed(f"{final} is a link or a file, not one of the run's checkpoints; nothing "
@@ -134,12 +105,16 @@ def _write_atomically(run_dir: Path, *, step: int, weights: Mapping[str, torch.T
         if final.exists():  # the same step written again (a final save after a periodic one): replace it whole
             shutil.rmtree(final)
         os.replace(staging, final)
-        fsync_directory(root)
+        fsync_directory(final.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
 
+
+def checksums(folder: Path, names: Collection[str]) -> dict[str, str]:
+    """SHA-256 of each of ``names`` in ``folder``."""
+    return {name: sha256(folder / name) for name in names}
 
 
 def prune_checkpoints(run_dir: Path, *, keep: int, known_intact: Collection[Path] = ()) -> list[Path]:
@@ -175,8 +150,18 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def manifest_format(path: Path) -> str:
+    """The format a checkpoint's manifest names (``files`` for manifests written before there were two)."""
+    try:
+        kind = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8")).get("format", FILES)
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return FILES
+    return kind if kind in FORMAT_FILES else FILES
+
+
 def verify_checkpoint(path: Path) -> str | None:
-    """Why ``path`` is not a whole, intact checkpoint (None when it is)."""
+    """Why ``path`` is not a whole, intact checkpoint (None when it is): its manifest must name a known format, vouch
+    for every file that format always has, and every file it lists must be there with its checksum."""
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
         return "no manifest (the write did not finish)"
@@ -186,16 +171,24 @@ def verify_checkpoint(path: Path) -> str | None:
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         checksums = manifest["sha256"]
+        kind = manifest.get("format", FILES)
         if not isinstance(checksums, dict):
             return "unreadable manifest (no checksum table)"
-        for name in CHECKPOINT_FILES:
+        if kind not in FORMAT_FILES:
+            return f"unknown checkpoint format {str(kind)[:40]!r} in the manifest"
+        for name in FORMAT_FILES[kind]:
             if name not in checksums:
                 return f"the manifest does not vouch for {name}"
+        if kind == DCP and not any(name.endswith(SHARD_SUFFIX) for name in checksums):
+            return f"the manifest lists no {SHARD_SUFFIX} shard"
+        for name, digest in checksums.items():
+            if not isinstance(name, str) or not _PLAIN_NAME.match(name):
+                return f"the manifest lists {str(name)[:60]!r}, not a file name of this folder"
             if not (path / name).is_file():
                 return f"{name} is missing"
-            if _sha256(path / name) != checksums[name]:
+            if sha256(path / name) != digest:
                 return f"{name} does not match its checksum"
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         return f"unreadable manifest ({err})"
     return None
 
@@ -227,6 +220,12 @@ def newest_intact_checkpoint(run_dir: Path, *, notice: Callable[[str], None] | N
     return None
 
 
+def rank_state_stem(rank: int) -> str:
+    """The state one rank of a sharded checkpoint writes for itself: its random generators and, mid-window, its own
+    not yet synchronised gradients."""
+    return f"rank-{rank}"
+
+
 def _warning_line(message: str) -> None:
     print(f"cadence: warning: {message}", file=sys.stderr, flush=True)
 
@@ -239,7 +238,8 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     try:
         info_text = (path / INFO_FILE).read_bytes()
         state = read_state(path, STATE_STEM)
-        weights = load_file(str(path / WEIGHTS_FILE))
+        # A sharded checkpoint's weights are in its shards: read into the model by the sharded format.
+        weights = load_file(str(path / WEIGHTS_FILE)) if manifest_format(path) == FILES else {}
     except (OSError, ValueError, KeyError, TypeError, RecursionError, SafetensorError) as err:
         raise CheckpointUnreadable(f"{path}: unreadable checkpoint ({str(err)[:300]})") from err
     info = Record.parse(info_text, path / INFO_FILE)
@@ -275,7 +275,7 @@ def check_contents(path: Path, info: Record, state: Any) -> None:
         partial.count("micro_batches_done")
         partial.number("loss_sum")
         partial.take("micro_batch_size", integer(1))
-        grads = partial.record("grads")
+        grads = partial.record("grads", default=Record({}, partial.source))  # a sharded format's: per rank
         for name in grads.data:
             grads.take(name, tensor_kind(words="a tensor of gradients"))
 

@@ -1,0 +1,298 @@
+"""The owner of a run's checkpoints: which format it writes, and save, load and pruning in that format.
+
+A checkpoint is one step-N folder (``layout``: staging, manifest, verification, pruning) in one of two formats:
+
+- ``files`` (one process, DDP): ``model.safetensors`` and the whole training state, written by rank 0 (``files``);
+- ``dcp`` (FSDP2): every rank writes its own shard with torch.distributed.checkpoint (``sharded``), nothing is
+  gathered, and each rank its own random generators; rank 0 adds the JSON training state and, once every rank has
+  written and checksummed its files, the manifest, then renames the folder into place.
+
+With --async-checkpoint the state is copied and a thread of the Checkpointer's writes and seals it while training
+goes on (see :class:`Checkpointer`).
+
+The format a run writes is chosen from the run (:meth:`CheckpointFormat.from_ranks`); the format a checkpoint is
+read in, from its manifest. Either format resumes on any world size and strategy (DCP reshards; the single file is
+loaded whole and FSDP2 keeps its shard), with the same effective batch (the resume refuses another).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from cadence.distributed.ranks import Ranks, broadcast_from_main, full_model_state, unwrap
+from cadence.engine.step import PartialWindow
+from cadence.output_files import atomic_write_json
+from cadence.training.checkpoint.files import BY_INDEX, BY_NAME, full_optimizer_state, load_files_state, write_files
+from cadence.training.checkpoint.layout import (
+    DCP,
+    FILES,
+    FORMAT_FILES,
+    INFO_FILE,
+    STATE_STEM,
+    LoadedCheckpoint,
+    checksums,
+    manifest_format,
+    prune_checkpoints,
+    rank_state_stem,
+    restore_rng_state,
+    rng_state,
+    seal,
+    stage,
+)
+from cadence.training.checkpoint.sharded import read_shards, shard_files, shard_state, write_shards
+from cadence.training.components import Components
+from cadence.training.run_dir import CHECKPOINTS_DIR, writing
+from cadence.training.state_file import read_state, state_file_names, write_state
+
+FormatKind = Literal["files", "dcp"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointFormat:
+    """How a run's checkpoints hold the model and optimizer: whole (``files``) or as one DCP shard per rank
+    (``dcp``)."""
+
+    kind: FormatKind = FILES  # type: ignore[assignment]
+
+    @classmethod
+    def from_ranks(cls, ranks: Ranks) -> CheckpointFormat:
+        """Sharded under FSDP2 (no rank holds the whole state), whole otherwise (every rank does anyway)."""
+        return cls(kind=DCP if ranks.launched and ranks.strategy == "fsdp" else FILES)  # type: ignore[arg-type]
+
+    @classmethod
+    def of_checkpoint(cls, path: Path) -> CheckpointFormat:
+        """The format a (verified) checkpoint folder was written in, as its manifest says."""
+        return cls(kind=manifest_format(path))  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        if self.kind == DCP:
+            return "sharded: one torch.distributed.checkpoint shard per rank (.distcp) and a .metadata index"
+        return "whole: model.safetensors and the training state, written by rank 0"
+
+
+@dataclass(kw_only=True)
+class _Capture:
+    """What one checkpoint writes, taken from the live run (copied when it is written in the background)."""
+
+    step: int
+    staging: Path | None
+    """The folder every rank writes into (rank 0 made it); None on ranks that write nothing of their own."""
+    final: Path | None
+    shared: dict[str, Any]
+    """The training state rank 0 writes (scheduler, engine, data position, RNG, the interrupted window)."""
+    info: dict[str, Any]
+    whole: tuple[dict[str, Any], dict[str, Any]] | None = None
+    """The single-file format's weights and optimizer state (rank 0)."""
+    shards: dict[str, Any] | None = None
+    """The sharded format's tensors of this rank (``sharded.shard_state``)."""
+    sharded_optimizer: dict[str, Any] | None = None
+    own: dict[str, Any] | None = None
+    """This rank's own state when every rank writes one (sharded, or mid-window on several ranks)."""
+
+
+class Checkpointer:
+    """Saves the run's state into checkpoints/step-N/ in the run's format and loads any checkpoint back into it;
+    prunes to the newest ``keep`` intact ones. Every rank holds one and calls :meth:`save` together.
+
+    With ``background`` (--async-checkpoint) a save copies the state (to the CPU, where it already is on CPU) and
+    returns; a thread writes and seals it while training goes on. One write is in flight at most: the next save, the
+    end of the run and a stop wait for it (:meth:`wait`). It counts only once sealed (the manifest is written last
+    and the folder renamed into place), and pruning runs after the seal, so the newest complete checkpoint is never
+    the one removed. A mid-window save is written at once (the run stops after it anyway)."""
+
+    def __init__(self, run_dir: Path, ranks: Ranks, *, keep: int = 0, background: bool = False,
+                 known_intact: Collection[Path] = ()) -> None:
+        self.run_dir = run_dir
+        self.ranks = ranks
+        self.keep = keep
+        self.format = CheckpointFormat.from_ranks(ranks)
+        self.intact: set[Path] = set(known_intact)
+        """Checkpoints known to be whole (written by this run, or verified to resume from): pruning skips hashing
+        them again."""
+        self.background = background
+        self._writer: ThreadPoolExecutor | None = None
+        self._in_flight: Future[Path | None] | None = None
+        self._group: Any = None
+        if background:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadence-checkpoint")
+            if ranks.launched:  # every rank builds its Checkpointer at the same point, so all create it together
+                self._group = dist.new_group(backend="gloo")
+
+    # ------------------------------------------------------------------------------------------------------- save
+    def save(self, parts: Components, *, data_position: dict[str, int], info: dict[str, Any],
+             partial_window: dict[str, Any] | None = None) -> Path | None:
+        """Write checkpoints/step-{step}/ with the weights, optimizer, scheduler, precision, counters, RNG, data
+        position (and, mid-window, the gradients so far); a collective. The folder on rank 0 once written, None
+        elsewhere and when it is written in the background."""
+        self.wait()
+        in_background = self.background and partial_window is None
+        capture = self._capture(parts, copy=in_background, shared={
+            "scheduler": None if parts.scheduler is None else parts.scheduler.state_dict(),
+            "engine": parts.engine.state_dict(),
+            "data_position": data_position,
+            "rng": rng_state(),
+            # --checkpoint-mid-window: the gradients of the micro-batches already done in the interrupted window
+            "partial_window": partial_window,
+        }, info=info)
+        if in_background and self._writer is not None:
+            self._in_flight = self._writer.submit(self._commit, capture, self._group)
+            return None
+        return self._commit(capture, None)
+
+    def wait(self) -> Path | None:
+        """Wait for the write in flight (if any); what it wrote, or its failure raised here."""
+        in_flight, self._in_flight = self._in_flight, None
+        return None if in_flight is None else in_flight.result()
+
+    def close(self) -> None:
+        """Wait for the write in flight, then stop the writing thread (a failure of that write is not raised: the
+        run is ending on another one)."""
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - the failure being handled already says what went wrong
+            pass
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    def _capture(self, parts: Components, *, copy: bool, shared: dict[str, Any], info: dict[str, Any]) -> _Capture:
+        """Everything the checkpoint holds, read from the run now (collectives on the default group, by every
+        rank): gathered for the single-file format, this rank's shards for the sharded one."""
+        ranks, kind, step = self.ranks, self.format.kind, parts.engine.steps
+        partial = shared["partial_window"]
+        capture = _Capture(step=step, staging=None, final=None, shared=shared,
+                           info={"step": step, **info, "format": kind, "world_size": ranks.world_size})
+        if kind == FILES:  # gathered by every rank together under FSDP2 (a run that chose this format itself)
+            capture.whole = (full_model_state(parts.model, ranks),
+                             full_optimizer_state(parts.model, parts.optimizer, ranks))
+        else:
+            capture.shards, capture.sharded_optimizer = shard_state(parts.model, parts.optimizer)
+        if kind == DCP or (partial is not None and ranks.world_size > 1):
+            # Mid-window each rank has its own gradients and its own share of the window's loss so far.
+            capture.own = {"rng": shared["rng"], "grads": (partial or {}).get("grads", {}),
+                           "loss_sum": (partial or {}).get("loss_sum")}
+        with writing(f"checkpoint step-{step} in {self.run_dir / CHECKPOINTS_DIR}",
+                     then="the checkpoints before it are intact: free space, then --resume"):
+            staging, capture.final = stage(self.run_dir, step) if ranks.is_main else (None, None)
+        # One folder for all: rank 0 made it (a shared file system, as for the run directory itself).
+        capture.staging = broadcast_from_main(staging, ranks) if capture.own is not None else staging
+        if copy:  # the live tensors go on changing while the copy is written
+            capture.whole, capture.shards, capture.shared, capture.own = _copied(
+                (capture.whole, capture.shards, capture.shared, capture.own))
+        return capture
+
+    def _commit(self, capture: _Capture, group: Any) -> Path | None:
+        """Write, hash and seal what ``capture`` holds. Whole: rank 0 writes. Sharded, or mid-window on several
+        ranks: every rank writes its own files (its shard, its RNG and gradients) into rank 0's staging folder and
+        hashes them; rank 0 adds the shared state and, last, the manifest of all of them. Then pruning."""
+        ranks, kind, staging = self.ranks, self.format.kind, capture.staging
+        with writing(f"checkpoint step-{capture.step} in {self.run_dir / CHECKPOINTS_DIR}",
+                     then="the checkpoints before it are intact: free space, then --resume"):
+            try:
+                digests: list[dict[str, str]] = []
+                if capture.own is not None and staging is not None:
+                    write_state(staging, rank_state_stem(ranks.rank), capture.own)
+                    if capture.shards is not None:
+                        write_shards(staging, capture.shards, group=group)  # every rank its own shard
+                    mine = [*state_file_names(rank_state_stem(ranks.rank)), *shard_files(staging, ranks.rank)]
+                    digests = _gathered(checksums(staging, mine), ranks, group)  # each rank hashes what it wrote
+                if not ranks.is_main or staging is None or capture.final is None:
+                    return None
+                shared = dict(capture.shared)
+                if capture.own is not None and shared["partial_window"] is not None:  # the grads are per rank
+                    shared["partial_window"] = {key: value for key, value in shared["partial_window"].items()
+                                                if key != "grads"}
+                if capture.whole is None:
+                    write_state(staging, STATE_STEM, {"optimizer": {"state": {}, **(capture.sharded_optimizer or {})},
+                                                      **shared})
+                    optimizer_format = BY_NAME
+                else:
+                    write_files(staging, capture.whole[0], {"optimizer": capture.whole[1], **shared})
+                    optimizer_format = BY_NAME if ranks.launched and ranks.strategy == "fsdp" else BY_INDEX
+                atomic_write_json(staging / INFO_FILE, {**capture.info, "optimizer_format": optimizer_format})
+                table = {name: digest for found in digests for name, digest in found.items()}
+                table.update(checksums(staging, FORMAT_FILES[kind]))
+            except BaseException:
+                if staging is not None and ranks.is_main:
+                    _remove(staging)
+                raise
+            written = seal(staging, capture.final, step=capture.step, kind=kind, checksums=table)
+            self.intact.add(written)
+            if self.keep > 0:
+                prune_checkpoints(self.run_dir, keep=self.keep, known_intact=self.intact)
+        return written
+
+    # ------------------------------------------------------------------------------------------------------- load
+    def load(self, checkpoint: LoadedCheckpoint, parts: Components) -> PartialWindow | None:
+        """Load ``checkpoint`` (verified and read: ``layout.load_checkpoint``) into this run's model, optimizer,
+        scheduler, precision state, counters and random generators; mid-window, this rank's gradients so far, and
+        the window to continue (this rank's micro-batches done and loss so far) is returned. Every rank calls it. Raises what a state that does not fit raises (KeyError, ValueError, RuntimeError)."""
+        state, path = checkpoint.state, checkpoint.path
+        kind = CheckpointFormat.of_checkpoint(path).kind
+        if kind == DCP:
+            read_shards(path, parts.model, parts.optimizer, state["optimizer"])
+        else:
+            load_files_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"],
+                             str(checkpoint.info.get("optimizer_format", BY_INDEX)))
+        if state["scheduler"] is not None:
+            parts.scheduler.load_state_dict(state["scheduler"])
+        parts.engine.load_state_dict(state["engine"])
+        own = self._rank_state(path)
+        restore_rng_state(own["rng"] if own is not None else state["rng"])
+        partial = state.get("partial_window")
+        if not partial:
+            return None
+        # The interrupted window's accumulated gradients go back exactly where they were.
+        grads = own["grads"] if own is not None else partial.get("grads", {})
+        trained = {name: parameter for name, parameter in unwrap(parts.model).named_parameters()
+                   if parameter.requires_grad}
+        for name, grad in grads.items():
+            if name not in trained or tuple(grad.shape) != tuple(trained[name].shape):
+                raise ValueError(f"a saved gradient {name!r} of shape {tuple(grad.shape)} fits no trained parameter")
+        for name, grad in grads.items():
+            trained[name].grad = grad.to(trained[name].device, trained[name].dtype)
+        loss_sum = own.get("loss_sum") if own is not None else None
+        return PartialWindow(micro_batches_done=int(partial["micro_batches_done"]),
+                             loss_sum=float(partial["loss_sum"] if loss_sum is None else loss_sum))
+
+    def _rank_state(self, path: Path) -> dict[str, Any] | None:
+        """This rank's own state (its RNG; mid-window, its gradients) in a checkpoint every rank wrote into: the one
+        its rank wrote, or none when the checkpoint had fewer ranks or only rank 0 wrote (rank 0's RNG is used)."""
+        if not (path / state_file_names(rank_state_stem(self.ranks.rank))[0]).is_file():
+            return None
+        own = read_state(path, rank_state_stem(self.ranks.rank))
+        return own if isinstance(own, dict) else None
+
+
+def _gathered(value: dict[str, str], ranks: Ranks, group: Any) -> list[dict[str, str]]:
+    """Every rank's ``value``, in rank order (on every rank), over ``group`` (None: the default group)."""
+    if not ranks.launched:
+        return [value]
+    found: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(found, value, group=group)
+    return found
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor copied (detached; DTensors stay DTensors) and every container rebuilt: what a
+    background write may read while training changes the originals."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def _remove(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
