@@ -192,10 +192,13 @@ def given_cut(config: TrainConfig, constrained: set[str], micro_batch_size: int,
 
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
                      notes: list[str], model: PlanModel | None = None, *, states: list[str] | None = None,
-                     first_number: int = 1) -> list[Candidate]:
+                     first_number: int = 1, longest: int | None = None) -> list[Candidate]:
     """Every combination of the levers the user left open, each with its estimated peak; ``states``: the optimizer
-    states (default: the given one, else fp32), numbered from ``first_number``."""
+    states (default: the given one, else fp32), numbered from ``first_number``. ``longest``: the data's longest
+    example (positions; default ``seq_len``), the row length of its longest micro-batch, where each is estimated
+    (packed rows are ``seq_len`` long whatever the examples)."""
     model = model or plan_model(config)
+    rows = seq_len if config.packing and "packing" in constrained else min(seq_len, longest or seq_len)
     effective = int(config.effective_batch_size or 0)
     micro_sizes = [int(config.micro_batch_size)] if "micro_batch_size" in constrained else divisors(effective)
     if "precision" in constrained:
@@ -214,7 +217,7 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
         offloads = ["none"]
         notes.append("offload (activations or optimizer) saves nothing on a CPU-only machine: host memory is the "
                      "device memory. Offload candidates were left out rather than measured as if they helped.")
-    chunks = loss_chunk_options(config, constrained, model, seq_len, int(config.memory_budget_bytes() or 0), device,
+    chunks = loss_chunk_options(config, constrained, model, rows, int(config.memory_budget_bytes() or 0), device,
                                 notes)
     states = states or [config.optimizer_state if "optimizer_state" in constrained else "fp32"]
     candidates: list[Candidate] = []
@@ -229,7 +232,7 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
                                                activation_checkpointing=recompute, offload=offload,
                                                loss_chunk_tokens=chunk, optimizer_state=state)
                             estimate = model.estimate(
-                                micro_batch_size=micro, seq_len=seq_len, precision=precision,
+                                micro_batch_size=micro, seq_len=rows, precision=precision,
                                 checkpointing=recompute, offload=offload, device_type=device.type,
                                 grad_accum_steps=setup.grad_accum_steps, loss_chunk_tokens=chunk,
                                 optimizer_state=state,
@@ -305,6 +308,14 @@ def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, dev
     return ordered[:max_trials]
 
 
+def longest_example(data: DataSplits, seq_len: int) -> int:
+    """Positions in the training split's longest example (``seq_len`` for text cut into full sequences)."""
+    train = data.train
+    if isinstance(train, PackedSequences):
+        return seq_len
+    return min(seq_len, int(getattr(train, "max_length", seq_len)) or seq_len)
+
+
 def epoch_tokens(data: DataSplits) -> int:
     train = data.train
     if isinstance(train, PackedSequences):
@@ -349,13 +360,18 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
             notes.append(batch_choice.time_note)
     effective = int(config.effective_batch_size or 0)
 
-    baseline = model.estimate(micro_batch_size=effective, seq_len=seq_len, precision="fp32", checkpointing="none",
+    longest = longest_example(data, seq_len)
+    baseline = model.estimate(micro_batch_size=effective, seq_len=longest, precision="fp32", checkpointing="none",
                               device_type=device.type)
     say(f"plan: {config.model}, effective batch {effective} x {seq_len} tokens, budget {format_bytes(budget)} "
         f"on {device}\ndiagnosis: the whole batch at once in fp32 needs about {format_bytes(baseline.peak_bytes)}: "
         f"{baseline.dominant}")
+    if longest < seq_len:
+        notes.append(f"the data's longest example has {longest} positions (--seq-len {seq_len}): every candidate is "
+                     f"estimated at micro-batches of rows that long, and measured on the longest window the data can "
+                     f"produce")
     states = ([config.optimizer_state] if "optimizer_state" in constrained else ["fp32"])
-    candidates = build_candidates(config, constrained, device, seq_len, notes, model, states=states)
+    candidates = build_candidates(config, constrained, device, seq_len, notes, model, states=states, longest=longest)
     measured: list[Candidate] = []
     _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes)
     feasible = [c for c in measured if _feasible(c)]
@@ -369,7 +385,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         say(f"nothing with fp32 optimizer state fits: measuring {' and '.join(lossy)} optimizer state (lossy: kept "
             f"only after a loss check)")
         more = build_candidates(config, constrained, device, seq_len, [], model, states=lossy,
-                                first_number=len(candidates) + 1)
+                                first_number=len(candidates) + 1, longest=longest)
         candidates += more
         _run_trials(more, candidates, measured, prep, budget, options, deadline, say, notes)
         feasible = [c for c in measured if _feasible(c)]
@@ -619,8 +635,18 @@ def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanO
     if best is not None and best.measured.tokens_per_s > CUT_GAIN * drawn_rate:  # type: ignore[union-attr]
         notes.append(f"the {names[best.id]} cut measured faster than drawn order, but within the rounds' noise: the "
                      f"choice keeps drawn order")
+    elif not fitting:
+        # Only what was measured is compared: with no cut measured within the budget, nothing was found slower.
+        unmeasured = [name for name, _ in variants if name not in names.values()]
+        over = [names[c.id] for c in tried[1:]]
+        notes.append("the choice keeps drawn order, the order it was measured in: "
+                     + "; ".join(part for part in (
+                         f"{', '.join(over)} did not fit the budget on the longest window" if over else "",
+                         f"{', '.join(unmeasured)} not measured" if unmeasured else "") if part)
+                     + " (so no cut was compared with it on speed)")
     else:
-        notes.append("no cut by length was more than 3% faster than drawn order: the choice keeps drawn order")
+        notes.append(f"no cut by length ({', '.join(names[c.id] for c in fitting)}, measured) was more than 3% faster "
+                     f"than drawn order: the choice keeps drawn order")
     return chosen, rows
 
 
@@ -702,7 +728,7 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
             rate = result.tokens_per_s
             measured = {
                 "peak_bytes": result.peak_bytes, "fits": result.fits, "tokens_per_s": rate,
-                "step_time_s": result.step_time_s,
+                "step_time_s": result.step_time_s, "measured_on": result.measured_on,
                 "seconds_per_epoch": tokens_per_epoch / rate if rate else None,
                 "hours_per_billion_tokens": 1e9 / rate / 3600 if rate else None,
                 "error": result.error,
@@ -721,6 +747,9 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
         "model_config": list(config.model_config) if config.model_config else None,
         "parameters": model.num_parameters,
         "seq_len": seq_len,
+        # Rows of the data's longest micro-batch: what every candidate's peak was measured on (train --plan's check
+        # of a cut the user gives reads it).
+        "longest_example": longest_example(data, seq_len),
         "data": data.description,
         # What train --plan reads again unless told otherwise: the plan's decision holds for this data and cut.
         "source": {**Source.from_flags(config).flags(),
@@ -774,6 +803,48 @@ def _write_report(out: Path, say: Callable[[str], None]) -> None:
 # ---------------------------------------------------------------------------------------------------- train --plan
 
 
+def _accepted_cut(config: TrainConfig, given: set[str], decided: dict[str, Any], plan: Record,
+                  hints: dict[str, Any], path: Path) -> tuple[dict[str, Any], list[Problem]]:
+    """The cut flags train --plan runs with when the user gives some (``given``) beside the plan: every cut gives the
+    same gradient, so what decides is the memory. Accepted: the plan's own cut; a cut the plan measured on its
+    longest window and found within the budget (plan.json's cuts); and, where the plan cut rows by a row count
+    (no token budget, no packing), either order of those rows, whose longest micro-batch is the same rows (the
+    micro-batch size's longest examples, what the plan measured). Anything else might raise the peak the plan
+    measured, and is refused saying why."""
+    wanted = {name: getattr(config, name) for name in CUT_FLAGS if name in given}
+    if all(decided.get(name) == value for name, value in wanted.items()):
+        return {}, []
+    for row in plan.records("cuts", []):
+        flags = {name: row.get(name, CUT_FLAG_DEFAULTS[name]) for name in CUT_FLAGS}
+        if row.get("fits") is True and all(flags[name] == value for name, value in wanted.items()):
+            return {name: row.take(name, field_kind(hints[name]), CUT_FLAG_DEFAULTS[name]) for name in CUT_FLAGS}, []
+    rows_cut = decided.get("micro_batch_tokens") is None and not decided.get("packing")
+    if rows_cut and set(wanted) == {"micro_batch_order"}:
+        return wanted, []
+    micro, seq_len = decided.get("micro_batch_size"), plan.get("seq_len")
+    longest = plan.get("longest_example") or seq_len
+    measured = f"the plan measured {micro} rows of at most {longest} positions per micro-batch ({path})"
+    problems = []
+    if "packing" in wanted and wanted["packing"] != decided.get("packing"):
+        problems.append(Problem(where="--packing" if wanted["packing"] else "--no-packing", message=(
+            f"could raise the peak the plan measured: packed rows of --seq-len {seq_len} fill each row with examples "
+            f"(up to {micro} x {seq_len} positions per micro-batch, every one a real token and most of them "
+            f"targets), where {measured}, and the plan measured no packed cut that fits; plan again with --packing")
+            if wanted["packing"] else (
+            f"the plan chose packed rows; unpacked micro-batches of {micro} examples pad to their "
+            f"longest and were not measured; plan again without --packing")))
+    if "micro_batch_tokens" in wanted and wanted["micro_batch_tokens"] != decided.get("micro_batch_tokens"):
+        problems.append(Problem(where="--micro-batch-tokens", message=(
+            f"{wanted['micro_batch_tokens']} could raise the peak the plan measured: a token budget cuts micro-batches "
+            f"by positions, in as many rows as fit, not by {micro} rows, where {measured} and no cut with this budget; "
+            f"plan again with --micro-batch-tokens {wanted['micro_batch_tokens']}")))
+    if not problems:  # the order alone, under a cut by a token budget or packing
+        problems.append(Problem(where="--micro-batch-order", message=(
+            f"{wanted.get('micro_batch_order')!r}: the plan's cut ({decided.get('micro_batch_tokens')} positions per "
+            f"micro-batch, packing {decided.get('packing')}) was measured in its own order only; plan again with it")))
+    return {}, problems
+
+
 def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
     """The configuration with the plan's decision; a given flag that contradicts the plan is a usage error."""
     path = config.plan
@@ -824,7 +895,15 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
             warnings.warn(f"training on --data {config.data or 'the built-in corpus'}, while the plan {path} was made "
                           f"on {planned}: its decision was measured on that data", stacklevel=2)
     problems = []
+    if given & set(CUT_FLAGS):
+        # A cut is an exact lever (the same samples per window): a cut that keeps the memory the plan measured is
+        # accepted, one that might raise it is refused saying why.
+        cut_flags, cut_problems = _accepted_cut(config, given, decided, plan, hints, path)
+        decided.update(cut_flags)
+        problems += cut_problems
     for name, value in decided.items():
+        if name in CUT_FLAGS and name in given:
+            continue  # decided above
         if name in given and value is not None and getattr(config, name) != value:
             problems.append(Problem(where="--" + name.replace("_", "-"),
                                     message=f"{getattr(config, name)!r} contradicts the plan's {value!r} ({path})"))

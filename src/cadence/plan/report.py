@@ -163,7 +163,10 @@ def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None,
     for index, cand in enumerate(candidates):
         measured = cand.get("measured") or {}
         if measured:
-            fits = {True: "yes (measured)", False: "no (measured)"}.get(measured.get("fits"), "?")
+            # Measured on the longest window the data can produce (plan.json's measured_on), or, in a plan made
+            # before that, on the epoch's second window.
+            how = "measured on the longest window" if measured.get("measured_on") else "measured"
+            fits = {True: f"yes ({how})", False: f"no ({how})"}.get(measured.get("fits"), "?")
         else:
             fits = {True: "yes (estimate)", False: "no (estimate)"}.get(cand.get("fits_estimate"), "?")
         name = str(cand.get("id", "?"))
