@@ -4,6 +4,7 @@ configuration that fits those ran out of memory in train --plan at the first lon
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -110,3 +111,71 @@ def test_an_auto_batch_plan_on_uneven_data_fits_a_whole_epoch_of_it(tmp_path: Pa
     plan, _ = _plan_and_train_an_epoch(tmp_path, "--effective-batch-size", "auto", "--noise-scale-windows", "2",
                                        "--min-effective-batch-size", "8", "--max-effective-batch-size", "16")
     assert plan["effective_batch"]["given"] == "auto" and plan["effective_batch_size"] in (8, 16)
+
+
+# ---------------------------------------------------------------------------------------------- issue 43 item 2
+BIG_VOCAB = [arg for item in ("vocab_size=32000", "hidden_size=64", "num_hidden_layers=2", "num_attention_heads=4",
+                              "intermediate_size=128", "max_position_embeddings=512", "tie_word_embeddings=true")
+             for arg in ("--model-config", item)]
+
+
+def long_and_short(path: Path, count: int = 24) -> Path:
+    """Prompt/completion lines of uneven lengths, one in eight near --seq-len 512."""
+    rng = random.Random(5)
+    lines = []
+    for index in range(count):
+        size = 490 if index % 8 == 3 else rng.randint(20, 120)
+        lines.append(json.dumps({"prompt": "q:", "completion": "".join(rng.choice("abcdefgh ") for _ in range(size))}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_while_nothing_fits_the_levers_that_change_the_fit_are_measured_first() -> None:
+    """The 64 MiB, 32,000-token llama: the trials a plan takes first, while nothing fits, are those whose estimate
+    fits, the most memory saved per second of measuring first; a precision that only changes the speed comes after
+    the same levers in fp32, and a lossy optimizer state's saving counts."""
+    import torch
+
+    from cadence.plan.models import plan_model
+    from cadence.plan.planner import build_candidates, choose_trials, fit_first
+
+    config = TrainConfig(model="hf:llama", model_config=BIG_VOCAB[1::2], effective_batch_size=8,
+                         memory_budget="64MiB", seq_len=512)
+    model = plan_model(config)
+    budget = 64 << 20
+    cpu = torch.device("cpu")
+    candidates = []
+    for state in ("fp32", "8bit"):  # the estimate of the lossy round's candidates, no bitsandbytes needed
+        for precision in ("fp32", "bf16"):
+            candidates += build_candidates(dataclasses.replace(config, precision=precision), {"precision"}, cpu, 512,
+                                           [], model, states=[state], first_number=len(candidates) + 1)
+    queue = choose_trials(candidates, budget, len(candidates), cpu, fitting_known=False)
+    estimates = [c.estimate.peak_bytes for c in queue]
+    within = [peak <= budget for peak in estimates]
+    assert within == sorted(within, reverse=True), "every candidate the estimate fits comes before the others"
+    first = queue[0].setup
+    print(f"first trial: {queue[0].id} {first.describe()} estimated {queue[0].estimate.peak_bytes / 2**20:.1f} MiB")
+    assert first.loss_chunk_tokens > 0 and queue[0].estimate.peak_bytes <= budget
+    # Precision alone (bf16 autocast keeps fp32 weights, gradients and state) saves nothing: fp32 is measured first.
+    ordered = fit_first([c for c in candidates if c.setup.loss_chunk_tokens and c.setup.micro_batch_size == 1
+                         and c.setup.activation_checkpointing == "full" and c.setup.optimizer_state == "fp32"],
+                        budget, cpu)
+    assert [c.setup.precision for c in ordered][0] == "fp32"
+
+
+def test_a_plan_out_of_time_names_the_untried_lever_most_likely_to_fit(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 43 item 2, scaled to stay fast: the 64 MiB budget, the 32,000-token llama, uneven data near seq 512;
+    the --time-budget is spent before a trial (it counts the plan's start-up): the plan says which levers it never
+    measured, each with its estimated peak, and which to plan with."""
+    data = long_and_short(tmp_path / "data.jsonl")
+    assert main(["plan", "--model", "hf:llama", *BIG_VOCAB, "--data", str(data), "--data-cache",
+                 str(tmp_path / "cache"), "--seq-len", "512", "--effective-batch-size", "8", "--memory-budget",
+                 "64MiB", "--precision", "fp32", "--time-budget", "0.01", "--out", str(tmp_path / "plan")]) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    print(last)
+    assert "no configuration fits in 64.0 MiB" in last and "The --time-budget of 0.01 s ran out before" in last
+    assert "Most likely to fit:" in last and "within the budget" in last and "--loss-chunk-tokens" in last
+    assert "estimated" in last and ("8bit optimizer state" in last or "bf16 optimizer state" in last)
+    assert not (tmp_path / "plan" / "plan.json").exists()

@@ -192,16 +192,20 @@ def given_cut(config: TrainConfig, constrained: set[str], micro_batch_size: int,
 
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
                      notes: list[str], model: PlanModel | None = None, *, states: list[str] | None = None,
-                     first_number: int = 1, longest: int | None = None) -> list[Candidate]:
+                     first_number: int = 1, longest: int | None = None,
+                     precisions: list[str] | None = None) -> list[Candidate]:
     """Every combination of the levers the user left open, each with its estimated peak; ``states``: the optimizer
     states (default: the given one, else fp32), numbered from ``first_number``. ``longest``: the data's longest
     example (positions; default ``seq_len``), the row length of its longest micro-batch, where each is estimated
-    (packed rows are ``seq_len`` long whatever the examples)."""
+    (packed rows are ``seq_len`` long whatever the examples). ``precisions``: the ones a first call kept (the matmul
+    probe that chooses them takes seconds: it runs once per plan)."""
     model = model or plan_model(config)
     rows = seq_len if config.packing and "packing" in constrained else min(seq_len, longest or seq_len)
     effective = int(config.effective_batch_size or 0)
     micro_sizes = [int(config.micro_batch_size)] if "micro_batch_size" in constrained else divisors(effective)
-    if "precision" in constrained:
+    if precisions is not None:
+        pass
+    elif "precision" in constrained:
         precisions = [config.precision]
     else:
         probe = probe_precisions([name for name in PRECISIONS if precision_problem(name, device) is None], device)
@@ -290,8 +294,11 @@ def precision_prior(device: torch.device) -> dict[str, float]:
     return {"fp32": 1.0, "bf16": 1.5, "fp16": 2.0}
 
 
-def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, device: torch.device) -> list[Candidate]:
-    """Per group, the largest micro-batch the estimate admits, groups in prior order (cheapest first)."""
+def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, device: torch.device, *,
+                  fitting_known: bool = True) -> list[Candidate]:
+    """Per group, the largest micro-batch the estimate admits, groups in prior order (cheapest first); with
+    ``fitting_known`` False (nothing measured fits yet), in :func:`fit_first` order, so that the ``max_trials`` taken
+    are the ones most likely to fit."""
     if max_trials == 0:
         return list(candidates)
     prior = precision_prior(device)
@@ -305,7 +312,37 @@ def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, dev
     ordered = sorted(leaders.values(), key=lambda c: prior[c.setup.precision]
                      * RECOMPUTE_COST[c.setup.activation_checkpointing] * OFFLOAD_COST[c.setup.offload]
                      * (CHUNK_COST if c.setup.loss_chunk_tokens else 1.0))
-    return ordered[:max_trials]
+    return ordered[:max_trials] if fitting_known else fit_first(ordered, budget, device)[:max_trials]
+
+
+def measuring_cost(candidate: Candidate, device: torch.device) -> float:
+    """The prior relative seconds of measuring ``candidate`` (every candidate computes the same effective batch, so
+    a trial's time follows its cost per token): only for ordering, never for deciding."""
+    setup = candidate.setup
+    return (precision_prior(device)[setup.precision] * RECOMPUTE_COST[setup.activation_checkpointing]
+            * OFFLOAD_COST[setup.offload] * (CHUNK_COST if setup.loss_chunk_tokens else 1.0))
+
+
+def fit_first(queue: list[Candidate], budget: int, device: torch.device) -> list[Candidate]:
+    """The order to measure ``queue`` in while nothing measured fits: a search that fits before it ranks.
+
+    Candidates the estimate puts within the budget come first; among them, and among the rest, the most memory
+    saved (below the largest estimate of the queue) per relative second of measuring. So the levers that change the
+    fit (lower-precision optimizer state, loss chunks, recompute) are measured before precisions that change only
+    the speed (bf16 autocast keeps fp32 weights, gradients and state: its estimate is about fp32's, its saving about
+    none), and a plan that runs out of time has measured what could fit."""
+    if not queue:
+        return []
+    top = max(c.estimate.peak_bytes for c in queue)
+    def key(candidate: Candidate) -> tuple[bool, float]:
+        saved = top - candidate.estimate.peak_bytes
+        return (candidate.estimate.peak_bytes > budget, -saved / measuring_cost(candidate, device))
+    return sorted(queue, key=key)
+
+
+def speed_first(queue: list[Candidate], device: torch.device) -> list[Candidate]:
+    """The order to measure ``queue`` in once something fits: the cheapest prior cost first (the likely fastest)."""
+    return sorted(queue, key=lambda c: measuring_cost(c, device))
 
 
 def longest_example(data: DataSplits, seq_len: int) -> int:
@@ -372,8 +409,10 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
                      f"produce")
     states = ([config.optimizer_state] if "optimizer_state" in constrained else ["fp32"])
     candidates = build_candidates(config, constrained, device, seq_len, notes, model, states=states, longest=longest)
+    kept = sorted({c.setup.precision for c in candidates}, key=PRECISIONS.index)
     measured: list[Candidate] = []
-    _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes)
+    _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes,
+                defer_over_estimate="optimizer_state" not in constrained)
     feasible = [c for c in measured if _feasible(c)]
     if not feasible and "optimizer_state" not in constrained:
         # Only where no exact configuration fits (measured, not estimated: the estimate may be optimistic) does the
@@ -385,7 +424,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         say(f"nothing with fp32 optimizer state fits: measuring {' and '.join(lossy)} optimizer state (lossy: kept "
             f"only after a loss check)")
         more = build_candidates(config, constrained, device, seq_len, [], model, states=lossy,
-                                first_number=len(candidates) + 1, longest=longest)
+                                first_number=len(candidates) + 1, longest=longest, precisions=kept)
         candidates += more
         _run_trials(more, candidates, measured, prep, budget, options, deadline, say, notes)
         feasible = [c for c in measured if _feasible(c)]
@@ -394,8 +433,13 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
                        key=lambda c: c.measured.peak_bytes)  # type: ignore[union-attr]
         detail = (f"; the smallest measured peak was {format_bytes(smallest.measured.peak_bytes)} "  # type: ignore
                   f"({smallest.setup.describe()})") if smallest else ""
-        raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}. Try a larger --memory-budget, "
-                         f"a smaller --seq-len or a smaller model.")
+        if "optimizer_state" not in constrained and not any(not c.setup.exact for c in candidates):
+            # The lossy round never ran (the time ran out first): its candidates are untried levers too.
+            candidates += build_candidates(config, constrained, device, seq_len, [], model,
+                                           states=lossy_optimizer_states([]), first_number=len(candidates) + 1,
+                                           longest=longest, precisions=kept)
+        raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}."
+                         + untried_levers(candidates, budget, deadline, constrained))
     chosen = _decide(feasible, prep, options, deadline, say, notes)
     state_checks: list[dict[str, Any]] = []
     while not chosen.setup.exact:
@@ -445,18 +489,28 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
 
 def _run_trials(pool: list[Candidate], candidates: list[Candidate], measured: list[Candidate], prep: Prepared,
                 budget: int, options: PlanOptions, deadline: Deadline, say: Callable[[str], None],
-                notes: list[str]) -> None:
+                notes: list[str], *, defer_over_estimate: bool = False) -> None:
     """Measure the candidates of ``pool`` that choose_trials picks (adding each to ``measured``), stepping down to
     the next smaller micro-batch of a group whose measured peak is over the budget, until the trials or the time run
-    out."""
+    out. ``defer_over_estimate``: while nothing fits, stop at the first candidate whose estimate is over the budget
+    (the lossy levers, whose estimates fit, come before it)."""
     for candidate in pool:
         if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
             candidate.status = "over budget (estimate)"
-    queue = choose_trials(pool, budget, options.max_trials, prep.device)
+    queue = choose_trials(pool, budget, options.max_trials, prep.device,
+                          fitting_known=any(_feasible(c) for c in measured))
     trials_left = len(pool) if options.max_trials == 0 else options.max_trials
     while queue and trials_left > 0:
-        if any(_feasible(c) for c in measured) and deadline.passed(_quality_reserve(measured, options)):
+        fits = any(_feasible(c) for c in measured)
+        # Nothing fits yet: measure what can fit first; something fits: what can be faster. Either way the
+        # --time-budget bounds the search (with nothing that fits, no quality check is left to keep time for).
+        queue = speed_first(queue, prep.device) if fits else fit_first(queue, budget, prep.device)
+        if deadline.passed(_quality_reserve(measured, options) if fits else 0.0):
             _out_of_time(queue, deadline, notes, "trials")
+            break
+        if defer_over_estimate and not fits and queue[0].estimate.peak_bytes > budget:
+            for candidate in queue:
+                candidate.status = "not measured: its estimate is over the budget (lower-precision state first)"
             break
         candidate = queue.pop(0)
         trials_left -= 1
@@ -466,6 +520,61 @@ def _run_trials(pool: list[Candidate], candidates: list[Candidate], measured: li
             smaller = _next_smaller(candidates, candidate)  # the estimate was optimistic: step down in this group
             if smaller is not None and smaller.measured is None and smaller not in queue:
                 queue.insert(0, smaller)
+
+
+UNTRIED_SHOWN = 4
+"""Untried lever combinations a failed plan lists (the lowest estimated peaks)."""
+
+
+def untried_levers(candidates: list[Candidate], budget: int, deadline: Deadline, constrained: set[str]) -> str:
+    """What a plan that found nothing to fit did not measure: each untried combination of levers at its smallest
+    estimated peak (lowest first), and the one most likely to fit with the flags that plan it alone; or, when every
+    combination was measured, what else to try."""
+    groups: dict[tuple[str, str, str, int, str], Candidate] = {}
+    for candidate in candidates:
+        if candidate.measured is not None:
+            continue
+        best = groups.get(candidate.group)
+        if best is None or candidate.estimate.peak_bytes < best.estimate.peak_bytes:
+            groups[candidate.group] = candidate
+    tried = {c.group for c in candidates if c.measured is not None}
+    untried = sorted((c for group, c in groups.items() if group not in tried), key=lambda c: c.estimate.peak_bytes)
+    if not untried:
+        return " Every combination of levers was measured: try a larger --memory-budget, a smaller --seq-len or a " \
+               "smaller model."
+    out_of_time = deadline.passed()
+    listed = "; ".join(f"{c.id} {_lever_words(c)}: estimated {format_bytes(c.estimate.peak_bytes)}"
+                       for c in untried[:UNTRIED_SHOWN])
+    more = f" (and {len(untried) - UNTRIED_SHOWN} more)" if len(untried) > UNTRIED_SHOWN else ""
+    head = f"The --time-budget of {deadline.seconds:g} s ran out before these were measured" if out_of_time \
+        else "Not measured"
+    text = f" {head}: {listed}{more}."
+    likely = untried[0]
+    verdict = ("within the budget" if likely.estimate.peak_bytes <= budget
+               else f"{likely.estimate.peak_bytes / budget:.2f}x the budget")
+    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in _lever_flags(likely).items()
+                     if name not in constrained)
+    return text + (f" Most likely to fit: {likely.id} ({_lever_words(likely)}, estimated "
+            f"{format_bytes(likely.estimate.peak_bytes)}, {verdict}); plan it with "
+            + (f"{flags}, or " if flags else "") + "a larger --time-budget.")
+
+
+def _lever_flags(candidate: Candidate) -> dict[str, Any]:
+    """The levers of ``candidate`` that are pulled (not at their defaults), as plan flags."""
+    setup = candidate.setup
+    pulled = {"optimizer_state": setup.optimizer_state, "loss_chunk_tokens": setup.loss_chunk_tokens,
+              "activation_checkpointing": setup.activation_checkpointing, "offload": setup.offload,
+              "precision": setup.precision}
+    defaults = {"optimizer_state": "fp32", "loss_chunk_tokens": 0, "activation_checkpointing": "none",
+                "offload": "none", "precision": "fp32"}
+    return {name: value for name, value in pulled.items() if value != defaults[name]}
+
+
+def _lever_words(candidate: Candidate) -> str:
+    setup = candidate.setup
+    return (f"micro {setup.micro_batch_size} x accum {setup.grad_accum_steps}, {setup.precision}, recompute "
+            f"{setup.activation_checkpointing}" + (f", offload {setup.offload}" if setup.offload != "none" else "")
+            + setup.lever_text())
 
 
 def _feasible(candidate: Candidate) -> bool:
