@@ -179,3 +179,38 @@ def test_a_plan_out_of_time_names_the_untried_lever_most_likely_to_fit(tmp_path:
     assert "Most likely to fit:" in last and "within the budget" in last and "--loss-chunk-tokens" in last
     assert "estimated" in last and ("8bit optimizer state" in last or "bf16 optimizer state" in last)
     assert not (tmp_path / "plan" / "plan.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- issue 43 item 3
+def test_the_accumulation_transient_is_named_where_it_raises_the_peak() -> None:
+    """The 32,000-token llama of issue 43 on short examples: micro 1 x accum 8 is estimated above micro 8 x accum 1
+    (each new gradient is made beside the accumulated one, and the 32,000 x 64 embedding dominates); the plan's
+    diagnosis says so and by how much, and each candidate carries what accumulation adds to its peak. gpt-tiny's byte
+    vocabulary: it lowers the peak, and the diagnosis says that instead."""
+    import torch
+
+    from cadence.plan.models import plan_model
+    from cadence.plan.planner import accumulation_diagnosis, build_candidates
+
+    cpu = torch.device("cpu")
+    config = TrainConfig(model="hf:llama", model_config=BIG_VOCAB[1::2], effective_batch_size=8,
+                         memory_budget="64MiB", seq_len=512, loss_chunk_tokens=64)
+    model = plan_model(config)
+    # Short examples (rows of 8 positions): the activations a smaller micro-batch saves are less than the second
+    # copy of the 32,000 x 64 embedding's gradient that accumulation holds.
+    candidates = build_candidates(config, {"precision", "activation_checkpointing", "loss_chunk_tokens"}, cpu, 512,
+                                  [], model, longest=8)
+    found = accumulation_diagnosis(candidates, model)
+    print(found["explanation"])
+    case = found["case"]
+    assert found["raises_peak"] and case["accumulated_bytes"] > case["whole_batch_bytes"]
+    assert found["largest_tensor_bytes"] == 32000 * 64 * 4
+    assert "held twice" in found["explanation"] and "accumulation raises the peak there" in found["explanation"]
+    for candidate in candidates:
+        added = candidate.accumulation_bytes
+        assert (added is None) == (candidate.setup.grad_accum_steps == 1)
+        assert added is None or added >= found["largest_tensor_bytes"]  # at least the embedding's second gradient
+    tiny_config = TrainConfig(effective_batch_size=8, memory_budget="64MiB", precision="fp32")
+    tiny = accumulation_diagnosis(build_candidates(tiny_config, {"precision", "activation_checkpointing"}, cpu, 256,
+                                                   [], plan_model(tiny_config)), plan_model(tiny_config))
+    assert not tiny["raises_peak"] and "accumulation lowers the peak" in tiny["explanation"]

@@ -89,6 +89,11 @@ class PlanOptions:
     noise_scale_windows: int = 8
     """With --effective-batch-size auto: windows over which the gradient noise scale is measured at the start of
     training (more: a smaller standard error, recorded in plan.json)."""
+    noise_scale_training: bool = False
+    """With --effective-batch-size auto: measure the gradient noise scale while training through the run's own start
+    (--lr, --warmup-steps: as the run would) instead of at the weights the run starts from (the default: the whole
+    step chain at learning rate 0, no optimizer step, so a loaded model is measured as loaded, not after the jolt of
+    its first updates)."""
     min_effective_batch_size: int = 1
     """With --effective-batch-size auto: the smallest effective batch the plan may choose."""
     max_effective_batch_size: int = 4096
@@ -114,6 +119,10 @@ class Candidate:
     measured: TrialResult | None = None
     rates: Rates | None = None
     """The throughputs of its alternating rounds (front-runners and cuts), the first trial's included."""
+    accumulation_bytes: int | None = None
+    """What accumulation adds to its estimated peak (against the same micro-batch as a whole window): the gradients
+    held through the later micro-batches, and each new gradient made beside the accumulated one. None: no
+    accumulation."""
 
     @property
     def group(self) -> tuple[str, str, str, int, str]:
@@ -133,7 +142,8 @@ def validate_plan(config: TrainConfig, options: PlanOptions, constrained: Collec
         problems.append(Problem(where="--effective-batch-size", message="is required: the batch the plan keeps fixed, "
                                                                         "or auto (chosen from the gradient noise "
                                                                         "scale)"))
-    auto_only = ("noise_scale_windows", "min_effective_batch_size", "max_effective_batch_size", "lr_reference_batch")
+    auto_only = ("noise_scale_windows", "noise_scale_training", "min_effective_batch_size", "max_effective_batch_size",
+                 "lr_reference_batch")
     for name in auto_only if not auto else ():
         if getattr(options, name) != getattr(PlanOptions(), name):
             problems.append(Problem(where="--" + name.replace("_", "-"),
@@ -241,8 +251,14 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
                                 grad_accum_steps=setup.grad_accum_steps, loss_chunk_tokens=chunk,
                                 optimizer_state=state,
                             )
-                            candidates.append(Candidate(id=f"c{len(candidates) + first_number:02d}", setup=setup,
-                                                        estimate=estimate))
+                            alone = estimate if setup.grad_accum_steps == 1 else model.estimate(
+                                micro_batch_size=micro, seq_len=rows, precision=precision, checkpointing=recompute,
+                                offload=offload, device_type=device.type, grad_accum_steps=1,
+                                loss_chunk_tokens=chunk, optimizer_state=state)
+                            candidates.append(Candidate(
+                                id=f"c{len(candidates) + first_number:02d}", setup=setup, estimate=estimate,
+                                accumulation_bytes=(estimate.peak_bytes - alone.peak_bytes
+                                                    if setup.grad_accum_steps > 1 else None)))
     return candidates
 
 
@@ -307,7 +323,7 @@ def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, dev
         if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
             continue
         best = leaders.get(candidate.group)
-        if best is None or candidate.setup.micro_batch_size > best.setup.micro_batch_size:
+        if best is None or _leads(candidate, best, budget, fitting_known):
             leaders[candidate.group] = candidate
     ordered = sorted(leaders.values(), key=lambda c: prior[c.setup.precision]
                      * RECOMPUTE_COST[c.setup.activation_checkpointing] * OFFLOAD_COST[c.setup.offload]
@@ -345,12 +361,57 @@ def speed_first(queue: list[Candidate], device: torch.device) -> list[Candidate]
     return sorted(queue, key=lambda c: measuring_cost(c, device))
 
 
+def accumulation_diagnosis(candidates: list[Candidate], model: PlanModel) -> dict[str, Any]:
+    """Whether accumulation raises the peak on this model, from the candidates' estimates: within each group of
+    levers, a candidate that accumulates estimated above the group's whole batch at once (micro N x accum 1). From the
+    second micro-batch on, each parameter's new gradient is made beside the one accumulated so far, so the largest
+    tensors (a large vocabulary's embedding and head) are held twice: where they dominate, that costs more than the
+    activations the smaller micro-batch saves, and "accumulate to save memory" is wrong there."""
+    whole = {c.group: c for c in candidates if c.setup.grad_accum_steps == 1}
+    worse = [(c, whole[c.group]) for c in candidates if c.accumulation_bytes is not None and c.group in whole
+             and c.estimate.peak_bytes > whole[c.group].estimate.peak_bytes]
+    largest = model.embedding_bytes
+    added = [c.accumulation_bytes for c in candidates if c.accumulation_bytes is not None]
+    text = ((f"accumulation adds {format_bytes(min(added))} to {format_bytes(max(added))} to the candidates' estimated "
+             f"peaks: from the second micro-batch on each gradient is made beside the one accumulated so far, so the "
+             f"largest tensors are held twice (the token embedding alone is {format_bytes(largest)}). ")
+            if added else "no candidate accumulates. ")
+    case: dict[str, Any] | None = None
+    if worse:
+        accumulated, at_once = max(worse, key=lambda pair: pair[0].estimate.peak_bytes - pair[1].estimate.peak_bytes)
+        case = {"accumulated": accumulated.id, "whole_batch": at_once.id,
+                "accumulated_bytes": accumulated.estimate.peak_bytes, "whole_batch_bytes": at_once.estimate.peak_bytes}
+        text += (f"On this model that can outweigh the activations a smaller micro-batch saves: "
+                 f"{accumulated.id} ({accumulated.setup.describe()}) is estimated at "
+                 f"{format_bytes(accumulated.estimate.peak_bytes)}, {format_bytes(accumulated.estimate.peak_bytes - at_once.estimate.peak_bytes)} "
+                 f"above {at_once.id}, the same levers with the whole batch at once "
+                 f"({format_bytes(at_once.estimate.peak_bytes)}): accumulation raises the peak there "
+                 f"({len(worse)} candidates in all), and loss chunks, recompute or a lower-precision optimizer state "
+                 f"are what cut it.")
+    elif added:
+        text += "Every accumulating candidate is estimated below its whole batch at once: accumulation lowers the peak."
+    return {"raises_peak": bool(worse), "case": case, "largest_tensor_bytes": largest, "explanation": text}
+
+
 def longest_example(data: DataSplits, seq_len: int) -> int:
     """Positions in the training split's longest example (``seq_len`` for text cut into full sequences)."""
     train = data.train
     if isinstance(train, PackedSequences):
         return seq_len
     return min(seq_len, int(getattr(train, "max_length", seq_len)) or seq_len)
+
+
+def _leads(candidate: Candidate, best: Candidate, budget: int, fitting_known: bool) -> bool:
+    """Whether ``candidate`` replaces ``best`` as its group's trial: the larger micro-batch (the faster, likely);
+    while nothing measured fits, the largest the estimate puts within the budget itself (not only within its
+    margin), or, where none is, the smallest."""
+    larger = candidate.setup.micro_batch_size > best.setup.micro_batch_size
+    if fitting_known:
+        return larger
+    within, best_within = candidate.estimate.peak_bytes <= budget, best.estimate.peak_bytes <= budget
+    if within != best_within:
+        return within
+    return larger if within else not larger
 
 
 def epoch_tokens(data: DataSplits) -> int:
@@ -388,7 +449,8 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         batch_choice = choose_effective_batch(
             prep, model, budget=budget, windows=options.noise_scale_windows,
             bounds=(options.min_effective_batch_size, options.max_effective_batch_size),
-            lr_reference=options.lr_reference_batch, constrained=constrained, say=say, deadline=deadline)
+            lr_reference=options.lr_reference_batch, constrained=constrained, say=say, deadline=deadline,
+            training=options.noise_scale_training)
         config = dataclasses.replace(config, effective_batch_size=batch_choice.effective_batch_size)
         prep = prep.variant(effective_batch_size=batch_choice.effective_batch_size)
         notes.append(f"effective batch {batch_choice.effective_batch_size}: {batch_choice.reason}. "
@@ -410,6 +472,9 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     states = ([config.optimizer_state] if "optimizer_state" in constrained else ["fp32"])
     candidates = build_candidates(config, constrained, device, seq_len, notes, model, states=states, longest=longest)
     kept = sorted({c.setup.precision for c in candidates}, key=PRECISIONS.index)
+    accumulation = accumulation_diagnosis(candidates, model)
+    if accumulation["raises_peak"]:
+        say(f"diagnosis: {accumulation['explanation']}")
     measured: list[Candidate] = []
     _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes,
                 defer_over_estimate="optimizer_state" not in constrained)
@@ -478,6 +543,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     plan = _plan_document(config, data, device, seq_len, budget, baseline, candidates, chosen, quality, notes,
                           epoch_tokens(data), time.perf_counter() - started, model, options.time_budget)
     plan["cuts"] = cuts
+    plan["diagnosis"]["accumulation"] = accumulation
     plan["effective_batch"] = (batch_choice.as_dict() if batch_choice is not None
                                else {"given": effective, "chosen": effective})
     out.mkdir(parents=True, exist_ok=True)
@@ -845,6 +911,7 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
         return {"id": candidate.id, **candidate.setup.as_dict(), "estimated_peak_bytes": candidate.estimate.peak_bytes,
                 "estimated_by_category": candidate.estimate.by_category,
                 "fits_estimate": candidate.estimate.peak_bytes <= budget, "status": candidate.status,
+                "accumulation_bytes": candidate.accumulation_bytes,
                 "measured": measured, "rounds": candidate.rates.as_dict() if candidate.rates else None}
 
     rate = chosen.measured.tokens_per_s if chosen.measured else None
