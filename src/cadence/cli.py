@@ -12,8 +12,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
+import time
 import types
 import warnings
+
+_IMPORT_STARTED: float | None = time.perf_counter()
+"""When this module began importing (torch and the rest follow): the first command of a process started then."""
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -267,13 +271,14 @@ def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_
 @config_file_option
 @dataclass_options(TrainConfig, command_fields("plan"))
 @dataclass_options(PlanOptions)
-def plan_command(config_file: Path | None, **options: Any) -> None:
+@click.pass_context
+def plan_command(context: click.Context, config_file: Path | None, **options: Any) -> None:
     """Choose micro-batch, accumulation, recompute, offload and precision under --memory-budget for
     --effective-batch-size, by estimate and measured trials; writes plan.json and a report."""
     plan_options, flags = _own_options(PlanOptions, options)
     constrained = given_keys(toml_path=config_file, flags=flags)
     config = build_config(toml_path=config_file, flags=flags)
-    make_plan(config, plan_options, constrained=constrained)
+    make_plan(config, plan_options, constrained=constrained, started=(context.obj or {}).get("started"))
 
 
 @app.command("profile", cls=GroupedCommand)
@@ -399,6 +404,10 @@ def _warning_shower(fallback: Any, prefix: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cadence`` console script; returns the exit status."""
+    global _IMPORT_STARTED
+    # When this command started: the process's first counts its imports (a plan's --time-budget includes them), a
+    # later one in the same process (a test, a notebook) starts now.
+    started, _IMPORT_STARTED = (_IMPORT_STARTED if _IMPORT_STARTED is not None else time.perf_counter()), None
     arguments = argv if argv is not None else sys.argv[1:]
     found = torchrun_ranks()
     # Under torchrun: rank 0 reports what every rank found; another rank speaks only for itself, naming its rank.
@@ -414,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         # Without standalone mode click returns an Exit's code instead of raising it (audit passes the script's on).
         with warnings.catch_warnings():  # restores the previous warning display on the way out
             warnings.showwarning = _warning_shower(warnings.showwarning, prefix)
-            status = app.main(args=arguments, prog_name="cadence", standalone_mode=False, obj={"argv": arguments})
+            status = app.main(args=arguments, prog_name="cadence", standalone_mode=False, obj={"argv": arguments, "started": started})
         if isinstance(status, int):
             return status
     except click.exceptions.Exit as done:

@@ -46,7 +46,16 @@ from cadence.models.hf import packed_attention_supported
 from cadence.models.packed_attention import runs_packed_attention
 from cadence.output_files import atomic_write_json
 from cadence.plan.batch import BatchChoice, choose_effective_batch
-from cadence.plan.measure import Deadline, Rates, alternate, probe_precisions, ranked_with_ties, tied
+from cadence.plan.measure import (
+    DISAGREE,
+    Deadline,
+    Rates,
+    agree,
+    alternate,
+    probe_precisions,
+    ranked_with_ties,
+    tied,
+)
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
 from cadence.plan.trials import DECISION_DEFAULTS, DECISION_FIELDS, TrialResult, TrialSetup, run_trial, timed_round
@@ -422,14 +431,15 @@ def epoch_tokens(data: DataSplits) -> int:
 
 
 def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str], stream: IO[str] | None = None,
-              log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Diagnose, measure, decide, check; write OUT/plan.json (and its report) and return the plan."""
+              log: Callable[[str], None] | None = None, started: float | None = None) -> dict[str, Any]:
+    """Diagnose, measure, decide, check; write OUT/plan.json (and its report) and return the plan. ``started``: the
+    ``time.perf_counter()`` the command started at (its start-up counts in --time-budget); default now."""
     stream = stream or sys.stderr
     say = log or (lambda text: print(text, file=stream, flush=True))
     if "micro_batch_size" not in constrained:  # the plan decides it; the default 8 must not constrain validation
         config = dataclasses.replace(config, micro_batch_size=1, grad_accum_steps=None)
     validate_plan(config, options, constrained)
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
     # The run the plan is about, assembled as train assembles it (the model, its checks, the data through the token
     # store); every trial is a variant of it.
@@ -569,9 +579,10 @@ def _run_trials(pool: list[Candidate], candidates: list[Candidate], measured: li
     while queue and trials_left > 0:
         fits = any(_feasible(c) for c in measured)
         # Nothing fits yet: measure what can fit first; something fits: what can be faster. Either way the
-        # --time-budget bounds the search (with nothing that fits, no quality check is left to keep time for).
+        # --time-budget bounds the search (with nothing that fits, no quality check is left to keep time for), once
+        # one trial has run: a plan always measures the candidate most likely to fit, so it has a decision to give.
         queue = speed_first(queue, prep.device) if fits else fit_first(queue, budget, prep.device)
-        if deadline.passed(_quality_reserve(measured, options) if fits else 0.0):
+        if measured and deadline.passed(_quality_reserve(measured, options) if fits else 0.0):
             _out_of_time(queue, deadline, notes, "trials")
             break
         if defer_over_estimate and not fits and queue[0].estimate.peak_bytes > budget:
@@ -651,7 +662,8 @@ def _quality_reserve(measured: list[Candidate], options: PlanOptions) -> float:
     """Seconds to keep for the quality check: its two short runs and the gradient comparison, at the slowest
     measured step time of a feasible candidate."""
     step = max((c.measured.step_time_s or 0.0 for c in measured if _feasible(c)), default=0.0)  # type: ignore
-    return (2 * (max(3, options.quality_steps) + 1) + 2) * step
+    runs = 2 + (2 if any(_feasible(c) and not c.setup.exact for c in measured) else 0)  # a lossy state's check too
+    return (runs * (max(3, options.quality_steps) + 1) + 2) * step
 
 
 def _out_of_time(left: list[Candidate], deadline: Deadline, notes: list[str], what: str) -> None:
@@ -701,6 +713,16 @@ def _alternate(items: list[Candidate], prep: Prepared, options: PlanOptions, dea
 
     done = alternate(items, options.rounds, time_one,
                      should_stop=lambda: deadline.passed(_quality_reserve(items, options)))
+    noisy = [c for c in items if c.rates is not None and not agree(c.rates)]
+    if noisy and done == options.rounds and options.rounds > 1:
+        # The rounds disagree (a loaded machine): time another set, so the medians rest on more rounds.
+        say(f"  the rounds of {', '.join(c.id for c in noisy)} disagree by more than {DISAGREE:.0%} of their median: "
+            f"timing {options.rounds} more rounds")
+        extra = alternate(items, options.rounds, time_one,
+                          should_stop=lambda: deadline.passed(_quality_reserve(items, options)))
+        done += extra
+        notes.append(f"the rounds of {', '.join(c.id for c in noisy)} disagreed by more than {DISAGREE:.0%} of their "
+                     f"median (a busy machine): {extra} more alternating rounds were timed")
     if done < options.rounds:
         notes.append(f"the --time-budget of {deadline.seconds:g} s allowed {done} of {options.rounds} alternating "
                      f"rounds of {', '.join(c.id for c in items)}")
@@ -714,6 +736,11 @@ def _ranked(items: list[Candidate], notes: list[str], what: str) -> Candidate:
         rates = candidate.rates
         if rates is not None and rates.median is not None and candidate.measured is not None:
             candidate.measured = dataclasses.replace(candidate.measured, tokens_per_s=rates.median)
+    leader = max(items, key=lambda c: (c.rates or Rates()).median or 0.0)
+    if leader.rates is not None and not agree(leader.rates):
+        notes.append(f"{what}: the rounds of {leader.id} still disagree ({min(leader.rates.rounds):,.0f} to "
+                     f"{max(leader.rates.rounds):,.0f} tokens/s): its median does not rank it, every candidate whose "
+                     f"rounds overlap its rounds is in the tie, and the predicted throughput is uncertain by that much")
     if len(tie) > 1:
         figures = "; ".join(f"{c.id} {c.rates.median:,.0f} +/- {c.rates.band:,.0f} tokens/s, peak "  # type: ignore
                             f"{format_bytes(c.measured.peak_bytes)}" for c in tie)  # type: ignore[union-attr]
