@@ -63,7 +63,10 @@ def exact_noise_scale(model: torch.nn.Module, examples: list) -> float:
     return float(trace / mean.square().sum() / counts.mean())
 
 
+@pytest.mark.slow  # 96 probe windows of 16 sequences and 128 per-sequence gradients: minutes on a loaded CPU
 def test_the_auto_noise_scale_of_a_partly_trained_llama_is_its_exact_one(tmp_path: Path) -> None:
+    """Measured: 15.7 +/- 4.1 against 11.9 (seq 32), 43.1 +/- 23 against 33.7 (seq 16), both within 1.5x; the same
+    probe trained as the run would (issue 43) gave 1.4 against 12."""
     text = sample_text(2 * SEQUENCES * SEQ + 1)
     data = tmp_path / "text.txt"
     data.write_bytes(text[: SEQUENCES * SEQ + 1])
