@@ -99,8 +99,8 @@ def test_rounds_that_disagree_rank_nothing_by_their_median() -> None:
     winner, tie = ranked_with_ties(list(steady), rates=steady.__getitem__, peak={"a": 2, "b": 1}.__getitem__,
                                    simplicity=lambda name: (0,))
     assert agree(steady["a"]) and winner == "a" and tie == ["a"]
-    loaded = {"a": Rates(rounds=[1212.0, 468.0, 236.0]), "b": Rates(rounds=[300.0, 420.0, 380.0]),
-              "c": Rates(rounds=[100.0, 110.0, 120.0])}
+    loaded = {"a": Rates(rounds=[1000.0, 700.0, 500.0]), "b": Rates(rounds=[520.0, 560.0, 540.0]),
+              "c": Rates(rounds=[300.0, 310.0, 320.0])}
     assert not agree(loaded["a"]) and overlap(loaded["a"], loaded["b"]) and not overlap(loaded["a"], loaded["c"])
     winner, tie = ranked_with_ties(list(loaded), rates=loaded.__getitem__, peak={"a": 3, "b": 1, "c": 0}.__getitem__,
                                    simplicity=lambda name: (0,))
