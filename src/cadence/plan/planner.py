@@ -593,6 +593,11 @@ def _run_trials(pool: list[Candidate], candidates: list[Candidate], measured: li
         trials_left -= 1
         _measure(candidate, prep, budget, options, say)
         measured.append(candidate)
+        if candidate.measured.fits and not fits:  # type: ignore[union-attr]
+            # The first fit: from here the search ranks, so each group's largest micro-batch within the estimate's
+            # margin (passed over while fitting came first) is worth measuring too.
+            queue += [c for c in choose_trials(pool, budget, len(pool), prep.device)
+                      if c.measured is None and c not in queue]
         if options.max_trials and not candidate.measured.fits:  # type: ignore[union-attr]
             smaller = _next_smaller(candidates, candidate)  # the estimate was optimistic: step down in this group
             if smaller is not None and smaller.measured is None and smaller not in queue:
