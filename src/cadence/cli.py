@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
+import time
 import types
 import warnings
 from collections.abc import Callable
@@ -279,7 +280,8 @@ def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_
 @config_file_option
 @dataclass_options(TrainConfig, command_fields("plan"))
 @dataclass_options(PlanOptions)
-def plan_command(config_file: Path | None, **options: Any) -> None:
+@click.pass_context
+def plan_command(context: click.Context, config_file: Path | None, **options: Any) -> None:
     """Choose micro-batch, accumulation, recompute, offload and precision under --memory-budget for
     --effective-batch-size, by estimate and measured trials; writes plan.json and a report."""
     from cadence.config.sources import build_config, given_keys
@@ -288,7 +290,7 @@ def plan_command(config_file: Path | None, **options: Any) -> None:
     plan_options, flags = _own_options(PlanOptions, options)
     constrained = given_keys(toml_path=config_file, flags=flags)
     config = build_config(toml_path=config_file, flags=flags)
-    make_plan(config, plan_options, constrained=constrained)
+    make_plan(config, plan_options, constrained=constrained, started=(context.obj or {}).get("started"))
 
 
 @app.command("profile", cls=GroupedCommand)
@@ -440,6 +442,9 @@ def _warning_shower(fallback: Any, prefix: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cadence`` console script; returns the exit status."""
+    # When this command started, for a plan's --time-budget: torch and the command's modules are imported after this
+    # (the command line imports none of them before its command runs), so their import time counts.
+    started = time.perf_counter()
     arguments = argv if argv is not None else sys.argv[1:]
     found = torchrun_ranks()
     # Under torchrun: rank 0 reports what every rank found; another rank speaks only for itself, naming its rank.
@@ -455,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         # Without standalone mode click returns an Exit's code instead of raising it (audit passes the script's on).
         with warnings.catch_warnings():  # restores the previous warning display on the way out
             warnings.showwarning = _warning_shower(warnings.showwarning, prefix)
-            status = app.main(args=arguments, prog_name="cadence", standalone_mode=False, obj={"argv": arguments})
+            status = app.main(args=arguments, prog_name="cadence", standalone_mode=False,
+                              obj={"argv": arguments, "started": started})
         if isinstance(status, int):
             return status
     except click.exceptions.Exit as done:

@@ -87,3 +87,21 @@ def test_a_time_budget_stops_the_trials_and_says_what_was_not_measured(tmp_path:
     assert unmeasured and any("--time-budget of 0.001 s was spent" in note for note in plan["notes"])
     assert plan["quality"]["gradient"]["passed"]  # the quality check always runs
     assert plan["prediction"]["tokens_per_s"] > 0 and plan["time_budget_s"] == 0.001
+
+
+def test_rounds_that_disagree_rank_nothing_by_their_median() -> None:
+    """Issue 43 item 5: under load one candidate's rounds ran 1,212 then 236 tokens/s. Rounds that agree (within
+    25% of their median) rank by median as before; a leader whose rounds disagree ties with every candidate whose
+    rounds overlap its own, and the tie goes to the lower peak, then the simpler configuration."""
+    from cadence.plan.measure import agree, overlap
+
+    steady = {"a": Rates(rounds=[1000.0, 1010.0, 990.0]), "b": Rates(rounds=[800.0, 810.0, 790.0])}
+    winner, tie = ranked_with_ties(list(steady), rates=steady.__getitem__, peak={"a": 2, "b": 1}.__getitem__,
+                                   simplicity=lambda name: (0,))
+    assert agree(steady["a"]) and winner == "a" and tie == ["a"]
+    loaded = {"a": Rates(rounds=[1000.0, 700.0, 500.0]), "b": Rates(rounds=[520.0, 560.0, 540.0]),
+              "c": Rates(rounds=[300.0, 310.0, 320.0])}
+    assert not agree(loaded["a"]) and overlap(loaded["a"], loaded["b"]) and not overlap(loaded["a"], loaded["c"])
+    winner, tie = ranked_with_ties(list(loaded), rates=loaded.__getitem__, peak={"a": 3, "b": 1, "c": 0}.__getitem__,
+                                   simplicity=lambda name: (0,))
+    assert set(tie) == {"a", "b"} and winner == "b"  # the lower peak of the tie; c is slower beyond any round

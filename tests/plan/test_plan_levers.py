@@ -1,12 +1,13 @@
 """Issue 26: the plan chooses among the memory levers of today's models, and checks them like any other lever.
 
 A transformers llama with a 32,000-token vocabulary at seq 512: the fp32 logits of one sequence and their gradient
-are most of the step's memory, so under 64 MiB nothing fits without loss chunking (the estimate says 217 MiB at
-micro-batch 1, 61 MiB with chunks of 64 targets)."""
+are most of the step's memory, so under a small budget nothing fits without loss chunking (see the test for the
+estimates at the rows the data holds)."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -19,24 +20,36 @@ LLAMA = ["--model", "hf:llama", *[item for pair in (("--model-config", f"{k}={v}
     "intermediate_size": 128, "max_position_embeddings": 512, "tie_word_embeddings": "true"}.items()) for item in pair]]
 
 
+def rows_near_128(path: Path, count: int = 48) -> Path:
+    """Prompt/completion lines of uneven lengths, the longest of 127 positions: a plan measures (and estimates) the
+    longest rows the data holds, not --seq-len's (issue 43)."""
+    rng = random.Random(11)
+    lines = [json.dumps({"prompt": "q:", "completion": "".join(rng.choice("abcdefgh ") for _ in range(
+        124 if index % 6 == 0 else rng.randint(10, 90)))}) for index in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.mark.slow
 def test_a_large_vocabulary_fits_a_small_budget_through_loss_chunking(tmp_path: Path) -> None:
-    data = write_jsonl(tmp_path / "data.jsonl", count=64)
+    """On rows of up to 127 positions nothing without loss chunks fits 66 MiB (estimated 68-80 MiB at micro-batch 1,
+    the logits and their gradient), with chunks of 64 targets it does (64-65 MiB)."""
+    data = rows_near_128(tmp_path / "data.jsonl")
     common = [*LLAMA, "--data", str(data), "--data-cache", str(tmp_path / "cache"), "--seq-len", "512"]
-    assert main(["plan", *common, "--effective-batch-size", "8", "--memory-budget", "64MiB", "--precision", "fp32",
+    assert main(["plan", *common, "--effective-batch-size", "8", "--memory-budget", "66MiB", "--precision", "fp32",
                  "--max-trials", "3", "--trial-steps", "3", "--quality-steps", "2", "--rounds", "1",
                  "--out", str(tmp_path / "plan")]) == 0
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     choice = plan["choice"]
     assert choice["loss_chunk_tokens"] > 0, choice
     assert plan["quality"]["gradient"]["passed"] and plan["quality"]["loss"]["passed"]
-    assert plan["prediction"]["peak_bytes"] <= 64 * 2**20
+    assert plan["prediction"]["peak_bytes"] <= 66 * 2**20
     # train --plan, with the budget enforced (on CPU every step is measured): it stays within it.
     assert main(["train", "--plan", str(tmp_path / "plan" / "plan.json"), "--data-cache", str(tmp_path / "cache"),
-                 "--memory-budget", "64MiB", "--max-steps", "3", "--val-fraction", "0",
+                 "--memory-budget", "66MiB", "--max-steps", "3", "--val-fraction", "0",
                  "--out", str(tmp_path / "run")]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["peak_memory_bytes"] <= 64 * 2**20 and summary["oom_retries"] == 0
+    assert summary["peak_memory_bytes"] <= 66 * 2**20 and summary["oom_retries"] == 0
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["loss_chunk_tokens"] == choice["loss_chunk_tokens"]
 

@@ -84,6 +84,11 @@ class PlanOptions:
     noise_scale_windows: int = 8
     """With --effective-batch-size auto: windows over which the gradient noise scale is measured at the start of
     training (more: a smaller standard error, recorded in plan.json)."""
+    noise_scale_training: bool = False
+    """With --effective-batch-size auto: measure the gradient noise scale while training through the run's own start
+    (--lr, --warmup-steps: as the run would) instead of at the weights the run starts from (the default: the whole
+    step chain at learning rate 0, no optimizer step, so a loaded model is measured as loaded, not after the jolt of
+    its first updates)."""
     min_effective_batch_size: int = 1
     """With --effective-batch-size auto: the smallest effective batch the plan may choose."""
     max_effective_batch_size: int = 4096

@@ -2,9 +2,14 @@
 
 The noise scale ``B = tr(Sigma) / |G|^2`` (cadence.engine.noise_scale) is about the critical batch (McCandlish et
 al. 2018): below it the steps are noisy and a run takes more of them, above it every doubling of the batch buys
-little progress per step for twice the tokens. The plan measures it over a stated number of windows at the start of
-training (a probe cut that fits the budget by estimate: several micro-batches per window, since the estimator needs
-two batch sizes), and takes the power of two nearest to it, within the user's bounds and the data. What the batch
+little progress per step for twice the tokens. The plan measures it over a stated number of windows (a probe cut
+that fits the budget by estimate: several micro-batches per window, since the estimator needs two batch sizes), and
+takes the power of two nearest to it, within the user's bounds and the data.
+
+By default the windows are measured at the weights the run starts from: the whole step chain at learning rate 0,
+no optimizer step. Measured while training instead (``--noise-scale-training``: the run's own --lr and warmup), the
+first Adam steps jolt a loaded model, and the windows describe that jolt rather than the model the run starts from
+(issue 43: 1.4 sequences measured so on a partly trained llama whose exact per-sequence noise scale was 12). What the batch
 means for the learning rate is said as advice; ``--lr`` is never changed.
 
 The measurement is part of the plan's ``--time-budget``: it stops when NOISE_SCALE_SHARE of the budget is spent
@@ -55,12 +60,16 @@ class BatchChoice:
     """The user's --min-/--max-effective-batch-size, the upper one also capped by the training sequences."""
     reason: str
     lr_advice: str
+    measured_at: str = "the starting weights"
+    """Where the noise scale was measured: at the starting weights (no optimizer step), or training through the run's
+    own start (--noise-scale-training)."""
     time_note: str | None = None
     """What the --time-budget cut short (fewer windows than --noise-scale-windows), for the plan's notes."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"given": "auto", "chosen": self.effective_batch_size, "reason": self.reason,
                 "bounds": list(self.bounds), "probe": self.probe, "lr_advice": self.lr_advice,
+                "measured_at": self.measured_at,
                 "noise_scale": dataclasses.asdict(self.measurement)}
 
 
@@ -111,9 +120,9 @@ def lr_advice(lr: float, chosen: int, reference: int | None) -> str:
 
 def choose_effective_batch(prep: Prepared, model: PlanModel, *, budget: int, windows: int, bounds: tuple[int, int],
                            lr_reference: int | None, constrained: set[str], say: Callable[[str], None],
-                           deadline: Deadline | None = None) -> BatchChoice:
-    """Measure the noise scale on ``windows`` probe windows of ``prep`` (training from its start, as the run would)
-    and choose the effective batch from it. ``prep`` is the plan's run at any batch; the probe is a variant of it.
+                           deadline: Deadline | None = None, training: bool = False) -> BatchChoice:
+    """Measure the noise scale on ``windows`` probe windows of ``prep`` (at its starting weights; ``training``:
+    training from its start with its own --lr and warmup, as the run would) and choose the effective batch from it. ``prep`` is the plan's run at any batch; the probe is a variant of it.
     ``deadline``: the plan's --time-budget, of which the measurement takes at most NOISE_SCALE_SHARE."""
     config = prep.config
     low, high = bounds
@@ -127,16 +136,18 @@ def choose_effective_batch(prep: Prepared, model: PlanModel, *, budget: int, win
     probe = probe_setup(model, seq_len=prep.seq_len, budget=budget, precision=precision,
                         device_type=prep.device.type, loss_chunk_tokens=config.loss_chunk_tokens, sequences=sequences)
     limit = f"; at most {NOISE_SCALE_SHARE:.0%} of the --time-budget" if deadline is not None else ""
+    at = (f"training from the start as the run would (--lr {config.lr:g}, --warmup-steps {config.warmup_steps})"
+          if training else "at the weights the run starts from (no optimizer step)")
     say(f"effective batch: auto; measuring the gradient noise scale over {windows:,} windows of "
         f"{probe['micro_batch_size']} x {probe['grad_accum_steps']} sequences ({precision}, recompute "
-        f"{probe['activation_checkpointing']}), training from the start as the run would{limit}")
+        f"{probe['activation_checkpointing']}), {at}{limit}")
     trial = prep.variant(micro_batch_size=probe["micro_batch_size"], grad_accum_steps=probe["grad_accum_steps"],
                          effective_batch_size=probe["micro_batch_size"] * probe["grad_accum_steps"],
                          precision=precision, activation_checkpointing=probe["activation_checkpointing"],
                          offload="none")
     stop = (None if deadline is None
             else lambda: deadline.passed(reserve=deadline.seconds * (1 - NOISE_SCALE_SHARE)))
-    measurement = measure_noise_scale(trial, windows=windows, train=True, stop=stop)
+    measurement = measure_noise_scale(trial, windows=windows, train=training, stop=stop)
     time_note = None
     if measurement.stopped_early and deadline is not None:
         time_note = (f"the gradient noise scale was measured over {measurement.windows_run:,} of the {windows:,} "
@@ -168,6 +179,6 @@ def choose_effective_batch(prep: Prepared, model: PlanModel, *, budget: int, win
         f"{measurement.windows} windows; effective batch {chosen}")
     if time_note is not None:
         say(f"note: {time_note}")
-    return BatchChoice(effective_batch_size=chosen, measurement=measurement,
+    return BatchChoice(effective_batch_size=chosen, measurement=measurement, measured_at=at.split(" (")[0],
                        probe=probe, bounds=(low, high), reason=reason,
                        lr_advice=lr_advice(config.lr, chosen, lr_reference), time_note=time_note)

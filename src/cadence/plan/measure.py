@@ -45,6 +45,26 @@ class Rates:
         return {"rounds": list(self.rounds), "median": self.median, "band": self.band}
 
 
+DISAGREE = 0.25
+"""A candidate's rounds agree when their band (half their spread) is within this share of their median. Rounds that
+disagree more (a loaded machine: one candidate's rounds ran 1,212 and 236 tokens/s in issue 43) do not rank it on
+their median: the plan times another set of rounds if its --time-budget allows, and otherwise the candidates whose
+rounds overlap the leader's are a tie, decided by peak memory and simplicity."""
+
+
+def agree(rates: Rates) -> bool:
+    """Whether ``rates``' rounds agree within :data:`DISAGREE` of their median (one round always does)."""
+    median = rates.median
+    return median is None or rates.band <= DISAGREE * median
+
+
+def overlap(a: Rates, b: Rates) -> bool:
+    """Whether the ranges of ``a``'s and ``b``'s rounds overlap."""
+    if not a.rounds or not b.rounds:
+        return False
+    return max(a.rounds) >= min(b.rounds) and min(a.rounds) <= max(b.rounds)
+
+
 def tied(a: Rates, b: Rates) -> bool:
     """Whether the measurement cannot tell ``a`` and ``b`` apart: their medians differ by less than their bands put
     together (a candidate measured once has no band: it ties only with an equal figure)."""
@@ -78,7 +98,9 @@ def ranked_with_ties(items: Sequence[T], rates: Callable[[T], Rates], peak: Call
     tie goes to the lowest measured peak memory, then to the simplest configuration (``simplicity``: smaller is
     simpler)."""
     fastest = max(items, key=lambda item: rates(item).median or 0.0)
-    tie = [item for item in items if item is fastest or tied(rates(item), rates(fastest))]
+    # Rounds that disagree rank nothing by their median: every candidate whose rounds overlap the leader's ties.
+    same = tied if agree(rates(fastest)) else (lambda a, b: tied(a, b) or overlap(a, b))
+    tie = [item for item in items if item is fastest or same(rates(item), rates(fastest))]
     winner = min(tie, key=lambda item: (peak(item), simplicity(item), -(rates(item).median or 0.0)))
     return winner, tie
 
@@ -143,5 +165,5 @@ def _gmacs(rounds: Sequence[float]) -> str:
     return f"{low:.3g}-{high:.3g} GMAC/s" if len(rounds) > 1 else f"{high:.3g} GMAC/s"
 
 
-__all__ = ["PROBE_ROUNDS", "SLOW_PRECISION", "Deadline", "PrecisionProbe", "Rates", "alternate", "probe_precisions",
-           "ranked_with_ties", "tied"]
+__all__ = ["DISAGREE", "PROBE_ROUNDS", "SLOW_PRECISION", "Deadline", "PrecisionProbe", "Rates", "agree", "alternate",
+           "overlap", "probe_precisions", "ranked_with_ties", "tied"]

@@ -59,6 +59,13 @@ class PlanModel:
     def vocab_size(self) -> int:
         return self.shape.vocab_size if self.shape is not None else MODEL_CONFIGS[self.config.model].vocab_size
 
+    @property
+    def embedding_bytes(self) -> int:
+        """fp32 bytes of the token embedding (vocabulary x width): the largest tensor of a model with a large
+        vocabulary, and so the largest gradient accumulation holds twice."""
+        width = self.shape.hidden_size if self.shape is not None else MODEL_CONFIGS[self.config.model].n_embd
+        return self.vocab_size * width * 4
+
     def build(self) -> torch.nn.Module:
         """A fresh model with the seed's initial weights."""
         hf = build_run_hf(self.config, warn=False)

@@ -47,7 +47,16 @@ from cadence.models.hf import packed_attention_supported
 from cadence.models.packed_attention import runs_packed_attention
 from cadence.output_files import atomic_write_json
 from cadence.plan.batch import BatchChoice, choose_effective_batch
-from cadence.plan.measure import Deadline, Rates, alternate, probe_precisions, ranked_with_ties, tied
+from cadence.plan.measure import (
+    DISAGREE,
+    Deadline,
+    Rates,
+    agree,
+    alternate,
+    probe_precisions,
+    ranked_with_ties,
+    tied,
+)
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
 from cadence.plan.trials import DECISION_DEFAULTS, DECISION_FIELDS, TrialResult, TrialSetup, run_trial, timed_round
@@ -72,8 +81,6 @@ CHUNK_COST = 1.15
 """Prior relative cost per token, used only to order which candidates to measure first, never to decide."""
 
 
-
-
 class PlanFailed(CadenceFailure):
     """No candidate fits the budget (the CLI exits with status 1 and this message)."""
 
@@ -89,6 +96,10 @@ class Candidate:
     measured: TrialResult | None = None
     rates: Rates | None = None
     """The throughputs of its alternating rounds (front-runners and cuts), the first trial's included."""
+    accumulation_bytes: int | None = None
+    """What accumulation adds to its estimated peak (against the same micro-batch as a whole window): the gradients
+    held through the later micro-batches, and each new gradient made beside the accumulated one. None: no
+    accumulation."""
 
     @property
     def group(self) -> tuple[str, str, str, int, str]:
@@ -108,7 +119,8 @@ def validate_plan(config: TrainConfig, options: PlanOptions, constrained: Collec
         problems.append(Problem(where="--effective-batch-size", message="is required: the batch the plan keeps fixed, "
                                                                         "or auto (chosen from the gradient noise "
                                                                         "scale)"))
-    auto_only = ("noise_scale_windows", "min_effective_batch_size", "max_effective_batch_size", "lr_reference_batch")
+    auto_only = ("noise_scale_windows", "noise_scale_training", "min_effective_batch_size", "max_effective_batch_size",
+                 "lr_reference_batch")
     for name in auto_only if not auto else ():
         if getattr(options, name) != getattr(PlanOptions(), name):
             problems.append(Problem(where="--" + name.replace("_", "-"),
@@ -167,13 +179,20 @@ def given_cut(config: TrainConfig, constrained: set[str], micro_batch_size: int,
 
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
                      notes: list[str], model: PlanModel | None = None, *, states: list[str] | None = None,
-                     first_number: int = 1) -> list[Candidate]:
+                     first_number: int = 1, longest: int | None = None,
+                     precisions: list[str] | None = None) -> list[Candidate]:
     """Every combination of the levers the user left open, each with its estimated peak; ``states``: the optimizer
-    states (default: the given one, else fp32), numbered from ``first_number``."""
+    states (default: the given one, else fp32), numbered from ``first_number``. ``longest``: the data's longest
+    example (positions; default ``seq_len``), the row length of its longest micro-batch, where each is estimated
+    (packed rows are ``seq_len`` long whatever the examples). ``precisions``: the ones a first call kept (the matmul
+    probe that chooses them takes seconds: it runs once per plan)."""
     model = model or plan_model(config)
+    rows = seq_len if config.packing and "packing" in constrained else min(seq_len, longest or seq_len)
     effective = int(config.effective_batch_size or 0)
     micro_sizes = [int(config.micro_batch_size)] if "micro_batch_size" in constrained else divisors(effective)
-    if "precision" in constrained:
+    if precisions is not None:
+        pass
+    elif "precision" in constrained:
         precisions = [config.precision]
     else:
         probe = probe_precisions([name for name in PRECISIONS if precision_problem(name, device) is None], device)
@@ -189,7 +208,7 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
         offloads = ["none"]
         notes.append("offload (activations or optimizer) saves nothing on a CPU-only machine: host memory is the "
                      "device memory. Offload candidates were left out rather than measured as if they helped.")
-    chunks = loss_chunk_options(config, constrained, model, seq_len, int(config.memory_budget_bytes() or 0), device,
+    chunks = loss_chunk_options(config, constrained, model, rows, int(config.memory_budget_bytes() or 0), device,
                                 notes)
     states = states or [config.optimizer_state if "optimizer_state" in constrained else "fp32"]
     candidates: list[Candidate] = []
@@ -204,13 +223,19 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
                                                activation_checkpointing=recompute, offload=offload,
                                                loss_chunk_tokens=chunk, optimizer_state=state)
                             estimate = model.estimate(
-                                micro_batch_size=micro, seq_len=seq_len, precision=precision,
+                                micro_batch_size=micro, seq_len=rows, precision=precision,
                                 checkpointing=recompute, offload=offload, device_type=device.type,
                                 grad_accum_steps=setup.grad_accum_steps, loss_chunk_tokens=chunk,
                                 optimizer_state=state,
                             )
-                            candidates.append(Candidate(id=f"c{len(candidates) + first_number:02d}", setup=setup,
-                                                        estimate=estimate))
+                            alone = estimate if setup.grad_accum_steps == 1 else model.estimate(
+                                micro_batch_size=micro, seq_len=rows, precision=precision, checkpointing=recompute,
+                                offload=offload, device_type=device.type, grad_accum_steps=1,
+                                loss_chunk_tokens=chunk, optimizer_state=state)
+                            candidates.append(Candidate(
+                                id=f"c{len(candidates) + first_number:02d}", setup=setup, estimate=estimate,
+                                accumulation_bytes=(estimate.peak_bytes - alone.peak_bytes
+                                                    if setup.grad_accum_steps > 1 else None)))
     return candidates
 
 
@@ -262,8 +287,11 @@ def precision_prior(device: torch.device) -> dict[str, float]:
     return {"fp32": 1.0, "bf16": 1.5, "fp16": 2.0}
 
 
-def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, device: torch.device) -> list[Candidate]:
-    """Per group, the largest micro-batch the estimate admits, groups in prior order (cheapest first)."""
+def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, device: torch.device, *,
+                  fitting_known: bool = True) -> list[Candidate]:
+    """Per group, the largest micro-batch the estimate admits, groups in prior order (cheapest first); with
+    ``fitting_known`` False (nothing measured fits yet), in :func:`fit_first` order, so that the ``max_trials`` taken
+    are the ones most likely to fit."""
     if max_trials == 0:
         return list(candidates)
     prior = precision_prior(device)
@@ -272,12 +300,95 @@ def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, dev
         if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
             continue
         best = leaders.get(candidate.group)
-        if best is None or candidate.setup.micro_batch_size > best.setup.micro_batch_size:
+        if best is None or _leads(candidate, best, budget, fitting_known):
             leaders[candidate.group] = candidate
     ordered = sorted(leaders.values(), key=lambda c: prior[c.setup.precision]
                      * RECOMPUTE_COST[c.setup.activation_checkpointing] * OFFLOAD_COST[c.setup.offload]
                      * (CHUNK_COST if c.setup.loss_chunk_tokens else 1.0))
-    return ordered[:max_trials]
+    return ordered[:max_trials] if fitting_known else fit_first(ordered, budget, device)[:max_trials]
+
+
+def measuring_cost(candidate: Candidate, device: torch.device) -> float:
+    """The prior relative seconds of measuring ``candidate`` (every candidate computes the same effective batch, so
+    a trial's time follows its cost per token): only for ordering, never for deciding."""
+    setup = candidate.setup
+    return (precision_prior(device)[setup.precision] * RECOMPUTE_COST[setup.activation_checkpointing]
+            * OFFLOAD_COST[setup.offload] * (CHUNK_COST if setup.loss_chunk_tokens else 1.0))
+
+
+def fit_first(queue: list[Candidate], budget: int, device: torch.device) -> list[Candidate]:
+    """The order to measure ``queue`` in while nothing measured fits: a search that fits before it ranks.
+
+    Candidates the estimate puts within the budget come first; among them, and among the rest, the most memory
+    saved (below the largest estimate of the queue) per relative second of measuring. So the levers that change the
+    fit (lower-precision optimizer state, loss chunks, recompute) are measured before precisions that change only
+    the speed (bf16 autocast keeps fp32 weights, gradients and state: its estimate is about fp32's, its saving about
+    none), and a plan that runs out of time has measured what could fit."""
+    if not queue:
+        return []
+    top = max(c.estimate.peak_bytes for c in queue)
+    def key(candidate: Candidate) -> tuple[bool, float]:
+        saved = top - candidate.estimate.peak_bytes
+        return (candidate.estimate.peak_bytes > budget, -saved / measuring_cost(candidate, device))
+    return sorted(queue, key=key)
+
+
+def speed_first(queue: list[Candidate], device: torch.device) -> list[Candidate]:
+    """The order to measure ``queue`` in once something fits: the cheapest prior cost first (the likely fastest)."""
+    return sorted(queue, key=lambda c: measuring_cost(c, device))
+
+
+def accumulation_diagnosis(candidates: list[Candidate], model: PlanModel) -> dict[str, Any]:
+    """Whether accumulation raises the peak on this model, from the candidates' estimates: within each group of
+    levers, a candidate that accumulates estimated above the group's whole batch at once (micro N x accum 1). From the
+    second micro-batch on, each parameter's new gradient is made beside the one accumulated so far, so the largest
+    tensors (a large vocabulary's embedding and head) are held twice: where they dominate, that costs more than the
+    activations the smaller micro-batch saves, and "accumulate to save memory" is wrong there."""
+    whole = {c.group: c for c in candidates if c.setup.grad_accum_steps == 1}
+    worse = [(c, whole[c.group]) for c in candidates if c.accumulation_bytes is not None and c.group in whole
+             and c.estimate.peak_bytes > whole[c.group].estimate.peak_bytes]
+    largest = model.embedding_bytes
+    added = [c.accumulation_bytes for c in candidates if c.accumulation_bytes is not None]
+    text = ((f"accumulation adds {format_bytes(min(added))} to {format_bytes(max(added))} to the candidates' estimated "
+             f"peaks: from the second micro-batch on each gradient is made beside the one accumulated so far, so the "
+             f"largest tensors are held twice (the token embedding alone is {format_bytes(largest)}). ")
+            if added else "no candidate accumulates. ")
+    case: dict[str, Any] | None = None
+    if worse:
+        accumulated, at_once = max(worse, key=lambda pair: pair[0].estimate.peak_bytes - pair[1].estimate.peak_bytes)
+        case = {"accumulated": accumulated.id, "whole_batch": at_once.id,
+                "accumulated_bytes": accumulated.estimate.peak_bytes, "whole_batch_bytes": at_once.estimate.peak_bytes}
+        text += (f"On this model that can outweigh the activations a smaller micro-batch saves: "
+                 f"{accumulated.id} ({accumulated.setup.describe()}) is estimated at "
+                 f"{format_bytes(accumulated.estimate.peak_bytes)}, {format_bytes(accumulated.estimate.peak_bytes - at_once.estimate.peak_bytes)} "
+                 f"above {at_once.id}, the same levers with the whole batch at once "
+                 f"({format_bytes(at_once.estimate.peak_bytes)}): accumulation raises the peak there "
+                 f"({len(worse)} candidates in all), and loss chunks, recompute or a lower-precision optimizer state "
+                 f"are what cut it.")
+    elif added:
+        text += "Every accumulating candidate is estimated below its whole batch at once: accumulation lowers the peak."
+    return {"raises_peak": bool(worse), "case": case, "largest_tensor_bytes": largest, "explanation": text}
+
+
+def longest_example(data: DataSplits, seq_len: int) -> int:
+    """Positions in the training split's longest example (``seq_len`` for text cut into full sequences)."""
+    train = data.train
+    if isinstance(train, PackedSequences):
+        return seq_len
+    return min(seq_len, int(getattr(train, "max_length", seq_len)) or seq_len)
+
+
+def _leads(candidate: Candidate, best: Candidate, budget: int, fitting_known: bool) -> bool:
+    """Whether ``candidate`` replaces ``best`` as its group's trial: the larger micro-batch (the faster, likely);
+    while nothing measured fits, the largest the estimate puts within the budget itself (not only within its
+    margin), or, where none is, the smallest."""
+    larger = candidate.setup.micro_batch_size > best.setup.micro_batch_size
+    if fitting_known:
+        return larger
+    within, best_within = candidate.estimate.peak_bytes <= budget, best.estimate.peak_bytes <= budget
+    if within != best_within:
+        return within
+    return larger if within else not larger
 
 
 def epoch_tokens(data: DataSplits) -> int:
@@ -288,14 +399,15 @@ def epoch_tokens(data: DataSplits) -> int:
 
 
 def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str], stream: IO[str] | None = None,
-              log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Diagnose, measure, decide, check; write OUT/plan.json (and its report) and return the plan."""
+              log: Callable[[str], None] | None = None, started: float | None = None) -> dict[str, Any]:
+    """Diagnose, measure, decide, check; write OUT/plan.json (and its report) and return the plan. ``started``: the
+    ``time.perf_counter()`` the command started at (its start-up counts in --time-budget); default now."""
     stream = stream or sys.stderr
     say = log or (lambda text: print(text, file=stream, flush=True))
     if "micro_batch_size" not in constrained:  # the plan decides it; the default 8 must not constrain validation
         config = dataclasses.replace(config, micro_batch_size=1, grad_accum_steps=None)
     validate_plan(config, options, constrained)
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
     # The run the plan is about, assembled as train assembles it (the model, its checks, the data through the token
     # store); every trial is a variant of it.
@@ -315,7 +427,8 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         batch_choice = choose_effective_batch(
             prep, model, budget=budget, windows=options.noise_scale_windows,
             bounds=(options.min_effective_batch_size, options.max_effective_batch_size),
-            lr_reference=options.lr_reference_batch, constrained=constrained, say=say, deadline=deadline)
+            lr_reference=options.lr_reference_batch, constrained=constrained, say=say, deadline=deadline,
+            training=options.noise_scale_training)
         config = dataclasses.replace(config, effective_batch_size=batch_choice.effective_batch_size)
         prep = prep.variant(effective_batch_size=batch_choice.effective_batch_size)
         notes.append(f"effective batch {batch_choice.effective_batch_size}: {batch_choice.reason}. "
@@ -324,15 +437,25 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
             notes.append(batch_choice.time_note)
     effective = int(config.effective_batch_size or 0)
 
-    baseline = model.estimate(micro_batch_size=effective, seq_len=seq_len, precision="fp32", checkpointing="none",
+    longest = longest_example(data, seq_len)
+    baseline = model.estimate(micro_batch_size=effective, seq_len=longest, precision="fp32", checkpointing="none",
                               device_type=device.type)
     say(f"plan: {config.model}, effective batch {effective} x {seq_len} tokens, budget {format_bytes(budget)} "
         f"on {device}\ndiagnosis: the whole batch at once in fp32 needs about {format_bytes(baseline.peak_bytes)}: "
         f"{baseline.dominant}")
+    if longest < seq_len:
+        notes.append(f"the data's longest example has {longest} positions (--seq-len {seq_len}): every candidate is "
+                     f"estimated at micro-batches of rows that long, and measured on the longest window the data can "
+                     f"produce")
     states = ([config.optimizer_state] if "optimizer_state" in constrained else ["fp32"])
-    candidates = build_candidates(config, constrained, device, seq_len, notes, model, states=states)
+    candidates = build_candidates(config, constrained, device, seq_len, notes, model, states=states, longest=longest)
+    kept = sorted({c.setup.precision for c in candidates}, key=PRECISIONS.index)
+    accumulation = accumulation_diagnosis(candidates, model)
+    if accumulation["raises_peak"]:
+        say(f"diagnosis: {accumulation['explanation']}")
     measured: list[Candidate] = []
-    _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes)
+    _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes,
+                defer_over_estimate="optimizer_state" not in constrained)
     feasible = [c for c in measured if _feasible(c)]
     if not feasible and "optimizer_state" not in constrained:
         # Only where no exact configuration fits (measured, not estimated: the estimate may be optimistic) does the
@@ -344,7 +467,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         say(f"nothing with fp32 optimizer state fits: measuring {' and '.join(lossy)} optimizer state (lossy: kept "
             f"only after a loss check)")
         more = build_candidates(config, constrained, device, seq_len, [], model, states=lossy,
-                                first_number=len(candidates) + 1)
+                                first_number=len(candidates) + 1, longest=longest, precisions=kept)
         candidates += more
         _run_trials(more, candidates, measured, prep, budget, options, deadline, say, notes)
         feasible = [c for c in measured if _feasible(c)]
@@ -353,8 +476,13 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
                        key=lambda c: c.measured.peak_bytes)  # type: ignore[union-attr]
         detail = (f"; the smallest measured peak was {format_bytes(smallest.measured.peak_bytes)} "  # type: ignore
                   f"({smallest.setup.describe()})") if smallest else ""
-        raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}. Try a larger --memory-budget, "
-                         f"a smaller --seq-len or a smaller model.")
+        if "optimizer_state" not in constrained and not any(not c.setup.exact for c in candidates):
+            # The lossy round never ran (the time ran out first): its candidates are untried levers too.
+            candidates += build_candidates(config, constrained, device, seq_len, [], model,
+                                           states=lossy_optimizer_states([]), first_number=len(candidates) + 1,
+                                           longest=longest, precisions=kept)
+        raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}."
+                         + untried_levers(candidates, budget, deadline, constrained))
     chosen = _decide(feasible, prep, options, deadline, say, notes)
     state_checks: list[dict[str, Any]] = []
     while not chosen.setup.exact:
@@ -393,6 +521,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     plan = _plan_document(config, data, device, seq_len, budget, baseline, candidates, chosen, quality, notes,
                           epoch_tokens(data), time.perf_counter() - started, model, options.time_budget)
     plan["cuts"] = cuts
+    plan["diagnosis"]["accumulation"] = accumulation
     plan["effective_batch"] = (batch_choice.as_dict() if batch_choice is not None
                                else {"given": effective, "chosen": effective})
     out.mkdir(parents=True, exist_ok=True)
@@ -404,27 +533,98 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
 
 def _run_trials(pool: list[Candidate], candidates: list[Candidate], measured: list[Candidate], prep: Prepared,
                 budget: int, options: PlanOptions, deadline: Deadline, say: Callable[[str], None],
-                notes: list[str]) -> None:
+                notes: list[str], *, defer_over_estimate: bool = False) -> None:
     """Measure the candidates of ``pool`` that choose_trials picks (adding each to ``measured``), stepping down to
     the next smaller micro-batch of a group whose measured peak is over the budget, until the trials or the time run
-    out."""
+    out. ``defer_over_estimate``: while nothing fits, stop at the first candidate whose estimate is over the budget
+    (the lossy levers, whose estimates fit, come before it)."""
     for candidate in pool:
         if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
             candidate.status = "over budget (estimate)"
-    queue = choose_trials(pool, budget, options.max_trials, prep.device)
+    queue = choose_trials(pool, budget, options.max_trials, prep.device,
+                          fitting_known=any(_feasible(c) for c in measured))
     trials_left = len(pool) if options.max_trials == 0 else options.max_trials
     while queue and trials_left > 0:
-        if any(_feasible(c) for c in measured) and deadline.passed(_quality_reserve(measured, options)):
+        fits = any(_feasible(c) for c in measured)
+        # Nothing fits yet: measure what can fit first; something fits: what can be faster. Either way the
+        # --time-budget bounds the search (with nothing that fits, no quality check is left to keep time for), once
+        # one trial has run: a plan always measures the candidate most likely to fit, so it has a decision to give.
+        queue = speed_first(queue, prep.device) if fits else fit_first(queue, budget, prep.device)
+        if measured and deadline.passed(_quality_reserve(measured, options) if fits else 0.0):
             _out_of_time(queue, deadline, notes, "trials")
+            break
+        if defer_over_estimate and not fits and queue[0].estimate.peak_bytes > budget:
+            for candidate in queue:
+                candidate.status = "not measured: its estimate is over the budget (lower-precision state first)"
             break
         candidate = queue.pop(0)
         trials_left -= 1
         _measure(candidate, prep, budget, options, say)
         measured.append(candidate)
+        if candidate.measured.fits and not fits:  # type: ignore[union-attr]
+            # The first fit: from here the search ranks, so each group's largest micro-batch within the estimate's
+            # margin (passed over while fitting came first) is worth measuring too.
+            queue += [c for c in choose_trials(pool, budget, len(pool), prep.device)
+                      if c.measured is None and c not in queue]
         if options.max_trials and not candidate.measured.fits:  # type: ignore[union-attr]
             smaller = _next_smaller(candidates, candidate)  # the estimate was optimistic: step down in this group
             if smaller is not None and smaller.measured is None and smaller not in queue:
                 queue.insert(0, smaller)
+
+
+UNTRIED_SHOWN = 4
+"""Untried lever combinations a failed plan lists (the lowest estimated peaks)."""
+
+
+def untried_levers(candidates: list[Candidate], budget: int, deadline: Deadline, constrained: set[str]) -> str:
+    """What a plan that found nothing to fit did not measure: each untried combination of levers at its smallest
+    estimated peak (lowest first), and the one most likely to fit with the flags that plan it alone; or, when every
+    combination was measured, what else to try."""
+    groups: dict[tuple[str, str, str, int, str], Candidate] = {}
+    for candidate in candidates:
+        if candidate.measured is not None:
+            continue
+        best = groups.get(candidate.group)
+        if best is None or candidate.estimate.peak_bytes < best.estimate.peak_bytes:
+            groups[candidate.group] = candidate
+    tried = {c.group for c in candidates if c.measured is not None}
+    untried = sorted((c for group, c in groups.items() if group not in tried), key=lambda c: c.estimate.peak_bytes)
+    if not untried:
+        return " Every combination of levers was measured: try a larger --memory-budget, a smaller --seq-len or a " \
+               "smaller model."
+    out_of_time = deadline.passed()
+    listed = "; ".join(f"{c.id} {_lever_words(c)}: estimated {format_bytes(c.estimate.peak_bytes)}"
+                       for c in untried[:UNTRIED_SHOWN])
+    more = f" (and {len(untried) - UNTRIED_SHOWN} more)" if len(untried) > UNTRIED_SHOWN else ""
+    head = f"The --time-budget of {deadline.seconds:g} s ran out before these were measured" if out_of_time \
+        else "Not measured"
+    text = f" {head}: {listed}{more}."
+    likely = untried[0]
+    verdict = ("within the budget" if likely.estimate.peak_bytes <= budget
+               else f"{likely.estimate.peak_bytes / budget:.2f}x the budget")
+    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in _lever_flags(likely).items()
+                     if name not in constrained)
+    return text + (f" Most likely to fit: {likely.id} ({_lever_words(likely)}, estimated "
+            f"{format_bytes(likely.estimate.peak_bytes)}, {verdict}); plan it with "
+            + (f"{flags}, or " if flags else "") + "a larger --time-budget.")
+
+
+def _lever_flags(candidate: Candidate) -> dict[str, Any]:
+    """The levers of ``candidate`` that are pulled (not at their defaults), as plan flags."""
+    setup = candidate.setup
+    pulled = {"optimizer_state": setup.optimizer_state, "loss_chunk_tokens": setup.loss_chunk_tokens,
+              "activation_checkpointing": setup.activation_checkpointing, "offload": setup.offload,
+              "precision": setup.precision}
+    defaults = {"optimizer_state": "fp32", "loss_chunk_tokens": 0, "activation_checkpointing": "none",
+                "offload": "none", "precision": "fp32"}
+    return {name: value for name, value in pulled.items() if value != defaults[name]}
+
+
+def _lever_words(candidate: Candidate) -> str:
+    setup = candidate.setup
+    return (f"micro {setup.micro_batch_size} x accum {setup.grad_accum_steps}, {setup.precision}, recompute "
+            f"{setup.activation_checkpointing}" + (f", offload {setup.offload}" if setup.offload != "none" else "")
+            + setup.lever_text())
 
 
 def _feasible(candidate: Candidate) -> bool:
@@ -435,7 +635,8 @@ def _quality_reserve(measured: list[Candidate], options: PlanOptions) -> float:
     """Seconds to keep for the quality check: its two short runs and the gradient comparison, at the slowest
     measured step time of a feasible candidate."""
     step = max((c.measured.step_time_s or 0.0 for c in measured if _feasible(c)), default=0.0)  # type: ignore
-    return (2 * (max(3, options.quality_steps) + 1) + 2) * step
+    runs = 2 + (2 if any(_feasible(c) and not c.setup.exact for c in measured) else 0)  # a lossy state's check too
+    return (runs * (max(3, options.quality_steps) + 1) + 2) * step
 
 
 def _out_of_time(left: list[Candidate], deadline: Deadline, notes: list[str], what: str) -> None:
@@ -485,6 +686,16 @@ def _alternate(items: list[Candidate], prep: Prepared, options: PlanOptions, dea
 
     done = alternate(items, options.rounds, time_one,
                      should_stop=lambda: deadline.passed(_quality_reserve(items, options)))
+    noisy = [c for c in items if c.rates is not None and not agree(c.rates)]
+    if noisy and done == options.rounds and options.rounds > 1:
+        # The rounds disagree (a loaded machine): time another set, so the medians rest on more rounds.
+        say(f"  the rounds of {', '.join(c.id for c in noisy)} disagree by more than {DISAGREE:.0%} of their median: "
+            f"timing {options.rounds} more rounds")
+        extra = alternate(items, options.rounds, time_one,
+                          should_stop=lambda: deadline.passed(_quality_reserve(items, options)))
+        done += extra
+        notes.append(f"the rounds of {', '.join(c.id for c in noisy)} disagreed by more than {DISAGREE:.0%} of their "
+                     f"median (a busy machine): {extra} more alternating rounds were timed")
     if done < options.rounds:
         notes.append(f"the --time-budget of {deadline.seconds:g} s allowed {done} of {options.rounds} alternating "
                      f"rounds of {', '.join(c.id for c in items)}")
@@ -498,6 +709,11 @@ def _ranked(items: list[Candidate], notes: list[str], what: str) -> Candidate:
         rates = candidate.rates
         if rates is not None and rates.median is not None and candidate.measured is not None:
             candidate.measured = dataclasses.replace(candidate.measured, tokens_per_s=rates.median)
+    leader = max(items, key=lambda c: (c.rates or Rates()).median or 0.0)
+    if leader.rates is not None and not agree(leader.rates):
+        notes.append(f"{what}: the rounds of {leader.id} still disagree ({min(leader.rates.rounds):,.0f} to "
+                     f"{max(leader.rates.rounds):,.0f} tokens/s): its median does not rank it, every candidate whose "
+                     f"rounds overlap its rounds is in the tie, and the predicted throughput is uncertain by that much")
     if len(tie) > 1:
         figures = "; ".join(f"{c.id} {c.rates.median:,.0f} +/- {c.rates.band:,.0f} tokens/s, peak "  # type: ignore
                             f"{format_bytes(c.measured.peak_bytes)}" for c in tie)  # type: ignore[union-attr]
@@ -594,8 +810,18 @@ def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanO
     if best is not None and best.measured.tokens_per_s > CUT_GAIN * drawn_rate:  # type: ignore[union-attr]
         notes.append(f"the {names[best.id]} cut measured faster than drawn order, but within the rounds' noise: the "
                      f"choice keeps drawn order")
+    elif not fitting:
+        # Only what was measured is compared: with no cut measured within the budget, nothing was found slower.
+        unmeasured = [name for name, _ in variants if name not in names.values()]
+        over = [names[c.id] for c in tried[1:]]
+        notes.append("the choice keeps drawn order, the order it was measured in: "
+                     + "; ".join(part for part in (
+                         f"{', '.join(over)} did not fit the budget on the longest window" if over else "",
+                         f"{', '.join(unmeasured)} not measured" if unmeasured else "") if part)
+                     + " (so no cut was compared with it on speed)")
     else:
-        notes.append("no cut by length was more than 3% faster than drawn order: the choice keeps drawn order")
+        notes.append(f"no cut by length ({', '.join(names[c.id] for c in fitting)}, measured) was more than 3% faster "
+                     f"than drawn order: the choice keeps drawn order")
     return chosen, rows
 
 
@@ -677,7 +903,7 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
             rate = result.tokens_per_s
             measured = {
                 "peak_bytes": result.peak_bytes, "fits": result.fits, "tokens_per_s": rate,
-                "step_time_s": result.step_time_s,
+                "step_time_s": result.step_time_s, "measured_on": result.measured_on,
                 "seconds_per_epoch": tokens_per_epoch / rate if rate else None,
                 "hours_per_billion_tokens": 1e9 / rate / 3600 if rate else None,
                 "error": result.error,
@@ -685,6 +911,7 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
         return {"id": candidate.id, **candidate.setup.as_dict(), "estimated_peak_bytes": candidate.estimate.peak_bytes,
                 "estimated_by_category": candidate.estimate.by_category,
                 "fits_estimate": candidate.estimate.peak_bytes <= budget, "status": candidate.status,
+                "accumulation_bytes": candidate.accumulation_bytes,
                 "measured": measured, "rounds": candidate.rates.as_dict() if candidate.rates else None}
 
     rate = chosen.measured.tokens_per_s if chosen.measured else None
@@ -696,6 +923,9 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
         "model_config": list(config.model_config) if config.model_config else None,
         "parameters": model.num_parameters,
         "seq_len": seq_len,
+        # Rows of the data's longest micro-batch: what every candidate's peak was measured on (train --plan's check
+        # of a cut the user gives reads it).
+        "longest_example": longest_example(data, seq_len),
         "data": data.description,
         # What train --plan reads again unless told otherwise: the plan's decision holds for this data and cut.
         "source": {**Source.from_flags(config).flags(),
@@ -749,6 +979,48 @@ def _write_report(out: Path, say: Callable[[str], None]) -> None:
 # ---------------------------------------------------------------------------------------------------- train --plan
 
 
+def _accepted_cut(config: TrainConfig, given: set[str], decided: dict[str, Any], plan: Record,
+                  hints: dict[str, Any], path: Path) -> tuple[dict[str, Any], list[Problem]]:
+    """The cut flags train --plan runs with when the user gives some (``given``) beside the plan: every cut gives the
+    same gradient, so what decides is the memory. Accepted: the plan's own cut; a cut the plan measured on its
+    longest window and found within the budget (plan.json's cuts); and, where the plan cut rows by a row count
+    (no token budget, no packing), either order of those rows, whose longest micro-batch is the same rows (the
+    micro-batch size's longest examples, what the plan measured). Anything else might raise the peak the plan
+    measured, and is refused saying why."""
+    wanted = {name: getattr(config, name) for name in CUT_FLAGS if name in given}
+    if all(decided.get(name) == value for name, value in wanted.items()):
+        return {}, []
+    for row in plan.records("cuts", []):
+        flags = {name: row.get(name, CUT_FLAG_DEFAULTS[name]) for name in CUT_FLAGS}
+        if row.get("fits") is True and all(flags[name] == value for name, value in wanted.items()):
+            return {name: row.take(name, field_kind(hints[name]), CUT_FLAG_DEFAULTS[name]) for name in CUT_FLAGS}, []
+    rows_cut = decided.get("micro_batch_tokens") is None and not decided.get("packing")
+    if rows_cut and set(wanted) == {"micro_batch_order"}:
+        return wanted, []
+    micro, seq_len = decided.get("micro_batch_size"), plan.get("seq_len")
+    longest = plan.get("longest_example") or seq_len
+    measured = f"the plan measured {micro} rows of at most {longest} positions per micro-batch ({path})"
+    problems = []
+    if "packing" in wanted and wanted["packing"] != decided.get("packing"):
+        problems.append(Problem(where="--packing" if wanted["packing"] else "--no-packing", message=(
+            f"could raise the peak the plan measured: packed rows of --seq-len {seq_len} fill each row with examples "
+            f"(up to {micro} x {seq_len} positions per micro-batch, every one a real token and most of them "
+            f"targets), where {measured}, and the plan measured no packed cut that fits; plan again with --packing")
+            if wanted["packing"] else (
+            f"the plan chose packed rows; unpacked micro-batches of {micro} examples pad to their "
+            f"longest and were not measured; plan again without --packing")))
+    if "micro_batch_tokens" in wanted and wanted["micro_batch_tokens"] != decided.get("micro_batch_tokens"):
+        problems.append(Problem(where="--micro-batch-tokens", message=(
+            f"{wanted['micro_batch_tokens']} could raise the peak the plan measured: a token budget cuts micro-batches "
+            f"by positions, in as many rows as fit, not by {micro} rows, where {measured} and no cut with this budget; "
+            f"plan again with --micro-batch-tokens {wanted['micro_batch_tokens']}")))
+    if not problems:  # the order alone, under a cut by a token budget or packing
+        problems.append(Problem(where="--micro-batch-order", message=(
+            f"{wanted.get('micro_batch_order')!r}: the plan's cut ({decided.get('micro_batch_tokens')} positions per "
+            f"micro-batch, packing {decided.get('packing')}) was measured in its own order only; plan again with it")))
+    return {}, problems
+
+
 def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
     """The configuration with the plan's decision; a given flag that contradicts the plan is a usage error."""
     path = config.plan
@@ -799,7 +1071,15 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
             warnings.warn(f"training on --data {config.data or 'the built-in corpus'}, while the plan {path} was made "
                           f"on {planned}: its decision was measured on that data", stacklevel=2)
     problems = []
+    if given & set(CUT_FLAGS):
+        # A cut is an exact lever (the same samples per window): a cut that keeps the memory the plan measured is
+        # accepted, one that might raise it is refused saying why.
+        cut_flags, cut_problems = _accepted_cut(config, given, decided, plan, hints, path)
+        decided.update(cut_flags)
+        problems += cut_problems
     for name, value in decided.items():
+        if name in CUT_FLAGS and name in given:
+            continue  # decided above
         if name in given and value is not None and getattr(config, name) != value:
             problems.append(Problem(where="--" + name.replace("_", "-"),
                                     message=f"{getattr(config, name)!r} contradicts the plan's {value!r} ({path})"))

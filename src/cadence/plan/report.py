@@ -67,7 +67,8 @@ def _effective_batch(batch: dict[str, Any]) -> list[Block]:
         + f" over {measured.get('windows', '?')} of {measured.get('windows_run', '?')} windows of "
         f"{probe.get('micro_batch_size', '?')} x {probe.get('grad_accum_steps', '?')} sequences "
         f"({probe.get('precision', '?')}, recompute {probe.get('activation_checkpointing', '?')}), "
-        + ("at the starting weights" if measured.get("fixed_weights") else "training from the start"),
+        + ("at the weights the run starts from (no optimizer step)" if measured.get("fixed_weights")
+           else "training from the start as the run would (--noise-scale-training)"),
         f"**Learning rate:** {batch.get('lr_advice', '')}",
     ]
     return [Bullets(items=items), Paragraph(text=(
@@ -122,6 +123,10 @@ def _diagnosis(diagnosis: dict[str, Any], chosen: dict[str, Any] | None, budget:
             for name, value in categories.items()]))
     if diagnosis.get("explanation"):
         blocks.append(Paragraph(text=str(diagnosis["explanation"])))
+    accumulation = diagnosis.get("accumulation")
+    if isinstance(accumulation, dict) and accumulation.get("explanation"):
+        verdict = "raises the peak" if accumulation.get("raises_peak") else "lowers the peak"
+        blocks.append(Paragraph(text=f"**Accumulation {verdict} on this model:** {accumulation['explanation']}"))
     bars = [("baseline", categories)]
     if chosen and chosen.get("estimated_by_category"):
         bars.append((f"chosen ({chosen.get('id')})", chosen["estimated_by_category"]))
@@ -163,7 +168,10 @@ def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None,
     for index, cand in enumerate(candidates):
         measured = cand.get("measured") or {}
         if measured:
-            fits = {True: "yes (measured)", False: "no (measured)"}.get(measured.get("fits"), "?")
+            # Measured on the longest window the data can produce (plan.json's measured_on), or, in a plan made
+            # before that, on the epoch's second window.
+            how = "measured on the longest window" if measured.get("measured_on") else "measured"
+            fits = {True: f"yes ({how})", False: f"no ({how})"}.get(measured.get("fits"), "?")
         else:
             fits = {True: "yes (estimate)", False: "no (estimate)"}.get(cand.get("fits_estimate"), "?")
         name = str(cand.get("id", "?"))
@@ -175,6 +183,7 @@ def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None,
         rows.append([name, f"{cand.get('micro_batch_size', '?')} x {cand.get('grad_accum_steps', '?')}",
                      str(cand.get("precision", "?")), str(cand.get("activation_checkpointing", "none")),
                      str(cand.get("offload", "none")), levers, format_bytes(cand.get("estimated_peak_bytes")),
+                     format_bytes(cand["accumulation_bytes"]) if plots.finite(cand.get("accumulation_bytes")) else "-",
                      format_bytes(measured.get("peak_bytes")), fits,
                      format_number(measured.get("tokens_per_s"), ",.0f"),
                      format_hms(measured.get("seconds_per_epoch")),
@@ -182,7 +191,7 @@ def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None,
                      "yes" if str(cand.get("id")) in front else "", _state_quality(state, quality),
                      str(cand.get("status", "?")) + (f": {measured['error']}" if measured.get("error") else "")])
     header = ["candidate", "micro x accum", "precision", "recompute", "offload", "levers", "estimated peak",
-              "measured peak", "fits", "tokens/s", "time per epoch", "time per 1B tokens", "front", "quality",
+              "of it, accumulation", "measured peak", "fits", "tokens/s", "time per epoch", "time per 1B tokens", "front", "quality",
               "status"]
     return Table(header=header, rows=rows, marked_row=marked)
 

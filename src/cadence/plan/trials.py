@@ -4,6 +4,10 @@ A trial builds the real model, optimizer and engine for one configuration and ru
 the first allocates the optimizer state (warm-up, not timed), the second is measured for memory (on CPU by the
 profiler, which slows it, so it is not timed either), and the rest are timed. Throughput is the median over the timed
 steps, so one slow step (another process, a page fault) does not decide a plan.
+
+The memory step is the *longest window the data can produce* (:func:`longest_window`), not the epoch's second one:
+on data of uneven lengths the first windows may hold only short examples, and a configuration that fits them runs out
+of memory on the first long one of the epoch. "Fits" means it fits the data.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ from typing import Any
 
 import torch
 
+from cadence.data.batching import IGNORE_INDEX, collate
+from cadence.data.text import PackedSequences
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import prefetch
+from cadence.engine.windows import Window, count_targets, epoch_windows, example_lengths, make_window
 from cadence.memory.choices import OptimizerStateName
 from cadence.training.components import build_components
 from cadence.training.prepare import Prepared
@@ -83,7 +90,10 @@ class TrialResult:
     losses: list[float | None]
     error: str | None = None
     real_share: float | None = None
-    """Real tokens over computed positions (padding included) over the trial's windows."""
+    """Real tokens over computed positions (padding included) over the trial's windows (the longest one left out)."""
+    measured_on: str | None = None
+    """What the memory step ran: the longest window the data can produce (in words), or the epoch's second window
+    where every window is as long as any (text cut into full sequences)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -95,12 +105,64 @@ def trial_run(prep: Prepared, setup: TrialSetup, *, steps: int) -> Prepared:
     return prep.variant(**setup.train_flags(), effective_batch_size=None, max_steps=steps, memory_budget=None)
 
 
+LONGEST_CANDIDATES = 4
+"""Of the longest examples, this many times a window's worth are read to pick those with the most targets (the
+targets-only loss's logits grow with them); the rest are judged by their length alone, read from the index."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LongestWindow:
+    """The longest window the data can produce for a cut (what a trial measures its memory on)."""
+
+    window: Window
+    longest_example: int
+    """Input positions of the data's longest example."""
+    description: str
+
+
+def longest_window(prep: Prepared) -> LongestWindow | None:
+    """The window of ``prep``'s cut whose micro-batches are the longest the training split can produce; None for text
+    cut into full sequences (every window is as long as any).
+
+    Rows in drawn order: every micro-batch holds the micro-batch size's longest examples. Drawn order can put them in
+    any micro-batch of a window, including one after the first (where accumulation holds the gradients already
+    summed), so every micro-batch of this window is that one: the largest peak any window of the epoch can reach.
+    Cuts by length (an order by length, a token budget, packing) sort the window's samples themselves, so their
+    longest window is the window of the data's longest examples, cut as they cut it. Ties in length go to the
+    examples with the most targets."""
+    train = prep.data.train
+    if isinstance(train, PackedSequences) or len(train) == 0:
+        return None
+    micro, accum = prep.micro_batch_size, prep.grad_accum_steps
+    per_window = micro * accum
+    lengths = example_lengths(train, range(len(train)))
+    by_length = sorted(range(len(train)), key=lambda i: -lengths[i])
+    read = [train[i] for i in by_length[:LONGEST_CANDIDATES * per_window]]
+    ranked = sorted(read, key=lambda e: (-len(e.input_ids), -int((e.labels != IGNORE_INDEX).sum())))
+    cut = prep.cut
+    longest = len(ranked[0].input_ids)
+    if not cut.by_length:
+        rows = ranked[:micro]
+        batch = collate(rows)
+        window = make_window([batch] * accum)
+        words = (f"every micro-batch the data's {len(rows)} longest examples ({len(rows)} x {longest} positions, "
+                 f"{count_targets(batch)} targets)")
+    else:
+        window = next(epoch_windows(ranked[:per_window], cut=cut, grad_accum_steps=accum, seed=prep.config.seed,
+                                    epoch=0))
+        words = f"the data's {min(per_window, len(ranked))} longest examples (up to {longest} positions), cut as " \
+                f"the setup cuts"
+    return LongestWindow(window=window, longest_example=longest, description=words)
+
+
 def run_trial(prep: Prepared, setup: TrialSetup, *, steps: int, budget_bytes: int) -> TrialResult:
-    """Run ``steps`` windows of ``setup`` and measure them; out-of-memory is a result (fits False), not an error."""
+    """Run ``steps`` windows of ``setup`` and measure them; out-of-memory is a result (fits False), not an error.
+    The memory step (the second) runs the longest window the data can produce (:func:`longest_window`)."""
     steps = max(steps, MIN_TRIAL_STEPS)
     trial = trial_run(prep, setup, steps=steps)
     device = trial.device
     parts = build_components(trial)
+    longest = longest_window(trial)
     # The windows train would run (the epoch's permutation, cut as the setup says), prepared ahead in a thread as
     # train prepares them: cut and collated in the measuring thread instead, the same steps ran 10-20x slower on a
     # loaded 2-core CPU (measured: 165 against 3,458 tokens/s for gpt-tiny), and the plan predicted 1/6 of the run.
@@ -113,10 +175,15 @@ def run_trial(prep: Prepared, setup: TrialSetup, *, steps: int, budget_bytes: in
     try:
         # fp32 matmuls as the run will set them (tf32 on CUDA by default): they change the speed being measured.
         with windows, fp32_matmul(trial.config.fp32_matmul):
-            for number, window in zip(range(steps), windows):
+            drawn = iter(windows)
+            for number in range(steps):
+                window = longest.window if number == 1 and longest is not None else next(drawn, None)
+                if window is None:
+                    break
                 result = parts.engine.step(window, measure_memory=number == 1)
                 losses.append(result.loss)
-                tokens, positions = tokens + result.tokens, positions + result.tokens + result.padded_positions
+                if not (number == 1 and longest is not None):
+                    tokens, positions = tokens + result.tokens, positions + result.tokens + result.padded_positions
                 if number == 1 or device.type == "cuda":
                     peak = max(peak or 0, result.peak_memory_bytes or 0)
                 if number >= 2:
@@ -135,6 +202,7 @@ def run_trial(prep: Prepared, setup: TrialSetup, *, steps: int, budget_bytes: in
     return TrialResult(
         peak_bytes=peak, fits=peak is not None and peak <= budget_bytes, tokens_per_s=statistics.median(rates),
         step_time_s=statistics.median(times), losses=losses, real_share=tokens / positions if positions else None,
+        measured_on=longest.description if longest is not None else "a window of full sequences (all as long)",
     )
 
 
