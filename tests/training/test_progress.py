@@ -54,6 +54,24 @@ def test_eta_comes_from_measured_steps_not_the_warm_up_one():
     assert lines[2].endswith(f"eta {format_duration(8 * 2.0)}")  # 8 steps left at 2 s, the 60 s step left out
 
 
+def test_an_evaluation_is_spread_over_the_steps_not_read_as_the_new_pace():
+    """Steps of 1 s and a 10 s evaluation every 5 steps: right after the first evaluation (step 5 of 20) the time
+    left is 15 steps and 3 evaluations, 45 s; the evaluation's step is not the pace of the 15 to come."""
+    now = [0.0]
+    stream = io.StringIO()
+    with TrainProgress(total_steps=20, grad_accum_steps=1, log_every=1, stream=stream, live=False,
+                       clock=lambda: now[0]) as progress:
+        for step in range(1, 11):
+            evaluated = step % 5 == 0
+            now[0] += 1.0 + (10.0 if evaluated else 0.0)
+            progress.update(row(step, step_time_s=1.0, **({"val_loss": 2.0} if evaluated else {})))
+    lines = stream.getvalue().splitlines()
+    assert lines[4].startswith("step 5/20") and lines[4].endswith(f"eta {format_duration(45.0)}")
+    # One step later the evaluation is spread over six steps: the ETA moves a little, it does not jump.
+    assert lines[5].endswith(f"eta {format_duration(14 * (1.0 + 10.0 / 6))}")
+    assert lines[9].endswith(f"eta {format_duration(30.0)}")  # 10 steps and 2 evaluations left
+
+
 def test_a_resumed_run_shows_the_memory_measured_before_it_and_evaluations_between_log_lines():
     stream = io.StringIO()
     with TrainProgress(total_steps=20, grad_accum_steps=1, log_every=10, stream=stream, live=False) as progress:

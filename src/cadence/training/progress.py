@@ -35,8 +35,13 @@ class TrainProgress:
         self.peak_memory: int | None = None
         self.rate: float | None = None
         self.step_seconds: float | None = None
-        """Smoothed wall time per optimizer step, evaluation and checkpoints included (what the ETA needs), from
-        the second step of this process on: the first also pays start-up, compilation and allocation."""
+        """Smoothed time of one training step (the row's ``step_time_s``), from the second step of this process on:
+        the first also pays start-up, compilation and allocation."""
+        self.overhead_seconds = 0.0
+        """Wall time outside the training steps since this process's first step: evaluations, checkpoints, metrics.
+        Spread over every step seen rather than smoothed: an evaluation every 50 steps costs a fiftieth of it per
+        step, where a smoothed rate would read the step that evaluated as the new pace (an ETA of an hour right after
+        the demo's first evaluation, four minutes ten steps earlier)."""
         self._last_update: float | None = None
         self._steps_seen = 0
         self._last_step = "starting"
@@ -102,11 +107,12 @@ class TrainProgress:
         # Smoothed per-step throughput: start-up, evaluation and checkpoint time would make a cumulative rate lie.
         step_rate = float(row.get("tokens_per_s") or 0.0)
         self.rate = step_rate if self.rate is None else 0.8 * self.rate + 0.2 * step_rate
-        self._time_step()
+        self._time_step(row)
         step = int(row["step"])
         parts = self._figures(row)
         if self.step_seconds is not None:
-            parts.append(f"eta {format_duration(self.step_seconds * max(0, self.total_steps - step))}")
+            per_step = self.step_seconds + self.overhead_seconds / self._steps_seen
+            parts.append(f"eta {format_duration(per_step * max(0, self.total_steps - step))}")
         else:
             parts.append("eta -")  # one warm-up step says nothing about the steady pace
         self._last_step = " | ".join(parts)
@@ -119,12 +125,16 @@ class TrainProgress:
         if row.get("skipped") or evaluated or step % self.log_every == 0 or step == self.total_steps or step == 1:
             print(f"step {step}/{self.total_steps} | {self._last_step}", file=self.stream, flush=True)
 
-    def _time_step(self) -> None:
-        """Fold this step's wall time into ``step_seconds`` (the first step of the process is left out)."""
+    def _time_step(self, row: dict[str, Any]) -> None:
+        """Fold the wall time since the last row into ``step_seconds`` (the training step) and ``overhead_seconds``
+        (what came beside it); the first step of the process is left out of both."""
         now = self.clock()
         if self._last_update is not None and self._steps_seen > 0:
             seconds = now - self._last_update
-            self.step_seconds = seconds if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * seconds
+            # The engine's own time for the step; a row without it (a test's) counts its whole interval as training.
+            training = min(seconds, float(row.get("step_time_s") or seconds))
+            self.overhead_seconds += seconds - training
+            self.step_seconds = training if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * training
         self._last_update = now
         self._steps_seen += 1
 
