@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint clean bench bench-quick bench-data bench-gpu flags
+.PHONY: install demo test test-slow test-all lint clean bench bench-quick bench-data bench-gpu flags
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,15 +38,28 @@ demo: $(STAMP)
 	@echo "cadence and tensorboard are in .venv: run '. .venv/bin/activate' first (or type .venv/bin/cadence)"
 
 # pytest-xdist: one worker per core (-n auto), each computing with one thread (tests/conftest.py); tests that share a
-# module fixture run on one worker (--dist loadgroup). The suite is ~1,160 tests, a fifth of them training runs or
-# process launches: on 2 cores about 7 minutes of pytest on a quiet machine (docs/development.md).
-# PYTEST_WORKERS=0 runs it in this process (a debugger, print-debugging). --durations=25: every run lists its slowest
-# tests, where the suite's time goes (the 10-minute target is kept by shrinking those).
+# module fixture run on one worker (--dist loadgroup). PYTEST_WORKERS=0 runs in this process (a debugger).
+# Two tiers, so that the everyday check stays under 10 minutes on 2 cores:
+#   make test       every test not marked slow: the units, the step-chain rules, parity, bad-input tables, the CLI
+#                   (about 1,400 tests; CI runs this)
+#   make test-slow  the tests marked slow: real multi-process runs (gloo ranks, torchrun agents, signals, kills),
+#                   long quality checks, the biggest built-in models (about 20 minutes here: run it before a merge
+#                   that touches distributed, resume, plan or memory code, and before every release)
+#   make test-all   both in one run
+# --durations: every run lists its slowest tests, where the time goes.
 PYTEST_WORKERS ?= auto
+PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25
+	$(PYTEST) -m "not slow" --durations=15
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow --durations=25
+
+test-all: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(PYTEST) --durations=25
 
 # docs/FLAGS.md, the flag reference, generated from the schema (tests/config/test_reference.py fails when it drifts).
 flags: $(STAMP)
@@ -54,9 +67,6 @@ flags: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
-
-test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
 # Issue 9: the engine against a hand-written loop, Accelerate and Lightning Fabric (benchmarks/overhead.py), then
 # memory flatness, recompute/offload costs and MFU (benchmarks/memory_and_modes.py), then the memory estimate against
@@ -99,7 +109,7 @@ bench-data: $(STAMP)
 # memory estimate against torch.cuda.max_memory_allocated, plan and auto micro-batch under a budget, verify fp16 and
 # bf16, then pytest -m gpu; the issue's GPU figures judged pass/fail. Writes benchmarks/results/gpu.json (then run
 # benchmarks/write_report.py). Without CUDA it runs its dry run instead (tiny sizes on the CPU, under a minute, into
-# gpu_quick.json), as tests/test_bench_gpu.py does in `make test`. On a machine with its own torch, accelerate and
+# gpu_quick.json), as tests/test_bench_gpu.py does in `make test-slow`. On a machine with its own torch, accelerate and
 # lightning and no install of cadence (src/ is put on the path by the script itself):
 #   make bench-gpu GPU_PYTHON=python3 GPU_ARGS="--out $$OUT/gpu.json"
 # or simply `python3 benchmarks/gpu.py --out $OUT/gpu.json`.

@@ -27,7 +27,7 @@ $OUT/gpu.json``). On a GPU the commands run in subprocesses (a real out-of-memor
 
 ``--dry-run`` (automatic without CUDA) runs every section end to end on the CPU at tiny sizes (about 25 s of CPU
 time; fp32 where bf16 would be emulated; the compile section skipped, see ``section_compile``), so that this script
-cannot rot unnoticed: ``tests/test_bench_gpu.py`` runs it in ``make test``. Its JSON goes to
+cannot rot unnoticed: ``tests/test_bench_gpu.py`` runs it in ``make test-slow``. Its JSON goes to
 ``benchmarks/results/gpu_quick.json`` (ignored by git and never shown by ``write_report.py``, like every
 ``*_quick.json``) and says ``"dry_run": true``; its figures are not GPU results.
 

@@ -415,7 +415,7 @@ def render_gpu(data: dict) -> list[str]:
 
     A dry run (tiny sizes on the CPU) is never shown as results, whatever its file is called."""
     if data.get("dry_run"):
-        return para("This gpu.json is a dry run (tiny sizes on the CPU, as `make test` runs it): its figures are not "
+        return para("This gpu.json is a dry run (tiny sizes on the CPU, as `make test-slow` runs it): its figures are not "
                     "GPU results and are not shown. Run `make bench-gpu` on a machine with CUDA.")
     sections = data.get("sections", {})
     lines = para(f"One command, `make bench-gpu`, on {data.get('gpu') or 'a GPU'}: {data.get('wall_s', 0):.0f} s of a "

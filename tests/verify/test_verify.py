@@ -28,15 +28,16 @@ def builtin_windows(seq_len: int, count: int = 1):
 @pytest.mark.parametrize("model", ["gpt-tiny", pytest.param("gpt-small", marks=pytest.mark.slow),
                                    pytest.param("gpt-base", marks=pytest.mark.slow)])
 def test_every_fp32_split_of_the_builtin_models_passes(model):
-    # gpt-base, the suite's second slowest test: seq 32 and the two extreme splits (the others are checked on the
-    # smaller models, with the same code).
+    # gpt-base, among the suite's slowest tests: seq 32 and the split furthest from the whole batch alone, 8 x 1 (8 x
+    # 1 against the whole batch of 8 compares a computation with itself; the other splits are checked on the smaller
+    # models, with the same code).
     windows = builtin_windows(seq_len=32 if model == "gpt-base" else 64)
 
     def factory():
         torch.manual_seed(0)
         return build_model(model)
 
-    for micro in (8, 1) if model == "gpt-base" else (8, 4, 2, 1):
+    for micro in (1,) if model == "gpt-base" else (8, 4, 2, 1):
         result = verify(factory, windows, Setup(cut=Cut(micro_batch_size=micro)))
         assert result.passed, (model, micro, result.relative_error)
         assert result.relative_error < 1e-5 and not result.findings
