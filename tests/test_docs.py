@@ -290,9 +290,14 @@ def test_the_engine_example_is_examples_own_loop() -> None:
 
 RUNNABLE = [page for page in PAGES
             if any(block.language in ("python", "sh") for block in blocks(page))]
+SLOW_PAGES = {"library.md"}
+"""Pages whose blocks take more than a few seconds together (library.md trains its example and profiles it): make
+test-slow runs them. make test still checks that library.md's example is examples/own_loop.py, word for word
+(test_the_engine_example_is_examples_own_loop), and tests/profiling profiles a loop of the same kind."""
 
 
-@pytest.mark.parametrize("page", RUNNABLE, ids=lambda page: str(page.relative_to(ROOT)))
+@pytest.mark.parametrize("page", [pytest.param(page, marks=pytest.mark.slow) if page.name in SLOW_PAGES else page
+                                  for page in RUNNABLE], ids=lambda page: str(page.relative_to(ROOT)))
 def test_every_block_of_the_page_runs_as_written(page: Path, workspace: Path, capsys: pytest.CaptureFixture) -> None:
     """Every block of the page in order (see the module docstring). The time each command took is printed (seen with
     -s, or in a failure's captured output): which recipe is slow."""

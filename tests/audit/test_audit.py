@@ -40,7 +40,9 @@ def expected(path: Path) -> tuple[set[tuple[str, int]], int | None]:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch's own scheduler-order warning in some cases
-@pytest.mark.parametrize("path", CASE_FILES, ids=[p.stem for p in CASE_FILES])
+# The DDP cases start gloo processes of their own: make test-slow.
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if "_ddp_" in p.stem else p
+                                  for p in CASE_FILES], ids=[p.stem for p in CASE_FILES])
 def test_case_reports_exactly_what_it_expects(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     want, want_exit = expected(path)
     if "ddp" in path.name:

@@ -79,7 +79,8 @@ def test_every_math_or_schedule_rule_is_an_error_and_only_performance_is_a_warni
     assert {rule.id for rule in RULES.values() if rule.level == "warning"} == PERFORMANCE_ONLY
 
 
-@pytest.mark.parametrize("case", sorted(p.name for p in CASES.glob("bad_*.py")))
+@pytest.mark.parametrize("case", [pytest.param(name, marks=pytest.mark.slow) if "_ddp_" in name else name
+                                  for name in sorted(p.name for p in CASES.glob("bad_*.py"))])  # DDP: gloo processes
 def test_every_bad_case_that_changes_the_math_exits_1(case: str, capsys: pytest.CaptureFixture[str]) -> None:
     expected = {word for word in (CASES / case).read_text().splitlines()[0].split() if word.startswith("CAD")}
     if "ddp" in case:

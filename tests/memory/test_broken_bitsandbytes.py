@@ -23,8 +23,10 @@ BROKEN = {
 }
 
 
-@pytest.mark.parametrize("broken", list(BROKEN))
-@pytest.mark.parametrize("use", ["8bit", "lora"])
+# Each case is a process of its own importing torch: one in make test, the other three in make test-slow.
+@pytest.mark.parametrize("broken", [pytest.param(name, marks=pytest.mark.slow) if name != "native library missing"
+                                    else name for name in BROKEN])
+@pytest.mark.parametrize("use", ["8bit", pytest.param("lora", marks=pytest.mark.slow)])
 def test_a_broken_bitsandbytes_is_named_with_its_repair_before_anything_is_written(tmp_path: Path, broken, use):
     pytest.importorskip("peft")
     package = tmp_path / "site" / "bitsandbytes"

@@ -100,7 +100,9 @@ def test_autocast_weight_copies_count_as_parameters() -> None:
     assert measured.peak_by_category["gradient"] == pytest.approx(4 * n, rel=1e-3)  # still fp32
 
 
-@pytest.mark.parametrize(("precision", "checkpointing"), [("fp32", "none"), ("bf16", "full")])
+# bf16 + full recompute: emulated bf16 on CPUs without bf16 instructions makes it one of the longest tests.
+@pytest.mark.parametrize(("precision", "checkpointing"), [("fp32", "none"),
+                                                          pytest.param("bf16", "full", marks=pytest.mark.slow)])
 def test_agrees_with_the_engines_step_memory_meter(precision: str, checkpointing: str) -> None:
     """Two steps on the same window: the engine's meter (allocation events) and the timeline agree on the total."""
     torch.manual_seed(0)

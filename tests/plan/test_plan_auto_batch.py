@@ -143,6 +143,7 @@ def test_the_noise_scale_stops_at_the_plan_s_deadline(tmp_path: Path, checks: in
     assert f"note: {choice.time_note}" in lines
 
 
+@pytest.mark.slow
 def test_plan_keeps_its_time_budget_with_a_huge_noise_scale_windows(tmp_path: Path) -> None:
     """The whole command, in a process of its own: it used to run a million windows, whatever --time-budget said."""
     data = tmp_path / "words.txt"

@@ -43,10 +43,10 @@ def profile_own_loop(tmp_path, *, delay: float = 0.0, active: int = 4):
 def test_python_api_phases_add_up_to_the_step(tmp_path):
     result = profile_own_loop(tmp_path)
     assert set(PHASES) <= set(result["phases"])
-    # The phases cover the step: a phase left out would miss a fifth of it or more. The margin is 10%, not 5%: under
-    # make test's two xdist workers on 2 cores, the other worker's load stretched the gaps between phases to 5.7%
-    # once (a fresh clone, 2026-12-03) although no phase was missing.
-    assert abs(result["phase_shares_sum"] - 1.0) <= 0.10
+    # The phases cover the step: a phase left out would miss a fifth of it or more. The margin is 15%, not 5%: on 2
+    # cores shared with other work, the load stretched the gaps between phases to 5.7% (a fresh clone, 2026-12-03)
+    # and to 11.6% (a load average of 11, 2026-12-04) although no phase was missing.
+    assert abs(result["phase_shares_sum"] - 1.0) <= 0.15
     assert len(result["step_times_s"]) == 4
     for name in ("forward", "backward", "optimizer_step"):
         assert result["phases"][name]["mean_s"] > 0

@@ -48,6 +48,7 @@ def test_a_second_lock_on_the_same_directory_is_refused_naming_the_holder(tmp_pa
         pass
 
 
+@pytest.mark.slow  # two processes of its own, one killed
 def test_a_second_run_on_a_busy_directory_is_refused_and_a_killed_one_leaves_no_stale_lock(tmp_path, capsys):
     data, out = data_file(tmp_path), tmp_path / "run"
     first = subprocess.Popen([CADENCE, *args(data, out, steps=400)], stdout=subprocess.DEVNULL,
@@ -130,8 +131,10 @@ def _limited(limit_bytes: int):
     return apply
 
 
-@pytest.mark.parametrize("what, extra", [("checkpoint step-2", ["--checkpoint-every", "2"]),
-                                         ("model.safetensors", ["--checkpoint-every", "0"])])
+@pytest.mark.parametrize("what, extra", [
+    ("checkpoint step-2", ["--checkpoint-every", "2"]),
+    pytest.param("model.safetensors", ["--checkpoint-every", "0"], marks=pytest.mark.slow),  # a process of its own
+])
 def test_a_write_that_fails_for_want_of_space_is_one_line_and_leaves_no_debris(tmp_path, what, extra):
     data, out = data_file(tmp_path), tmp_path / "run"
     argv = args(data, out, steps=2)

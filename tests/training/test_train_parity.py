@@ -71,6 +71,7 @@ def test_effective_batch_size_derives_accumulation(tmp_path):
     assert read_metrics(out)[0]["micro_steps"] == 4
 
 
+@pytest.mark.slow  # emulated bf16 and fp16 on CPUs without them in hardware: among the longest tests
 def test_bf16_and_fp16_runs_through_the_cli(tmp_path):
     data = tmp_path / "text.txt"
     data.write_bytes(sample_text(80 * 32 + 1))
