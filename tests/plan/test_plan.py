@@ -106,7 +106,11 @@ def test_nothing_fits_fails_with_the_smallest_measured_peak(tmp_path, capsys):
     code, _ = run_plan(tmp_path, "--precision", "fp32", "--activation-checkpointing", "full",
                        "--memory-budget", "2MiB", "--max-trials", "2")
     assert code == 1
-    assert "no configuration fits in 2.0 MiB" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no configuration fits in 2.0 MiB" in err
+    # A 4-bit base is a LoRA base's lever: the built-in model trains whole (issue 39), and the failure says so.
+    assert "An nf4 base (--lora-base-precision nf4) was not a candidate: it holds the frozen base of LoRA adapters " \
+           "on a Hugging Face model, and gpt-tiny is built in" in err
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -142,10 +146,12 @@ def test_a_trial_setup_is_the_verify_setup_plus_its_accumulation() -> None:
     assert isinstance(setup, Setup)  # the quality check compares exactly the configuration the plan chose
     assert setup.as_dict() == {"micro_batch_size": 2, "grad_accum_steps": 4, "precision": "bf16",
                                "activation_checkpointing": "full", "offload": "none", "loss_chunk_tokens": 0,
-                               "optimizer_state": "fp32"}
+                               "optimizer_state": "fp32", "lora_base_precision": "fp32"}
     assert list(setup.as_dict()) == ["micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing",
-                                     "offload", "loss_chunk_tokens", "optimizer_state"]  # plan.json's order
+                                     "offload", "loss_chunk_tokens", "optimizer_state",
+                                     "lora_base_precision"]  # plan.json's order
     assert setup.exact and not dataclasses.replace(setup, optimizer_state="bf16").exact
+    assert not dataclasses.replace(setup, lora_base_precision="nf4").exact
     assert setup.describe() == "micro 2 x accum 4, bf16, recompute full, offload none"
 
 

@@ -8,6 +8,7 @@ seeded, whenever a trial needs one, so every trial starts from the same weights,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from cadence.memory.estimate import MemoryEstimate, estimate_step_memory
 from cadence.memory.estimate_hf import estimate_hf_step_memory
 from cadence.models import MODEL_CONFIGS, MODEL_NAMES, build_model, model_context_length
 from cadence.models.hf import HFModel, ModelShape
+from cadence.models.lora import LoraShape, planned_nf4
 from cadence.training.prepare import build_run_hf
 
 
@@ -40,7 +42,10 @@ class PlanModel:
 
     def estimate(self, *, micro_batch_size: int, seq_len: int, precision: str, checkpointing: str,
                  offload: str = "none", device_type: str = "cpu", grad_accum_steps: int = 1,
-                 loss_chunk_tokens: int = 0, optimizer_state: str = "fp32") -> MemoryEstimate:
+                 loss_chunk_tokens: int = 0, optimizer_state: str = "fp32",
+                 lora_base_precision: str | None = None) -> MemoryEstimate:
+        """The estimated step of one candidate; ``lora_base_precision``: the base a candidate holds under LoRA
+        (default: the configuration's)."""
         options: dict[str, Any] = {
             "micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision,
             "checkpointing": checkpointing, "offload": offload, "device_type": device_type,
@@ -50,10 +55,25 @@ class PlanModel:
         if self.shape is None:
             return estimate_step_memory(MODEL_CONFIGS[self.config.model], **options)
         # --lora-rank: the frozen base has no gradient and no optimizer state; the adapters have both.
-        lora = self.hf.lora if self.hf is not None else None
+        lora = self.lora(lora_base_precision)
         # --packing: transformers masks attention block by block, which repeats k and v to the query heads.
         return estimate_hf_step_memory(self.shape, model_type=str(self.model_type), lora=lora,
                                        packed=self.config.packing, **options)
+
+    def lora(self, base_precision: str | None = None) -> LoraShape | None:
+        """The adapters as the estimate sees them, with the frozen base held in ``base_precision`` (default: as built).
+        An nf4 base is counted from the layers quantisation would replace, so a plan estimates it without building
+        it; the rest of the base (embeddings, norms, head) then stays fp32, as the nf4 build leaves it."""
+        lora = self.hf.lora if self.hf is not None else None
+        if lora is None or base_precision != "nf4" or self.config.lora_base_precision == "nf4":
+            return lora  # as built
+        return dataclasses.replace(planned_nf4(lora, self.hf.model), bf16_base_parameters=0)  # type: ignore[union-attr]
+
+    def nf4_layers(self) -> int:
+        """Weight elements an nf4 base would hold in 4 bits (the blocks' linear layers); 0 for a built-in model or one
+        whose blocks have none (gpt2's Conv1D)."""
+        lora = self.lora("nf4")
+        return lora.nf4_base_parameters if lora is not None else 0
 
     @property
     def vocab_size(self) -> int:
@@ -66,9 +86,10 @@ class PlanModel:
         width = self.shape.hidden_size if self.shape is not None else MODEL_CONFIGS[self.config.model].n_embd
         return self.vocab_size * width * 4
 
-    def build(self) -> torch.nn.Module:
-        """A fresh model with the seed's initial weights."""
-        hf = build_run_hf(self.config, warn=False)
+    def build(self, **changes: Any) -> torch.nn.Module:
+        """A fresh model with the seed's initial weights; ``changes``: TrainConfig fields that change the build (a
+        candidate's --lora-base-precision and the --precision its nf4 layers compute in)."""
+        hf = build_run_hf(dataclasses.replace(self.config, **changes), warn=False)
         if hf is not None:
             return hf.model
         torch.manual_seed(self.config.seed)

@@ -45,6 +45,7 @@ from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.optimizer_state import eight_bit_problem
 from cadence.models.hf import packed_attention_supported
 from cadence.models.packed_attention import runs_packed_attention
+from cadence.models.quantized import bitsandbytes_problem
 from cadence.output_files import atomic_write_json
 from cadence.plan.batch import BatchChoice, choose_effective_batch
 from cadence.plan.measure import (
@@ -79,6 +80,9 @@ RECOMPUTE_COST = {"none": 1.0, "selective": 1.1, "full": 1.35}
 OFFLOAD_COST = {"none": 1.0, "activations": 1.3, "optimizer": 1.5}
 CHUNK_COST = 1.15
 """Prior relative cost per token, used only to order which candidates to measure first, never to decide."""
+NF4_COST = 1.2
+"""Prior relative cost per token of an nf4 base (each matmul dequantises its weight in the forward, the recompute and
+the backward), only to order what to measure."""
 
 
 class PlanFailed(CadenceFailure):
@@ -102,9 +106,9 @@ class Candidate:
     accumulation."""
 
     @property
-    def group(self) -> tuple[str, str, str, int, str]:
+    def group(self) -> tuple[str, str, str, int, str, str]:
         return (self.setup.precision, self.setup.activation_checkpointing, self.setup.offload,
-                self.setup.loss_chunk_tokens, self.setup.optimizer_state)
+                self.setup.loss_chunk_tokens, self.setup.optimizer_state, self.setup.lora_base_precision)
 
 
 def divisors(number: int) -> list[int]:
@@ -180,9 +184,10 @@ def given_cut(config: TrainConfig, constrained: set[str], micro_batch_size: int,
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
                      notes: list[str], model: PlanModel | None = None, *, states: list[str] | None = None,
                      first_number: int = 1, longest: int | None = None,
-                     precisions: list[str] | None = None) -> list[Candidate]:
+                     precisions: list[str] | None = None, bases: list[str] | None = None) -> list[Candidate]:
     """Every combination of the levers the user left open, each with its estimated peak; ``states``: the optimizer
-    states (default: the given one, else fp32), numbered from ``first_number``. ``longest``: the data's longest
+    states (default: the given one, else fp32), ``bases``: the --lora-base-precision values (default: the given
+    one; only bf16 and fp32 compute an nf4 base), numbered from ``first_number``. ``longest``: the data's longest
     example (positions; default ``seq_len``), the row length of its longest micro-batch, where each is estimated
     (packed rows are ``seq_len`` long whatever the examples). ``precisions``: the ones a first call kept (the matmul
     probe that chooses them takes seconds: it runs once per plan)."""
@@ -211,31 +216,33 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
     chunks = loss_chunk_options(config, constrained, model, rows, int(config.memory_budget_bytes() or 0), device,
                                 notes)
     states = states or [config.optimizer_state if "optimizer_state" in constrained else "fp32"]
+    combinations = [(state, base, precision) for state in states for base in bases or [config.lora_base_precision]
+                    for precision in precisions if base != "nf4" or precision in NF4_PRECISIONS]
     candidates: list[Candidate] = []
-    for state in states:
-        for precision in precisions:
-            for recompute in recomputes:
-                for offload in offloads:
-                    for chunk in chunks:
-                        for micro in micro_sizes:
-                            setup = TrialSetup(cut=given_cut(config, constrained, micro, seq_len),
-                                               grad_accum_steps=effective // micro, precision=precision,
-                                               activation_checkpointing=recompute, offload=offload,
-                                               loss_chunk_tokens=chunk, optimizer_state=state)
-                            estimate = model.estimate(
-                                micro_batch_size=micro, seq_len=rows, precision=precision,
-                                checkpointing=recompute, offload=offload, device_type=device.type,
-                                grad_accum_steps=setup.grad_accum_steps, loss_chunk_tokens=chunk,
-                                optimizer_state=state,
-                            )
-                            alone = estimate if setup.grad_accum_steps == 1 else model.estimate(
-                                micro_batch_size=micro, seq_len=rows, precision=precision, checkpointing=recompute,
-                                offload=offload, device_type=device.type, grad_accum_steps=1,
-                                loss_chunk_tokens=chunk, optimizer_state=state)
-                            candidates.append(Candidate(
-                                id=f"c{len(candidates) + first_number:02d}", setup=setup, estimate=estimate,
-                                accumulation_bytes=(estimate.peak_bytes - alone.peak_bytes
-                                                    if setup.grad_accum_steps > 1 else None)))
+    for state, base, precision in combinations:
+        for recompute in recomputes:
+            for offload in offloads:
+                for chunk in chunks:
+                    for micro in micro_sizes:
+                        setup = TrialSetup(cut=given_cut(config, constrained, micro, seq_len),
+                                           grad_accum_steps=effective // micro, precision=precision,
+                                           activation_checkpointing=recompute, offload=offload,
+                                           loss_chunk_tokens=chunk, optimizer_state=state,
+                                           lora_base_precision=base)
+                        estimate = model.estimate(
+                            micro_batch_size=micro, seq_len=rows, precision=precision,
+                            checkpointing=recompute, offload=offload, device_type=device.type,
+                            grad_accum_steps=setup.grad_accum_steps, loss_chunk_tokens=chunk,
+                            optimizer_state=state, lora_base_precision=base,
+                        )
+                        alone = estimate if setup.grad_accum_steps == 1 else model.estimate(
+                            micro_batch_size=micro, seq_len=rows, precision=precision, checkpointing=recompute,
+                            offload=offload, device_type=device.type, grad_accum_steps=1,
+                            loss_chunk_tokens=chunk, optimizer_state=state, lora_base_precision=base)
+                        candidates.append(Candidate(
+                            id=f"c{len(candidates) + first_number:02d}", setup=setup, estimate=estimate,
+                            accumulation_bytes=(estimate.peak_bytes - alone.peak_bytes
+                                                if setup.grad_accum_steps > 1 else None)))
     return candidates
 
 
@@ -252,6 +259,104 @@ def lossy_optimizer_states(notes: list[str]) -> list[str]:
         notes.append(f"8bit optimizer state was not a candidate: it {missing}")
         return ["bf16"]
     return ["bf16", "8bit"]
+
+
+BASE_TOLERANCE = 0.01
+"""An nf4 base is kept only when, over the quality check's steps, every loss is within 1% (relative) of the same
+configuration's with the full-precision base (as QLoRA's paper finds 4-bit NormalFloat matching 16-bit LoRA).
+Measured: the 13.9M-parameter llama of BENCHMARKS.md ends 20 steps 0.13% from the fp32 base's loss."""
+NF4_PRECISIONS = ("fp32", "bf16")
+"""The --precision values an nf4 base computes in (its layers dequantise to that dtype)."""
+
+
+def nf4_problem(config: TrainConfig, constrained: Collection[str], model: PlanModel,
+                precisions: Collection[str]) -> str | None:
+    """Why an nf4 base cannot be this plan's candidate (in words that follow "it"), or None when it can: LoRA on a
+    Hugging Face model whose blocks have linear layers, bitsandbytes installed, the base not given, a precision it
+    computes in (``precisions``: the ones the plan kept)."""
+    if model.shape is None:
+        return (f"holds the frozen base of LoRA adapters on a Hugging Face model, and {config.model} is built in "
+                f"(it trains whole)")
+    if config.lora_rank <= 0:
+        return ("holds the frozen base of LoRA adapters, and this plan trains the whole model (--lora-rank R plans "
+                "adapters)")
+    if "lora_base_precision" in constrained:
+        return f"was not asked for: --lora-base-precision {config.lora_base_precision} was given"
+    if (missing := bitsandbytes_problem()) is not None:
+        return missing
+    if config.strategy == "fsdp":
+        return "does not work with --strategy fsdp (bitsandbytes' packed weights are not DTensors)"
+    if not model.nf4_layers():
+        return f"quantises the nn.Linear layers of the model's blocks, and {config.model}'s blocks have none"
+    if not set(precisions) & set(NF4_PRECISIONS):
+        return f"computes in bf16 or fp32, and the plan's precisions are {', '.join(precisions)}"
+    return None
+
+
+def lossy_bases(config: TrainConfig, constrained: Collection[str], model: PlanModel, precisions: Collection[str],
+                notes: list[str]) -> list[str]:
+    """["nf4"] where a 4-bit NormalFloat base can be a candidate of this plan (:func:`nf4_problem`), else [] with the
+    reason in ``notes`` (the report's notes, and a failed plan's message)."""
+    problem = nf4_problem(config, constrained, model, precisions)
+    if problem is None:
+        return ["nf4"]
+    notes.append(f"an nf4 base (--lora-base-precision nf4) was not a candidate: it {problem}")
+    return []
+
+
+def lossy_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
+                     model: PlanModel, *, longest: int, precisions: list[str], first_number: int, notes: list[str],
+                     say: Callable[[str], None]) -> list[Candidate]:
+    """The candidates of the lossy levers, for a plan where nothing exact fits (measured): lower-precision optimizer
+    state (unless --optimizer-state was given) and, under LoRA, an nf4 base with the exact optimizer state (unless
+    it cannot be here: :func:`lossy_bases`). Each is kept only after its loss check; numbered from
+    ``first_number``. Only where nothing else fits: an nf4 base dequantises every weight in each matmul, forward,
+    recompute and backward, so where a full-precision base fits it saves memory the plan does not need and is no
+    faster (measured on this CPU: 27 against 24 tokens/s, within the noise, BENCHMARKS.md)."""
+    more: list[Candidate] = []
+    if "optimizer_state" not in constrained:
+        lossy = lossy_optimizer_states(notes)
+        notes.append(f"no configuration with fp32 optimizer state fits (measured): {' and '.join(lossy)} optimizer "
+                     f"state were candidates too, each kept only if its losses stay within {STATE_TOLERANCE:.0%} "
+                     f"of fp32 state's over the quality check's steps")
+        say(f"nothing with fp32 optimizer state fits: measuring {' and '.join(lossy)} optimizer state (lossy: kept "
+            f"only after a loss check)")
+        more += build_candidates(config, constrained, device, seq_len, [], model, states=lossy,
+                                 first_number=first_number, longest=longest, precisions=precisions)
+    bases = lossy_bases(config, constrained, model, precisions, notes)
+    if bases:
+        base = config.lora_base_precision
+        notes.append(f"no configuration with the {base} base fits (measured): an nf4 base (the blocks' linear layers "
+                     f"in 4-bit NormalFloat, QLoRA) was a candidate too, kept only if its losses stay within "
+                     f"{BASE_TOLERANCE:.0%} of the {base} base's over the quality check's steps")
+        say(f"nothing with the {base} base fits: measuring an nf4 base (lossy: kept only after a loss check)")
+        more += build_candidates(config, constrained, device, seq_len, [], model, bases=bases,
+                                 first_number=first_number + len(more), longest=longest, precisions=precisions)
+    return more
+
+
+LOSSY_LEVERS = ("optimizer_state", "lora_base_precision")
+"""The setup's lossy levers, in the order a decision's are checked."""
+
+
+def _unchecked_lossy_lever(setup: TrialSetup, checks: dict[str, list[dict[str, Any]]]) -> str | None:
+    """The first lossy lever ``setup`` pulls whose value has not passed its loss check yet (None: all have)."""
+    pulled = {"optimizer_state": setup.optimizer_state != "fp32",
+              "lora_base_precision": setup.lora_base_precision == "nf4"}
+    for lever in LOSSY_LEVERS:
+        value = getattr(setup, lever)
+        if pulled[lever] and not any(c.get(lever) == value and c["passed"] for c in checks[lever]):
+            return lever
+    return None
+
+
+def _lossy_words(lever: str, check: dict[str, Any]) -> tuple[str, str, str, float]:
+    """A loss check in words: its label, the lever's value, its reference, and its tolerance."""
+    if lever == "optimizer_state":
+        state = check["optimizer_state"]
+        return f"optimizer state {state}", f"{state} optimizer state", "fp32 state's", STATE_TOLERANCE
+    base = check["lora_base_precision"]
+    return f"{base} base", f"the {base} base", f"the {check['reference_base']} base's", BASE_TOLERANCE
 
 
 LOSS_CHUNKS = (1024, 256, 64)
@@ -294,17 +399,14 @@ def choose_trials(candidates: list[Candidate], budget: int, max_trials: int, dev
     are the ones most likely to fit."""
     if max_trials == 0:
         return list(candidates)
-    prior = precision_prior(device)
-    leaders: dict[tuple[str, str, str, int], Candidate] = {}
+    leaders: dict[tuple[str, str, str, int, str, str], Candidate] = {}
     for candidate in candidates:
         if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
             continue
         best = leaders.get(candidate.group)
         if best is None or _leads(candidate, best, budget, fitting_known):
             leaders[candidate.group] = candidate
-    ordered = sorted(leaders.values(), key=lambda c: prior[c.setup.precision]
-                     * RECOMPUTE_COST[c.setup.activation_checkpointing] * OFFLOAD_COST[c.setup.offload]
-                     * (CHUNK_COST if c.setup.loss_chunk_tokens else 1.0))
+    ordered = sorted(leaders.values(), key=lambda c: measuring_cost(c, device))
     return ordered[:max_trials] if fitting_known else fit_first(ordered, budget, device)[:max_trials]
 
 
@@ -313,7 +415,8 @@ def measuring_cost(candidate: Candidate, device: torch.device) -> float:
     a trial's time follows its cost per token): only for ordering, never for deciding."""
     setup = candidate.setup
     return (precision_prior(device)[setup.precision] * RECOMPUTE_COST[setup.activation_checkpointing]
-            * OFFLOAD_COST[setup.offload] * (CHUNK_COST if setup.loss_chunk_tokens else 1.0))
+            * OFFLOAD_COST[setup.offload] * (CHUNK_COST if setup.loss_chunk_tokens else 1.0)
+            * (NF4_COST if setup.lora_base_precision == "nf4" else 1.0))
 
 
 def fit_first(queue: list[Candidate], budget: int, device: torch.device) -> list[Candidate]:
@@ -321,7 +424,7 @@ def fit_first(queue: list[Candidate], budget: int, device: torch.device) -> list
 
     Candidates the estimate puts within the budget come first; among them, and among the rest, the most memory
     saved (below the largest estimate of the queue) per relative second of measuring. So the levers that change the
-    fit (lower-precision optimizer state, loss chunks, recompute) are measured before precisions that change only
+    fit (lower-precision optimizer state, an nf4 base, loss chunks, recompute) are measured before precisions that change only
     the speed (bf16 autocast keeps fp32 weights, gradients and state: its estimate is about fp32's, its saving about
     none), and a plan that runs out of time has measured what could fit."""
     if not queue:
@@ -455,19 +558,15 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         say(f"diagnosis: {accumulation['explanation']}")
     measured: list[Candidate] = []
     _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes,
-                defer_over_estimate="optimizer_state" not in constrained)
+                defer_over_estimate="optimizer_state" not in constrained
+                or nf4_problem(config, constrained, model, kept) is None)
     feasible = [c for c in measured if _feasible(c)]
-    if not feasible and "optimizer_state" not in constrained:
+    if not feasible:
         # Only where no exact configuration fits (measured, not estimated: the estimate may be optimistic) does the
-        # plan reach for the lossy lever, lower-precision optimizer state; the loss check below then gates it.
-        lossy = lossy_optimizer_states(notes)
-        notes.append(f"no configuration with fp32 optimizer state fits (measured): {' and '.join(lossy)} optimizer "
-                     f"state were candidates too, each kept only if its losses stay within {STATE_TOLERANCE:.0%} "
-                     f"of fp32 state's over the quality check's steps")
-        say(f"nothing with fp32 optimizer state fits: measuring {' and '.join(lossy)} optimizer state (lossy: kept "
-            f"only after a loss check)")
-        more = build_candidates(config, constrained, device, seq_len, [], model, states=lossy,
-                                first_number=len(candidates) + 1, longest=longest, precisions=kept)
+        # plan reach for the lossy levers, lower-precision optimizer state and an nf4 base; the loss checks below
+        # then gate them.
+        more = lossy_candidates(config, constrained, device, seq_len, model, longest=longest, precisions=kept,
+                                first_number=len(candidates) + 1, notes=notes, say=say)
         candidates += more
         _run_trials(more, candidates, measured, prep, budget, options, deadline, say, notes)
         feasible = [c for c in measured if _feasible(c)]
@@ -476,45 +575,46 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
                        key=lambda c: c.measured.peak_bytes)  # type: ignore[union-attr]
         detail = (f"; the smallest measured peak was {format_bytes(smallest.measured.peak_bytes)} "  # type: ignore
                   f"({smallest.setup.describe()})") if smallest else ""
-        if "optimizer_state" not in constrained and not any(not c.setup.exact for c in candidates):
-            # The lossy round never ran (the time ran out first): its candidates are untried levers too.
-            candidates += build_candidates(config, constrained, device, seq_len, [], model,
-                                           states=lossy_optimizer_states([]), first_number=len(candidates) + 1,
-                                           longest=longest, precisions=kept)
+        why_not_nf4 = nf4_problem(config, constrained, model, kept)
         raise PlanFailed(f"no configuration fits in {format_bytes(budget)}{detail}."
-                         + untried_levers(candidates, budget, deadline, constrained))
+                         + untried_levers(candidates, budget, deadline, constrained)
+                         + (f" An nf4 base (--lora-base-precision nf4) was not a candidate: it {why_not_nf4}."
+                            if why_not_nf4 is not None else ""))
     chosen = _decide(feasible, prep, options, deadline, say, notes)
-    state_checks: list[dict[str, Any]] = []
-    while not chosen.setup.exact:
-        # A lossy optimizer state is kept only when its losses stay near fp32 state's. The split, recompute, offload
-        # and chunking are exact levers, so the check of one state holds for every candidate with that state.
-        check = _state_check(prep, chosen, budget, options)
-        state_checks.append(check)
-        say(f"optimizer state {chosen.setup.optimizer_state}: losses within {check['max_relative_difference']:.2%} "
-            f"of fp32 state's over {check['steps']} steps ({'pass' if check['passed'] else 'FAIL'}, tolerance "
-            f"{STATE_TOLERANCE:.0%})")
+    lossy_checks: dict[str, list[dict[str, Any]]] = {"optimizer_state": [], "lora_base_precision": []}
+    while (lever := _unchecked_lossy_lever(chosen.setup, lossy_checks)) is not None:
+        # A lossy lever is kept only when its losses stay near the exact configuration's. The split, recompute,
+        # offload and chunking are exact levers, so the check of one lossy value holds for every candidate with it.
+        check = (_state_check if lever == "optimizer_state" else _base_check)(prep, chosen, budget, options)
+        lossy_checks[lever].append(check)
+        label, value, reference, tolerance = _lossy_words(lever, check)
+        say(f"{label}: losses within {check['max_relative_difference']:.2%} of {reference} over {check['steps']} "
+            f"steps ({'pass' if check['passed'] else 'FAIL'}, tolerance {tolerance:.0%})")
         if check["passed"]:
-            break
-        state = chosen.setup.optimizer_state
+            continue
+        refused = getattr(chosen.setup, lever)
         for candidate in feasible:
-            if candidate.setup.optimizer_state == state:
-                candidate.status = f"refused: {state} optimizer state's losses left the tolerance against fp32 state"
-        feasible = [c for c in feasible if c.setup.optimizer_state != state]
-        notes.append(f"{state} optimizer state was refused: over {check['steps']} steps its losses differed up to "
-                     f"{check['max_relative_difference']:.2%} from fp32 state's ({check.get('error') or 'tolerance'} "
-                     f"{STATE_TOLERANCE:.0%})")
+            if getattr(candidate.setup, lever) == refused:
+                candidate.status = f"refused: {value}'s losses left the tolerance against {reference}"
+        feasible = [c for c in feasible if getattr(c.setup, lever) != refused]
+        notes.append(f"{value} was refused: over {check['steps']} steps its losses differed up to "
+                     f"{check['max_relative_difference']:.2%} from {reference} ({check.get('error') or 'tolerance'} "
+                     f"{tolerance:.0%})")
         if not feasible:
-            raise PlanFailed(f"no configuration fits in {format_bytes(budget)} with an optimizer state whose losses "
-                             f"stay within {STATE_TOLERANCE:.0%} of fp32 state's. Try a larger --memory-budget, a "
-                             f"smaller --seq-len or a smaller model (or give --optimizer-state to train with one "
-                             f"anyway).")
+            what = ("an optimizer state whose losses stay within {:.0%} of fp32 state's" if lever == "optimizer_state"
+                    else "a base whose losses stay within {:.0%} of the full-precision base's").format(tolerance)
+            anyway = ("give --optimizer-state to train with one anyway" if lever == "optimizer_state"
+                      else "give --lora-base-precision nf4 to train with it anyway")
+            raise PlanFailed(f"no configuration fits in {format_bytes(budget)} with {what}. Try a larger "
+                             f"--memory-budget, a smaller --seq-len or a smaller model (or {anyway}).")
         chosen = _decide(feasible, prep, options, deadline, say, notes)
     chosen, cuts = (_compare_cuts(prep, chosen, budget, options, say, model, notes, deadline)
                     if not constrained & set(CUT_FLAGS) else (chosen, []))
     say(f"choice: {chosen.id} {chosen.setup.describe()} at {chosen.measured.tokens_per_s:,.0f} tokens/s, "  # type: ignore
         f"peak {format_bytes(chosen.measured.peak_bytes)}")  # type: ignore[union-attr]
     quality = _quality_check(prep, chosen, budget, options, model)
-    quality["optimizer_state"] = state_checks
+    quality["optimizer_state"] = lossy_checks["optimizer_state"]
+    quality["lora_base_precision"] = lossy_checks["lora_base_precision"]
     say(f"quality: gradient relative error {quality['gradient']['relative_error']:.2e} "
         f"({'pass' if quality['gradient']['passed'] else 'FAIL'}), loss within "
         f"{quality['loss']['max_relative_difference']:.2%} of fp32 ({'pass' if quality['loss']['passed'] else 'FAIL'})")
@@ -580,7 +680,7 @@ def untried_levers(candidates: list[Candidate], budget: int, deadline: Deadline,
     """What a plan that found nothing to fit did not measure: each untried combination of levers at its smallest
     estimated peak (lowest first), and the one most likely to fit with the flags that plan it alone; or, when every
     combination was measured, what else to try."""
-    groups: dict[tuple[str, str, str, int, str], Candidate] = {}
+    groups: dict[tuple[str, str, str, int, str, str], Candidate] = {}
     for candidate in candidates:
         if candidate.measured is not None:
             continue
@@ -612,11 +712,11 @@ def untried_levers(candidates: list[Candidate], budget: int, deadline: Deadline,
 def _lever_flags(candidate: Candidate) -> dict[str, Any]:
     """The levers of ``candidate`` that are pulled (not at their defaults), as plan flags."""
     setup = candidate.setup
-    pulled = {"optimizer_state": setup.optimizer_state, "loss_chunk_tokens": setup.loss_chunk_tokens,
-              "activation_checkpointing": setup.activation_checkpointing, "offload": setup.offload,
-              "precision": setup.precision}
-    defaults = {"optimizer_state": "fp32", "loss_chunk_tokens": 0, "activation_checkpointing": "none",
-                "offload": "none", "precision": "fp32"}
+    pulled = {"optimizer_state": setup.optimizer_state, "lora_base_precision": setup.lora_base_precision,
+              "loss_chunk_tokens": setup.loss_chunk_tokens, "activation_checkpointing": setup.activation_checkpointing,
+              "offload": setup.offload, "precision": setup.precision}
+    defaults = {"optimizer_state": "fp32", "lora_base_precision": "fp32", "loss_chunk_tokens": 0,
+                "activation_checkpointing": "none", "offload": "none", "precision": "fp32"}
     return {name: value for name, value in pulled.items() if value != defaults[name]}
 
 
@@ -635,7 +735,7 @@ def _quality_reserve(measured: list[Candidate], options: PlanOptions) -> float:
     """Seconds to keep for the quality check: its two short runs and the gradient comparison, at the slowest
     measured step time of a feasible candidate."""
     step = max((c.measured.step_time_s or 0.0 for c in measured if _feasible(c)), default=0.0)  # type: ignore
-    runs = 2 + (2 if any(_feasible(c) and not c.setup.exact for c in measured) else 0)  # a lossy state's check too
+    runs = 2 + (2 if any(_feasible(c) and not c.setup.exact for c in measured) else 0)  # a lossy lever's check too
     return (runs * (max(3, options.quality_steps) + 1) + 2) * step
 
 
@@ -649,10 +749,11 @@ def _out_of_time(left: list[Candidate], deadline: Deadline, notes: list[str], wh
 
 
 def _simplicity(candidate: Candidate) -> tuple[int, ...]:
-    """Smaller is simpler: fewer levers pulled (recompute, offload, loss chunks, reduced precision), then less
-    accumulation."""
+    """Smaller is simpler: fewer levers pulled (an nf4 base, recompute, offload, loss chunks, reduced precision), then
+    less accumulation."""
     setup = candidate.setup
-    return (CHECKPOINTING_MODES.index(setup.activation_checkpointing), OFFLOAD_MODES.index(setup.offload),
+    return (int(setup.lora_base_precision == "nf4"), CHECKPOINTING_MODES.index(setup.activation_checkpointing),
+            OFFLOAD_MODES.index(setup.offload),
             int(setup.loss_chunk_tokens > 0), ("fp32", "bf16", "fp16").index(setup.precision),
             int(setup.cut.by_length), setup.grad_accum_steps)
 
@@ -858,7 +959,8 @@ def _quality_check(prep: Prepared, chosen: Candidate, budget: int, options: Plan
     window = next(prep.windows(0, whole=True))  # the first window of the trials' samples, re-cut as ``setup`` cuts it
 
     def model_factory() -> torch.nn.Module:
-        return model.build().to(device)
+        # The chosen base: an nf4 one computes in the chosen precision (its layers' dtype is fixed when quantised).
+        return model.build(lora_base_precision=setup.lora_base_precision, precision=setup.precision).to(device)
 
     gradient = compare_gradients(model_factory, window, setup)
     steps = max(3, options.quality_steps)
@@ -872,12 +974,39 @@ def _quality_check(prep: Prepared, chosen: Candidate, budget: int, options: Plan
 
 def _state_check(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions) -> dict[str, Any]:
     """The chosen setup's losses over the quality check's steps against the same setup with fp32 optimizer state
-    (the same windows and weights: only the state's precision differs). When the fp32-state reference runs out of
-    memory, it runs one sequence per micro-batch with full recompute: the same math."""
+    (the same windows and weights: only the state's precision differs)."""
     setup = chosen.setup
+    reference = dataclasses.replace(setup, optimizer_state="fp32")
+    return {"optimizer_state": setup.optimizer_state,
+            **_loss_check(prep, setup, reference, budget, options, STATE_TOLERANCE)}
+
+
+def reference_base(config: TrainConfig, precision: str) -> str:
+    """The full-precision base an nf4 base is checked against: the given one, or, where nf4 was given, bf16 under
+    --precision bf16 (the same math as fp32 there, in half the memory) and fp32 otherwise."""
+    if config.lora_base_precision != "nf4":
+        return config.lora_base_precision
+    return "bf16" if precision == "bf16" else "fp32"
+
+
+def _base_check(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions) -> dict[str, Any]:
+    """The chosen setup's losses over the quality check's steps against the same setup with the full-precision base
+    (the same windows, the same initial weights before quantisation, the same adapters' initialisation: only the
+    base's 4-bit rounding differs)."""
+    setup = chosen.setup
+    base = reference_base(prep.config, setup.precision)
+    reference = dataclasses.replace(setup, lora_base_precision=base)
+    return {"lora_base_precision": setup.lora_base_precision, "reference_base": base,
+            **_loss_check(prep, setup, reference, budget, options, BASE_TOLERANCE)}
+
+
+def _loss_check(prep: Prepared, setup: TrialSetup, reference_setup: TrialSetup, budget: int, options: PlanOptions,
+                tolerance: float) -> dict[str, Any]:
+    """``setup``'s losses over the quality check's steps against ``reference_setup``'s (a lossy lever's exact
+    counterpart), on the same windows. When the reference runs out of memory, it runs one sequence per micro-batch
+    with full recompute: the same math."""
     steps = max(3, options.quality_steps)
     run = run_trial(prep, setup, steps=steps, budget_bytes=budget)
-    reference_setup = dataclasses.replace(setup, optimizer_state="fp32")
     reference = run_trial(prep, reference_setup, steps=steps, budget_bytes=budget)
     if reference.error is not None and reference.error.startswith("out of memory"):
         reference_setup = dataclasses.replace(reference_setup, cut=setup.cut.resized(1), activation_checkpointing="full",
@@ -886,10 +1015,9 @@ def _state_check(prep: Prepared, chosen: Candidate, budget: int, options: PlanOp
     pairs = [(a, b) for a, b in zip(run.losses, reference.losses) if a is not None and b is not None]
     worst = max((abs(a - b) / abs(b) for a, b in pairs), default=math.inf)
     error = run.error or reference.error
-    return {"optimizer_state": setup.optimizer_state, "steps": steps, "losses": run.losses,
-            "reference": reference.losses, "reference_setup": reference_setup.describe(),
-            "max_relative_difference": worst, "tolerance": STATE_TOLERANCE,
-            "passed": error is None and len(pairs) == steps and worst <= STATE_TOLERANCE, "error": error}
+    return {"steps": steps, "losses": run.losses, "reference": reference.losses,
+            "reference_setup": reference_setup.describe(), "max_relative_difference": worst, "tolerance": tolerance,
+            "passed": error is None and len(pairs) == steps and worst <= tolerance, "error": error}
 
 
 def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, seq_len: int, budget: int,
@@ -963,8 +1091,9 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
                                 f"for the same gradient" if chosen.setup.cut.by_length else "")},
         "quality": quality,
         "notes": notes + [f"estimates: {n}" for n in baseline.notes],
-        # LoRA changes what is trained: train --plan trains the adapters the plan measured.
-        "lora": {name: value for name, value in config.to_json_dict().items() if section_of(name) is LORA},
+        # LoRA changes what is trained: train --plan trains the adapters the plan measured, on the base it chose.
+        "lora": {**{name: value for name, value in config.to_json_dict().items() if section_of(name) is LORA},
+                 "lora_base_precision": chosen.setup.lora_base_precision},
         "training": {key: value for key, value in config.to_json_dict().items()
                      if key in ("lr", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "seed")},
     }

@@ -83,7 +83,9 @@ def _config_text(item: dict[str, Any]) -> str:
             f"{item.get('precision', '?')}, recompute {item.get('activation_checkpointing', 'none')}, "
             f"offload {item.get('offload', 'none')}"
             + (f", loss chunks of {item['loss_chunk_tokens']}" if item.get("loss_chunk_tokens") else "")
-            + (f", {item['optimizer_state']} optimizer state" if item.get("optimizer_state", "fp32") != "fp32" else ""))
+            + (f", {item['optimizer_state']} optimizer state" if item.get("optimizer_state", "fp32") != "fp32" else "")
+            + (f", {item['lora_base_precision']} LoRA base" if item.get("lora_base_precision", "fp32") != "fp32"
+               else ""))
 
 
 def _plan_setup(plan: dict[str, Any]) -> list[str]:
@@ -147,16 +149,27 @@ def memory_throughput_front(candidates: list[dict[str, Any]]) -> set[str]:
             if not any(p <= peak and r >= rate and (p < peak or r > rate) for _, p, r in fitting)}
 
 
-def _state_quality(state: str, quality: Any) -> str:
-    """The quality column: exact for fp32 optimizer state; a lossy state's loss check against fp32 state."""
-    if state == "fp32":
-        return "exact"
-    checks = quality.get("optimizer_state") if isinstance(quality, dict) else None
+def _lossy_quality(candidate: dict[str, Any], quality: Any) -> str:
+    """The quality column: exact for fp32 optimizer state on a full-precision base; each lossy lever's loss check
+    (a lower-precision state against fp32 state, an nf4 base against the full-precision base), or "not checked"."""
+    state, base = str(candidate.get("optimizer_state", "fp32")), str(candidate.get("lora_base_precision", "fp32"))
+    parts = []
+    if state != "fp32":
+        parts.append(_lever_check(quality, "optimizer_state", state, f"{state} state", "fp32 state"))
+    if base == "nf4":
+        parts.append(_lever_check(quality, "lora_base_precision", base, "nf4 base", None))
+    return "; ".join(parts) or "exact"
+
+
+def _lever_check(quality: Any, lever: str, value: str, name: str, reference: str | None) -> str:
+    """One lossy lever's loss check in a few words (``reference``: its reference, default the check's own)."""
+    checks = quality.get(lever) if isinstance(quality, dict) else None
     for check in checks if isinstance(checks, list) else []:
-        if isinstance(check, dict) and check.get("optimizer_state") == state:
-            return (f"{_passed(check.get('passed'))} (loss within "
-                    f"{format_number(times(check.get('max_relative_difference'), 100), '.2f')}% of fp32 state)")
-    return "lossy, not checked"
+        if isinstance(check, dict) and check.get(lever) == value:
+            against = reference or f"the {check.get('reference_base', 'full-precision')} base"
+            return (f"{name}: {_passed(check.get('passed'))} (loss within "
+                    f"{format_number(times(check.get('max_relative_difference'), 100), '.2f')}% of {against})")
+    return f"{name}: lossy, not checked"
 
 
 def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None,
@@ -177,9 +190,10 @@ def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None,
         name = str(cand.get("id", "?"))
         if name == chosen_id:
             name, marked = f"**{name} (chosen)**", index
-        state = str(cand.get("optimizer_state", "fp32"))
+        state, base = str(cand.get("optimizer_state", "fp32")), str(cand.get("lora_base_precision", "fp32"))
         levers = ", ".join(([f"loss chunks {cand['loss_chunk_tokens']}"] if cand.get("loss_chunk_tokens") else [])
-                           + ([f"{state} state"] if state != "fp32" else [])) or "-"
+                           + ([f"{state} state"] if state != "fp32" else [])
+                           + ([f"{base} base"] if base != "fp32" else [])) or "-"
         rows.append([name, f"{cand.get('micro_batch_size', '?')} x {cand.get('grad_accum_steps', '?')}",
                      str(cand.get("precision", "?")), str(cand.get("activation_checkpointing", "none")),
                      str(cand.get("offload", "none")), levers, format_bytes(cand.get("estimated_peak_bytes")),
@@ -188,7 +202,7 @@ def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None,
                      format_number(measured.get("tokens_per_s"), ",.0f"),
                      format_hms(measured.get("seconds_per_epoch")),
                      format_hms(times(measured.get("hours_per_billion_tokens"), 3600)),
-                     "yes" if str(cand.get("id")) in front else "", _state_quality(state, quality),
+                     "yes" if str(cand.get("id")) in front else "", _lossy_quality(cand, quality),
                      str(cand.get("status", "?")) + (f": {measured['error']}" if measured.get("error") else "")])
     header = ["candidate", "micro x accum", "precision", "recompute", "offload", "levers", "estimated peak",
               "of it, accumulation", "measured peak", "fits", "tokens/s", "time per epoch", "time per 1B tokens", "front", "quality",
@@ -215,6 +229,8 @@ def _decision(root: Path, choice: dict[str, Any] | None, chosen: dict[str, Any] 
         flags += f" --loss-chunk-tokens {choice['loss_chunk_tokens']}"
     if choice.get("optimizer_state", "fp32") != "fp32":
         flags += f" --optimizer-state {choice['optimizer_state']}"
+    if choice.get("lora_base_precision", "fp32") != "fp32":
+        flags += f" --lora-base-precision {choice['lora_base_precision']}"
     reason = str(choice.get("reason") or "not given").rstrip(".")
     return [Paragraph(text=f"**Chosen: {choice.get('id', '?')}**: {_config_text(choice)}{_cut_text(choice)}{figures}."),
             Paragraph(text=f"**Why:** {reason}."),
@@ -303,6 +319,11 @@ def _quality(quality: Any) -> list[Block]:
         if isinstance(check, dict):
             blocks.append(Paragraph(text=_loss_check_text(f"{check.get('optimizer_state', '?')} optimizer state",
                                                           check, "loss ")))
+    for check in quality.get("lora_base_precision") or []:
+        if isinstance(check, dict):
+            blocks.append(Paragraph(text=_loss_check_text(
+                f"{check.get('lora_base_precision', '?')} LoRA base against the {check.get('reference_base', '?')} "
+                f"base", check, "loss ")))
     return blocks or [Paragraph(text="No quality check was recorded.")]
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from cadence.config.schema import LoraBasePrecision
 from cadence.data.batching import IGNORE_INDEX, collate
 from cadence.data.text import PackedSequences
 from cadence.engine.precision import fp32_matmul
@@ -41,12 +42,17 @@ class TrialSetup(Setup):
 
     grad_accum_steps: int
     optimizer_state: OptimizerStateName = "fp32"
-    """``--optimizer-state``: the only lossy lever a plan may pull (the window's gradient is the same, the update is
-    not), so a decision that pulls it has passed a loss comparison against fp32 state (plan.json's quality)."""
+    """``--optimizer-state``: a lossy lever (the window's gradient is the same, the update is not), so a decision
+    that pulls it has passed a loss comparison against fp32 state (plan.json's quality)."""
+    lora_base_precision: LoraBasePrecision = "fp32"
+    """``--lora-base-precision`` under LoRA: the given base (fp32, or bf16: the same math under bf16), or nf4, the
+    other lossy lever (4-bit weights: every step's gradient differs), kept only after a loss comparison against the
+    full-precision base (plan.json's quality)."""
 
     def lever_text(self) -> str:
         state = f", {self.optimizer_state} optimizer state" if self.optimizer_state != "fp32" else ""
-        return super().lever_text() + state
+        base = f", {self.lora_base_precision} base" if self.lora_base_precision != "fp32" else ""
+        return super().lever_text() + state + base
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in DECISION_FIELDS}
@@ -57,8 +63,9 @@ class TrialSetup(Setup):
 
     @property
     def exact(self) -> bool:
-        """Whether the setup gives the update of fp32 accumulation (every lever but the optimizer state's is exact)."""
-        return self.optimizer_state == "fp32"
+        """Whether the setup gives the update of fp32 accumulation (every lever but the optimizer state's and the nf4
+        base's is exact)."""
+        return self.optimizer_state == "fp32" and self.lora_base_precision != "nf4"
 
     def describe(self) -> str:
         cut = self.cut.describe()
