@@ -125,6 +125,23 @@ def wrap_model(model: torch.nn.Module, ranks: Ranks, device: torch.device, *,
     )
 
 
+@contextlib.contextmanager
+def root_unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """Under FSDP2, the root's own parameters (embeddings, final norm, a tied head: what no block holds) whole for
+    the duration, so that its modules can be called outside the model's forward (a probe calling the output head);
+    the blocks gather and free theirs in their forwards as always. Every rank enters it (an all-gather)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside DDP (FSDP2 shards in place: the module is its own wrapper)."""
     from torch.nn.parallel import DistributedDataParallel

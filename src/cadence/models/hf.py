@@ -34,6 +34,7 @@ from torch import nn
 from cadence.errors import UsageError
 from cadence.models.lora import LoraShape, is_lora, write_adapter
 from cadence.models.packed_attention import transformers_attention, use_packed_attention
+from cadence.models.pretrained import PretrainedFiles, parameters_on_meta
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -94,6 +95,10 @@ class HFModel:
     """One line saying what was built, for logs and reports."""
     lora: LoraShape | None = None
     """The LoRA adapters injected into ``model`` (--lora-rank; :func:`cadence.models.lora.apply_lora`), or None."""
+    pending: PretrainedFiles | None = None
+    """Set when the parameters are still on the meta device (``build_hf_model(..., shard_later=True)``): FSDP2 shards
+    the model as it is, then every rank reads its own rows from these files
+    (:func:`cadence.models.pretrained.load_shards`) and the model's checks run (:func:`check_causal`)."""
     notes: list[str] = field(default_factory=list)
     """Things worth telling the user (dropout that makes splits agree only in expectation, freshly initialised
     weights that a checkpoint lacked); the caller prints them."""
@@ -284,7 +289,7 @@ def _dropout_note(config: PretrainedConfig) -> list[str]:
     return [f"the model trains with dropout ({listed}): splits agree only in expectation; {settings} turns it off"]
 
 
-def _check_causal(model: nn.Module, vocab_size: int, flag: str) -> None:
+def check_causal(model: nn.Module, vocab_size: int, flag: str) -> None:
     """Refuse a model whose early logits depend on later tokens (bert's LM head without is_decoder, for example).
 
     Such a model would see the token it is asked to predict, and right padding would change real positions' logits.
@@ -336,14 +341,15 @@ def _build_from_type(model_type: str, overrides: dict[str, Any], max_parameters:
 
 
 def _finish(model: nn.Module, config: PretrainedConfig, tokenizer: Any | None, flag: str, what: str,
-            notes: list[str]) -> HFModel:
+            notes: list[str], pending: PretrainedFiles | None = None) -> HFModel:
     """The checks every model gets (vocabulary fits the tokens, causal), then the :class:`HFModel`."""
     vocab = int(config.vocab_size)
     if tokenizer is None:
         _check_byte_vocab(vocab, flag)
     elif len(tokenizer) > vocab:
         raise UsageError.single("--model", f"{what}: the tokenizer has {len(tokenizer)} tokens, the model {vocab}")
-    _check_causal(model, vocab, flag)
+    if pending is None:  # a model still on the meta device is checked once its weights are in
+        check_causal(model, vocab, flag)
     # Training never generates: a KV cache would keep every layer's keys and values alive until the step ends
     # (defeating activation checkpointing) and grow again in each recompute (which breaks selective recompute). Off on
     # the model's own config too: from_pretrained(config=...) keeps a copy of it (a save_pretrained directory with
@@ -359,11 +365,11 @@ def _finish(model: nn.Module, config: PretrainedConfig, tokenizer: Any | None, f
     return HFModel(
         model=model, config=config, tokenizer=tokenizer, context_length=shape.context_length, vocab_size=vocab,
         shape=shape, source=f"{what} ({shape.num_parameters:,} parameters, {tokens})",
-        notes=_dropout_note(config) + notes,
+        notes=_dropout_note(config) + notes, pending=pending,
     )
 
 
-def _build_from_directory(path: Path, overrides: dict[str, Any]) -> HFModel:
+def _build_from_directory(path: Path, overrides: dict[str, Any], *, shard_later: bool = False) -> HFModel:
     transformers = _import_transformers()
     if not (path / "config.json").is_file():
         raise UsageError.single("--model", f"{path} has no config.json; give a save_pretrained directory or hf:TYPE")
@@ -378,6 +384,8 @@ def _build_from_directory(path: Path, overrides: dict[str, Any]) -> HFModel:
         except Exception as error:  # noqa: BLE001
             raise UsageError.single("--model-config", _one_line(error)) from None
     _count_on_meta(config, "--model")  # refuses non-causal-LM types with the same message as hf:TYPE
+    if shard_later and (deferred := _build_on_meta(path, config)) is not None:
+        return deferred
     try:
         # dtype fp32: transformers 5 would otherwise load a bf16 checkpoint in bf16, and cadence keeps fp32 master
         # weights (mixed precision is autocast's job).
@@ -394,6 +402,29 @@ def _build_from_directory(path: Path, overrides: dict[str, Any]) -> HFModel:
     shown = ", ".join(fresh[:5]) + (f" and {len(fresh) - 5} more" if len(fresh) > 5 else "")
     notes = [f"{len(fresh)} weights were not in the checkpoint and start from random init: {shown}"] if fresh else []
     return _finish(model, config, _load_tokenizer(path), "--model", f"{config.model_type} from {path}", notes)
+
+
+def _build_on_meta(path: Path, config: PretrainedConfig) -> HFModel | None:
+    """The model of directory ``path`` with its parameters on the meta device, to be read shard by shard once FSDP2
+    has sharded it; None when its files cannot be read that way (the caller then loads it whole)."""
+    transformers = _import_transformers()
+    files = PretrainedFiles.from_directory(path)
+    if files is None:
+        return None
+    try:
+        with parameters_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception:  # noqa: BLE001 - whatever does not build this way loads as before (from_pretrained says why)
+        return None
+    if files.coverage_problem(model) is not None:
+        return None
+    # What from_pretrained also reads from the directory: the generation settings a --save-hf export carries on.
+    if (path / "generation_config.json").is_file():
+        with contextlib.suppress(Exception):
+            model.generation_config = transformers.GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    model.eval()  # as from_pretrained returns it; the engine sets train mode for its steps
+    return _finish(model, config, _load_tokenizer(path), "--model", f"{config.model_type} from {path}", [],
+                   pending=files)
 
 
 def _load_tokenizer(path: Path) -> Any | None:
@@ -444,13 +475,15 @@ def model_tokenizer(spec: str) -> Any | None:
 
 
 def build_hf_model(
-    spec: str, overrides: dict[str, Any], *, max_parameters: int | None = DEFAULT_MAX_PARAMETERS
+    spec: str, overrides: dict[str, Any], *, max_parameters: int | None = DEFAULT_MAX_PARAMETERS,
+    shard_later: bool = False,
 ) -> HFModel:
     """Build ``hf:TYPE`` (random init from the config defaults + ``overrides``) or load a ``save_pretrained`` directory.
 
     Seed the global RNG first for reproducible random weights. ``max_parameters`` (None: no limit) applies to
     ``hf:TYPE`` only: loading a directory is an explicit choice of size. Every problem is a :class:`UsageError`
-    naming ``--model`` or ``--model-config``.
+    naming ``--model`` or ``--model-config``. ``shard_later`` (FSDP2): a directory whose safetensors name every
+    parameter is built on the meta device and its weights left to each rank's shard (``HFModel.pending``).
     """
     with quiet_transformers():
         if spec.startswith(HF_PREFIX):
@@ -461,7 +494,7 @@ def build_hf_model(
         path = Path(spec)
         if not path.is_dir():
             raise UsageError.single("--model", f"{spec} is neither hf:TYPE nor an existing model directory")
-        return _build_from_directory(path, overrides)
+        return _build_from_directory(path, overrides, shard_later=shard_later)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -551,7 +584,8 @@ def _set_token_ids(directory: Path, token_ids: Mapping[str, int | None]) -> None
 
 
 __all__ = [
-    "BYTE_VOCAB", "DEFAULT_MAX_PARAMETERS", "HFModel", "HF_PREFIX", "ModelShape", "build_hf_model", "is_hf_model",
+    "BYTE_VOCAB", "DEFAULT_MAX_PARAMETERS", "HFModel", "HF_PREFIX", "ModelShape", "build_hf_model", "check_causal",
+    "is_hf_model",
     "model_shape", "model_tokenizer", "packed_attention_supported", "parse_model_overrides", "quiet_transformers", "save_hf",
     "save_hf_problem",
 ]

@@ -307,6 +307,9 @@ class TrainingRun:
             print(f"evaluation: every {config.eval_every} steps on {self.val_examples:,} validation examples"
                   + (f" (the first {config.eval_batches} micro-batches of {whole:,}: --eval-batches)"
                      if self.val_examples < whole else " (all of them)"), file=stream, flush=True)
+        if prep.hf is not None and prep.hf.pending is not None:
+            print(f"weights: loaded once, each of the {prep.world_size} ranks reading only its own shard of "
+                  f"{config.model}'s safetensors", file=stream, flush=True)
         length_note = prep.data.long_examples.note() if prep.data.long_examples else None
         if length_note:  # --too-long: how many examples were skipped or truncated, and what the truncated ones lost
             print(f"note: {length_note}", file=stream)
