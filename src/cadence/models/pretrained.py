@@ -5,7 +5,7 @@ each rank reads only its own shard's rows of every parameter from the directory'
 each (pytorch#105840: 160 GB x 8 for a 40B model). Here the model is built with its parameters on the meta device
 (:func:`parameters_on_meta`: no storage, no init) and its buffers real, sharded by ``fully_shard`` as it is, and only
 then given storage for its shards (``to_empty``); :func:`load_shards` fills each rank's rows straight from the files
-(``safe_open(...).get_slice(name)[start:stop]``: memory-mapped, only those rows read), cast to fp32 as
+(the safetensors header says where each tensor's bytes are; only those rows are read), cast to fp32 as
 ``from_pretrained(dtype=float32)`` casts them. The summed host memory of the ranks is about one model, not N.
 
 What ``from_pretrained`` does besides reading tensors, this does too: tied weights (the LM head IS the embedding's
@@ -28,59 +28,45 @@ from typing import Any
 import torch
 from torch import nn
 
+from cadence.models.safetensors_file import StoredTensor, WeightsUnreadable, read_header, read_tensor
+
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
 @dataclass(frozen=True)
 class PretrainedFiles:
-    """Where each tensor of a ``save_pretrained`` directory lives: tensor name -> safetensors file."""
+    """The tensors of a ``save_pretrained`` directory's safetensors, each with where its bytes are."""
 
     directory: Path
-    weight_map: dict[str, Path]
+    tensors: dict[str, StoredTensor]
 
     @classmethod
     def from_directory(cls, directory: Path) -> PretrainedFiles | None:
-        """The directory's safetensors (one file, or several listed by the index); None when it has neither."""
+        """The directory's safetensors (one file, or several listed by the index); None when it has neither or they
+        do not read."""
         index = directory / SAFETENSORS_INDEX
-        if index.is_file():
-            try:
+        try:
+            if index.is_file():
                 listed = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-            except (OSError, ValueError, AttributeError):
-                return None
-            if not isinstance(listed, dict) or not all(isinstance(v, str) and "/" not in v for v in listed.values()):
-                return None
-            return cls(directory, {str(name): directory / file for name, file in listed.items()})
-        single = directory / SAFETENSORS_FILE
-        if not single.is_file():
+                files = sorted({directory / name for name in listed.values() if isinstance(name, str)
+                                and "/" not in name})
+            else:
+                files = [directory / SAFETENSORS_FILE] if (directory / SAFETENSORS_FILE).is_file() else []
+            tensors = {name: stored for file in files for name, stored in read_header(file).items()}
+        except (OSError, ValueError, AttributeError, WeightsUnreadable):
             return None
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as handle:
-            return cls(directory, {name: single for name in handle.keys()})
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor's shape, from the files' headers (nothing else is read)."""
-        from safetensors import safe_open
-
-        found: dict[str, tuple[int, ...]] = {}
-        for file in sorted(set(self.weight_map.values())):
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    found[name] = tuple(handle.get_slice(name).get_shape())
-        return found
+        return cls(directory, tensors) if tensors else None
 
     def coverage_problem(self, model: nn.Module) -> str | None:
         """Why :func:`load_shards` cannot fill ``model`` from these files (None: it can): a parameter none of whose
         names is in the files with its shape."""
-        try:
-            shapes = self.shapes()
-        except (OSError, ValueError) as err:
-            return f"its safetensors headers do not read ({str(err)[:120]})"
         for names, param in _parameters_by_identity(model):
-            if not any(shapes.get(name) == tuple(param.shape) for name in names):
+            if not any(name in self.tensors and self.tensors[name].shape == tuple(param.shape) for name in names):
                 return f"{names[0]} {tuple(param.shape)} is not in its safetensors under that name and shape"
         return None
+
+    def read_rows(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``name`` (None: all of it), as stored; only those bytes are read."""
+        return read_tensor(self.tensors[name], rows)
 
 
 def _parameters_by_identity(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
@@ -138,8 +124,6 @@ def load_shards(model: nn.Module, files: PretrainedFiles, device: torch.device) 
     """Give ``model`` (built under :func:`parameters_on_meta`, then sharded by FSDP2, or not sharded at all) storage
     on ``device`` and fill it from ``files``: each rank reads only its own rows of each parameter. Every rank calls
     it; it runs no collective."""
-    from safetensors import safe_open
-
     buffers = {name: buffer for name, buffer in model.named_buffers() if buffer is not None}
     persistent = set(model.state_dict().keys())
     aliases = [names for names, _ in _parameters_by_identity(model) if len(names) > 1]
@@ -149,32 +133,21 @@ def load_shards(model: nn.Module, files: PretrainedFiles, device: torch.device) 
         for name in names[1:]:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner) if owner else model, attr, shared)
-    with contextlib.ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-
-        def tensor_slice(name: str) -> Any:
-            file = files.weight_map[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            return handles[file].get_slice(name)
-
-        for names, param in _parameters_by_identity(model):
-            name = next(name for name in names if name in files.weight_map)
-            rows = _rows(param)
-            local = param.to_local() if rows is not None else param
-            stored = tensor_slice(name)
-            read = stored[rows[0]:rows[1]] if rows is not None else stored[:]
-            local.copy_(read.to(local.dtype))
-        for name, buffer in buffers.items():
-            owner, _, attr = name.rpartition(".")
-            module = model.get_submodule(owner) if owner else model
-            held = module._buffers[attr]
-            if held is None:
-                continue
-            if name in persistent and name in files.weight_map:
-                held.copy_(tensor_slice(name)[:].to(held.dtype))
-            else:
-                held.copy_(buffer)
+    for names, param in _parameters_by_identity(model):
+        name = next(name for name in names if name in files.tensors)
+        rows = _rows(param)
+        local = param.to_local() if rows is not None else param
+        local.copy_(files.read_rows(name, rows))  # cast as from_pretrained(dtype=float32) casts
+    for name, buffer in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        held = module._buffers[attr]
+        if held is None:
+            continue
+        if name in persistent and name in files.tensors:
+            held.copy_(files.read_rows(name, None))
+        else:
+            held.copy_(buffer)
 
 
 __all__ = ["PretrainedFiles", "load_shards", "parameters_on_meta"]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from cadence.config import TrainConfig
-from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, root_unsharded, wrap_model
+from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
 from cadence.engine.chunked_loss import ChunkedCrossEntropy, TargetsOnlyCrossEntropy
 from cadence.engine.noise_scale import GradientNoiseScale
 from cadence.engine.schedules import build_lr_scheduler
@@ -20,9 +20,8 @@ from cadence.memory.optimizer_state import BF16StateAdamW, adamw_8bit_class
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import MODEL_CONFIGS, CompileClock, build_model, compile_blocks
 from cadence.models.heads import chunking_problem
-from cadence.models.hf import HFModel, check_causal
-from cadence.models.pretrained import PretrainedFiles, load_shards
-from cadence.training.prepare import Prepared, check_chunking
+from cadence.models.pretrained import load_shards
+from cadence.training.prepare import Prepared
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -74,31 +73,6 @@ def build_loss(config: TrainConfig, model: torch.nn.Module | None = None, *, voc
     return token_cross_entropy_sum
 
 
-def _recompute_and_compile(model: torch.nn.Module, config: TrainConfig) -> CompileClock | None:
-    """Recompute (--activation-checkpointing), then --compile, block by block: both replace each block's ``forward``
-    (the checkpointed forward is what compiles), so FSDP2's hooks, which run around the module's call, stay eager
-    around each compiled block whether it was sharded before or after; parameter names stay the model's."""
-    apply_activation_checkpointing(model, config.activation_checkpointing)
-    if not config.compile:  # prepare() has checked that the model has a list of blocks
-        return None
-    compile_blocks(model)
-    return CompileClock()
-
-
-def _sharded_pretrained(prep: Prepared, hf: HFModel, files: PretrainedFiles) -> tuple[torch.nn.Module, LossFn]:
-    """A model directory under FSDP2, loaded once across the ranks: the meta-device model sharded as it is, each
-    rank's rows read from the files (:func:`cadence.models.pretrained.load_shards`), then the probes every model gets
-    (causal, the loss's head), run by all ranks together with the root's parameters whole (the head probe calls the
-    head outside the forward). Before recompute and compilation change what a forward runs, as for any model."""
-    model = wrap_model(hf.model, prep.ranks, prep.device, precision=prep.config.precision)
-    load_shards(model, files, prep.device)
-    with root_unsharded(model):
-        check_causal(model, hf.vocab_size, "--model")
-        check_chunking(prep.config, model, hf.vocab_size)
-        loss_fn = build_loss(prep.config, model, vocab_size=hf.vocab_size)
-    return model, loss_fn
-
-
 @dataclass(kw_only=True)
 class Components:
     """The objects one training run is made of."""
@@ -117,17 +91,27 @@ def build_components(prep: Prepared) -> Components:
     """Model (with recompute), optimizer (possibly offloaded), schedule and engine, as the configuration says."""
     config = prep.config
     torch.manual_seed(config.seed)
-    if prep.hf is not None and prep.hf.pending is not None:
-        model, loss_fn = _sharded_pretrained(prep, prep.hf, prep.hf.pending)
-        compile_clock = _recompute_and_compile(model, config)
-    else:
-        model = (prep.hf.model if prep.hf else build_model(config.model)).to(prep.device)
-        # Chosen (and the model probed) before recompute, compilation and wrapping change what a forward runs.
-        loss_fn = build_loss(config, model, vocab_size=prep.hf.vocab_size if prep.hf else
-                             MODEL_CONFIGS[config.model].vocab_size)
-        compile_clock = _recompute_and_compile(model, config)
-        # Wrapped before the optimizer is built: FSDP2 replaces the parameters with their shards.
-        model = wrap_model(model, prep.ranks, prep.device, precision=config.precision)
+    # A model directory under FSDP2 is still on the meta device (prep.hf.pending): sharded as it is, then each rank
+    # reads its own rows of the weights.
+    pending = prep.hf.pending if prep.hf else None
+    model = prep.hf.model if prep.hf else build_model(config.model)
+    if pending is None:
+        model = model.to(prep.device)
+    # Chosen (and the model probed: a pending model's 1-layer twin) before recompute, compilation and wrapping change
+    # what a forward runs.
+    probe, vocab_size = prep.hf.probe if prep.hf else (model, MODEL_CONFIGS[config.model].vocab_size)
+    loss_fn = build_loss(config, probe, vocab_size=vocab_size)
+    apply_activation_checkpointing(model, config.activation_checkpointing)
+    # After recompute (the checkpointed forward is what compiles), before wrapping (FSDP2's hooks stay eager around
+    # each compiled block); parameter names stay the model's.
+    compile_clock = None
+    if config.compile:  # prepare() has checked that the model has a list of blocks
+        compile_blocks(model)
+        compile_clock = CompileClock()
+    # Wrapped before the optimizer is built: FSDP2 replaces the parameters with their shards.
+    model = wrap_model(model, prep.ranks, prep.device, precision=config.precision)
+    if pending is not None:
+        load_shards(model, pending, prep.device)
     optimizer = build_optimizer(model, config)
     scheduler = build_lr_scheduler(
         optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,

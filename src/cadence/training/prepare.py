@@ -123,11 +123,10 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
                            f"--save-hf directory")
             raise UsageError.single("--save-hf", problem)
     # Under FSDP2 a model directory is built on the meta device and each rank reads its own shard of the weights
-    # once the model is sharded (build_components): the probes that run the model wait until then.
+    # once the model is sharded (build_components).
     hf = build_run_hf(config, warn=True, shard_later=ranks.launched and ranks.strategy == "fsdp")
     if hf is not None:
-        if hf.pending is None:
-            check_chunking(config, hf.model, hf.vocab_size)
+        check_chunking(config, *hf.probe)
         if config.compile:  # checked here, before the run directory is created
             try:
                 repeated_blocks(hf.model)
@@ -194,8 +193,8 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
 
 
 def check_chunking(config: TrainConfig, model: torch.nn.Module, vocab_size: int) -> None:
-    """--loss-chunk-tokens on a family whose logits cadence cannot make chunk by chunk is refused (its probe runs
-    the model: under FSDP2 all ranks run it together)."""
+    """--loss-chunk-tokens on a family whose logits cadence cannot make chunk by chunk is refused (``model``: what
+    the probe runs, ``HFModel.probe``)."""
     if config.loss_chunk_tokens > 0 and (problem := chunking_problem(model, vocab_size)) is not None:
         raise UsageError.single("--loss-chunk-tokens", (
             f"{config.model}: {problem}; train it with --loss-chunk-tokens 0 (all logits at once)"))
