@@ -1,24 +1,18 @@
 """Pretrained weights loaded once under FSDP2 (issue 38, item 5): a model directory is built on the meta device and
 each rank reads only its own shard's rows from the safetensors; tied weights and the buffers no file holds (rotary
-``inv_freq``) come out as ``from_pretrained`` makes them, and 2 FSDP2 ranks train the one-process run's losses.
-(The host memory it saves: benchmarks/load_once.py.)"""
+``inv_freq``) come out as ``from_pretrained`` makes them, and 2 FSDP2 ranks train the one-process run's losses (tests/distributed/test_save_hf_sharded.py, which also saves
+from them). (The host memory it saves: benchmarks/load_once.py.)"""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import write_jsonl
 from safetensors.torch import load_file, save_file
 
-from cadence.cli import main
 from cadence.models.hf import build_hf_model
 from cadence.models.pretrained import load_shards
-from cadence.training.run_dir import read_metrics
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,28 +54,3 @@ def test_a_directory_whose_files_lack_a_parameter_is_loaded_whole_as_before(tmp_
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     built = build_hf_model(str(directory), {}, shard_later=True)
     assert built.pending is None and any("model.norm.weight" in note for note in built.notes)
-
-
-ARGS = ["--seq-len", "32", "--max-steps", "3", "--lr", "3e-3", "--val-fraction", "0", "--too-long", "truncate",
-        "--micro-batch-size", "2", "--effective-batch-size", "8", "--log-every", "1"]
-
-
-@pytest.mark.slow  # real gloo processes
-def test_two_fsdp2_ranks_reading_their_own_shards_train_the_one_process_losses(tmp_path: Path) -> None:
-    """Acceptance: a tied llama directory on 2 FSDP2 ranks, each reading its own rows, trains the losses of one
-    process loading it with from_pretrained (1e-6)."""
-    directory = llama_directory(tmp_path / "llama", tied=True)
-    data = write_jsonl(tmp_path / "examples.jsonl")
-    assert main(["train", "--model", str(directory), "--data", str(data), *ARGS, "--out", str(tmp_path / "one")]) == 0
-    result = subprocess.run([sys.executable, "-m", "cadence", "train", "--nproc-per-node", "2", "--strategy", "fsdp",
-                             "--model", str(directory), "--data", str(data), *ARGS, "--out", str(tmp_path / "two")],
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "each of the 2 ranks reading only its own shard" in result.stderr
-    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    assert len(one) == len(two) == 3
-    worst = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(one, two, strict=True))
-    assert worst <= 1e-6, ([row["loss"] for row in one], [row["loss"] for row in two])
-    config = json.loads((tmp_path / "two" / "config.json").read_text())
-    assert config.get("model") == str(directory)
-    print(f"2 FSDP2 ranks loading their own shards vs 1 process (from_pretrained): losses within {worst:.1e}")

@@ -1,4 +1,5 @@
-"""--save-hf from an FSDP2 run without a gather (issue 38, item 4): the final weights are streamed into
+"""A model directory on 2 FSDP2 ranks, loaded once (issue 38, item 5: each rank reads its own rows) and exported with
+--save-hf without a gather (item 4): the one-process run's losses, and the final weights are streamed into
 model.safetensors a tensor at a time (every rank gathers one tensor, rank 0 writes it, it is dropped) and the export
 is copied from that file a tensor at a time; it loads in transformers with the one-process export's logits.
 
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from test_load_once import llama_directory
 
 from cadence.cli import main
+from cadence.training.run_dir import read_metrics
 
 pytestmark = pytest.mark.slow  # real gloo processes
 transformers = pytest.importorskip("transformers")
@@ -33,8 +35,11 @@ def _names(path: Path) -> set[str]:
         return set(handle.keys())
 
 
-def test_save_hf_from_two_fsdp2_ranks_streams_the_weights_and_loads_with_the_one_process_logits(
+def test_two_fsdp2_ranks_load_a_directory_once_train_its_losses_and_save_hf_without_a_gather(
         tmp_path: Path) -> None:
+    """Acceptance: a tied llama directory on 2 FSDP2 ranks, each reading its own rows, trains the losses of one
+    process loading it with from_pretrained (1e-6); its --save-hf export, streamed, loads in transformers with the
+    one-process export's logits (1e-5), and no rank held the whole model."""
     directory = llama_directory(tmp_path / "llama", tied=True)
     data = write_jsonl(tmp_path / "examples.jsonl")
     assert main(["train", "--model", str(directory), "--data", str(data), *ARGS, "--out", str(tmp_path / "one"),
@@ -47,6 +52,11 @@ def test_save_hf_from_two_fsdp2_ranks_streams_the_weights_and_loads_with_the_one
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / "counts" / f"rank-{rank}.json").read_text()) for rank in range(2)]
     assert [rank["status"] for rank in ranks] == [0, 0], result.stderr[-3000:]
+    assert "each of the 2 ranks reading only its own shard" in result.stderr
+    rows = [read_metrics(tmp_path / name) for name in ("one", "two")]
+    assert len(rows[0]) == len(rows[1]) == 2
+    losses = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(*rows, strict=True))
+    assert losses <= 1e-6, rows
 
     # The export: the files and tensor names save_pretrained writes (the tied head once), and the same logits.
     one, two = tmp_path / "one-hf", tmp_path / "two-hf"
@@ -71,6 +81,7 @@ def test_save_hf_from_two_fsdp2_ranks_streams_the_weights_and_loads_with_the_one
         assert rank["whole_state_calls"] == 0
         assert len(rank["gathers"]) >= len(sizes)  # every tensor of the state dict gathered on every rank
         assert rank["peak_live_bytes"] <= largest < whole, (rank["peak_live_bytes"], largest, whole)
-    print(f"--save-hf from 2 FSDP2 ranks: logits within {difference:.1e} of the one-process export; at most "
+    print(f"2 FSDP2 ranks reading their own shards: losses within {losses:.1e} of one process; --save-hf: logits "
+          f"within {difference:.1e} of the one-process export; at most "
           f"{max(rank['peak_live_bytes'] for rank in ranks):,} bytes gathered whole at once on a rank (the largest "
           f"tensor: {largest:,}; the whole model: {whole:,})")
