@@ -100,13 +100,12 @@ class HFModel:
     pending: PretrainedFiles | None = None
     """Set when the parameters are still on the meta device (``build_hf_model(..., shard_later=True)``): FSDP2 shards
     the model as it is, then every rank reads its own rows from these files
-    (:func:`cadence.models.pretrained.load_shards`) and the model's checks run (:func:`check_causal`)."""
+    (:func:`cadence.models.pretrained.load_shards`)."""
     twin: nn.Module | None = None
     """A pending model's stand-in for the checks that run a forward (:attr:`probe`)."""
     notes: list[str] = field(default_factory=list)
     """Things worth telling the user (dropout that makes splits agree only in expectation, freshly initialised
     weights that a checkpoint lacked); the caller prints them."""
-
 
     @property
     def probe(self) -> tuple[nn.Module, int]:

@@ -659,10 +659,15 @@ class TrainingRun:
         return self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere else None)
 
     def _save_best(self, row: dict[str, Any]) -> None:
-        """--keep-best: this evaluation's weights into OUT/best (every rank gathers its part, rank 0 writes)."""
-        weights = full_model_state(self.parts.model, self.ranks)  # a collective under FSDP2: every rank takes part
-        self.writer.save_best(weights, {"step": int(row["step"]), "val_loss": row["val_loss"],
-                                        "val_perplexity": row["val_perplexity"]})
+        """--keep-best: this evaluation's weights into OUT/best (every rank gathers its part, rank 0 writes; under
+        FSDP2 one tensor at a time)."""
+        record = {"step": int(row["step"]), "val_loss": row["val_loss"], "val_perplexity": row["val_perplexity"]}
+        if self._streams_weights:
+            self.writer.save_best_streamed(
+                lambda path: write_full_model_state(self.parts.model, self.ranks, path), record)
+            return
+        weights = full_model_state(self.parts.model, self.ranks)
+        self.writer.save_best(weights, record)
 
     def _segments(self, wall: float) -> dict[str, Any]:
         """The run's segments (one per process that trained it: a resumed run has several), each with its steps,
