@@ -654,3 +654,32 @@ def render_checkpoint_async(data: dict) -> list[str]:
                      "write itself overlaps the next steps (which share the cores with it here).")
     lines.append("")
     return lines
+
+
+def render_load_once(data: dict) -> list[str]:
+    """Issue 38, item 5: the summed peak host memory of 2 FSDP2 ranks loading a pretrained directory."""
+    before, after = data["results"]["before"], data["results"]["after"]
+    baseline = before["summed_rss_before_model_mib"]
+    lines = para(
+        f"A llama of {data['parameters'] / 1e6:,.1f}M parameters ({data['fp32_model_mib']:,.0f} MiB in fp32, "
+        f"{data['file_mib']:,.0f} MiB of bf16 safetensors) set up on 2 FSDP2 ranks under torchrun (gloo, CPU): each "
+        "rank runs cadence's `prepare` and `build_components` (what `cadence train` does before its first step) and "
+        "reports its `VmHWM`, the kernel's high-water mark of its resident memory; the table sums the two ranks. "
+        f"Before: the source tree of commit {data['before_commit']}, where every rank `from_pretrained` the whole "
+        "model in fp32 before FSDP2 keeps its half. After: the model built on the meta device and each rank reading "
+        "only its own rows of each tensor from the safetensors. Both hold the same shards afterwards. Memory before "
+        f"the model is built (imports, the data) is {baseline:,.0f} MiB summed, the same for both. "
+        f"{data['rounds']} round(s), medians; load average {data['load_average_before']:.1f} before, "
+        f"{data['load_average_after']:.1f} after.")
+    rows = [[name, f"{entry['summed_hwm_mib']:,.0f} MiB", f"{entry['summed_hwm_mib'] - baseline:,.0f} MiB",
+             f"{entry['seconds']:.1f} s"] for name, entry in (("before: from_pretrained on every rank", before),
+                                                              ("after: each rank reads its own shard", after))]
+    lines += table(["load", "summed peak host memory (VmHWM)", "of which above the pre-model baseline",
+                    "setup time (slower rank)"], rows)
+    saved = before["summed_hwm_mib"] - after["summed_hwm_mib"]
+    lines.append(f"- The ranks' summed peak is {saved:,.0f} MiB lower ({saved / before['summed_hwm_mib']:.0%}); above "
+                 f"the baseline the load takes {(after['summed_hwm_mib'] - baseline) / data['fp32_model_mib']:.2f} "
+                 f"fp32 models' worth of memory instead of "
+                 f"{(before['summed_hwm_mib'] - baseline) / data['fp32_model_mib']:.2f}.")
+    lines.append("")
+    return lines

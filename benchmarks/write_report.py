@@ -114,6 +114,9 @@ SECTIONS = (
     Section("demo.json", "The demo", "make demo && .venv/bin/python benchmarks/record_demo.py", sections.render_demo),
     Section("demo_load.json", "The demo on a busy CPU: quiet and beside one CPU-bound process (issue 41)",
             ".venv/bin/python benchmarks/demo_load.py", sections.render_demo_load, optional=True),
+    Section("load_once.json", "Pretrained weights loaded once under FSDP2: summed peak host memory of 2 ranks "
+                              "(issue 38)",
+            ".venv/bin/python benchmarks/load_once.py", sections.render_load_once, ("transformers",), optional=True),
 )
 VERSION_COLUMNS = ("python", "torch", "cadence", "accelerate", "lightning")
 # Shown only while some result predates machine recording: the earlier hand-written BENCHMARKS.md's description of

@@ -283,8 +283,9 @@ class TrainConfig:
     order and LR); with no checkpoint yet, start fresh. Refused when the configuration changes the math."""
     checkpoint_mid_window: bool = setting(False, CHECKPOINTS)
     """On SIGTERM/SIGINT in the middle of a window, stop after the current micro-batch and checkpoint the gradients
-    accumulated so far (each DDP rank its own), so that no micro-batch's work is lost; --resume continues the window
-    there (on the same number of processes). Not under --strategy fsdp."""
+    accumulated so far (each DDP rank its own; under --strategy fsdp, with --sync-every-micro-step, each rank its
+    shard of them), so that no micro-batch's work is lost; --resume continues the window there (on the same number of
+    processes)."""
     async_checkpoint: bool = setting(False, CHECKPOINTS)
     """Write checkpoints in the background: the state is copied (under FSDP2 each rank its shard) and training goes
     on while a thread writes it. A checkpoint counts only once complete (its manifest is written last); the next

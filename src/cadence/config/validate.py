@@ -457,10 +457,12 @@ def distributed_problems(config: TrainConfig, world_size: int, launched: bool) -
         bad("collective_timeout", f"must be a positive number of seconds up to {MAX_COLLECTIVE_TIMEOUT_S:,} (7 days), "
                                   f"got {config.collective_timeout:g}")
     if launched:
-        if config.checkpoint_mid_window and world_size > 1 and config.strategy == "fsdp":
-            bad("checkpoint_mid_window", "works with one process or --strategy ddp: under FSDP2 a rank's not yet "
-                                         "synchronised gradients of a window are inside FSDP2's own state, which "
-                                         "has no public accessor to save them from")
+        if config.checkpoint_mid_window and world_size > 1 and config.strategy == "fsdp" \
+                and not config.sync_every_micro_step:
+            bad("checkpoint_mid_window", "under --strategy fsdp needs --sync-every-micro-step: without it a rank's "
+                                         "not yet synchronised gradients of a window are inside FSDP2's own state, "
+                                         "which has no public accessor to save them from; with it each rank holds "
+                                         "its shard of the window's gradient so far, and saves that")
         if config.strategy == "fsdp" and config.precision == "fp16":
             bad("precision", "fp16 with --strategy fsdp is not supported: each rank would find inf/nan in its own "
                              "gradient shard and skip steps alone; use bf16")

@@ -16,6 +16,7 @@ import contextlib
 import datetime
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from cadence.config import Strategy
 from cadence.distributed.torchrun import torchrun_ranks
 from cadence.engine.noise_scale import FirstGradient, gradient_norm, local_first_gradient
 from cadence.memory.recompute import checkpoint_blocks
+from cadence.models.safetensors_file import TensorSpec, write_streamed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,3 +287,50 @@ def full_model_state(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Te
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return dict(unwrap(model).state_dict())
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 tensor (a DTensor's local part), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def like_parameter(local: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's shard, as :func:`local_shard` gave it) as a tensor like ``parameter``: a DTensor sharded
+    as it is under FSDP2, on its device and in its dtype. Raises ValueError when the shard's shape is not this rank's
+    shard's."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(parameter, DTensor):
+        if tuple(local.shape) != tuple(parameter.shape):
+            raise ValueError(f"shape {tuple(local.shape)}, not its parameter's {tuple(parameter.shape)}")
+        return local.to(parameter.device, parameter.dtype)
+    mine = parameter.to_local()
+    if tuple(local.shape) != tuple(mine.shape):
+        raise ValueError(f"shape {tuple(local.shape)}, not this rank's shard's {tuple(mine.shape)}")
+    return DTensor.from_local(local.to(mine.device, mine.dtype), parameter.device_mesh, parameter.placements,
+                              run_check=False, shape=parameter.shape, stride=parameter.stride())
+
+
+def write_full_model_state(model: torch.nn.Module, ranks: Ranks, path: Path | None,
+                           metadata: dict[str, str] | None = None) -> None:
+    """The whole model's weights (:func:`full_model_state`'s names and values) as the safetensors file ``path``,
+    written by rank 0 one tensor at a time under FSDP2: each tensor is all-gathered by every rank in turn
+    (``DTensor.full_tensor``), written, and dropped, so no rank ever holds more than one whole tensor besides its
+    shards. Every rank calls it; ``path`` is rank 0's (the others pass None). Without FSDP2, the state dict as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if ranks.launched and ranks.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(model)  # this rank's shards (views), under full_model_state's names
+    else:
+        state = dict(unwrap(model).state_dict())
+    specs = [TensorSpec(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in state.items()]
+
+    def whole() -> Iterator[torch.Tensor]:
+        for tensor in state.values():
+            yield tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    write_streamed(path if ranks.is_main else None, specs, whole(), metadata)

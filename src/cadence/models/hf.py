@@ -16,6 +16,7 @@ transformers is an optional dependency, imported only when one of these function
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import json
@@ -34,6 +35,8 @@ from torch import nn
 from cadence.errors import UsageError
 from cadence.models.lora import LoraShape, is_lora, write_adapter
 from cadence.models.packed_attention import transformers_attention, use_packed_attention
+from cadence.models.pretrained import SAFETENSORS_FILE, PretrainedFiles, parameters_on_meta
+from cadence.models.safetensors_file import copy_tensors, read_header, read_tensor
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -94,9 +97,25 @@ class HFModel:
     """One line saying what was built, for logs and reports."""
     lora: LoraShape | None = None
     """The LoRA adapters injected into ``model`` (--lora-rank; :func:`cadence.models.lora.apply_lora`), or None."""
+    pending: PretrainedFiles | None = None
+    """Set when the parameters are still on the meta device (``build_hf_model(..., shard_later=True)``): FSDP2 shards
+    the model as it is, then every rank reads its own rows from these files
+    (:func:`cadence.models.pretrained.load_shards`)."""
+    twin: nn.Module | None = None
+    """A pending model's stand-in for the checks that run a forward (:attr:`probe`)."""
     notes: list[str] = field(default_factory=list)
     """Things worth telling the user (dropout that makes splits agree only in expectation, freshly initialised
     weights that a checkpoint lacked); the caller prints them."""
+
+    @property
+    def probe(self) -> tuple[nn.Module, int]:
+        """What a check that runs a forward runs (the causal check, the output-head probe of
+        :func:`cadence.models.heads.chunking_problem`), with its vocabulary size: the model itself, or for a pending
+        model its twin of one layer and a small vocabulary, randomly initialised. The checks' verdicts depend on the
+        family's code and settings, not on the weights or the depth."""
+        if self.twin is not None:
+            return self.twin, int(self.twin.config.vocab_size)
+        return self.model, self.vocab_size
 
 
 def is_hf_model(spec: str) -> bool:
@@ -336,34 +355,36 @@ def _build_from_type(model_type: str, overrides: dict[str, Any], max_parameters:
 
 
 def _finish(model: nn.Module, config: PretrainedConfig, tokenizer: Any | None, flag: str, what: str,
-            notes: list[str]) -> HFModel:
+            notes: list[str], pending: PretrainedFiles | None = None, twin: nn.Module | None = None) -> HFModel:
     """The checks every model gets (vocabulary fits the tokens, causal), then the :class:`HFModel`."""
     vocab = int(config.vocab_size)
     if tokenizer is None:
         _check_byte_vocab(vocab, flag)
     elif len(tokenizer) > vocab:
         raise UsageError.single("--model", f"{what}: the tokenizer has {len(tokenizer)} tokens, the model {vocab}")
-    _check_causal(model, vocab, flag)
+    # A model still on the meta device is checked on its twin (HFModel.probe).
+    _check_causal(*((twin, int(twin.config.vocab_size)) if twin is not None else (model, vocab)), flag)
     # Training never generates: a KV cache would keep every layer's keys and values alive until the step ends
     # (defeating activation checkpointing) and grow again in each recompute (which breaks selective recompute). Off on
     # the model's own config too: from_pretrained(config=...) keeps a copy of it (a save_pretrained directory with
     # "use_cache": true failed selective recompute with a "not found in storage" error).
-    for held in (config, getattr(model, "config", None)):
+    for held in (config, getattr(model, "config", None), getattr(twin, "config", None)):
         if getattr(held, "use_cache", None):
             held.use_cache = False
     # Packed rows (--packing) attend example by example instead of through a dense mask (issue 30: transformers'
     # mask made packing slower than padding); every other batch runs transformers' SDPA as before.
-    use_packed_attention(model)
+    for built in (model, twin) if twin is not None else (model,):
+        use_packed_attention(built)
     shape = model_shape(model, config)
     tokens = f"tokenizer with {len(tokenizer)} tokens" if tokenizer is not None else "byte tokens"
     return HFModel(
         model=model, config=config, tokenizer=tokenizer, context_length=shape.context_length, vocab_size=vocab,
         shape=shape, source=f"{what} ({shape.num_parameters:,} parameters, {tokens})",
-        notes=_dropout_note(config) + notes,
+        notes=_dropout_note(config) + notes, pending=pending, twin=twin,
     )
 
 
-def _build_from_directory(path: Path, overrides: dict[str, Any]) -> HFModel:
+def _build_from_directory(path: Path, overrides: dict[str, Any], *, shard_later: bool = False) -> HFModel:
     transformers = _import_transformers()
     if not (path / "config.json").is_file():
         raise UsageError.single("--model", f"{path} has no config.json; give a save_pretrained directory or hf:TYPE")
@@ -378,6 +399,8 @@ def _build_from_directory(path: Path, overrides: dict[str, Any]) -> HFModel:
         except Exception as error:  # noqa: BLE001
             raise UsageError.single("--model-config", _one_line(error)) from None
     _count_on_meta(config, "--model")  # refuses non-causal-LM types with the same message as hf:TYPE
+    if shard_later and (deferred := _build_on_meta(path, config)) is not None:
+        return deferred
     try:
         # dtype fp32: transformers 5 would otherwise load a bf16 checkpoint in bf16, and cadence keeps fp32 master
         # weights (mixed precision is autocast's job).
@@ -394,6 +417,56 @@ def _build_from_directory(path: Path, overrides: dict[str, Any]) -> HFModel:
     shown = ", ".join(fresh[:5]) + (f" and {len(fresh) - 5} more" if len(fresh) > 5 else "")
     notes = [f"{len(fresh)} weights were not in the checkpoint and start from random init: {shown}"] if fresh else []
     return _finish(model, config, _load_tokenizer(path), "--model", f"{config.model_type} from {path}", notes)
+
+
+def _build_on_meta(path: Path, config: PretrainedConfig) -> HFModel | None:
+    """The model of directory ``path`` with its parameters on the meta device, to be read shard by shard once FSDP2
+    has sharded it; None when its files cannot be read that way (the caller then loads it whole)."""
+    transformers = _import_transformers()
+    files = PretrainedFiles.from_directory(path)
+    if files is None:
+        return None
+    try:
+        with parameters_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        twin = _probe_twin(config)
+    except Exception:  # noqa: BLE001 - whatever does not build this way loads as before (from_pretrained says why)
+        return None
+    if files.coverage_problem(model) is not None:
+        return None
+    # What from_pretrained also reads from the directory: the generation settings a --save-hf export carries on.
+    if (path / "generation_config.json").is_file():
+        with contextlib.suppress(Exception):
+            model.generation_config = transformers.GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    model.eval()  # as from_pretrained returns it; the engine sets train mode for its steps
+    return _finish(model, config, _load_tokenizer(path), "--model", f"{config.model_type} from {path}", [],
+                   pending=files, twin=twin)
+
+
+_TWIN_VOCAB = 512
+"""The twin's vocabulary (at least the 256 byte tokens the causal check may draw)."""
+
+
+def _probe_twin(config: PretrainedConfig) -> nn.Module:
+    """The same family with the same settings at one layer and a vocabulary of :data:`_TWIN_VOCAB`, randomly
+    initialised in an RNG of its own (the run's seeded draws are untouched): a few MB, where the model's own probe
+    under FSDP2 would gather its embeddings and head whole. Raises whatever a family refuses (the caller then loads
+    the model whole, as before)."""
+    transformers = _import_transformers()
+    twin = copy.deepcopy(config)
+    twin.num_hidden_layers = 1
+    if isinstance(getattr(twin, "layer_types", None), list):
+        twin.layer_types = twin.layer_types[:1]
+    twin.vocab_size = min(int(config.vocab_size), _TWIN_VOCAB)
+    for key in _SPECIAL_TOKEN_KEYS:  # an id past the small vocabulary would be an embedding's invalid padding index
+        value = getattr(twin, key, None)
+        if isinstance(value, int) and value >= twin.vocab_size:
+            setattr(twin, key, None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(twin, dtype=torch.float32)
+    model.eval()
+    return model
 
 
 def _load_tokenizer(path: Path) -> Any | None:
@@ -444,13 +517,15 @@ def model_tokenizer(spec: str) -> Any | None:
 
 
 def build_hf_model(
-    spec: str, overrides: dict[str, Any], *, max_parameters: int | None = DEFAULT_MAX_PARAMETERS
+    spec: str, overrides: dict[str, Any], *, max_parameters: int | None = DEFAULT_MAX_PARAMETERS,
+    shard_later: bool = False,
 ) -> HFModel:
     """Build ``hf:TYPE`` (random init from the config defaults + ``overrides``) or load a ``save_pretrained`` directory.
 
     Seed the global RNG first for reproducible random weights. ``max_parameters`` (None: no limit) applies to
     ``hf:TYPE`` only: loading a directory is an explicit choice of size. Every problem is a :class:`UsageError`
-    naming ``--model`` or ``--model-config``.
+    naming ``--model`` or ``--model-config``. ``shard_later`` (FSDP2): a directory whose safetensors name every
+    parameter is built on the meta device and its weights left to each rank's shard (``HFModel.pending``).
     """
     with quiet_transformers():
         if spec.startswith(HF_PREFIX):
@@ -461,7 +536,7 @@ def build_hf_model(
         path = Path(spec)
         if not path.is_dir():
             raise UsageError.single("--model", f"{spec} is neither hf:TYPE nor an existing model directory")
-        return _build_from_directory(path, overrides)
+        return _build_from_directory(path, overrides, shard_later=shard_later)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -476,7 +551,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
             weights: Mapping[str, torch.Tensor] | None = None, *, replace: bool = False,
-            chat_template: str | None = None) -> None:
+            chat_template: str | None = None, weights_file: Path | None = None) -> None:
     """Write ``model`` (and its tokenizer) with ``save_pretrained``; ``AutoModelForCausalLM.from_pretrained`` loads it.
     A model with LoRA adapters (--lora-rank) writes the adapter alone, as ``PeftModel.save_pretrained`` does:
     ``peft.PeftModel.from_pretrained(base, directory)`` loads it onto its base.
@@ -489,7 +564,10 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
     parameters; the caller gathers them whole). ``replace``: ``directory`` holds this run's own earlier export (a
     segment stopped by a signal exports too); it is swapped for the new one only once the new one is complete.
     ``chat_template``: the Jinja template a chat-trained model was trained under, saved with the tokenizer, so that
-    ``apply_chat_template`` renders conversations as the model learned them.
+    ``apply_chat_template`` renders conversations as the model learned them. ``weights_file``: a safetensors file
+    of the model's whole state dict (an FSDP2 run's final weights, written a tensor at a time), copied into the
+    export a tensor at a time under the names ``save_pretrained`` writes (each tied tensor once), in place of
+    ``weights``: nothing holds the whole model.
     """
     inner = _unwrap(model)
     if not hasattr(inner, "save_pretrained"):
@@ -506,7 +584,10 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
     try:
         with quiet_transformers(), transformers_attention(inner):
             if is_lora(inner):
-                write_adapter(inner, staging, weights)
+                write_adapter(inner, staging, weights if weights_file is None else _adapter_tensors(weights_file))
+            elif weights_file is not None:
+                inner.save_pretrained(str(staging), safe_serialization=True, state_dict={})  # config files only
+                copy_tensors(weights_file, staging / SAFETENSORS_FILE, _saved_names(inner), {"format": "pt"})
             else:
                 inner.save_pretrained(str(staging), safe_serialization=True,
                                       state_dict=None if weights is None else dict(weights))
@@ -529,6 +610,24 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _saved_names(model: nn.Module) -> list[str]:
+    """The tensors ``save_pretrained`` writes: the state dict's, a tied tensor once, under its first name."""
+    seen: set[int] = set()
+    names = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            names.append(name)
+    return names
+
+
+def _adapter_tensors(weights_file: Path) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of a whole state dict's file (cadence's adapters have no bias and no saved modules: the
+    adapter is exactly its ``lora_`` tensors), read alone."""
+    stored = read_header(weights_file)
+    return {name: read_tensor(entry) for name, entry in stored.items() if "lora_" in name}
 
 
 def save_hf_problem(directory: Path) -> str | None:

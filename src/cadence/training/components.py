@@ -20,6 +20,7 @@ from cadence.memory.optimizer_state import BF16StateAdamW, adamw_8bit_class
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import MODEL_CONFIGS, CompileClock, build_model, compile_blocks
 from cadence.models.heads import chunking_problem
+from cadence.models.pretrained import load_shards
 from cadence.training.prepare import Prepared
 
 
@@ -90,10 +91,16 @@ def build_components(prep: Prepared) -> Components:
     """Model (with recompute), optimizer (possibly offloaded), schedule and engine, as the configuration says."""
     config = prep.config
     torch.manual_seed(config.seed)
-    model = (prep.hf.model if prep.hf else build_model(config.model)).to(prep.device)
-    # Chosen (and the model probed) before recompute, compilation and wrapping change what a forward runs.
-    loss_fn = build_loss(config, model, vocab_size=prep.hf.vocab_size if prep.hf else
-                         MODEL_CONFIGS[config.model].vocab_size)
+    # A model directory under FSDP2 is still on the meta device (prep.hf.pending): sharded as it is, then each rank
+    # reads its own rows of the weights.
+    pending = prep.hf.pending if prep.hf else None
+    model = prep.hf.model if prep.hf else build_model(config.model)
+    if pending is None:
+        model = model.to(prep.device)
+    # Chosen (and the model probed: a pending model's 1-layer twin) before recompute, compilation and wrapping change
+    # what a forward runs.
+    probe, vocab_size = prep.hf.probe if prep.hf else (model, MODEL_CONFIGS[config.model].vocab_size)
+    loss_fn = build_loss(config, probe, vocab_size=vocab_size)
     apply_activation_checkpointing(model, config.activation_checkpointing)
     # After recompute (the checkpointed forward is what compiles), before wrapping (FSDP2's hooks stay eager around
     # each compiled block); parameter names stay the model's.
@@ -103,6 +110,8 @@ def build_components(prep: Prepared) -> Components:
         compile_clock = CompileClock()
     # Wrapped before the optimizer is built: FSDP2 replaces the parameters with their shards.
     model = wrap_model(model, prep.ranks, prep.device, precision=config.precision)
+    if pending is not None:
+        load_shards(model, pending, prep.device)
     optimizer = build_optimizer(model, config)
     scheduler = build_lr_scheduler(
         optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,

@@ -35,8 +35,10 @@ from cadence.distributed.ranks import (
     any_rank,
     broadcast_from_main,
     full_model_state,
+    local_shard,
     max_over_ranks,
     unwrap,
+    write_full_model_state,
 )
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import Prefetcher, prefetch
@@ -65,6 +67,7 @@ from cadence.training.run_dir import (
     export_files,
     exported_before,
     read_summary,
+    writing,
 )
 
 T = TypeVar("T")
@@ -307,6 +310,9 @@ class TrainingRun:
             print(f"evaluation: every {config.eval_every} steps on {self.val_examples:,} validation examples"
                   + (f" (the first {config.eval_batches} micro-batches of {whole:,}: --eval-batches)"
                      if self.val_examples < whole else " (all of them)"), file=stream, flush=True)
+        if prep.hf is not None and prep.hf.pending is not None:
+            print(f"weights: loaded once, each of the {prep.world_size} ranks reading only its own shard of "
+                  f"{config.model}'s safetensors", file=stream, flush=True)
         length_note = prep.data.long_examples.note() if prep.data.long_examples else None
         if length_note:  # --too-long: how many examples were skipped or truncated, and what the truncated ones lost
             print(f"note: {length_note}", file=stream)
@@ -456,8 +462,9 @@ class TrainingRun:
 
     def _checkpoint_mid_window(self, interrupted: WindowInterrupted, place: EpochWindow) -> None:
         """A checkpoint inside a window: the state before it, plus the gradients of the micro-batches it has done."""
-        grads = {name: p.grad.detach().to("cpu").clone() for name, p in unwrap(self.parts.model).named_parameters()
-                 if p.grad is not None}
+        # Under FSDP2 (--sync-every-micro-step) each rank's shard of the window's gradient so far, in its own file.
+        grads = {name: local_shard(p.grad).detach().to("cpu").clone()
+                 for name, p in unwrap(self.parts.model).named_parameters() if p.grad is not None}
         self.checkpointer.save(
             self.parts,
             # This window is continued: the position is the window before it.
@@ -478,15 +485,18 @@ class TrainingRun:
         config, engine, prep, ranks = self.config, self.engine, self.prep, self.ranks
         self.checkpointer.wait()  # --async-checkpoint: the last checkpoint is complete before the run ends
         wall = time.perf_counter() - self.started
-        weights = full_model_state(self.parts.model, ranks)  # a collective under FSDP2: every rank takes part
+        # Under FSDP2 nothing is gathered whole: the final weights are streamed into model.safetensors a tensor at a
+        # time (_save_final) and --save-hf copies them from there.
+        weights = {} if self._streams_weights else full_model_state(self.parts.model, ranks)
         peak_memory = max_over_ranks(self.totals.peak_memory, ranks)
         # Read before summary.json is written again: whether --save-hf holds exactly this run's earlier export.
         replace = bool(self.start is not None and config.save_hf is not None
                        and exported_before(prep.out, config.save_hf))
         kept = self._summary_kept() if self.start is not None else None
         if self.start is not None and engine.windows == self.windows_at_start:
-            if not (prep.out / WEIGHTS_FILE).is_file():  # removed since: the checkpoint's weights are the final ones
-                self.writer.save_model(weights, metadata={"model": config.model, "step": str(engine.steps)})
+            # Removed since: the checkpoint's weights are the final ones (rank 0's answer: every rank writes).
+            if broadcast_from_main(not (prep.out / WEIGHTS_FILE).is_file(), ranks):
+                self._save_final(weights)
             summary = kept or self._summary(wall, peak_memory)
             print(f"nothing to train: the run had already ended at step {engine.steps}"
                   + (f" ({summary['stopped_by']})" if summary.get("stopped_by") else "")
@@ -494,7 +504,7 @@ class TrainingRun:
             if not (replace and summary.get("save_hf_step") == engine.steps):  # else: exported, and untouched since
                 self._export(weights, summary, replace=replace)
             return summary
-        self.writer.save_model(weights, metadata={"model": config.model, "step": str(engine.steps)})
+        self._save_final(weights)
         summary = self._summary(wall, peak_memory)
         if replace:
             # The earlier export stays recorded until the new one replaces it: if this export fails, that one is
@@ -522,6 +532,22 @@ class TrainingRun:
                   f"--resume", file=self.stream, flush=True)
         return summary
 
+    @property
+    def _streams_weights(self) -> bool:
+        """Under FSDP2 the final weights are written a tensor at a time, never gathered whole onto one rank."""
+        return self.ranks.launched and self.ranks.strategy == "fsdp"
+
+    def _save_final(self, weights: dict[str, torch.Tensor]) -> None:
+        """OUT/model.safetensors, the final weights: ``weights`` as gathered, or (FSDP2) streamed by every rank
+        together, rank 0 writing one gathered tensor at a time."""
+        metadata = {"model": self.config.model, "step": str(self.engine.steps)}
+        if not self._streams_weights:
+            self.writer.save_model(weights, metadata=metadata)
+            return
+        path = self.prep.out / WEIGHTS_FILE
+        with writing(str(path), then="the checkpoints so far are intact: free space, then --resume"):
+            write_full_model_state(self.parts.model, self.ranks, path if self.ranks.is_main else None, metadata)
+
     def _export(self, weights: dict[str, torch.Tensor], summary: dict[str, Any], *, replace: bool) -> None:
         """--save-hf (rank 0), after the run's own files: recorded in summary.json (where, and what it wrote) once
         complete, so that a resume replaces this export and nothing else (``replace``: the directory holds exactly
@@ -536,7 +562,10 @@ class TrainingRun:
         if Source.from_flags(config).kind == "chat":
             chat_template = chat_template_for(tokenizer, config.chat_template)[0].source
         try:
-            save_hf(unwrap(self.parts.model), config.save_hf, as_tokenizer(tokenizer), weights=weights,
+            # Under FSDP2 the weights come from the final model.safetensors, a tensor at a time.
+            streamed = self._streams_weights
+            save_hf(unwrap(self.parts.model), config.save_hf, as_tokenizer(tokenizer),
+                    weights=None if streamed else weights, weights_file=prep.out / WEIGHTS_FILE if streamed else None,
                     replace=replace, chat_template=chat_template)
         except (OSError, SafetensorError, UsageError) as err:
             reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
@@ -630,10 +659,15 @@ class TrainingRun:
         return self.stop.requested or ("a signal to another rank" if self.stopped_elsewhere else None)
 
     def _save_best(self, row: dict[str, Any]) -> None:
-        """--keep-best: this evaluation's weights into OUT/best (every rank gathers its part, rank 0 writes)."""
-        weights = full_model_state(self.parts.model, self.ranks)  # a collective under FSDP2: every rank takes part
-        self.writer.save_best(weights, {"step": int(row["step"]), "val_loss": row["val_loss"],
-                                        "val_perplexity": row["val_perplexity"]})
+        """--keep-best: this evaluation's weights into OUT/best (every rank gathers its part, rank 0 writes; under
+        FSDP2 one tensor at a time)."""
+        record = {"step": int(row["step"]), "val_loss": row["val_loss"], "val_perplexity": row["val_perplexity"]}
+        if self._streams_weights:
+            self.writer.save_best_streamed(
+                lambda path: write_full_model_state(self.parts.model, self.ranks, path), record)
+            return
+        weights = full_model_state(self.parts.model, self.ranks)
+        self.writer.save_best(weights, record)
 
     def _segments(self, wall: float) -> dict[str, Any]:
         """The run's segments (one per process that trained it: a resumed run has several), each with its steps,

@@ -122,13 +122,11 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
                            f"changed there, or it is another folder); nothing was changed: move it, or give a new "
                            f"--save-hf directory")
             raise UsageError.single("--save-hf", problem)
-    hf = build_run_hf(config, warn=True)
+    # Under FSDP2 a model directory is built on the meta device and each rank reads its own shard of the weights
+    # once the model is sharded (build_components).
+    hf = build_run_hf(config, warn=True, shard_later=ranks.launched and ranks.strategy == "fsdp")
     if hf is not None:
-        if config.loss_chunk_tokens > 0:  # a family whose logits cadence cannot make chunk by chunk is refused
-            problem = chunking_problem(hf.model, hf.vocab_size)
-            if problem is not None:
-                raise UsageError.single("--loss-chunk-tokens", (
-                    f"{config.model}: {problem}; train it with --loss-chunk-tokens 0 (all logits at once)"))
+        check_chunking(config, *hf.probe)
         if config.compile:  # checked here, before the run directory is created
             try:
                 repeated_blocks(hf.model)
@@ -194,10 +192,19 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     )
 
 
-def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
+def check_chunking(config: TrainConfig, model: torch.nn.Module, vocab_size: int) -> None:
+    """--loss-chunk-tokens on a family whose logits cadence cannot make chunk by chunk is refused (``model``: what
+    the probe runs, ``HFModel.probe``)."""
+    if config.loss_chunk_tokens > 0 and (problem := chunking_problem(model, vocab_size)) is not None:
+        raise UsageError.single("--loss-chunk-tokens", (
+            f"{config.model}: {problem}; train it with --loss-chunk-tokens 0 (all logits at once)"))
+
+
+def build_run_hf(config: TrainConfig, *, warn: bool, shard_later: bool = False) -> HFModel | None:
     """The run's Hugging Face model (``--model hf:TYPE --model-config K=V``, or a local directory), built with the
     run's seed so every build has the same initial weights; None for a built-in model. ``warn``: say its notes
-    (dropout left on, ...) as warnings, once per run."""
+    (dropout left on, ...) as warnings, once per run. ``shard_later`` (FSDP2): a model directory without LoRA is
+    built on the meta device, its weights read by each rank for its own shard after sharding (``HFModel.pending``)."""
     if config.model in MODEL_NAMES:
         return None
     if not config.model.startswith("hf:") and (quantized := already_quantized(Path(config.model) / "config.json")):
@@ -208,7 +215,8 @@ def build_run_hf(config: TrainConfig, *, warn: bool) -> HFModel | None:
             f"cadence reads full-precision weights only: give the original model directory (with --lora-rank and "
             f"--lora-base-precision nf4 to train LoRA on a 4-bit base)"))
     torch.manual_seed(config.seed)
-    hf = build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])))
+    hf = build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])),
+                        shard_later=shard_later and config.lora_rank == 0)
     for note in hf.notes if warn else ():
         warnings.warn(note, stacklevel=3)
     if config.lora_rank > 0:

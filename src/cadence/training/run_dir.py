@@ -11,7 +11,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,19 @@ class RunWriter:
             save_weights(weights, folder / WEIGHTS_FILE)
             atomic_write_json(folder / BEST_FILE, record)
 
+    def save_best_streamed(self, write: Callable[[Path | None], None], record: dict[str, Any]) -> None:
+        """:meth:`save_best` with the weights written by ``write(path)`` (FSDP2: every rank calls it, the others with
+        None, gathering one tensor at a time). If the folder cannot be made, ``write(None)`` still takes part in the
+        gathers before the error is raised, so that the other ranks never wait for it."""
+        try:
+            folder = run_folder(self.root, BEST_DIR)
+        except BaseException:
+            write(None)
+            raise
+        with writing(str(folder / WEIGHTS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
+            write(folder / WEIGHTS_FILE)
+            atomic_write_json(folder / BEST_FILE, record)
+
     def close(self) -> None:
         self._metrics.close()
         if self._tb is not None:
@@ -177,6 +190,9 @@ class NoWriter(RunWriter):
 
     def save_best(self, weights: Mapping[str, torch.Tensor], record: dict[str, Any]) -> None:
         pass
+
+    def save_best_streamed(self, write: Callable[[Path | None], None], record: dict[str, Any]) -> None:
+        write(None)  # this rank's part of the gathers
 
     def close(self) -> None:
         pass

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from cadence.distributed.ranks import Ranks, broadcast_from_main, full_model_state, unwrap
+from cadence.distributed.ranks import Ranks, broadcast_from_main, full_model_state, like_parameter, unwrap
 from cadence.engine.step import PartialWindow
 from cadence.output_files import atomic_write_json
 from cadence.training.checkpoint.files import BY_INDEX, BY_NAME, full_optimizer_state, load_files_state, write_files
@@ -255,11 +255,16 @@ class Checkpointer:
         grads = own["grads"] if own is not None else partial.get("grads", {})
         trained = {name: parameter for name, parameter in unwrap(parts.model).named_parameters()
                    if parameter.requires_grad}
-        for name, grad in grads.items():
-            if name not in trained or tuple(grad.shape) != tuple(trained[name].shape):
-                raise ValueError(f"a saved gradient {name!r} of shape {tuple(grad.shape)} fits no trained parameter")
-        for name, grad in grads.items():
-            trained[name].grad = grad.to(trained[name].device, trained[name].dtype)
+        restored = {}
+        for name, grad in grads.items():  # under FSDP2 each rank's own shard, back into a sharded gradient
+            if name not in trained:
+                raise ValueError(f"a saved gradient {name!r} fits no trained parameter")
+            try:
+                restored[name] = like_parameter(grad, trained[name])
+            except ValueError as err:
+                raise ValueError(f"a saved gradient {name!r} fits no trained parameter: {err}") from None
+        for name, grad in restored.items():
+            trained[name].grad = grad
         loss_sum = own.get("loss_sum") if own is not None else None
         return PartialWindow(micro_batches_done=int(partial["micro_batches_done"]),
                              loss_sum=float(partial["loss_sum"] if loss_sum is None else loss_sum))
