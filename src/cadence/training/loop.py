@@ -74,6 +74,7 @@ from cadence.training.run_dir import (
     exported_before,
     read_summary,
 )
+from cadence.training.same_data import check_same_data
 
 T = TypeVar("T")
 
@@ -731,10 +732,13 @@ def earlier_segments(run_dir: Path, start: ResumePoint | None) -> list[dict[str,
 
 
 def _prepared_under(lock: RunDirectoryLock | None, prepare_run: Callable[[], Prepared], ranks: Ranks) -> Prepared:
-    """``prepare_run()`` on every rank while rank 0 holds the run directory; on bad input the lock is released,
-    which removes the directory the claim created, so that bad input leaves nothing behind."""
+    """``prepare_run()`` on every rank while rank 0 holds the run directory, then the check that every rank holds the
+    same data (each node may have built its own store); on bad input the lock is released, which removes the
+    directory the claim created, so that bad input leaves nothing behind."""
     try:
-        return _on_every_rank(prepare_run, ranks)
+        prep = _on_every_rank(prepare_run, ranks)
+        check_same_data(prep.data, ranks)  # after every rank has prepared: a collective no rank may miss
+        return prep
     except BaseException:
         if lock is not None:
             lock.release()
