@@ -122,3 +122,41 @@ def test_ranks_killed_under_max_restarts_resume_by_themselves_to_the_uninterrupt
     print(f"largest relative loss difference {worst:.1e}, weights {weights:.1e}")
     assert worst <= 1e-6 and weights <= 1e-6
     assert json.loads((out / "config.json").read_text())["launch"]["restart"] == 2
+
+
+def test_a_restart_continues_a_mid_window_checkpoint(uninterrupted: tuple[Path, Path], tmp_path: Path) -> None:
+    """--checkpoint-mid-window on 2 ranks: a SIGTERM after micro-batch 1 of step 6 leaves a mid-window checkpoint
+    (each rank's own gradients of that window). The run resumed under --max-restarts 1 loses rank 1 before its next
+    checkpoint: the restart continues the mid-window checkpoint again, from its micro-batch, and the run still ends
+    bitwise the uninterrupted one."""
+    data, reference = uninterrupted
+    out = tmp_path / "run"
+    stopped = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(Path(__file__).resolve().parent / "mid_window_ranks.py"), str(tmp_path / "counts"), "5", "1", "--",
+         "train", "--data", str(data), "--out", str(out), "--checkpoint-mid-window", *ARGS],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    info = json.loads((out / "checkpoints" / "step-5" / "checkpoint.json").read_text())
+    assert info["mid_window"]
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         "--monitor-interval", "0.1", "-m", "cadence", "train", "--data", str(data), "--out", str(out),
+         "--checkpoint-mid-window", "--resume", *ARGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        kill_when(agent, lambda: 6 in steps_recorded(out), 1, besides=set())
+        _, stderr = agent.communicate(timeout=300)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+    assert agent.returncode == 0, stderr[-4000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("restart ")]
+    print("\n".join(lines))
+    assert len(lines) == 1 and re.fullmatch(
+        rf"restart 1 of 1: resuming {re.escape(str(out))} from step-5 \(mid-window: 1 micro-batch\(es\) of step 6 "
+        r"already done\); (step 6 is|steps 6-7 are) done again", lines[0]), stderr[-4000:]
+    rows, expected = read_metrics(out), read_metrics(reference)
+    assert [(row["step"], row["loss"]) for row in rows] == [(row["step"], row["loss"]) for row in expected]
+    assert relative_l2(load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")) == 0.0
