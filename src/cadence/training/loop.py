@@ -259,10 +259,9 @@ class TrainingRun:
         ended = self.start is not None and (self.engine.steps >= config.max_steps or self.early_stopped)
         # Every check has passed: only now is anything in the run directory written (nothing new for a run that had
         # already ended: no TensorBoard file, its config.json as it is).
-        self.writer: RunWriter = RunWriter(prep.out, tensorboard=not ended) if self.ranks.is_main else NoWriter()
+        self.writer: RunWriter = (RunWriter(prep.out, tensorboard=not ended, config=None if ended else self.resolved)
+                                  if self.ranks.is_main else NoWriter())
         self.metrics_open = True
-        if not ended:
-            self.writer.write_config(self.resolved)
         self._announce()
         self.started: float = time.perf_counter()
         self.totals = _Totals()
