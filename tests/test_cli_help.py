@@ -21,7 +21,7 @@ def test_every_training_flag_has_one_section_and_the_help_shows_them_all() -> No
     titles = [section.title for section in SECTIONS]
     assert len(titles) == len(set(titles))
     assert {field.metadata["section"] for field in dataclasses.fields(TrainConfig)} == set(SECTIONS)
-    assert set(OTHER_OPTION_SECTIONS) == {"config_file", "nproc_per_node"}  # the CLI's own training flags
+    assert set(OTHER_OPTION_SECTIONS) == {"config_file", "nproc_per_node", "max_restarts"}  # the CLI's own training flags
 
 
 @pytest.mark.parametrize(("command", "own"), [("train", None), ("plan", PlanOptions), ("profile", ProfileOptions),

@@ -41,7 +41,8 @@ from cadence.errors import CadenceFailure, UsageError
 # answer without importing torch (about 2 of the 5 seconds a help took; issue 41). tests/test_cli_help.py checks
 # that no help imports it.
 
-OTHER_OPTION_SECTIONS: dict[str, Section] = {"config_file": FROM_PLAN, "nproc_per_node": DISTRIBUTED}
+OTHER_OPTION_SECTIONS: dict[str, Section] = {"config_file": FROM_PLAN, "nproc_per_node": DISTRIBUTED,
+                                              "max_restarts": DISTRIBUTED}
 """The --help section of the options that are not TrainConfig fields (those have their section in the schema)."""
 
 
@@ -231,18 +232,27 @@ def nproc_option(command: Any) -> Any:
 @config_file_option
 @dataclass_options(TrainConfig, command_fields("train"))
 @nproc_option
+@click.option("--max-restarts", "max_restarts", type=click.IntRange(min=0), default=0, metavar="K",
+              help="With --nproc-per-node: when a rank fails, start all of them again, up to K times (torchrun "
+                   "--max-restarts K); each restart resumes --out from its newest complete checkpoint.")
 @click.pass_context
-def train_command(ctx: click.Context, config_file: Path | None, nproc_per_node: int | None, **options: Any) -> None:
+def train_command(ctx: click.Context, config_file: Path | None, nproc_per_node: int | None, max_restarts: int,
+                  **options: Any) -> None:
     """Train a model; writes a run directory (config.json, metrics.jsonl, summary.json, model.safetensors)."""
     from cadence.training.loop import train
 
     config = _train_config(config_file, options)
-    _on_every_rank(ctx, "train", config, nproc_per_node, lambda ranks: train(config, ranks=ranks))
+    if max_restarts and nproc_per_node is None:
+        raise UsageError.single("--max-restarts", "restarts the ranks that --nproc-per-node starts; under torchrun "
+                                                  "give torchrun --max-restarts instead")
+    _on_every_rank(ctx, "train", config, nproc_per_node, lambda ranks: train(config, ranks=ranks),
+                   max_restarts=max_restarts)
 
 
 def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_per_node: int | None,
-                   run: Callable[[Any], Any]) -> None:
-    """``run(ranks)`` in this process, or as a rank of torchrun's group, or launched on --nproc-per-node ranks."""
+                   run: Callable[[Any], Any], *, max_restarts: int = 0) -> None:
+    """``run(ranks)`` in this process, or as a rank of torchrun's group, or launched on --nproc-per-node ranks
+    (restarted up to ``max_restarts`` times when one fails)."""
     from cadence.config import resolve_device
     from cadence.distributed.launch import arguments_without_nproc, launch
     from cadence.distributed.ranks import SINGLE, start, stop
@@ -254,7 +264,7 @@ def _on_every_rank(ctx: click.Context, command: str, config: TrainConfig, nproc_
                                                         "number of processes to torchrun only")
         arguments = list((ctx.obj or {}).get("argv", []))
         rank_arguments = arguments_without_nproc(arguments[arguments.index(command) + 1:])
-        raise click.exceptions.Exit(launch(command, config, nproc_per_node, rank_arguments))
+        raise click.exceptions.Exit(launch(command, config, nproc_per_node, rank_arguments, max_restarts=max_restarts))
     if torchrun_ranks() is None:
         run(SINGLE)
         return

@@ -22,12 +22,16 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from cadence.config import DEVICE_CHOICES, TrainConfig, validate
 from cadence.data.sources import available_cores
 from cadence.errors import Problem, UsageError
 
 NPROC_FLAG = "--nproc-per-node"
+RESTARTS_FLAG = "--max-restarts"
+LAUNCHER_FLAGS = (NPROC_FLAG, RESTARTS_FLAG)
+"""The launcher's own flags, each with a value: the ranks are started without them."""
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """Passed on to the ranks, which stop after the current window (training.resume.StopOnSignal)."""
 INTERRUPTED = 130
@@ -35,50 +39,52 @@ INTERRUPTED = 130
 
 
 def arguments_without_nproc(argv: list[str]) -> list[str]:
-    """The train command's arguments minus ``--nproc-per-node N`` (the ranks must not launch again)."""
+    """The train command's arguments minus ``--nproc-per-node N`` and ``--max-restarts K`` (the ranks must not
+    launch again)."""
     kept: list[str] = []
     skip_next = False
     for argument in argv:
         if skip_next:
             skip_next = False
-        elif argument == NPROC_FLAG:
+        elif argument in LAUNCHER_FLAGS:
             skip_next = True
-        elif not argument.startswith(NPROC_FLAG + "="):
+        elif not argument.startswith(tuple(flag + "=" for flag in LAUNCHER_FLAGS)):
             kept.append(argument)
     return kept
 
 
-def launch(command: str, config: TrainConfig, nproc_per_node: int, rank_arguments: list[str]) -> int:
+def launch(command: str, config: TrainConfig, nproc_per_node: int, rank_arguments: list[str], *,
+           max_restarts: int = 0) -> int:
     """``cadence COMMAND`` on ``nproc_per_node`` ranks: validate for that many processes, run them, and return the
-    exit status (0; 1 for a failure; 2 for bad input).
+    exit status (0; 1 for a failure; 2 for bad input). ``max_restarts``: how many times torch's elastic agent starts
+    all the ranks again after one fails (each restart of ``train`` resumes its run directory by itself).
 
     Bad flags are reported here, once, before any process starts; problems only the ranks can find (a malformed data
     file) are reported by rank 0.
     """
-    problems = []
+    problems: list[Problem] = []
     try:
         validate(config, world_size=nproc_per_node, launched=True)
     except UsageError as err:
-        problems = err.problems
+        problems = list(err.problems)
     too_many = nproc_problem(config, nproc_per_node)
-    if too_many is not None or problems:
-        raise UsageError([*problems, *([too_many] if too_many is not None else [])])
+    if too_many is not None:
+        problems.append(too_many)
+    if max_restarts and config.out is None:
+        problems.append(Problem(where=RESTARTS_FLAG, message=(
+            "needs --out: a restart resumes the run directory --out names (without it every restart would start a "
+            "new run in a new directory)")))
+    if problems:
+        raise UsageError(problems)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     if "OMP_NUM_THREADS" not in os.environ:
         # torchrun's convention (one thread per rank unless told), but sharing the cores rather than using one:
         # N ranks each spawning a thread per core would oversubscribe the CPU N times.
         os.environ["OMP_NUM_THREADS"] = str(max(1, available_cores() // nproc_per_node))
     forwarding = Path("/proc").is_dir()  # the ranks are found as this process's children in /proc (Linux)
-    launch_config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=f"cadence-{uuid.uuid4().hex[:12]}",
-        # torchrun --standalone: a rendezvous on this machine, on a free port.
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-        # Check on the ranks every 0.1 s: a rank that dies brings the others down within seconds.
-        monitor_interval=0.1,
-        signals_to_handle="SIGHUP,SIGQUIT" if forwarding else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-    )
+    launch_config = elastic_config(nproc_per_node, max_restarts=max_restarts, forwarding=forwarding)
     previous = {number: signal.signal(number, _forward_to_ranks) for number in FORWARDED_SIGNALS} if forwarding else {}
     try:
         with torch_launcher_logs_held():
@@ -97,6 +103,21 @@ def launch(command: str, config: TrainConfig, nproc_per_node: int, rank_argument
         for number, handler in previous.items():
             signal.signal(number, handler)
     return 0
+
+
+def elastic_config(nproc_per_node: int, *, max_restarts: int, forwarding: bool) -> Any:
+    """What torch's elastic agent is given: ``torchrun --standalone --nproc-per-node N --max-restarts K``, checking
+    on the ranks every 0.1 s, and (``forwarding``) leaving SIGTERM and SIGINT to :func:`launch`."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=f"cadence-{uuid.uuid4().hex[:12]}",
+        # torchrun --standalone: a rendezvous on this machine, on a free port.
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+        # Check on the ranks every 0.1 s: a rank that dies brings the others down within seconds.
+        monitor_interval=0.1,
+        signals_to_handle="SIGHUP,SIGQUIT" if forwarding else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    )
 
 
 TORCH_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")

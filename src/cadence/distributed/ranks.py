@@ -6,14 +6,15 @@ gradients, and this module only decides WHEN (``Collective.gradient_sync``: once
 micro-batch's forward) and adds the one small all-reduce the normalisation needs (the window's target count, summed
 over ranks, so that any split micro x accum x world gives the gradient of one big batch).
 
-Configuration comes from the command line; the only environment variables read are torchrun's rank variables
-(RANK, LOCAL_RANK, WORLD_SIZE; MASTER_ADDR and MASTER_PORT are read by torch.distributed itself).
+Configuration comes from the command line; the only environment variables read are torchrun's (``torchrun.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.config import Strategy
-from cadence.distributed.torchrun import torchrun_ranks
+from cadence.distributed.torchrun import agent_store_address, torchrun_ranks
 from cadence.engine.noise_scale import FirstGradient, gradient_norm, local_first_gradient
 from cadence.memory.recompute import checkpoint_blocks
 from cadence.models.safetensors_file import TensorSpec, write_streamed
@@ -66,9 +67,58 @@ def start(*, device_type: str, strategy: Strategy, sync_every_micro_step: bool, 
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        shared = agent_store_address()
+        if shared is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world_size,
+                                    store=attempt_store(shared, rank, world_size, timeout))
     return Ranks(rank=rank, local_rank=local_rank, world_size=world_size, launched=True, strategy=strategy,
                  sync_every_micro_step=sync_every_micro_step)
+
+
+ATTEMPT_KEYS = "cadence/attempt"
+"""Where in the agent's store the ranks of one start agree on a namespace of their own (:func:`attempt_store`)."""
+ATTEMPT_POLL_S = 0.02
+"""How often rank 0 looks for the other ranks' tokens while they join."""
+
+
+def attempt_store(address: tuple[str, int], rank: int, world_size: int,
+                   timeout: datetime.timedelta) -> dist.Store:
+    """The agent's store under a namespace that this start of the ranks alone uses.
+
+    torch's elastic agent keeps one store for all the starts of a launch, and torch.distributed finds its keys
+    there with no mark of the start: after a restart a rank may read the address a rank of the failed start left
+    (gloo: "Connection refused" at connectFullMesh, or a hang; pytorch#135712). TORCHELASTIC_RESTART_COUNT cannot
+    tell the starts apart, since an agent whose workers stayed healthy restarts them without counting. So rank 0
+    draws a fresh namespace, and every other rank asks for it with a fresh token of its own: an answer to that
+    token cannot be a stale one. Rank 0 answers every token it sees until each rank has confirmed, under the new
+    namespace, that it has it."""
+    host, port = address
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    if rank != 0:
+        token = uuid.uuid4().hex
+        store.set(f"{ATTEMPT_KEYS}/ask/{rank}", token)
+        store.wait([f"{ATTEMPT_KEYS}/answer/{token}"], timeout)
+        namespace = store.get(f"{ATTEMPT_KEYS}/answer/{token}").decode()
+        store.set(f"{namespace}/has/{rank}", "1")
+        return dist.PrefixStore(namespace, store)
+    namespace = f"{ATTEMPT_KEYS}/{uuid.uuid4().hex}"
+    confirmed = [f"{namespace}/has/{other}" for other in range(1, world_size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    answered: set[bytes] = set()
+    while confirmed and not store.check(confirmed):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the other ranks did not join within {timeout.total_seconds():g} s")
+        for other in range(1, world_size):
+            key = f"{ATTEMPT_KEYS}/ask/{other}"
+            token = store.get(key) if store.check([key]) else None
+            if token is not None and token not in answered:  # a stale token's answer is never read
+                store.set(f"{ATTEMPT_KEYS}/answer/{token.decode()}", namespace)
+                answered.add(token)
+        time.sleep(ATTEMPT_POLL_S)
+    return dist.PrefixStore(namespace, store)
 
 
 def stop(ranks: Ranks) -> None:
@@ -276,6 +326,15 @@ def broadcast_from_main(obj: Any, ranks: Ranks) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_from_all(obj: Any, ranks: Ranks) -> list[Any]:
+    """Every rank's ``obj`` (a small picklable value), in rank order, on every rank."""
+    if not ranks.launched:
+        return [obj]
+    found: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(found, obj)
+    return found
 
 
 # ---------------------------------------------------------------------------------------------------- state

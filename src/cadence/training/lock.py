@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -24,6 +25,9 @@ from cadence.config import run_directory_problem
 from cadence.distributed.ranks import Ranks, any_rank
 from cadence.errors import UsageError
 from cadence.process_locks import lock_holder
+
+LOCK_POLL_S = 0.1
+"""How often a claim that waits (a restart's) tries the lock again."""
 
 
 class RunDirectoryLock:
@@ -38,11 +42,18 @@ class RunDirectoryLock:
         while they are still empty."""
         self._descriptor: int | None = None
 
-    def acquire(self) -> None:
+    def acquire(self, *, wait_s: float = 0.0) -> None:
+        """Hold the directory, waiting up to ``wait_s`` seconds for a holder to let go (0: refuse at once)."""
         descriptor = os.open(self.run_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(LOCK_POLL_S)
+                    continue
             holder = lock_holder(self.run_dir)
             os.close(descriptor)
             raise UsageError.single(self.where, (
@@ -72,14 +83,18 @@ class RunDirectoryLock:
         self.release()
 
 
-def claim_run_directory(out: Path, *, resume: bool, ranks: Ranks) -> RunDirectoryLock | None:
+def claim_run_directory(out: Path, *, resume: bool, ranks: Ranks, wait_s: float = 0.0) -> RunDirectoryLock | None:
     """Rank 0 (the one that writes) creates ``out`` if needed, locks it, and only then checks that this run may write
     it; every rank learns whether it could, so that none goes on alone. Returns rank 0's held lock (None on other
-    ranks); a refusal is a UsageError naming --out, and leaves nothing created."""
+    ranks); a refusal is a UsageError naming --out, and leaves nothing created.
+
+    ``wait_s``: how long to wait for another holder to let go. A restart under torchrun waits: the agent stops the
+    failed attempt's processes before it starts new ones, and the kernel releases their lock with them, but a lock
+    on a network file system held by a node that died lasts until the server's lease on it expires."""
     lock, error = None, None
     if ranks.is_main:
         try:
-            lock = _lock_and_check(out, resume=resume)
+            lock = _lock_and_check(out, resume=resume, wait_s=wait_s)
         except UsageError as err:
             lock, error = None, err
     if any_rank(error is not None, ranks):
@@ -87,7 +102,7 @@ def claim_run_directory(out: Path, *, resume: bool, ranks: Ranks) -> RunDirector
     return lock
 
 
-def _lock_and_check(out: Path, *, resume: bool) -> RunDirectoryLock:
+def _lock_and_check(out: Path, *, resume: bool, wait_s: float) -> RunDirectoryLock:
     missing = []
     ancestor = out
     while not ancestor.exists() and ancestor != ancestor.parent:
@@ -98,7 +113,7 @@ def _lock_and_check(out: Path, *, resume: bool) -> RunDirectoryLock:
     except OSError as err:
         raise UsageError.single("--out", f"cannot create {out}: {err.strerror or err}") from None
     lock = RunDirectoryLock(out, created=tuple(missing))
-    lock.acquire()  # refused: another run holds it, and what is in it is that run's, not ours to remove
+    lock.acquire(wait_s=wait_s)  # refused: another run holds it, and what is in it is that run's, not ours to remove
     problem = run_directory_problem(out, resume=resume)
     if problem:
         lock.release()

@@ -56,6 +56,14 @@ from cadence.training.lock import RunDirectoryLock, claim_run_directory
 from cadence.training.noise_scale import noise_scale_announcement, noise_scale_fields
 from cadence.training.prepare import Prepared, checked_run_directory, prepare
 from cadence.training.progress import TrainProgress
+from cadence.training.restart import (
+    LAUNCH_FIELD,
+    RESTART_LOCK_WAIT_S,
+    Launch,
+    last_recorded_step,
+    restart_line,
+    this_launch,
+)
 from cadence.training.resume import ResumePoint, StopOnSignal, restore, schedule_note
 from cadence.training.run_dir import (
     BEST_DIR,
@@ -69,6 +77,7 @@ from cadence.training.run_dir import (
     read_summary,
     writing,
 )
+from cadence.training.same_data import check_same_data
 
 T = TypeVar("T")
 
@@ -139,12 +148,16 @@ def train(config: TrainConfig, *, stream: IO[str] | None = None, live: bool | No
     The shape of torchtune's recipes: set up (``TrainingRun``), then window after window the engine's step
     (``run_window``) and what follows it (``after_step``), then the final save and summary (``finish``)."""
     stream = (stream or sys.stderr) if ranks.is_main else _Discard()
+    # Started by torchrun's elastic agent: a restart after a rank died takes its own run directory back (--resume).
+    launch = this_launch(config, ranks)
+    config = launch.configured(config) if launch is not None else config
     out = _on_every_rank(lambda: checked_run_directory(config, ranks=ranks), ranks)
     # One run at a time in a run directory: claimed before any data is read, held until the end. The check that
     # --out may be written is made under the lock, so a second run started meanwhile can never have filled it.
-    lock = claim_run_directory(out, resume=config.resume, ranks=ranks)
+    lock = claim_run_directory(out, resume=config.resume, ranks=ranks,
+                               wait_s=RESTART_LOCK_WAIT_S if launch is not None and launch.own_run else 0.0)
     run = TrainingRun(_prepared_under(lock, lambda: prepare(config, ranks=ranks, out=out), ranks), lock=lock,
-                      stream=stream, live=live)
+                      stream=stream, live=live, launch=launch)
     try:
         with run.stop, run.progress, fp32_matmul(config.fp32_matmul), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -198,10 +211,13 @@ class TrainingRun:
     the windows to run, ``run_window`` runs one through the engine, ``after_step`` does what follows each optimizer
     step, and ``finish`` saves the model and writes the summary. Every rank builds one and walks the same windows."""
 
-    def __init__(self, prep: Prepared, *, lock: RunDirectoryLock | None, stream: IO[str], live: bool | None) -> None:
+    def __init__(self, prep: Prepared, *, lock: RunDirectoryLock | None, stream: IO[str], live: bool | None,
+                 launch: Launch | None = None) -> None:
         """Build the components, restore the --resume checkpoint (if any), open the run directory and announce.
-        ``lock``: rank 0's hold on the run directory (:func:`claim_run_directory`), released by :meth:`close`."""
+        ``lock``: rank 0's hold on the run directory (:func:`claim_run_directory`), released by :meth:`close`;
+        ``launch``: torchrun's launch and attempt (:func:`this_launch`), recorded in config.json."""
         self.lock: RunDirectoryLock | None = lock
+        self.launch: Launch | None = launch
         self.metrics_open = False
         self.checkpointer = Checkpointer(prep.out, prep.ranks, keep=prep.config.keep_checkpoints,
                                          background=prep.config.async_checkpoint)
@@ -225,7 +241,10 @@ class TrainingRun:
         self.trained, self.frozen = parameter_counts(self.parts.model)  # --lora-rank freezes the base
         # Counted as weights, not as stored elements: an nf4 base packs two weights in each byte it holds.
         self.parameters: int = self.trained + self.frozen
-        self.resolved: dict[str, Any] = _resolved_config(prep, self.parameters)
+        self.resolved: dict[str, Any] = _resolved_config(prep, self.parameters, self.launch)
+        # What the failed attempt had done, before the resume drops the rows after its checkpoint (rank 0 says it).
+        self.recorded_before: int = (last_recorded_step(prep.out) if self.launch is not None and self.launch.own_run
+                                     and self.ranks.is_main else 0)
         # Before the writer opens metrics.jsonl.
         self.start: ResumePoint | None = restore(prep.out, self.resolved, self.parts, self.checkpointer,
                                                  prep.micro_batch_size, prep.cut.flags()) if config.resume else None
@@ -243,10 +262,9 @@ class TrainingRun:
         ended = self.start is not None and (self.engine.steps >= config.max_steps or self.early_stopped)
         # Every check has passed: only now is anything in the run directory written (nothing new for a run that had
         # already ended: no TensorBoard file, its config.json as it is).
-        self.writer: RunWriter = RunWriter(prep.out, tensorboard=not ended) if self.ranks.is_main else NoWriter()
+        self.writer: RunWriter = (RunWriter(prep.out, tensorboard=not ended, config=None if ended else self.resolved)
+                                  if self.ranks.is_main else NoWriter())
         self.metrics_open = True
-        if not ended:
-            self.writer.write_config(self.resolved)
         self._announce()
         self.started: float = time.perf_counter()
         self.totals = _Totals()
@@ -316,8 +334,13 @@ class TrainingRun:
         length_note = prep.data.long_examples.note() if prep.data.long_examples else None
         if length_note:  # --too-long: how many examples were skipped or truncated, and what the truncated ones lost
             print(f"note: {length_note}", file=stream)
-        if self.start is not None:
+        restart = restart_line(self.launch, prep.out, out_given=config.out is not None, start=self.start,
+                               recorded=self.recorded_before)
+        if restart is not None:
+            print(restart, file=stream, flush=True)
+        elif self.start is not None:
             print(f"resuming from {self.start.checkpoint} (step {self.start.step})", file=stream, flush=True)
+        if self.start is not None:
             note = schedule_note(self.start.saved_config, self.resolved, self.start.step)
             if note:
                 print(f"note: {note}", file=stream, flush=True)
@@ -742,10 +765,13 @@ def earlier_segments(run_dir: Path, start: ResumePoint | None) -> list[dict[str,
 
 
 def _prepared_under(lock: RunDirectoryLock | None, prepare_run: Callable[[], Prepared], ranks: Ranks) -> Prepared:
-    """``prepare_run()`` on every rank while rank 0 holds the run directory; on bad input the lock is released,
-    which removes the directory the claim created, so that bad input leaves nothing behind."""
+    """``prepare_run()`` on every rank while rank 0 holds the run directory, then the check that every rank holds the
+    same data (each node may have built its own store); on bad input the lock is released, which removes the
+    directory the claim created, so that bad input leaves nothing behind."""
     try:
-        return _on_every_rank(prepare_run, ranks)
+        prep = _on_every_rank(prepare_run, ranks)
+        check_same_data(prep.data, ranks)  # after every rank has prepared: a collective no rank may miss
+        return prep
     except BaseException:
         if lock is not None:
             lock.release()
@@ -805,7 +831,7 @@ def _validation_batches(prep: Prepared) -> tuple[list[dict[str, torch.Tensor]], 
     return mine + [padding_micro_batch() for _ in range(per_rank - len(mine))], examples
 
 
-def _resolved_config(prep: Prepared, parameters: int) -> dict[str, Any]:
+def _resolved_config(prep: Prepared, parameters: int, launch: Launch | None = None) -> dict[str, Any]:
     return {
         **prep.config.to_json_dict(),
         "seq_len": prep.seq_len,
@@ -825,6 +851,7 @@ def _resolved_config(prep: Prepared, parameters: int) -> dict[str, Any]:
         "train_sequences": len(prep.data.train),
         "val_sequences": 0 if prep.data.val is None else len(prep.data.val),
         "versions": {"cadence": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        **({LAUNCH_FIELD: launch.record()} if launch is not None else {}),
     }
 
 

@@ -94,9 +94,14 @@ def run_folder(root: Path, name: str) -> Path:
 class RunWriter:
     """Writes one run directory. Created only after every input has been validated, so bad input writes nothing."""
 
-    def __init__(self, root: Path, *, tensorboard: bool = True) -> None:
+    def __init__(self, root: Path, *, tensorboard: bool = True, config: dict[str, Any] | None = None) -> None:
+        """``config``: the resolved configuration, written as config.json before any other file. It is what marks
+        the directory as a cadence run (to --resume, and to a restart under torchrun, which would otherwise find a
+        directory holding only a metrics.jsonl and refuse it)."""
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        if config is not None:
+            self.write_config(config)
         self._metrics = open(root / METRICS_FILE, "a", encoding="utf-8")
         self._tb: Any = None
         if tensorboard:
