@@ -7,7 +7,14 @@ plan's wall time against its time budget, its decision, the predicted tokens/s (
 alternating rounds) and the training's measured tokens/s. Writes benchmarks/results/plan_prediction.json and prints
 the markdown block for BENCHMARKS.md.
 
+Issue 43 item 5 asks whether plans beside the same load make the same decision, or state a tie: ``--conditions loaded
+loaded loaded`` plans three times under load, and ``--result`` writes them apart from issue 28's record (the gpt-tiny
+run below, a 60 s --time-budget per plan, is meant to take under 10 minutes on 2 cores). Each plan also records the
+load average before it: on a machine shared with other work, that is load too.
+
     .venv/bin/python benchmarks/plan_prediction.py [--quick] [--train-steps 30] [--conditions quiet loaded]
+    .venv/bin/python benchmarks/plan_prediction.py --model gpt-tiny --seq-len 128 --batch 16 --budget 160MiB \
+        --time-budget 60 --train-steps 10 --conditions loaded loaded loaded --result plan_prediction_loaded.json
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -49,6 +57,7 @@ def run_condition(condition: str, args: argparse.Namespace, root: Path, index: i
     shape = ["--model", args.model, "--seq-len", str(args.seq_len), "--effective-batch-size", str(args.batch),
              "--memory-budget", args.budget]
     extra = ["--time-budget", str(args.time_budget)] if args.time_budget else []
+    load_before = os.getloadavg()[0]  # other sessions' work included: load the burners do not account for
     with load(condition) as burners:
         started = time.perf_counter()
         assert cadence(["plan", *shape, *extra, "--out", str(plan_dir)]) == 0
@@ -58,11 +67,15 @@ def run_condition(condition: str, args: argparse.Namespace, root: Path, index: i
     plan = json.loads((plan_dir / "plan.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     predicted, measured = plan["prediction"]["tokens_per_s"], summary["tokens_per_s"]
-    return {"condition": condition, "burners": burners, "plan_seconds": plan_seconds,
+    # The candidates each plan said were tied with its choice (its notes: "front-runners c30, c22 were tied ...").
+    ties = [re.findall(r"c\d+", note.split(" were tied")[0]) for note in plan["notes"] if " were tied within" in note]
+    tied_with = sorted({cid for tie in ties if plan["choice"]["id"] in tie for cid in tie})
+    return {"condition": condition, "burners": burners, "load_average_before": load_before,
+            "load_average_after": os.getloadavg()[0], "plan_seconds": plan_seconds, "tied_with": tied_with,
             "time_budget_s": plan["time_budget_s"], "choice": plan["choice"], "prediction": plan["prediction"],
             "train_steps": args.train_steps, "measured_tokens_per_s": measured,
             "ratio": measured / predicted if predicted else None,
-            "notes": [note for note in plan["notes"] if "tied" in note or "time-budget" in note]}
+            "notes": [note for note in plan["notes"] if "tied" in note or "time-budget" in note or "disagree" in note]}
 
 
 def main() -> int:
@@ -75,6 +88,8 @@ def main() -> int:
     parser.add_argument("--time-budget", type=float, default=None, help="default: the plan's own default")
     parser.add_argument("--conditions", nargs="+", default=["quiet", "loaded"], choices=["quiet", "loaded"])
     parser.add_argument("--quick", action="store_true", help="gpt-tiny, seq 64, a few steps: a smoke run")
+    parser.add_argument("--result", default=None, help="file name under benchmarks/results (default: "
+                        "plan_prediction.json, or plan_prediction_quick.json with --quick)")
     args = parser.parse_args()
     if args.quick:
         args.model, args.seq_len, args.batch, args.budget, args.train_steps = "gpt-tiny", 64, 8, "256MiB", 4
@@ -85,7 +100,7 @@ def main() -> int:
         rows = [run_condition(condition, args, Path(tmp), index) for index, condition in enumerate(args.conditions)]
     data = {"environment": environment(), "model": args.model, "seq_len": args.seq_len,
             "effective_batch_size": args.batch, "budget": args.budget, "conditions": rows}
-    out = RESULTS / ("plan_prediction_quick.json" if args.quick else "plan_prediction.json")
+    out = RESULTS / (args.result or ("plan_prediction_quick.json" if args.quick else "plan_prediction.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2) + "\n")
     print("\n".join(render_plan_prediction(data)))

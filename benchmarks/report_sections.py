@@ -539,9 +539,10 @@ def render_packing_hf(data: dict) -> list[str]:
 
 def render_plan_prediction(data: dict) -> list[str]:
     """Issue 28: plan-predicted against measured tokens/s, quiet and beside a CPU-bound process."""
+    budgets = sorted({f"{row['time_budget_s']:g} s" for row in data["conditions"]})
     lines = [f"{data['model']} at seq {data['seq_len']}, effective batch {data['effective_batch_size']}, budget "
-             f"{data['budget']}: `cadence plan` (default `--time-budget`), then `cadence train --plan` for "
-             f"{data['conditions'][0]['train_steps']} steps. Loaded: CPU-bound processes beside both.", ""]
+             f"{data['budget']}: `cadence plan` (`--time-budget` {', '.join(budgets)}), then `cadence train --plan` "
+             f"for {data['conditions'][0]['train_steps']} steps. Loaded: CPU-bound processes beside both.", ""]
     lines += ["| condition | plan time / budget | choice | predicted tokens/s | measured tokens/s | measured / predicted |",
               "| --- | --- | --- | --- | --- | --- |"]
     for row in data["conditions"]:
@@ -557,14 +558,36 @@ def render_plan_prediction(data: dict) -> list[str]:
     notes = [note for row in data["conditions"] for note in row["notes"]]
     if notes:
         lines += ["", "The plans' notes on ties and the time budget:", ""] + [f"- {note}" for note in notes]
+    over = [row for row in data["conditions"] if row["plan_seconds"] > 1.1 * row["time_budget_s"]]
+    if over:
+        took = ", ".join(f"{row['plan_seconds']:.0f} s" for row in over)
+        allowed = ", ".join(sorted({f"{row['time_budget_s']:g} s" for row in over}))
+        lines += ["", f"{len(over)} of {len(data['conditions'])} plans ran past their `--time-budget` by more than "
+                      f"10% ({took} against {allowed}): on this machine the budget did not bound the command."]
+    loads = [row["load_average_before"] for row in data["conditions"] if "load_average_before" in row]
+    if loads:
+        lines += ["", f"1-minute load average before each plan: {', '.join(f'{value:.1f}' for value in loads)} "
+                      f"({data['environment'].get('cpu_count')} cores; the machine is shared with other work, which "
+                      f"is load beyond the burners)."]
     for condition in dict.fromkeys(row["condition"] for row in data["conditions"]):
-        chosen = [row["choice"]["id"] for row in data["conditions"] if row["condition"] == condition]
-        if len(chosen) > 1:  # the same setup planned twice under the same condition: the same decision?
-            same = len(set(chosen)) == 1
-            lines += ["", f"The {len(chosen)} {condition} plans chose "
-                          + (f"the same configuration ({chosen[0]})." if same else
-                             f"different configurations ({', '.join(chosen)}): see their notes for a tie.")]
+        rows = [row for row in data["conditions"] if row["condition"] == condition]
+        chosen = [row["choice"]["id"] for row in rows]
+        if len(chosen) > 1:  # the same setup planned again under the same condition: the same decision?
+            lines += ["", f"The {len(chosen)} {condition} plans: " + _same_decision(rows)]
     return lines + [""]
+
+
+def _same_decision(rows: list[dict]) -> str:
+    """Whether plans of one setup under one condition chose alike, or stated a tie that covers their choices."""
+    chosen = [row["choice"]["id"] for row in rows]
+    if len(set(chosen)) == 1:
+        return f"the same decision ({chosen[0]})."
+    stated = [row for row in rows if row.get("tied_with")]
+    covered = all(set(chosen) <= set(row.get("tied_with") or [row["choice"]["id"]]) for row in stated) and stated
+    ties = "; ".join(f"{row['choice']['id']} tied with {', '.join(row['tied_with'])}" for row in stated) or "none"
+    verdict = ("each within a tie the plans stated" if covered else
+               "not all explained by a stated tie" if stated else "and none stated a tie")
+    return f"different decisions ({', '.join(chosen)}), {verdict} (ties stated: {ties})."
 
 
 def render_targets_only_head(data: dict) -> list[str]:

@@ -72,6 +72,11 @@ SECTIONS = (
     Section("plan_prediction.json", "Does a plan predict its training? Quiet and beside a CPU-bound process (issue 28)",
             ".venv/bin/python benchmarks/plan_prediction.py", sections.render_plan_prediction,
             optional=True),
+    Section("plan_prediction_loaded.json", "Three plans beside a CPU-bound process: the same decision, or a tie stated? "
+            "(issue 43)",
+            ".venv/bin/python benchmarks/plan_prediction.py --model gpt-tiny --seq-len 128 --batch 16 --budget 160MiB "
+            "--time-budget 60 --train-steps 10 --conditions loaded loaded loaded --result "
+            "plan_prediction_loaded.json", sections.render_plan_prediction, optional=True),
     Section("phase_overhead.json", "Cost of the phase annotations when profiling is off",
             ".venv/bin/python benchmarks/phase_overhead.py", sections.render_phase_overhead),
     Section("audit_overhead.json", "Cost of `cadence audit` on a correct loop",

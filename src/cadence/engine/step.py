@@ -11,6 +11,8 @@ Rules it keeps (each has a test that fails when the rule is broken):
   window gives the gradient of one big batch, whatever the padding and the targets per example;
 - gradients synchronise only on the window's last micro-batch (the sync context is entered before its forward);
 - fp16 unscales before clipping; clipping happens once per window, on the total norm;
+- accumulation makes the largest gradients once: the token embedding's and (fp32) the head's are added straight into
+  ``.grad`` (cadence.memory.grad_in_place), so micro-batch 1 x accumulation 8 peaks no higher than 8 x 1;
 - the LR scheduler advances only when the optimizer really stepped; skipped steps are counted apart.
 """
 
@@ -34,6 +36,7 @@ from cadence.engine.noise_scale import FirstGradient, GradientNoiseScale, local_
 from cadence.engine.precision import Precision
 from cadence.engine.windows import IGNORE_INDEX, Batch, Window, WindowCounter, make_window
 from cadence.errors import CadenceFailure
+from cadence.memory.grad_in_place import accumulate_in_place
 from cadence.memory.meter import StepMemoryMeter
 from cadence.memory.offload import activation_offload
 
@@ -239,6 +242,7 @@ class Engine:
         agree_on_out_of_memory: bool = False,
         hf_labels: bool = False,
         noise_scale: GradientNoiseScale | None = None,
+        gradients_in_place: bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -263,6 +267,10 @@ class Engine:
         self.noise_scale = noise_scale
         """Measures the gradient noise scale from the window's two batch sizes (cadence.engine.noise_scale: one
         gradient norm per window); None: not measured."""
+        self.gradients_in_place = gradients_in_place
+        """Add the token embedding's and the LM head's weight gradients straight into ``.grad``
+        (cadence.memory.grad_in_place), so that accumulation never holds those largest gradients twice; False: autograd's
+        usual path for every parameter (the same sums, to rounding)."""
         self.phases: PhaseRecorder | None = None
         """Set by cadence.profiling.profiler while a profile runs; None (no annotations, no cost) otherwise."""
         self.steps = 0
@@ -385,7 +393,7 @@ class Engine:
                 with self._out_of_memory_agreement() as agreement, self._region(segment=True, guarded=True):
                     # Entered BEFORE the forward: DDP decides at forward time whether this backward all-reduces.
                     with self.collective.gradient_sync(self.model, enabled=index == last), \
-                            self._first_gradient(index, last):
+                            self._first_gradient(index, last), self._gradients_into_grad():
                         with self._region("forward"), self.precision.autocast(), self._saved_tensors_context():
                             micro_loss_sum = self.loss_fn(self.model, batch)
                         agreement.passed("forward")  # before any backward hook can start an all-reduce
@@ -441,6 +449,12 @@ class Engine:
         if self.noise_scale is None or index != 0:  # a resumed window skips index 0: its gradient is not alone
             return NO_PHASE
         return self.noise_scale.first_micro_batch(self.model, self.collective, only=last == 0)
+
+    def _gradients_into_grad(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-batch's forward and backward, inside the gradient-sync context (which decides whether the
+        backward synchronises, and so whether the path applies): the largest weight gradients added straight into
+        ``.grad`` (cadence.memory.grad_in_place), or the shared no-op."""
+        return accumulate_in_place(self.model) if self.gradients_in_place else NO_PHASE
 
     def _window_loss(self, loss_sum: torch.Tensor, counts: _WindowCounts, *, grad_norm: float, stepped: bool,
                      loss_scale: float | None) -> float:

@@ -235,6 +235,9 @@ class StepReplay:
         self.targets = tokens if target_tokens is None else target_tokens
         """Loss-bearing positions of a micro-batch: the only ones the gathering losses give the head."""
         self.lowp = precision != "fp32"
+        self.head_in_place = not self.lowp
+        """The head's weight gradient is added straight into ``.grad`` (cadence.memory.grad_in_place: in fp32; under
+        autocast the head keeps autograd's path). The token embedding's always is (it runs in fp32)."""
         self.act = 2 if self.lowp else FP32_BYTES  # bytes per element of the compute dtype
         self.mode = checkpointing
         self.saved = {"none": _SAVED_NONE, "selective": _SAVED_SELECTIVE, "full": _SAVED_FULL}[checkpointing]
@@ -266,11 +269,18 @@ class StepReplay:
                 size, category = self.tensors.pop(name)
                 self.live[category] -= size
 
-    def param_grad(self, name: str, numel: int) -> None:
-        """A parameter's gradient arrives: the first becomes ``.grad`` (fp32), later ones add into it in place.
-        Under autocast the matmul makes it in the compute dtype and autograd casts it: both exist for a moment.
-        A frozen parameter (:meth:`frozen`) gets none: autograd computes no weight gradient for it."""
+    def param_grad(self, name: str, numel: int, *, in_place: bool = False) -> None:
+        """A parameter's gradient arrives: the first becomes ``.grad`` (fp32), later ones are made beside it and
+        added into it (autograd's AccumulateGrad). Under autocast the matmul makes it in the compute dtype and autograd
+        casts it: both exist for a moment. ``in_place``: the token embedding's and the fp32 head's contributions,
+        which cadence.memory.grad_in_place adds straight into ``.grad`` (index_add_, addmm_): nothing is made beside
+        it. A frozen parameter (:meth:`frozen`) gets none: autograd computes no weight gradient for it."""
         if self.frozen(name):
+            return
+        if in_place:
+            if name not in self.grads:  # the first contribution becomes .grad, as autograd's would
+                self.grads.add(name)
+                self.alloc("grad." + name, numel * FP32_BYTES, "gradients")
             return
         if self.lowp:
             self.alloc("pg.low", numel * self.act, "temporaries")
@@ -539,7 +549,7 @@ class StepReplay:
                 self.alloc(f"dh{index}.f32", size * c * FP32_BYTES, "temporaries")  # the rows' cast, backward
                 self.free(f"dh{index}")
             else:
-                self.param_grad(head_param, v * c)
+                self.param_grad(head_param, v * c, in_place=self.head_in_place)
             self.free("dlogits", "dlogits.f32", "rows", "w.head")
         if self.lowp:  # all chunks are in: the cast's backward makes the fp32 gradient of the parameter
             self.free("dw.low")
@@ -573,7 +583,7 @@ class StepReplay:
                 self.free("dlogits.f32")
             self._bring_back("hf", "w.head")
             self.alloc("dhf", n * c * a, "temporaries")  # lm_head (tied to the token embedding)
-            self.param_grad("tok_emb", v * c)
+            self.param_grad("tok_emb", v * c, in_place=self.head_in_place)
             self.free("dlogits", "dlogits.f32", "hf", "w.head")
             self._bring_back(last, "lnf.stats")
             self._norm_backward("dhf", "dres")
@@ -582,7 +592,7 @@ class StepReplay:
         for layer in reversed(range(self.cfg.n_layer)):
             self._block_backward(layer)
         self.alloc("dpos", self.t * c * FP32_BYTES, "temporaries")  # the position term's gradient, summed over batch
-        self.param_grad("tok_emb", v * c)
+        self.param_grad("tok_emb", v * c, in_place=True)  # the lookup: cadence.memory.grad_in_place
         self.param_grad("pos_emb", self.cfg.context_length * c)
         self.free("dres", "dpos")
 

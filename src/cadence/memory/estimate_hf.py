@@ -397,7 +397,7 @@ class HFStepReplay(StepReplay):
                 self.alloc("dlogits", n * v * a, "temporaries")
                 self.free("dlogits.f32")
             self.alloc("dhf", n * c * a, "temporaries")
-            self.param_grad(head, v * c)
+            self.param_grad(head, v * c, in_place=self.head_in_place)
             self.free("dlogits", "dlogits.f32", "w.head")
             self._norm_backward("dhf", "dres")
         self.param_grad("norm_f", 2 * c)
@@ -412,17 +412,20 @@ class HFStepReplay(StepReplay):
             self.alloc("dpos", self.t * c * FP32_BYTES, "temporaries")
             self.param_grad("pos_emb", self.shape.context_length * c)
         self.embedding_lookup = True
-        self.param_grad("embed", v * c)
+        self.param_grad("embed", v * c, in_place=True)  # the lookup: cadence.memory.grad_in_place
         self.embedding_lookup = False
         self.free("dres", "dpos", "rope", "r0")
 
-    def param_grad(self, name: str, numel: int) -> None:
-        """A tied embedding is one weight used twice, and autograd sums its two contributions before its ``.grad``
-        sees either (measured on CPU, one contribution's size each): the head's, from the start of the backward, is
-        held apart from an existing ``.grad`` (a later micro-batch) until the lookup's dense gradient arrives at the
-        end, and the two are added out of place. Every other parameter: the parent's rule."""
-        if name != "embed" or not self.shape.tied_embeddings or self.frozen(name):
-            super().param_grad(name, numel)
+    def param_grad(self, name: str, numel: int, *, in_place: bool = False) -> None:
+        """A tied embedding is one weight used twice. Where both contributions are added straight into ``.grad``
+        (cadence.memory.grad_in_place: fp32, the head's in place too) nothing is held: the parent's in-place rule.
+        Under autocast the head's contribution takes autograd's path, and autograd holds it until the lookup's has
+        arrived (measured on CPU, one contribution's size each): the head's, from the start of the backward, is held
+        apart from an existing ``.grad`` (a later micro-batch) until the end; the lookup then adds its rows into
+        ``.grad`` in place (or, the first micro-batch, makes it: zeros + ``index_add_``), and the held one is added
+        into it in place. Every other parameter: the parent's rule."""
+        if name != "embed" or not self.shape.tied_embeddings or self.frozen(name) or self.head_in_place:
+            super().param_grad(name, numel, in_place=in_place)
             return
         if not self.embedding_lookup:  # the head's contribution (one per loss chunk)
             if name in self.grads and not self.tied_head_held:
@@ -434,10 +437,9 @@ class HFStepReplay(StepReplay):
                 return
             super().param_grad(name, numel)
             return
-        self.alloc("tied.dense", numel * FP32_BYTES, "temporaries")  # embedding_dense_backward's zeros + index_add
-        self.alloc("tied.sum", numel * FP32_BYTES, "temporaries")  # the two contributions added out of place
-        # The sum adds into an existing .grad in place, or becomes it (the head's buffer stood for it until now).
-        self.free("tied.dense", "tied.head", "tied.sum")
+        if not self.tied_head_held:  # the first micro-batch: the head's contribution stood for .grad until now
+            self.alloc("tied.dense", numel * FP32_BYTES, "temporaries")  # the lookup's .grad: zeros + index_add_
+        self.free("tied.dense", "tied.head")  # the held contribution added into .grad in place
         self.tied_head_held = False
 
     def _gelu_new_backward(self, p: str) -> None:

@@ -82,7 +82,8 @@ class PlanModel:
     @property
     def embedding_bytes(self) -> int:
         """fp32 bytes of the token embedding (vocabulary x width): the largest tensor of a model with a large
-        vocabulary, and so the largest gradient accumulation holds twice."""
+        vocabulary, whose gradient accumulation would hold twice if the engine did not add it straight into
+        ``.grad`` (cadence.memory.grad_in_place)."""
         width = self.shape.hidden_size if self.shape is not None else MODEL_CONFIGS[self.config.model].n_embd
         return self.vocab_size * width * 4
 

@@ -102,7 +102,8 @@ class Candidate:
     """The throughputs of its alternating rounds (front-runners and cuts), the first trial's included."""
     accumulation_bytes: int | None = None
     """What accumulation adds to its estimated peak (against the same micro-batch as a whole window): the gradients
-    held through the later micro-batches, and each new gradient made beside the accumulated one. None: no
+    held through the later micro-batches, and each new gradient made beside the accumulated one, except the token
+    embedding's and (fp32) the head's, which go straight into ``.grad`` (cadence.memory.grad_in_place). None: no
     accumulation."""
 
     @property
@@ -444,17 +445,22 @@ def speed_first(queue: list[Candidate], device: torch.device) -> list[Candidate]
 def accumulation_diagnosis(candidates: list[Candidate], model: PlanModel) -> dict[str, Any]:
     """Whether accumulation raises the peak on this model, from the candidates' estimates: within each group of
     levers, a candidate that accumulates estimated above the group's whole batch at once (micro N x accum 1). From the
-    second micro-batch on, each parameter's new gradient is made beside the one accumulated so far, so the largest
-    tensors (a large vocabulary's embedding and head) are held twice: where they dominate, that costs more than the
-    activations the smaller micro-batch saves, and "accumulate to save memory" is wrong there."""
+    second micro-batch on, autograd makes each parameter's new gradient beside the one accumulated so far; for the
+    largest tensors (a large vocabulary's embedding and head) the engine avoids that by adding their gradients
+    straight into ``.grad`` (cadence.memory.grad_in_place: the embedding in every precision, the head in fp32), so
+    what accumulation still adds is the accumulated gradients held through the later micro-batches, and under
+    autocast the head's gradient made beside them. Where that outweighs the activations the smaller micro-batch
+    saves, "accumulate to save memory" is wrong, and the diagnosis says so."""
     whole = {c.group: c for c in candidates if c.setup.grad_accum_steps == 1}
     worse = [(c, whole[c.group]) for c in candidates if c.accumulation_bytes is not None and c.group in whole
              and c.estimate.peak_bytes > whole[c.group].estimate.peak_bytes]
     largest = model.embedding_bytes
     added = [c.accumulation_bytes for c in candidates if c.accumulation_bytes is not None]
     text = ((f"accumulation adds {format_bytes(min(added))} to {format_bytes(max(added))} to the candidates' estimated "
-             f"peaks: from the second micro-batch on each gradient is made beside the one accumulated so far, so the "
-             f"largest tensors are held twice (the token embedding alone is {format_bytes(largest)}). ")
+             f"peaks: the gradients accumulated so far are held through the later micro-batches. The largest tensors' "
+             f"new gradients are not made a second time beside them: the token embedding's ({format_bytes(largest)}) "
+             f"and, in fp32, the head's are added straight into the accumulated ones (under bf16 or fp16 the head's "
+             f"is still made beside them, and on several processes so is the synchronising last micro-batch's). ")
             if added else "no candidate accumulates. ")
     case: dict[str, Any] | None = None
     if worse:
@@ -470,7 +476,8 @@ def accumulation_diagnosis(candidates: list[Candidate], model: PlanModel) -> dic
                  f"are what cut it.")
     elif added:
         text += "Every accumulating candidate is estimated below its whole batch at once: accumulation lowers the peak."
-    return {"raises_peak": bool(worse), "case": case, "largest_tensor_bytes": largest, "explanation": text}
+    return {"raises_peak": bool(worse), "case": case, "largest_tensor_bytes": largest, "explanation": text,
+            "avoided": "the token embedding's and (fp32) the head's second gradient: added straight into .grad"}
 
 
 def longest_example(data: DataSplits, seq_len: int) -> int:
