@@ -14,6 +14,8 @@ from helpers import sample_text
 
 from cadence.cli import main
 from cadence.plan.measure import Deadline, Rates, alternate, probe_precisions, ranked_with_ties, tied
+from cadence.plan.planner import time_over_budget
+from cadence.profiling.flops import matmul_speed
 
 
 def test_a_candidate_s_throughput_is_its_median_and_its_noise_half_the_spread() -> None:
@@ -70,6 +72,43 @@ def test_a_precision_is_left_out_only_when_slower_beyond_doubt() -> None:
     assert len(probe.notes) == 1 and probe.notes[0].startswith("fp16 was left out") and "GMAC/s" in probe.notes[0]
 
 
+def test_a_plan_past_its_time_budget_says_where_the_time_went() -> None:
+    """Three loaded plans ran 3x past a 60 s --time-budget with nothing saying why; now plan.json's time_spent_s
+    holds each phase and a plan past its budget (by more than 10%) names the phases, largest first."""
+    deadline = Deadline(60.0)
+    for _ in range(2):
+        with deadline.phase("trials"):
+            pass
+    assert set(deadline.spent) == {"start-up", "trials"} and deadline.spent["trials"] >= 0.0
+    deadline.spent.update({"start-up": 24.0, "precision probe": 0.2, "trials": 50.0, "quality check": 40.0})
+    assert time_over_budget(deadline, 65.0) is None  # within 10%
+    note = time_over_budget(deadline, 120.0)
+    assert note is not None and note.startswith("the plan took 120 s against its --time-budget of 60 s: "
+                                                 "trials 50 s, quality check 40 s, start-up 24 s.")
+    assert "precision probe" not in note  # under half a second: not worth a word
+
+
+class _CountMatmuls(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += getattr(func, "__name__", "") in ("matmul", "__matmul__")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_probe_round_multiplies_only_as_long_as_its_time_allows() -> None:
+    """An emulated precision multiplies 30-50x slower than fp32 (bf16 on an AVX2 CPU): the probe's fixed eight
+    multiplies a round took 9.9 s of a 37 s plan. With ``round_seconds`` a round runs what fits in it, at least one."""
+    with _CountMatmuls() as unbounded:
+        matmul_speed("fp32", torch.device("cpu"), size=64, repeats=8)
+    with _CountMatmuls() as bounded:
+        speed = matmul_speed("fp32", torch.device("cpu"), size=64, repeats=8, round_seconds=1e-12)
+    assert unbounded.count == 1 + 3 * 8  # the warm-up, then three rounds of eight
+    assert bounded.count == 1 + 1 + 3 * 1 and speed > 0  # the warm-up, one timed to size the rounds, three of one
+
+
 def _plan(tmp_path: Path, out: str, *extra: str) -> dict:
     data = tmp_path / "text.txt"
     if not data.exists():
@@ -87,6 +126,9 @@ def test_a_time_budget_stops_the_trials_and_says_what_was_not_measured(tmp_path:
     assert unmeasured and any("--time-budget of 0.001 s was spent" in note for note in plan["notes"])
     assert plan["quality"]["gradient"]["passed"]  # the quality check always runs
     assert plan["prediction"]["tokens_per_s"] > 0 and plan["time_budget_s"] == 0.001
+    # The budget cannot hold the first trial and the quality check: the plan says so, and where its time went.
+    assert plan["time_spent_s"]["trials"] > 0 and plan["time_spent_s"]["quality check"] > 0
+    assert any(note.startswith("the plan took ") and "--time-budget of 0.001 s" in note for note in plan["notes"])
 
 
 def test_rounds_that_disagree_rank_nothing_by_their_median() -> None:

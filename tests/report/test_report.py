@@ -318,6 +318,16 @@ def test_plan_report(plan_dir: Path) -> None:
         assert width <= PAGE_WIDTH_PX, name
 
 
+def test_the_plan_report_says_where_the_plan_s_time_went(plan_dir: Path) -> None:
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    plan.update(time_budget_s=60, time_spent_s={"start-up": 4.0, "trials": 20.0, "rounds": 0.0,
+                                                 "quality check": 9.5})
+    (plan_dir / "plan.json").write_text(json.dumps(plan))
+    build_report(plan_dir)
+    planned = next(line for line in (plan_dir / "report.md").read_text().splitlines() if "**Planned:**" in line)
+    assert planned.endswith(" of a 60 s --time-budget (trials 20.0 s, quality check 9.5 s, start-up 4.0 s)")
+
+
 def test_plan_with_nothing_chosen(plan_dir: Path) -> None:
     build_report(plan_dir)  # the full report first: its throughput and quality plots must not linger
     plan = json.loads((plan_dir / "plan.json").read_text())

@@ -12,9 +12,10 @@ its best round is far below the slowest round of the fastest precision.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -106,11 +107,22 @@ def ranked_with_ties(items: Sequence[T], rates: Callable[[T], Rates], peak: Call
 
 
 class Deadline:
-    """``--time-budget``: the measuring a plan may do, in seconds from its start."""
+    """``--time-budget``: the measuring a plan may do, in seconds from its start, and where the time went (the
+    seconds before the deadline was made, the command's start-up, and each :meth:`phase`)."""
 
     def __init__(self, seconds: float, *, started: float | None = None) -> None:
         self.seconds = seconds
         self.started = time.perf_counter() if started is None else started
+        self.spent: dict[str, float] = {"start-up": self.elapsed}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Count the time of the ``with`` block to ``name`` in :attr:`spent` (added up over several blocks)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - began
 
     @property
     def elapsed(self) -> float:
@@ -123,6 +135,9 @@ class Deadline:
 
 PROBE_ROUNDS = 3
 """Rounds of the matmul probe, alternating the precisions."""
+PROBE_ROUND_SECONDS = 0.02
+"""The longest a probe round may multiply for (``matmul_speed``'s ``round_seconds``): eight 384-wide fp32 multiplies
+take about 10 ms on a 2-core CPU; an emulated precision then runs one multiply a round, enough to show it is slow."""
 SLOW_PRECISION = 0.2
 """A precision whose best matmul round runs below a fifth of the slowest round of the fastest precision is not a
 candidate: that is an emulated precision (fp16 on most CPUs runs at ~1% of bf16), not a close call. Closer calls are
@@ -140,10 +155,11 @@ class PrecisionProbe:
 
 
 def probe_precisions(names: Sequence[PrecisionName], device: torch.device,
-                     speed: Callable[[PrecisionName, torch.device], float] = matmul_speed) -> PrecisionProbe:
+                     speed: Callable[[PrecisionName, torch.device], float] | None = None) -> PrecisionProbe:
     """Which of ``names`` can win on throughput: each probed in :data:`PROBE_ROUNDS` alternating rounds; one is left
     out only when it is slower beyond doubt (its best round below :data:`SLOW_PRECISION` of the fastest precision's
     worst round), and the notes give the figures either way."""
+    speed = speed or (lambda name, on: matmul_speed(name, on, round_seconds=PROBE_ROUND_SECONDS))
     speeds: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(PROBE_ROUNDS):
         for name in names:
@@ -165,5 +181,5 @@ def _gmacs(rounds: Sequence[float]) -> str:
     return f"{low:.3g}-{high:.3g} GMAC/s" if len(rounds) > 1 else f"{high:.3g} GMAC/s"
 
 
-__all__ = ["DISAGREE", "PROBE_ROUNDS", "SLOW_PRECISION", "Deadline", "PrecisionProbe", "Rates", "agree", "alternate",
+__all__ = ["DISAGREE", "PROBE_ROUNDS", "PROBE_ROUND_SECONDS", "SLOW_PRECISION", "Deadline", "PrecisionProbe", "Rates", "agree", "alternate",
            "overlap", "probe_precisions", "ranked_with_ties", "tied"]

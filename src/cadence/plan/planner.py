@@ -534,11 +534,12 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     # One deadline from the plan's start: the noise-scale measurement spends part of it, the trials the rest.
     deadline = Deadline(options.time_budget, started=started)
     if auto:
-        batch_choice = choose_effective_batch(
-            prep, model, budget=budget, windows=options.noise_scale_windows,
-            bounds=(options.min_effective_batch_size, options.max_effective_batch_size),
-            lr_reference=options.lr_reference_batch, constrained=constrained, say=say, deadline=deadline,
-            training=options.noise_scale_training)
+        with deadline.phase("noise scale"):
+            batch_choice = choose_effective_batch(
+                prep, model, budget=budget, windows=options.noise_scale_windows,
+                bounds=(options.min_effective_batch_size, options.max_effective_batch_size),
+                lr_reference=options.lr_reference_batch, constrained=constrained, say=say, deadline=deadline,
+                training=options.noise_scale_training)
         config = dataclasses.replace(config, effective_batch_size=batch_choice.effective_batch_size)
         prep = prep.variant(effective_batch_size=batch_choice.effective_batch_size)
         notes.append(f"effective batch {batch_choice.effective_batch_size}: {batch_choice.reason}. "
@@ -558,15 +559,18 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
                      f"estimated at micro-batches of rows that long, and measured on the longest window the data can "
                      f"produce")
     states = ([config.optimizer_state] if "optimizer_state" in constrained else ["fp32"])
-    candidates = build_candidates(config, constrained, device, seq_len, notes, model, states=states, longest=longest)
+    with deadline.phase("precision probe"):  # and the candidates' estimates
+        candidates = build_candidates(config, constrained, device, seq_len, notes, model, states=states,
+                                      longest=longest)
     kept = sorted({c.setup.precision for c in candidates}, key=PRECISIONS.index)
     accumulation = accumulation_diagnosis(candidates, model)
     if accumulation["raises_peak"]:
         say(f"diagnosis: {accumulation['explanation']}")
     measured: list[Candidate] = []
-    _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes,
-                defer_over_estimate="optimizer_state" not in constrained
-                or nf4_problem(config, constrained, model, kept) is None)
+    with deadline.phase("trials"):
+        _run_trials(candidates, candidates, measured, prep, budget, options, deadline, say, notes,
+                    defer_over_estimate="optimizer_state" not in constrained
+                    or nf4_problem(config, constrained, model, kept) is None)
     feasible = [c for c in measured if _feasible(c)]
     if not feasible:
         # Only where no exact configuration fits (measured, not estimated: the estimate may be optimistic) does the
@@ -575,7 +579,8 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
         more = lossy_candidates(config, constrained, device, seq_len, model, longest=longest, precisions=kept,
                                 first_number=len(candidates) + 1, notes=notes, say=say)
         candidates += more
-        _run_trials(more, candidates, measured, prep, budget, options, deadline, say, notes)
+        with deadline.phase("trials"):
+            _run_trials(more, candidates, measured, prep, budget, options, deadline, say, notes)
         feasible = [c for c in measured if _feasible(c)]
     if not feasible:
         smallest = min((c for c in measured if c.measured and c.measured.peak_bytes), default=None,
@@ -587,12 +592,14 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
                          + untried_levers(candidates, budget, deadline, constrained)
                          + (f" An nf4 base (--lora-base-precision nf4) was not a candidate: it {why_not_nf4}."
                             if why_not_nf4 is not None else ""))
-    chosen = _decide(feasible, prep, options, deadline, say, notes)
+    with deadline.phase("rounds"):
+        chosen = _decide(feasible, prep, options, deadline, say, notes)
     lossy_checks: dict[str, list[dict[str, Any]]] = {"optimizer_state": [], "lora_base_precision": []}
     while (lever := _unchecked_lossy_lever(chosen.setup, lossy_checks)) is not None:
         # A lossy lever is kept only when its losses stay near the exact configuration's. The split, recompute,
         # offload and chunking are exact levers, so the check of one lossy value holds for every candidate with it.
-        check = (_state_check if lever == "optimizer_state" else _base_check)(prep, chosen, budget, options)
+        with deadline.phase("lossy-lever checks"):
+            check = (_state_check if lever == "optimizer_state" else _base_check)(prep, chosen, budget, options)
         lossy_checks[lever].append(check)
         label, value, reference, tolerance = _lossy_words(lever, check)
         say(f"{label}: losses within {check['max_relative_difference']:.2%} of {reference} over {check['steps']} "
@@ -614,19 +621,28 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
                       else "give --lora-base-precision nf4 to train with it anyway")
             raise PlanFailed(f"no configuration fits in {format_bytes(budget)} with {what}. Try a larger "
                              f"--memory-budget, a smaller --seq-len or a smaller model (or {anyway}).")
-        chosen = _decide(feasible, prep, options, deadline, say, notes)
-    chosen, cuts = (_compare_cuts(prep, chosen, budget, options, say, model, notes, deadline)
-                    if not constrained & set(CUT_FLAGS) else (chosen, []))
+        with deadline.phase("rounds"):
+            chosen = _decide(feasible, prep, options, deadline, say, notes)
+    with deadline.phase("cuts"):
+        chosen, cuts = (_compare_cuts(prep, chosen, budget, options, say, model, notes, deadline)
+                        if not constrained & set(CUT_FLAGS) else (chosen, []))
     say(f"choice: {chosen.id} {chosen.setup.describe()} at {chosen.measured.tokens_per_s:,.0f} tokens/s, "  # type: ignore
         f"peak {format_bytes(chosen.measured.peak_bytes)}")  # type: ignore[union-attr]
-    quality = _quality_check(prep, chosen, budget, options, model)
+    with deadline.phase("quality check"):
+        quality = _quality_check(prep, chosen, budget, options, model)
     quality["optimizer_state"] = lossy_checks["optimizer_state"]
     quality["lora_base_precision"] = lossy_checks["lora_base_precision"]
     say(f"quality: gradient relative error {quality['gradient']['relative_error']:.2e} "
         f"({'pass' if quality['gradient']['passed'] else 'FAIL'}), loss within "
         f"{quality['loss']['max_relative_difference']:.2%} of fp32 ({'pass' if quality['loss']['passed'] else 'FAIL'})")
+    duration = time.perf_counter() - started
+    over = time_over_budget(deadline, duration)
+    if over is not None:
+        notes.append(over)
+        say(f"time: {over}")
     plan = _plan_document(config, data, device, seq_len, budget, baseline, candidates, chosen, quality, notes,
-                          epoch_tokens(data), time.perf_counter() - started, model, options.time_budget)
+                          epoch_tokens(data), duration, model, options.time_budget)
+    plan["time_spent_s"] = {name: round(seconds, 3) for name, seconds in deadline.spent.items() if seconds > 0}
     plan["cuts"] = cuts
     plan["diagnosis"]["accumulation"] = accumulation
     plan["effective_batch"] = (batch_choice.as_dict() if batch_choice is not None
@@ -636,6 +652,25 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     _write_report(out, say)
     say(f"plan written to {out / PLAN_FILE}; train with: cadence train --plan {out / PLAN_FILE}")
     return plan
+
+
+TIME_OVER = 1.1
+"""A plan that takes longer than this share of its --time-budget says where the time went."""
+
+
+def time_over_budget(deadline: Deadline, duration: float) -> str | None:
+    """The note of a plan that ran past its --time-budget (by more than :data:`TIME_OVER`): where its time went. A
+    plan always measures one candidate and checks the one it chooses, so the start-up, the first trial and the quality
+    check are spent whatever the budget, and on a busy machine each takes several times its quiet time."""
+    if duration <= deadline.seconds * TIME_OVER:
+        return None
+    spent = sorted(((name, seconds) for name, seconds in deadline.spent.items() if seconds >= 0.5),
+                   key=lambda item: -item[1])
+    return (f"the plan took {duration:.0f} s against its --time-budget of {deadline.seconds:g} s: "
+            + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in spent)
+            + ". The start-up, the first trial and the quality check run whatever the budget (a plan measures at least "
+              "one candidate and checks the one it chooses); on a busy machine each takes several times its quiet "
+              "time: a larger --time-budget, or planning on a quieter machine, keeps the plan within it")
 
 
 def _run_trials(pool: list[Candidate], candidates: list[Candidate], measured: list[Candidate], prep: Prepared,

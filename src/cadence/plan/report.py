@@ -99,11 +99,22 @@ def _plan_setup(plan: dict[str, Any]) -> list[str]:
         f"{format_bytes(get('memory_budget_bytes'))} per process",
         f"**Data:** {get('data') or 'built-in corpus'}"
         + (f" ({get('tokens_per_epoch'):,} tokens per epoch)" if isinstance(get("tokens_per_epoch"), int) else ""),
-        f"**Planned:** {get('created', '?')}, in {format_hms(get('duration_s'))}",
+        f"**Planned:** {get('created', '?')}, in {format_hms(get('duration_s'))}"
+        + (f" of a {get('time_budget_s'):g} s --time-budget" if isinstance(get("time_budget_s"), (int, float)) else "")
+        + _time_spent(get("time_spent_s")),
     ]
     if get("version") not in (None, 1):
         items.append(f"**Note:** plan.json version {get('version')}; this report reads version 1 and may miss fields")
     return items
+
+
+def _time_spent(spent: Any) -> str:
+    """Where the plan's time went (plan.json ``time_spent_s``), largest first; empty for a plan without it."""
+    if not isinstance(spent, dict):
+        return ""
+    phases = sorted(((str(name), float(seconds)) for name, seconds in spent.items()
+                     if isinstance(seconds, (int, float)) and seconds >= 0.05), key=lambda item: -item[1])
+    return f" ({', '.join(f'{name} {seconds:.1f} s' for name, seconds in phases)})" if phases else ""
 
 
 def _diagnosis(diagnosis: dict[str, Any], chosen: dict[str, Any] | None, budget: float | None) -> list[Block]:

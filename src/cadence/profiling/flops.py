@@ -27,26 +27,36 @@ def model_flops_per_token(config: GPTConfig, seq_len: int) -> float:
     return 6.0 * weights + attention
 
 
-def matmul_speed(precision: PrecisionName, device: torch.device, size: int = 384, repeats: int = 8) -> float:
-    """Multiply-adds per second of a square matmul under ``precision``'s autocast: best of three timed rounds."""
+def matmul_speed(precision: PrecisionName, device: torch.device, size: int = 384, repeats: int = 8,
+                 round_seconds: float | None = None) -> float:
+    """Multiply-adds per second of a square matmul under ``precision``'s autocast: best of three timed rounds.
+
+    ``round_seconds``: each round runs at most as many of the ``repeats`` multiplies as fit in it (at least one), as
+    one timed multiply after the warm-up predicts. An emulated precision (bf16 or fp16 on a CPU without their
+    instructions) multiplies 30-50x slower than fp32, so a fixed count would spend seconds learning only that it is
+    slow (measured: 9.9 s of a 37 s plan)."""
 
     generator = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(device)
     b = torch.randn(size, size, generator=generator).to(device)
     autocast = Precision(precision, device).autocast
-    with autocast():
-        a @ b  # warm-up: kernel selection, autocast's weight cast
-    best = float("inf")
-    for _ in range(3):
+
+    def timed(count: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         with autocast():
-            for _ in range(repeats):
+            for _ in range(count):
                 a @ b
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
+        return time.perf_counter() - started
+
+    timed(1)  # warm-up: kernel selection, autocast's weight cast
+    if round_seconds is not None:
+        one = timed(1)
+        repeats = max(1, min(repeats, int(round_seconds / max(one, 1e-9))))
+    best = min(timed(repeats) for _ in range(3))
     return repeats * size**3 / best
 
 
@@ -71,5 +81,5 @@ def measured_peak_flops(precision: PrecisionName, device: torch.device) -> tuple
     """Peak FLOP/s of this device in ``precision``: a short large-matmul benchmark (2 FLOPs per multiply-add)."""
     size = 4096 if device.type == "cuda" else 1024
     repeats = 20 if device.type == "cuda" else 4
-    flops = 2.0 * matmul_speed(precision, device, size=size, repeats=repeats)
+    flops = 2.0 * matmul_speed(precision, device, size=size, repeats=repeats, round_seconds=0.25)
     return flops, f"measured: {precision} matmul {size}x{size} on {device.type}, best of 3 rounds"

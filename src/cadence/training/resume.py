@@ -17,8 +17,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from cadence.config.schema import MATH_FIELDS
 from cadence.distributed.ranks import broadcast_from_main, unwrap
 from cadence.engine.cut import CUT_FLAG_DEFAULTS
@@ -226,6 +224,10 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Components, c
                 f"cut into micro-batches as it was to continue it (resume with {saved!r})")))
     if problems:
         raise UsageError(problems)
+    # DCP's exception (a BaseException) is imported here, not with the module: importing DCP costs every command
+    # about 2 s (torch.distributed.checkpoint pulls torch.distributed.tensor) and only a resume can meet it.
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         # A checkpoint whose manifest verifies can still hold states that do not fit this run (crafted, or written
         # by another model): each load below raises on its own terms, and all of them are one refusal, before the

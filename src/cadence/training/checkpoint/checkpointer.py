@@ -46,9 +46,9 @@ from cadence.training.checkpoint.layout import (
     restore_rng_state,
     rng_state,
     seal,
+    shard_files,
     stage,
 )
-from cadence.training.checkpoint.sharded import read_shards, shard_files, shard_state, write_shards
 from cadence.training.components import Components
 from cadence.training.run_dir import CHECKPOINTS_DIR, writing
 from cadence.training.state_file import read_state, state_file_names, write_state
@@ -175,6 +175,8 @@ class Checkpointer:
             capture.whole = (full_model_state(parts.model, ranks),
                              full_optimizer_state(parts.model, parts.optimizer, ranks))
         else:
+            from cadence.training.checkpoint.sharded import shard_state  # DCP's import: only runs that use it
+
             capture.shards, capture.sharded_optimizer = shard_state(parts.model, parts.optimizer)
         if kind == DCP or (partial is not None and ranks.world_size > 1):
             # Mid-window each rank has its own gradients and its own share of the window's loss so far.
@@ -202,6 +204,8 @@ class Checkpointer:
                 if capture.own is not None and staging is not None:
                     write_state(staging, rank_state_stem(ranks.rank), capture.own)
                     if capture.shards is not None:
+                        from cadence.training.checkpoint.sharded import write_shards
+
                         write_shards(staging, capture.shards, group=group)  # every rank its own shard
                     mine = [*state_file_names(rank_state_stem(ranks.rank)), *shard_files(staging, ranks.rank)]
                     digests = _gathered(checksums(staging, mine), ranks, group)  # each rank hashes what it wrote
@@ -239,6 +243,8 @@ class Checkpointer:
         state, path = checkpoint.state, checkpoint.path
         kind = CheckpointFormat.of_checkpoint(path).kind
         if kind == DCP:
+            from cadence.training.checkpoint.sharded import read_shards
+
             read_shards(path, parts.model, parts.optimizer, state["optimizer"])
         else:
             load_files_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"],

@@ -61,6 +61,11 @@ LEGACY_PICKLE_FILE = "training_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+def shard_files(folder: Path, rank: int) -> list[str]:
+    """The shard files ``rank`` wrote into ``folder`` (DCP names them after their writer's rank)."""
+    return sorted(path.name for path in folder.glob(f"__{rank}_*{SHARD_SUFFIX}"))
+
+
 def rng_state() -> dict[str, Any]:
     """Every random generator a training step can touch."""
     state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),

@@ -162,11 +162,6 @@ def read_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
     set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": saved["param_groups"]})
 
 
-def shard_files(folder: Path, rank: int) -> list[str]:
-    """The shard files ``rank`` wrote into ``folder`` (DCP names them after their writer's rank)."""
-    return sorted(path.name for path in folder.glob(f"__{rank}_*{SHARD_SUFFIX}"))
-
-
 def read_model_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """The whole model's weights of a sharded checkpoint, assembled from every rank's shard in this one process
     without a process group (``cadence sample --weights step-N``): what ``model.safetensors`` holds in the
