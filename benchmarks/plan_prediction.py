@@ -40,9 +40,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @contextlib.contextmanager
-def load(condition: str) -> Iterator[int]:
-    """``loaded``: CPU-bound processes beside the plan (all cores but one, at least one); ``quiet``: none."""
-    count = 0 if condition == "quiet" else max(1, (os.cpu_count() or 2) - 1)
+def load(condition: str, burners: int | None = None) -> Iterator[int]:
+    """``loaded``: CPU-bound processes beside the plan (``burners``; default all cores but one, at least one);
+    ``quiet``: none."""
+    count = 0 if condition == "quiet" else (burners if burners is not None else max(1, (os.cpu_count() or 2) - 1))
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     try:
         yield count
@@ -58,7 +59,7 @@ def run_condition(condition: str, args: argparse.Namespace, root: Path, index: i
              "--memory-budget", args.budget]
     extra = ["--time-budget", str(args.time_budget)] if args.time_budget else []
     load_before = os.getloadavg()[0]  # other sessions' work included: load the burners do not account for
-    with load(condition) as burners:
+    with load(condition, args.burners) as burners:
         started = time.perf_counter()
         assert cadence(["plan", *shape, *extra, "--out", str(plan_dir)]) == 0
         plan_seconds = time.perf_counter() - started
@@ -87,6 +88,8 @@ def main() -> int:
     parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--time-budget", type=float, default=None, help="default: the plan's own default")
     parser.add_argument("--conditions", nargs="+", default=["quiet", "loaded"], choices=["quiet", "loaded"])
+    parser.add_argument("--burners", type=int, default=None,
+                        help="CPU-bound processes beside a loaded plan (default: all cores but one)")
     parser.add_argument("--quick", action="store_true", help="gpt-tiny, seq 64, a few steps: a smoke run")
     parser.add_argument("--result", default=None, help="file name under benchmarks/results (default: "
                         "plan_prediction.json, or plan_prediction_quick.json with --quick)")

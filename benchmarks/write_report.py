@@ -77,6 +77,11 @@ SECTIONS = (
             ".venv/bin/python benchmarks/plan_prediction.py --model gpt-tiny --seq-len 128 --batch 16 --budget 160MiB "
             "--time-budget 60 --train-steps 10 --conditions loaded loaded loaded --result "
             "plan_prediction_loaded.json", sections.render_plan_prediction, optional=True),
+    Section("plan_prediction_heavy.json", "Three plans beside eight CPU-bound processes on two cores: does the "
+            "--time-budget bound the command? (issue 43)",
+            ".venv/bin/python benchmarks/plan_prediction.py --model gpt-tiny --seq-len 128 --batch 16 --budget 160MiB "
+            "--time-budget 60 --train-steps 10 --conditions loaded loaded loaded --burners 8 --result "
+            "plan_prediction_heavy.json", sections.render_plan_prediction, optional=True),
     Section("phase_overhead.json", "Cost of the phase annotations when profiling is off",
             ".venv/bin/python benchmarks/phase_overhead.py", sections.render_phase_overhead),
     Section("audit_overhead.json", "Cost of `cadence audit` on a correct loop",

@@ -68,11 +68,12 @@ def test_verify_accepts_loss_chunking_as_an_exact_lever(tmp_path: Path, capsys: 
 STATE_LLAMA = [arg.replace("hidden_size=64", "hidden_size=128").replace("intermediate_size=128", "intermediate_size=256")
                .replace("max_position_embeddings=512", "max_position_embeddings=128") for arg in LLAMA]
 """4.4M parameters, most of them the 32,000-token embedding: at seq 64 the step's peak is the optimizer's (measured
-at micro-batch 1 x 4: 114 MiB with fp32 AdamW state, 97.5 MiB with bf16 state; the estimate puts 8bit state at
-120 MiB: bitsandbytes' CPU step needs more scratch than it saves)."""
+at micro-batch 2 x 2: 98.8 MiB with fp32 AdamW state since accumulation adds the embedding's gradient in place, 114
+MiB before; bf16 state saves about 17 MiB of it; the estimate puts 8bit state above fp32's: bitsandbytes' CPU step
+needs more scratch than it saves)."""
 
 
-def _state_plan(tmp_path: Path, out: str, budget: str = "104MiB") -> list[str]:
+def _state_plan(tmp_path: Path, out: str, budget: str = "90MiB") -> list[str]:
     data = write_jsonl(tmp_path / "data.jsonl", count=48)
     return ["plan", *STATE_LLAMA, "--data", str(data), "--data-cache", str(tmp_path / "cache"), "--seq-len", "64",
             "--too-long", "truncate", "--effective-batch-size", "4", "--memory-budget", budget, "--precision", "fp32",
@@ -83,7 +84,7 @@ def _state_plan(tmp_path: Path, out: str, budget: str = "104MiB") -> list[str]:
 @pytest.mark.slow
 def test_a_lossy_optimizer_state_is_chosen_only_where_nothing_exact_fits_and_after_its_loss_check(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 26 item 5: under 104 MiB no configuration with fp32 optimizer state fits, so bf16 state is a candidate;
+    """Issue 26 item 5: under 90 MiB no configuration with fp32 optimizer state fits, so bf16 state is a candidate;
     the decision uses it only after its losses stayed within the tolerance of fp32 state's, and the report shows the
     memory-throughput front with the quality column."""
     assert main(_state_plan(tmp_path, "plan")) == 0
@@ -96,7 +97,7 @@ def test_a_lossy_optimizer_state_is_chosen_only_where_nothing_exact_fits_and_aft
     assert 0 < check["max_relative_difference"] <= check["tolerance"] == 0.01
     assert check["losses"][0] == check["reference"][0]  # the first step's loss precedes any update
     assert "optimizer state bf16: losses within" in err
-    assert plan["prediction"]["peak_bytes"] <= 104 * 2**20
+    assert plan["prediction"]["peak_bytes"] <= 90 * 2**20
     report = (tmp_path / "plan" / "report.md").read_text()
     assert "| front | quality |" in report and "PASS (loss within" in report and "exact" in report
     assert "--optimizer-state bf16" in report

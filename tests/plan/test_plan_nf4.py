@@ -16,7 +16,10 @@ import pytest
 from helpers import run_cli, write_jsonl
 
 from cadence.config import TrainConfig
+from cadence.plan.measure import Rates
 from cadence.plan.models import plan_model
+from cadence.plan.planner import nf4_buys_speed, nf4_clearly_faster
+from cadence.plan.trials import TrialSetup
 from cadence.training.prepare import build_run_hf
 
 pytest.importorskip("peft")
@@ -121,3 +124,59 @@ def test_an_nf4_base_that_fails_its_loss_check_is_never_chosen(tmp_path: Path, m
     assert "with a base whose losses stay within 0% of the full-precision base's" in err
     assert "give --lora-base-precision nf4 to train with it anyway" in err
     assert not (tmp_path / "plan" / "plan.json").exists()
+
+
+def _setup(micro: int, recompute: str = "none", **levers: object) -> TrialSetup:
+    from cadence.engine.cut import Cut
+
+    return TrialSetup(cut=Cut(micro_batch_size=micro), grad_accum_steps=4 // micro, precision="fp32",
+                      activation_checkpointing=recompute, offload="none", **levers)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("nf4", "chosen", "buys"), [
+    (_setup(2, "full", lora_base_precision="nf4"), _setup(1, "full"), True),  # a larger micro-batch
+    (_setup(1, "none", lora_base_precision="nf4"), _setup(1, "full"), True),  # less recompute
+    (_setup(1, "full", lora_base_precision="nf4"), _setup(1, "full"), False),  # the same levers: only slower
+    (_setup(4, "full", lora_base_precision="nf4"), _setup(1, "none"), False),  # larger, but more recompute
+    (_setup(1, "none", lora_base_precision="nf4", loss_chunk_tokens=64), _setup(1, "full"), False),  # chunks added
+])
+def test_an_nf4_base_is_measured_only_where_its_freed_memory_buys_a_speed_lever(nf4: TrialSetup, chosen: TrialSetup,
+                                                                                buys: bool) -> None:
+    assert nf4_buys_speed(nf4, chosen) is buys
+
+
+def test_an_nf4_base_replaces_a_choice_only_when_clearly_faster() -> None:
+    """More than 10% faster by the median and outside the rounds' noise; a tie or a small gain keeps the choice."""
+    exact = Rates(rounds=[100.0, 101.0, 99.0])
+    assert nf4_clearly_faster(Rates(rounds=[120.0, 121.0, 119.0]), exact)
+    assert not nf4_clearly_faster(Rates(rounds=[108.0, 109.0, 107.0]), exact)  # 8%: not clear enough
+    assert not nf4_clearly_faster(Rates(rounds=[80.0, 160.0, 120.0]), exact)  # 19% by the median, within its noise
+    assert not nf4_clearly_faster(Rates(), exact)
+
+
+def test_where_the_full_precision_base_fits_only_with_recompute_the_plan_measures_an_nf4_base_against_it(
+        tmp_path: Path, one_thread: None) -> None:
+    """Issue 39 item 3, "or clearly faster": at 3.75 MiB with effective batch 4 the fp32 base fits at micro-batch 1
+    with full recompute (estimated 3.43 MiB) while an nf4 base fits larger micro-batches or no recompute. The plan
+    measures the nf4 configurations its freed memory buys, times them against its choice, says what it found, and
+    takes one only when it is more than 10% faster outside the noise and its losses pass their check."""
+    data = write_jsonl(tmp_path / "data.jsonl", count=32)
+    plan_flags = [*PLAN, "--effective-batch-size", "4", "--max-trials", "4", "--rounds", "2"]
+    status, _, err = run_cli(["plan", *LLAMA, "--data", str(data), "--data-cache", str(tmp_path / "cache"),
+                              *plan_flags, "--memory-budget", "3.75MiB", "--out", str(tmp_path / "plan")])
+    assert status == 0, err
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    nf4 = [c for c in plan["candidates"] if c["lora_base_precision"] == "nf4"]
+    assert 1 <= len(nf4) <= 2 and all(c["measured"] is not None for c in nf4), plan["candidates"]
+    assert all(c["estimated_peak_bytes"] <= int(3.75 * 2**20) for c in nf4)
+    verdict = [note for note in plan["notes"] if note.startswith("an nf4 base was ")]
+    print(verdict, plan["choice"]["id"], plan["choice"]["lora_base_precision"])
+    assert len(verdict) == 1 and "tokens/s against" in verdict[0]
+    if plan["choice"]["lora_base_precision"] == "nf4":
+        assert verdict[0].startswith("an nf4 base was clearly faster")
+        [check] = plan["quality"]["lora_base_precision"]
+        assert check["passed"]
+    else:
+        assert verdict[0].startswith("an nf4 base was not clearly faster")
+        assert plan["quality"]["lora_base_precision"] == []
+    assert "nf4 base: the memory it frees buys" in err

@@ -60,7 +60,15 @@ from cadence.plan.measure import (
 )
 from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
-from cadence.plan.trials import DECISION_DEFAULTS, DECISION_FIELDS, TrialResult, TrialSetup, run_trial, timed_round
+from cadence.plan.trials import (
+    DECISION_DEFAULTS,
+    DECISION_FIELDS,
+    MIN_TRIAL_STEPS,
+    TrialResult,
+    TrialSetup,
+    run_trial,
+    timed_round,
+)
 from cadence.records import Record
 from cadence.report.document import write_report
 from cadence.training.prepare import Prepared, prepare
@@ -100,6 +108,9 @@ class Candidate:
     measured: TrialResult | None = None
     rates: Rates | None = None
     """The throughputs of its alternating rounds (front-runners and cuts), the first trial's included."""
+    seconds_per_step: float | None = None
+    """Its trial's whole time over its steps: the step with its share of the trial's building (the model, the
+    optimizer, the data), which is what the quality check's short runs spend per step too."""
     accumulation_bytes: int | None = None
     """What accumulation adds to its estimated peak (against the same micro-batch as a whole window): the gradients
     held through the later micro-batches, and each new gradient made beside the accumulated one, except the token
@@ -594,6 +605,15 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
                             if why_not_nf4 is not None else ""))
     with deadline.phase("rounds"):
         chosen = _decide(feasible, prep, options, deadline, say, notes)
+    if nf4_problem(config, constrained, model, kept) is None and not any(
+            c.setup.lora_base_precision == "nf4" for c in candidates):
+        # A full-precision base fits: an nf4 base is worth a measurement only where the memory it frees buys the
+        # choice a larger micro-batch or less recompute, and it replaces the choice only when clearly faster.
+        with deadline.phase("nf4 comparison"):
+            chosen, contenders = _compare_nf4_base(prep, chosen, config, constrained, model, budget, options, say,
+                                                   notes, deadline, first_number=len(candidates) + 1, longest=longest)
+        candidates += contenders
+        feasible += [c for c in contenders if _feasible(c)]
     lossy_checks: dict[str, list[dict[str, Any]]] = {"optimizer_state": [], "lora_base_precision": []}
     while (lever := _unchecked_lossy_lever(chosen.setup, lossy_checks)) is not None:
         # A lossy lever is kept only when its losses stay near the exact configuration's. The split, recompute,
@@ -773,12 +793,19 @@ def _feasible(candidate: Candidate) -> bool:
     return bool(candidate.measured and candidate.measured.fits and candidate.measured.tokens_per_s)
 
 
+REPORT_STEPS = 4
+"""The report's plots and pages, in trial steps of time (about 2 s on a 2-core CPU, where a gpt-tiny step with its
+share of a trial's building is 0.5 s), kept beside the quality check."""
+
+
 def _quality_reserve(measured: list[Candidate], options: PlanOptions) -> float:
-    """Seconds to keep for the quality check: its two short runs and the gradient comparison, at the slowest
-    measured step time of a feasible candidate."""
-    step = max((c.measured.step_time_s or 0.0 for c in measured if _feasible(c)), default=0.0)  # type: ignore
+    """Seconds to keep for the quality check (its two short runs and the gradient comparison) and the report, at the
+    slowest feasible candidate's time per trial step, its trial's building included. The step time alone left the
+    building out: under a load of 9 on 2 cores the quality check took 2.5x what it predicted (45 s against 18)."""
+    step = max((c.seconds_per_step or c.measured.step_time_s or 0.0  # type: ignore[union-attr]
+                for c in measured if _feasible(c)), default=0.0)
     runs = 2 + (2 if any(_feasible(c) and not c.setup.exact for c in measured) else 0)  # a lossy lever's check too
-    return (runs * (max(3, options.quality_steps) + 1) + 2) * step
+    return (runs * (max(3, options.quality_steps) + 1) + 2 + REPORT_STEPS) * step
 
 
 def _out_of_time(left: list[Candidate], deadline: Deadline, notes: list[str], what: str) -> None:
@@ -786,7 +813,8 @@ def _out_of_time(left: list[Candidate], deadline: Deadline, notes: list[str], wh
         candidate.status = "not measured: --time-budget spent"
     if left:
         notes.append(f"the --time-budget of {deadline.seconds:g} s was spent after {deadline.elapsed:.0f} s: "
-                     f"{len(left)} {what} were not measured ({', '.join(c.id for c in left)}); a larger "
+                     f"{len(left)} {what if len(left) > 1 else what.rstrip('s')} "
+                     f"{'were' if len(left) > 1 else 'was'} not measured ({', '.join(c.id for c in left)}); a larger "
                      f"--time-budget measures them")
 
 
@@ -872,6 +900,97 @@ gradient either way, so only a clear measured gain is worth a different configur
 VARIABLE_LENGTHS = 0.95
 """Below this share of real tokens among the computed positions (drawn order), the data is variable-length enough
 for cuts by length to be measured."""
+
+
+NF4_GAIN = 1.1
+"""An nf4 base replaces a full-precision base that fits only when its median throughput is more than 10% higher and
+outside the rounds' noise: it is lossy (4-bit rounding, kept only after its loss check) and dequantises every weight
+in each matmul, so it can be faster only by what its freed memory buys, and only a clear measured gain is worth it."""
+NF4_CONTENDERS = 2
+"""nf4-base configurations a plan measures against a full-precision choice (the ones its freed memory buys most)."""
+
+
+def nf4_buys_speed(nf4: TrialSetup, chosen: TrialSetup) -> bool:
+    """Whether ``nf4`` (an nf4-base setup) pulls no speed lever harder than ``chosen`` and eases at least one: a larger
+    micro-batch, less recompute, no offload or no loss chunks where the choice needs them. At the choice's own levers
+    an nf4 base is only slower (it dequantises each weight in every matmul), so only these can be faster."""
+    levers = [(nf4.micro_batch_size, chosen.micro_batch_size, True),
+              (RECOMPUTE_COST[nf4.activation_checkpointing], RECOMPUTE_COST[chosen.activation_checkpointing], False),
+              (OFFLOAD_COST[nf4.offload], OFFLOAD_COST[chosen.offload], False),
+              (int(nf4.loss_chunk_tokens > 0), int(chosen.loss_chunk_tokens > 0), False)]
+    no_worse = all(mine >= theirs if larger_is_faster else mine <= theirs for mine, theirs, larger_is_faster in levers)
+    same_cut = dataclasses.replace(nf4.cut, micro_batch_size=chosen.cut.micro_batch_size) == chosen.cut
+    return no_worse and any(mine != theirs for mine, theirs, _ in levers) and same_cut
+
+
+def nf4_clearly_faster(nf4: Rates, chosen: Rates) -> bool:
+    """The rule that lets an nf4 base replace a full-precision choice: its median above NF4_GAIN x the choice's and
+    the two not tied within their rounds' noise."""
+    if nf4.median is None or chosen.median is None:
+        return False
+    return nf4.median > NF4_GAIN * chosen.median and not tied(nf4, chosen)
+
+
+def _compare_nf4_base(prep: Prepared, chosen: Candidate, config: TrainConfig, constrained: set[str],
+                      model: PlanModel, budget: int, options: PlanOptions, say: Callable[[str], None],
+                      notes: list[str], deadline: Deadline, *, first_number: int,
+                      longest: int) -> tuple[Candidate, list[Candidate]]:
+    """Under LoRA with a full-precision base that fits: the nf4-base configurations whose estimates fit the budget
+    and whose freed memory buys the choice a speed lever (:func:`nf4_buys_speed`), at most NF4_CONTENDERS, measured
+    and timed in alternating rounds with the choice. The fastest replaces it only when :func:`nf4_clearly_faster`
+    (the loss check of the base follows in make_plan). Returns the choice and the nf4 candidates measured."""
+    setup = chosen.setup
+    if setup.precision not in NF4_PRECISIONS:
+        return chosen, []
+    pool = build_candidates(config, constrained, prep.device, prep.seq_len, [], model,
+                            states=[setup.optimizer_state], bases=["nf4"], precisions=[setup.precision],
+                            longest=longest)
+    buying = sorted((c for c in pool if c.estimate.peak_bytes <= budget and nf4_buys_speed(c.setup, setup)),
+                    key=lambda c: (measuring_cost(c, prep.device), -c.setup.micro_batch_size))[:NF4_CONTENDERS]
+    if not buying:
+        notes.append("an nf4 base was not measured: within the budget the memory it frees buys the choice no larger "
+                     "micro-batch and no cheaper recompute, offload or loss chunking, and at the choice's own levers "
+                     "an nf4 base is only slower (it dequantises every weight in each matmul)")
+        return chosen, []
+    contenders: list[Candidate] = []
+    say(f"nf4 base: the memory it frees buys {', '.join(c.setup.describe() for c in buying)}; measuring against the "
+        f"choice (kept only if more than {NF4_GAIN - 1:.0%} faster and its losses stay within {BASE_TOLERANCE:.0%})")
+    for number, candidate in enumerate(buying, start=first_number):
+        if deadline.passed(_quality_reserve([chosen, *contenders], options) * 2):  # its loss check's runs too
+            notes.append(f"the --time-budget of {deadline.seconds:g} s was spent before an nf4 base "
+                         f"({candidate.setup.describe()}) was measured")
+            break
+        candidate.id = f"c{number:02d}"
+        _measure(candidate, prep, budget, options, say)
+        contenders.append(candidate)
+    fitting = [c for c in contenders if _feasible(c)]
+    if not fitting:
+        if contenders:
+            notes.append(f"an nf4 base was measured ({', '.join(c.id for c in contenders)}) and did not fit the "
+                         f"budget: the choice keeps its {setup.lora_base_precision} base")
+        return chosen, contenders
+    for candidate in fitting:
+        candidate.rates = Rates(rounds=[candidate.measured.tokens_per_s])  # type: ignore[union-attr]
+    if chosen.rates is None:
+        chosen.rates = Rates(rounds=[chosen.measured.tokens_per_s])  # type: ignore[union-attr]
+    say(f"nf4 base {', '.join(c.id for c in fitting)} against {chosen.id}: timing them again in up to "
+        f"{options.rounds} alternating rounds")
+    _alternate([chosen, *fitting], prep, options, deadline, say, notes)
+    for candidate in [chosen, *fitting]:
+        if candidate.rates is not None and candidate.rates.median is not None:
+            candidate.measured = dataclasses.replace(candidate.measured,  # type: ignore[arg-type]
+                                                     tokens_per_s=candidate.rates.median)
+    best = max(fitting, key=lambda c: (c.rates or Rates()).median or 0.0)
+    figures = (f"{best.id} {best.setup.describe()} {(best.rates or Rates()).median or 0:,.0f} +/- "
+               f"{(best.rates or Rates()).band:,.0f} tokens/s against {chosen.id}'s "
+               f"{(chosen.rates or Rates()).median or 0:,.0f} +/- {(chosen.rates or Rates()).band:,.0f}")
+    if nf4_clearly_faster(best.rates or Rates(), chosen.rates or Rates()):
+        notes.append(f"an nf4 base was clearly faster: {figures} (more than {NF4_GAIN - 1:.0%}, outside the "
+                     f"rounds' noise): it replaces the {setup.lora_base_precision} base if its losses pass their check")
+        return best, contenders
+    notes.append(f"an nf4 base was not clearly faster: {figures} (it must be more than {NF4_GAIN - 1:.0%} faster, "
+                 f"outside the rounds' noise): the choice keeps its {setup.lora_base_precision} base")
+    return chosen, contenders
 
 
 def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions, say: Callable[[str], None],
@@ -981,7 +1100,9 @@ def _cut_row(name: str, candidate: Candidate, drawn: Candidate) -> dict[str, Any
 
 def _measure(candidate: Candidate, prep: Prepared, budget: int, options: PlanOptions, say: Callable[[str], None],
              label: str = "trial") -> None:
+    started = time.perf_counter()
     result = run_trial(prep, candidate.setup, steps=options.trial_steps, budget_bytes=budget)
+    candidate.seconds_per_step = (time.perf_counter() - started) / max(options.trial_steps, MIN_TRIAL_STEPS)
     candidate.measured = result
     candidate.status = "measured" if result.error is None else f"measured: {result.error}"
     rate = f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s else "-"
