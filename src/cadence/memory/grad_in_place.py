@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.models.heads import UnsupportedHead, output_head
+from cadence.models.heads import UnsupportedHead, forward_replaced, output_head
 
 
 @dataclass(frozen=True)
@@ -170,23 +170,8 @@ def accumulate_in_place(model: nn.Module) -> Iterator[list[InPlaceModule]]:
     with contextlib.ExitStack() as stack:
         for item in modules:
             forward = _embedding_forward(item.module) if item.kind == "embedding" else _head_forward(item.module)
-            stack.enter_context(_forward_replaced(item.module, forward))
+            stack.enter_context(forward_replaced(item.module, forward))
         yield modules
-
-
-@contextlib.contextmanager
-def _forward_replaced(module: nn.Module, forward: Callable[..., torch.Tensor]) -> Iterator[None]:
-    """``module``'s instance ``forward`` replaced (its hooks still run around the call), restored afterwards."""
-    had_own = "forward" in module.__dict__
-    saved = module.__dict__.get("forward")
-    module.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if had_own:
-            module.forward = saved  # type: ignore[method-assign]
-        else:
-            del module.forward
 
 
 def _embedding_forward(module: nn.Module) -> Callable[..., torch.Tensor]:

@@ -115,8 +115,9 @@ def output_head(model: nn.Module) -> OutputHead:
 
 
 @contextlib.contextmanager
-def head_replaced(head: nn.Module, forward: Callable[..., torch.Tensor]) -> Iterator[None]:
-    """While active, calling ``head`` runs ``forward`` instead of the module's own. The module's hooks still run
+def forward_replaced(head: nn.Module, forward: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """While active, calling ``head`` (an output head, or any module: the in-place accumulation replaces the
+    embedding's too) runs ``forward`` instead of the module's own. The module's hooks still run
     around the call (only ``forward`` is replaced, on the instance), and the class's ``forward`` is back afterwards,
     however the block ends."""
     had_own = "forward" in head.__dict__
@@ -134,14 +135,14 @@ def head_replaced(head: nn.Module, forward: Callable[..., torch.Tensor]) -> Iter
 @contextlib.contextmanager
 def head_bypassed(head: nn.Module) -> Iterator[list[torch.Tensor]]:
     """While active, calling ``head`` returns its input unchanged (no logits are made); yields the list of the inputs
-    it was called with (see :func:`head_replaced`)."""
+    it was called with (see :func:`forward_replaced`)."""
     captured: list[torch.Tensor] = []
 
     def bypass(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         captured.append(hidden)
         return hidden
 
-    with head_replaced(head, bypass):
+    with forward_replaced(head, bypass):
         yield captured
 
 
@@ -179,7 +180,7 @@ def chunking_problem(model: nn.Module, vocab_size: int) -> str | None:
     try:
         with torch.no_grad(), _as_trained(inner, device):
             whole = _logits(inner(ids)).float()
-            with head_replaced(head.module, record):
+            with forward_replaced(head.module, record):
                 returned = _logits(inner(ids)).float()
             if len(captured) != 1 or captured[0].shape[:2] != ids.shape:
                 return (f"its forward calls the output head {len(captured)} times, or not on every position: cadence "
@@ -218,5 +219,5 @@ def _logits(output: Any) -> torch.Tensor:
 
 __all__ = [
     "LOGIT_TRANSFORMS", "LogitTransform", "OutputHead", "REFUSED_CONFIG_KEYS", "UnsupportedHead", "chunking_problem",
-    "PROBE_LOGIT_RANGE", "head_bypassed", "head_replaced", "innermost", "output_head",
+    "PROBE_LOGIT_RANGE", "head_bypassed", "forward_replaced", "innermost", "output_head",
 ]

@@ -969,17 +969,8 @@ def _compare_nf4_base(prep: Prepared, chosen: Candidate, config: TrainConfig, co
             notes.append(f"an nf4 base was measured ({', '.join(c.id for c in contenders)}) and did not fit the "
                          f"budget: the choice keeps its {setup.lora_base_precision} base")
         return chosen, contenders
-    for candidate in fitting:
-        candidate.rates = Rates(rounds=[candidate.measured.tokens_per_s])  # type: ignore[union-attr]
-    if chosen.rates is None:
-        chosen.rates = Rates(rounds=[chosen.measured.tokens_per_s])  # type: ignore[union-attr]
-    say(f"nf4 base {', '.join(c.id for c in fitting)} against {chosen.id}: timing them again in up to "
-        f"{options.rounds} alternating rounds")
-    _alternate([chosen, *fitting], prep, options, deadline, say, notes)
-    for candidate in [chosen, *fitting]:
-        if candidate.rates is not None and candidate.rates.median is not None:
-            candidate.measured = dataclasses.replace(candidate.measured,  # type: ignore[arg-type]
-                                                     tokens_per_s=candidate.rates.median)
+    _time_against(chosen, fitting, prep, options, deadline, say, notes,
+                  f"nf4 base {', '.join(c.id for c in fitting)} against {chosen.id}")
     best = max(fitting, key=lambda c: (c.rates or Rates()).median or 0.0)
     figures = (f"{best.id} {best.setup.describe()} {(best.rates or Rates()).median or 0:,.0f} +/- "
                f"{(best.rates or Rates()).band:,.0f} tokens/s against {chosen.id}'s "
@@ -991,6 +982,22 @@ def _compare_nf4_base(prep: Prepared, chosen: Candidate, config: TrainConfig, co
     notes.append(f"an nf4 base was not clearly faster: {figures} (it must be more than {NF4_GAIN - 1:.0%} faster, "
                  f"outside the rounds' noise): the choice keeps its {setup.lora_base_precision} base")
     return chosen, contenders
+
+
+def _time_against(chosen: Candidate, fitting: list[Candidate], prep: Prepared, options: PlanOptions,
+                  deadline: Deadline, say: Callable[[str], None], notes: list[str], what: str) -> None:
+    """Time ``fitting`` (measured once) in alternating rounds with the ``chosen`` configuration, as the front-runners
+    were, so that noise cannot crown one; each one's throughput is then the median of its rounds."""
+    for candidate in fitting:
+        candidate.rates = Rates(rounds=[candidate.measured.tokens_per_s])  # type: ignore[union-attr]
+    if chosen.rates is None:
+        chosen.rates = Rates(rounds=[chosen.measured.tokens_per_s])  # type: ignore[union-attr]
+    say(f"{what}: timing them again in up to {options.rounds} alternating rounds")
+    _alternate([chosen, *fitting], prep, options, deadline, say, notes)
+    for candidate in [chosen, *fitting]:
+        if candidate.rates is not None and candidate.rates.median is not None:
+            candidate.measured = dataclasses.replace(candidate.measured,  # type: ignore[arg-type]
+                                                     tokens_per_s=candidate.rates.median)
 
 
 def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions, say: Callable[[str], None],
@@ -1048,18 +1055,8 @@ def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanO
     if fitting:
         # The cuts are the same math: only a clear, measured gain is worth another configuration. Timed in
         # alternating rounds with the drawn order, as the front-runners were, so noise cannot crown one.
-        contenders = [chosen, *fitting]
-        for candidate in fitting:
-            candidate.rates = Rates(rounds=[candidate.measured.tokens_per_s])  # type: ignore[union-attr]
-        if chosen.rates is None:
-            chosen.rates = Rates(rounds=[chosen.measured.tokens_per_s])  # type: ignore[union-attr]
-        say(f"cuts {', '.join(names[c.id] for c in contenders)}: timing them again in up to {options.rounds} "
-            f"alternating rounds")
-        _alternate(contenders, prep, options, deadline, say, notes)
-        for candidate in contenders:
-            if candidate.rates is not None and candidate.rates.median is not None:
-                candidate.measured = dataclasses.replace(candidate.measured,  # type: ignore[arg-type]
-                                                         tokens_per_s=candidate.rates.median)
+        _time_against(chosen, fitting, prep, options, deadline, say, notes,
+                      f"cuts {', '.join(names[c.id] for c in [chosen, *fitting])}")
     rows = [_cut_row(names[c.id], c, chosen) for c in tried]
     best = max(fitting, key=lambda c: c.measured.tokens_per_s, default=None)  # type: ignore[union-attr]
     drawn_rate = chosen.measured.tokens_per_s or 0  # type: ignore[union-attr]
