@@ -175,3 +175,39 @@ def sigterm_at(step: int, micro: int):  # type: ignore[no-untyped-def]
         yield
     finally:
         TrainProgress.micro_step = original  # type: ignore[method-assign]
+
+
+def rank_pids(launcher: int, variable: str = "RANK") -> dict[int, int]:
+    """``variable`` (RANK, or LOCAL_RANK) -> pid of the worker processes the torchrun launcher ``launcher`` started,
+    found through /proc by their parent and their torchrun variables."""
+    found = {}
+    key = variable.encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        variables = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+        if parent == launcher and key in variables:
+            found[int(variables[key])] = int(entry.name)
+    return found
+
+
+def ranks_counting(flags: list[str], out: Path, data: Path, run: Path, *, stop: tuple[int, int],
+                   resume: bool = False) -> list[dict]:
+    """``cadence train --data DATA FLAGS --out RUN`` on 2 ranks under torchrun, each counting the micro-batches it
+    computes (tests/distributed/mid_window_ranks.py, its record in OUT/rank-N.json); rank 0 gets SIGTERM at ``stop``
+    = (steps done, micro-batch of the next)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(Path(__file__).resolve().parent / "distributed" / "mid_window_ranks.py"), str(out), *map(str, stop),
+         "--", "train", "--data", str(data), *flags, "--out", str(run), *(["--resume"] if resume else [])],
+        capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    assert [rank["status"] for rank in found] == [0, 0], result.stderr[-3000:]
+    return found

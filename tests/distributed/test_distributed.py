@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import relative_l2, write_jsonl
+from helpers import rank_pids, relative_l2, write_jsonl
 from safetensors.torch import load_file
 
 from cadence.cli import main
@@ -240,24 +240,6 @@ def test_fsdp2_under_bf16_gathers_bf16_parameters_and_reduces_fp32_gradients(tmp
         assert mine == pytest.approx(theirs, rel=1e-3)
 
 
-def _rank_pids(launcher: int) -> dict[int, int]:
-    """LOCAL_RANK -> pid of the launcher's worker processes (from /proc: the ranks' torchrun variables)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-        variables = dict(item.split(b"=", 1) for item in environ if b"=" in item)
-        if parent == launcher and b"LOCAL_RANK" in variables:
-            found[int(variables[b"LOCAL_RANK"])] = int(entry.name)
-    return found
-
-
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc (Linux)")
 def test_a_rank_that_dies_stops_the_others_with_a_clear_message(tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "examples.jsonl")
@@ -274,7 +256,7 @@ def test_a_rank_that_dies_stops_the_others_with_a_clear_message(tmp_path: Path) 
             assert launcher.poll() is None, launcher.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.2)
-        pids = _rank_pids(launcher.pid)
+        pids = rank_pids(launcher.pid, "LOCAL_RANK")
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()

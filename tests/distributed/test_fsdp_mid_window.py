@@ -7,12 +7,10 @@ gradients are inside FSDP2's own state and the flag is refused: tests/test_cli_e
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import relative_l2, write_jsonl
+from helpers import ranks_counting, relative_l2, write_jsonl
 from safetensors.torch import load_file
 
 from cadence.training.checkpoint import checkpoint_dirs
@@ -26,27 +24,13 @@ MID_WINDOW = ["--seq-len", "32", "--max-steps", "4", "--lr", "3e-3", "--val-frac
               "--checkpoint-mid-window", "--strategy", "fsdp", "--sync-every-micro-step"]
 
 
-def _ranks_counting(out: Path, data: Path, run: Path, *, stop: tuple[int, int], resume: bool = False) -> list[dict]:
-    """``cadence train`` of MID_WINDOW on 2 FSDP2 ranks under torchrun, each counting the micro-batches it computes
-    (tests/distributed/mid_window_ranks.py); rank 0 gets SIGTERM at ``stop`` = (steps done, micro-batch of the next)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(Path(__file__).resolve().parent / "mid_window_ranks.py"), str(out), *map(str, stop), "--",
-         "train", "--data", str(data), *MID_WINDOW, "--out", str(run), *(["--resume"] if resume else [])],
-        capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(2)]
-    assert [rank["status"] for rank in found] == [0, 0], result.stderr[-3000:]
-    return found
-
-
 def test_a_mid_window_sigterm_on_two_fsdp2_ranks_resumes_without_computing_a_micro_batch_twice(
         tmp_path: Path) -> None:
     """Acceptance: SIGTERM after micro-batch 2 of step 3's 4 on 2 FSDP2 ranks; each rank saves its own shard of the
     gradient so far; resumed, the uninterrupted run bit for bit, each micro-batch computed once."""
     data = write_jsonl(tmp_path / "examples.jsonl")
-    whole = _ranks_counting(tmp_path / "whole-counts", data, tmp_path / "whole", stop=(-1, -1))
-    cut = _ranks_counting(tmp_path / "cut-counts", data, tmp_path / "cut", stop=(2, 2))
+    whole = ranks_counting(MID_WINDOW, tmp_path / "whole-counts", data, tmp_path / "whole", stop=(-1, -1))
+    cut = ranks_counting(MID_WINDOW, tmp_path / "cut-counts", data, tmp_path / "cut", stop=(2, 2))
     (checkpoint,) = checkpoint_dirs(tmp_path / "cut")
     names = {path.name for path in checkpoint.iterdir()}
     assert {"rank-0.json", "rank-0.safetensors", "rank-1.json", "rank-1.safetensors", "__0_0.distcp",
@@ -59,7 +43,7 @@ def test_a_mid_window_sigterm_on_two_fsdp2_ranks_resumes_without_computing_a_mic
     assert grads[0] and grads[0].keys() == grads[1].keys() <= final.keys()
     for name in grads[0]:
         assert grads[0][name].shape[0] + grads[1][name].shape[0] == final[name].shape[0], name
-    rest = _ranks_counting(tmp_path / "rest-counts", data, tmp_path / "cut", stop=(-1, -1), resume=True)
+    rest = ranks_counting(MID_WINDOW, tmp_path / "rest-counts", data, tmp_path / "cut", stop=(-1, -1), resume=True)
     mine, theirs = read_metrics(tmp_path / "cut"), read_metrics(tmp_path / "whole")
     assert [(row["step"], row["loss"]) for row in mine] == [(row["step"], row["loss"]) for row in theirs]
     weights = relative_l2(load_file(str(tmp_path / "cut" / "model.safetensors")), final)

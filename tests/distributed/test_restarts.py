@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import relative_l2, write_jsonl
+from helpers import rank_pids, relative_l2, write_jsonl
 from safetensors.torch import load_file
 
 from cadence.training.run_dir import read_metrics
@@ -28,27 +28,9 @@ ARGS = ["--seq-len", "32", "--micro-batch-size", "2", "--grad-accum-steps", "2",
         "--lr", "3e-3", "--warmup-steps", "2", "--val-fraction", "0", "--checkpoint-every", "4", "--too-long",
         "truncate"]
 
-# Real gloo processes: part of make test, left out of make test-fast.
+# Real gloo processes, each case a minute of two ranks: make test-slow.
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")]
-
-
-def rank_pids(agent: int) -> dict[int, int]:
-    """RANK -> pid of the worker processes the torchrun agent ``agent`` started (from /proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-        variables = dict(item.split(b"=", 1) for item in environ if b"=" in item)
-        if parent == agent and b"RANK" in variables:
-            found[int(variables[b"RANK"])] = int(entry.name)
-    return found
 
 
 def steps_recorded(out: Path) -> list[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import relative_l2, run_cli, sigterm_at, write_jsonl
+from helpers import ranks_counting, relative_l2, run_cli, sigterm_at, write_jsonl
 from safetensors.torch import load_file
 
 from cadence.cli import main
@@ -173,33 +173,19 @@ MID_WINDOW = ["--seq-len", "32", "--max-steps", "4", "--lr", "3e-3", "--val-frac
               "--checkpoint-mid-window"]
 
 
-def _ranks_counting(out: Path, data: Path, run: Path, *, stop: tuple[int, int], resume: bool = False) -> list[dict]:
-    """``cadence train`` of MID_WINDOW on 2 DDP ranks under torchrun, each counting the micro-batches it computes;
-    rank 0 gets SIGTERM at ``stop`` = (steps done, micro-batch of the next)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(Path(__file__).resolve().parent / "mid_window_ranks.py"), str(out), *map(str, stop), "--",
-         "train", "--data", str(data), *MID_WINDOW, "--out", str(run), *(["--resume"] if resume else [])],
-        capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(2)]
-    assert [rank["status"] for rank in found] == [0, 0], result.stderr[-3000:]
-    return found
-
-
 def test_a_mid_window_sigterm_on_two_ranks_resumes_without_computing_a_micro_batch_twice(tmp_path: Path) -> None:
     """Acceptance: --checkpoint-mid-window on 2 DDP ranks, SIGTERM after micro-batch 2 of step 3's 4: each rank
     saves its own not yet all-reduced gradients and share of the loss; resumed, the run is the uninterrupted one bit
     for bit, and the two segments together computed each micro-batch once."""
     data = write_jsonl(tmp_path / "examples.jsonl")
-    whole = _ranks_counting(tmp_path / "whole-counts", data, tmp_path / "whole", stop=(-1, -1))
-    cut = _ranks_counting(tmp_path / "cut-counts", data, tmp_path / "cut", stop=(2, 2))
+    whole = ranks_counting(MID_WINDOW, tmp_path / "whole-counts", data, tmp_path / "whole", stop=(-1, -1))
+    cut = ranks_counting(MID_WINDOW, tmp_path / "cut-counts", data, tmp_path / "cut", stop=(2, 2))
     (checkpoint,) = checkpoint_dirs(tmp_path / "cut")
     names = {path.name for path in checkpoint.iterdir()}
     assert {"rank-0.json", "rank-0.safetensors", "rank-1.json", "rank-1.safetensors"} <= names
     info = json.loads((checkpoint / "checkpoint.json").read_text())
     assert info["mid_window"] and info["step"] == 2
-    rest = _ranks_counting(tmp_path / "rest-counts", data, tmp_path / "cut", stop=(-1, -1), resume=True)
+    rest = ranks_counting(MID_WINDOW, tmp_path / "rest-counts", data, tmp_path / "cut", stop=(-1, -1), resume=True)
     mine, theirs = read_metrics(tmp_path / "cut"), read_metrics(tmp_path / "whole")
     assert [(row["step"], row["loss"]) for row in mine] == [(row["step"], row["loss"]) for row in theirs]
     weights = relative_l2(load_file(str(tmp_path / "cut" / "model.safetensors")),
