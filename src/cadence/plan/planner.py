@@ -804,7 +804,10 @@ def _quality_reserve(measured: list[Candidate], options: PlanOptions) -> float:
     building out: under a load of 9 on 2 cores the quality check took 2.5x what it predicted (45 s against 18)."""
     step = max((c.seconds_per_step or c.measured.step_time_s or 0.0  # type: ignore[union-attr]
                 for c in measured if _feasible(c)), default=0.0)
-    runs = 2 + (2 if any(_feasible(c) and not c.setup.exact for c in measured) else 0)  # a lossy lever's check too
+    # The quality check's runs: the choice and, unless it computes in fp32, its fp32 reference; a lossy lever's
+    # loss check runs two more.
+    runs = 1 + int(any(_feasible(c) and c.setup.precision != "fp32" for c in measured))
+    runs += 2 if any(_feasible(c) and not c.setup.exact for c in measured) else 0
     return (runs * (max(3, options.quality_steps) + 1) + 2 + REPORT_STEPS) * step
 
 
@@ -1126,7 +1129,10 @@ def _quality_check(prep: Prepared, chosen: Candidate, budget: int, options: Plan
     steps = max(3, options.quality_steps)
     chosen_run = run_trial(prep, setup, steps=steps, budget_bytes=budget)
     reference_setup = dataclasses.replace(setup, precision="fp32")
-    reference_run = run_trial(prep, reference_setup, steps=steps, budget_bytes=budget)
+    # An fp32 choice is its own reference (the same windows, weights and computation): running it again would only
+    # repeat its losses, at a third of the quality check's time (the gradient check above is what tests its levers).
+    reference_run = chosen_run if reference_setup == setup else run_trial(prep, reference_setup, steps=steps,
+                                                                          budget_bytes=budget)
     loss = compare_losses(chosen_run.losses, reference_run.losses, setup.precision)
     return {"gradient": gradient.as_dict(), "loss": {**loss.as_dict(), "reference": reference_run.losses,
                                                      "reference_setup": reference_setup.describe()}}
