@@ -276,7 +276,7 @@ def lossy_optimizer_states(notes: list[str]) -> list[str]:
 BASE_TOLERANCE = 0.01
 """An nf4 base is kept only when, over the quality check's steps, every loss is within 1% (relative) of the same
 configuration's with the full-precision base (as QLoRA's paper finds 4-bit NormalFloat matching 16-bit LoRA).
-Measured: the 13.9M-parameter llama of BENCHMARKS.md ends 20 steps 0.13% from the fp32 base's loss."""
+Measured: the 49.9M-parameter llama of BENCHMARKS.md ends 20 steps 0.17% from the fp32 base's loss."""
 NF4_PRECISIONS = ("fp32", "bf16")
 """The --precision values an nf4 base computes in (its layers dequantise to that dtype)."""
 
@@ -322,9 +322,10 @@ def lossy_candidates(config: TrainConfig, constrained: set[str], device: torch.d
     """The candidates of the lossy levers, for a plan where nothing exact fits (measured): lower-precision optimizer
     state (unless --optimizer-state was given) and, under LoRA, an nf4 base with the exact optimizer state (unless
     it cannot be here: :func:`lossy_bases`). Each is kept only after its loss check; numbered from
-    ``first_number``. Only where nothing else fits: an nf4 base dequantises every weight in each matmul, forward,
-    recompute and backward, so where a full-precision base fits it saves memory the plan does not need and is no
-    faster (measured on this CPU: 27 against 24 tokens/s, within the noise, BENCHMARKS.md)."""
+    ``first_number``. Here because nothing else fits; where a full-precision base fits, an nf4 base is measured
+    only for what its freed memory buys (:func:`_compare_nf4_base`): it dequantises every weight in each matmul,
+    forward, recompute and backward, so at the same levers it is slower (measured on this CPU, a 49.9M llama: 229
+    against 272 tokens/s, 0.84x, BENCHMARKS.md)."""
     more: list[Candidate] = []
     if "optimizer_state" not in constrained:
         lossy = lossy_optimizer_states(notes)
