@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,24 @@ def kill_when(agent: subprocess.Popen[str], ready, rank: int, *, besides: set[in
         time.sleep(0.01)
 
 
+def under_restarts(max_restarts: int, train_args: list[str], kills: Callable[[subprocess.Popen[str]], object]) -> str:
+    """``cadence train TRAIN_ARGS`` on 2 ranks under ``torchrun --max-restarts MAX_RESTARTS``, ``kills(agent)`` run
+    while it trains; the agent must end with exit 0. Returns its standard error."""
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         str(max_restarts), "--monitor-interval", "0.1", "-m", "cadence", "train", *train_args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        kills(agent)
+        _, stderr = agent.communicate(timeout=300)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+    assert agent.returncode == 0, stderr[-4000:]
+    return stderr
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The data, and the run nothing interrupts: 2 ranks, 10 steps."""
@@ -75,20 +94,12 @@ def test_ranks_killed_under_max_restarts_resume_by_themselves_to_the_uninterrupt
     one."""
     data, reference = uninterrupted
     out = tmp_path / "run"
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
-         "--monitor-interval", "0.1", "-m", "cadence", "train", "--data", str(data), "--out", str(out), *ARGS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
+    def kills(agent: subprocess.Popen[str]) -> None:
         first = kill_when(agent, lambda: 1 in steps_recorded(out), 1, besides=set())
         kill_when(agent, lambda: (out / "checkpoints" / "step-4").is_dir() and 5 in steps_recorded(out), 0,
                   besides=first)
-        _, stderr = agent.communicate(timeout=300)
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.communicate()
-    assert agent.returncode == 0, stderr[-4000:]
+
+    stderr = under_restarts(2, ["--data", str(data), "--out", str(out), *ARGS], kills)
     lines = [line for line in stderr.splitlines() if line.startswith("restart ")]
     print("\n".join(lines))
     assert len(lines) == 2, stderr[-4000:]
@@ -121,19 +132,8 @@ def test_a_restart_continues_a_mid_window_checkpoint(uninterrupted: tuple[Path, 
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     info = json.loads((out / "checkpoints" / "step-5" / "checkpoint.json").read_text())
     assert info["mid_window"]
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         "--monitor-interval", "0.1", "-m", "cadence", "train", "--data", str(data), "--out", str(out),
-         "--checkpoint-mid-window", "--resume", *ARGS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        kill_when(agent, lambda: 6 in steps_recorded(out), 1, besides=set())
-        _, stderr = agent.communicate(timeout=300)
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.communicate()
-    assert agent.returncode == 0, stderr[-4000:]
+    stderr = under_restarts(1, ["--data", str(data), "--out", str(out), "--checkpoint-mid-window", "--resume", *ARGS],
+                            lambda agent: kill_when(agent, lambda: 6 in steps_recorded(out), 1, besides=set()))
     lines = [line for line in stderr.splitlines() if line.startswith("restart ")]
     print("\n".join(lines))
     assert len(lines) == 1 and re.fullmatch(

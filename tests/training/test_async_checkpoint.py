@@ -4,6 +4,8 @@ and its resume are the synchronous run's, bit for bit."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -82,3 +84,13 @@ def test_a_stop_waits_for_the_write_in_flight_and_the_resume_is_exact(tmp_path: 
     assert all(verify_checkpoint(path) is None for path in checkpoint_dirs(tmp_path / "cut"))
     assert main([*cut, "--resume"]) == 0
     _same(tmp_path / "cut", tmp_path / "whole")
+
+
+def test_only_a_sharded_checkpoint_imports_torch_distributed_checkpoint() -> None:
+    """DCP's import costs every command about 2 s of start-up (it pulls torch.distributed.tensor): the training loop,
+    the checkpointer, resume and the plan import it only when a sharded checkpoint is written or read."""
+    code = ("import sys; import cadence.training.loop, cadence.training.checkpoint, cadence.training.resume, "
+            "cadence.plan.planner; print('torch.distributed.checkpoint' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"

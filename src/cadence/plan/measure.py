@@ -181,5 +181,5 @@ def _gmacs(rounds: Sequence[float]) -> str:
     return f"{low:.3g}-{high:.3g} GMAC/s" if len(rounds) > 1 else f"{high:.3g} GMAC/s"
 
 
-__all__ = ["DISAGREE", "PROBE_ROUNDS", "PROBE_ROUND_SECONDS", "SLOW_PRECISION", "Deadline", "PrecisionProbe", "Rates", "agree", "alternate",
-           "overlap", "probe_precisions", "ranked_with_ties", "tied"]
+__all__ = ["DISAGREE", "PROBE_ROUNDS", "PROBE_ROUND_SECONDS", "SLOW_PRECISION", "Deadline", "PrecisionProbe", "Rates",
+           "agree", "alternate", "overlap", "probe_precisions", "ranked_with_ties", "tied"]
