@@ -15,7 +15,7 @@ from torch import nn
 
 from cadence.config import TrainConfig
 from cadence.engine import ChunkedCrossEntropy, Engine, TargetsOnlyCrossEntropy, token_cross_entropy_sum
-from cadence.engine.step import LossFn, reads_next_token_labels
+from cadence.engine.token_loss import LossFn, reads_next_token_labels
 from cadence.models import GPT, GPTConfig
 from cadence.training.components import build_loss, build_optimizer
 

@@ -23,6 +23,7 @@ from cadence.config.schema import (
 from cadence.data.choices import TOO_LONG_CHOICES
 from cadence.engine.choices import LAST_WINDOW_CHOICES, LR_SCHEDULES, PRECISIONS
 from cadence.engine.cut import MICRO_BATCH_ORDER_CHOICES
+from cadence.engine.objective import Objective
 from cadence.engine.precision import precision_problem
 from cadence.errors import Problem, UsageError
 from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES, OPTIMIZER_STATES
@@ -91,7 +92,7 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     if at_least("prefetch_windows", 0) and config.prefetch_windows > MAX_PREFETCH_WINDOWS:
         bad("prefetch_windows", f"must be at most {MAX_PREFETCH_WINDOWS}, got {config.prefetch_windows} (each window "
                                 f"ahead waits collated in memory; 1 or 2 already hide the data's preparation)")
-    at_least("loss_chunk_tokens", 0)
+    problems += Objective.problems(config)
     at_least("auto_grow_after", 1)
     if config.memory_budget is not None:
         try:

@@ -13,6 +13,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "cadence.engine.chunked_loss": ("ChunkedCrossEntropy", "TargetsOnlyCrossEntropy"),
     "cadence.engine.cut": ("Cut",),
     "cadence.engine.noise_scale": ("GradientNoiseScale", "NoiseScale"),
+    "cadence.engine.objective": ("MicroBatchLoss", "Objective"),
     "cadence.engine.precision": ("Precision",),
     "cadence.engine.prefetch": ("Prefetcher", "prefetch"),
     "cadence.engine.schedules": ("build_lr_scheduler", "lr_factor"),

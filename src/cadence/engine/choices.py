@@ -21,3 +21,7 @@ and pretraining alike; 0.0 decays to nothing, which leaves the last steps with a
 
 LastWindow = Literal["step", "drop"]
 LAST_WINDOW_CHOICES: tuple[LastWindow, ...] = ("step", "drop")
+
+ObjectiveName = Literal["sft"]
+OBJECTIVES: tuple[ObjectiveName, ...] = ("sft",)
+"""What the step chain minimises (cadence.engine.objective): sft, next-token cross-entropy over the targets."""

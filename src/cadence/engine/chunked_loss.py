@@ -25,7 +25,7 @@ positions), and nothing is recomputed: its only costs over the full logits are t
 the target rows, and its scatter back in the backward) and the host synchronisation above. Where every position is a
 target (text) it saves nothing and costs about 2% more CPU time (benchmarks/targets_only_head.py); on a GPU the
 synchronisation also lets the host queue no further than the current micro-batch, which the full-logits loss
-(:func:`cadence.engine.step.token_cross_entropy_sum`, the ``Engine``'s own default) never waits for.
+(:func:`cadence.engine.token_loss.token_cross_entropy_sum`, the ``Engine``'s own default) never waits for.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from cadence.engine.step import attention_inputs
+from cadence.engine.token_loss import attention_inputs
 from cadence.engine.windows import IGNORE_INDEX, Batch
 from cadence.models.heads import LogitTransform, OutputHead, head_bypassed, output_head
 
@@ -67,7 +67,7 @@ class TargetsOnlyCrossEntropy(ChunkedCrossEntropy):
     """The chunked loss with one chunk of all the micro-batch's targets and no recompute: the hidden states of the
     positions with a target (labels != -100) are gathered before the LM head, so the logits of every other position
     (prompts, user and system turns, padding) are never computed. The loss and gradient are the full-logits ones
-    (:func:`cadence.engine.step.token_cross_entropy_sum`), to rounding.
+    (:func:`cadence.engine.token_loss.token_cross_entropy_sum`), to rounding.
 
     ``cadence train`` (and plan, profile, the noise-scale measurement: everything built by
     :func:`cadence.training.components.build_components`) uses it for ``--loss-chunk-tokens 0`` whenever the model can

@@ -7,8 +7,9 @@ Use it from your own loop::
         result = engine.step(window)
 
 Rules it keeps (each has a test that fails when the rule is broken):
-- every micro-batch's summed loss is divided by the window's target count (over all processes), so any split of the
-  window gives the gradient of one big batch, whatever the padding and the targets per example;
+- every micro-batch's summed loss is divided by the window's count of the objective's reduction unit (over all
+  processes; target tokens for the default objective, cadence.engine.objective), so any split of the window gives
+  the gradient of one big batch, whatever the padding and the targets per example;
 - gradients synchronise only on the window's last micro-batch (the sync context is entered before its forward);
 - fp16 unscales before clipping; clipping happens once per window, on the total norm;
 - accumulation makes the largest gradients once: the token embedding's and (fp32) the head's are added straight into
@@ -19,8 +20,6 @@ Rules it keeps (each has a test that fails when the rule is broken):
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import math
 import time
 import warnings
@@ -29,84 +28,17 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from cadence.engine.choices import PrecisionName
 from cadence.engine.noise_scale import FirstGradient, GradientNoiseScale, local_first_gradient
+from cadence.engine.objective import Objective
 from cadence.engine.precision import Precision
+from cadence.engine.token_loss import LossFn, token_cross_entropy_sum
 from cadence.engine.windows import IGNORE_INDEX, Batch, Window, WindowCounter, make_window
 from cadence.errors import CadenceFailure
 from cadence.memory.grad_in_place import accumulate_in_place
 from cadence.memory.meter import StepMemoryMeter
 from cadence.memory.offload import activation_offload
-
-LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
-"""``loss_fn(model, micro_batch)`` returns the SUM of per-target losses of the micro-batch (a scalar tensor)."""
-
-
-def token_cross_entropy_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy summed over targets (labels != -100) of a causal LM that returns logits [B, T, V].
-
-    cadence's convention: ``labels[t]`` is the target of position t (the token after ``input_ids[t]``); for Hugging
-    Face style labels (equal to ``input_ids``) build the windows with ``hf_labels=True``. When the batch has an
-    ``attention_mask`` it is passed to the model, with ``position_ids`` counted from each row's first real token
-    (as ``transformers`` does when generating), so that left padding gives every example the positions it has
-    alone; ``position_ids`` in the batch are passed as they are."""
-    logits = model(batch["input_ids"], **attention_inputs(model, batch))
-    if not isinstance(logits, torch.Tensor):  # Hugging Face style outputs
-        logits = logits.logits
-    # The loss is computed in fp32 even under autocast: a sum over thousands of targets in bf16 loses digits.
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
-def reads_next_token_labels(loss_fn: LossFn) -> bool:
-    """Whether ``loss_fn`` is one of cadence's next-token losses (``labels[t]`` is the target of position t):
-    ``token_cross_entropy_sum``, or a loss marked with ``next_token_labels = True`` (the chunked loss)."""
-    return loss_fn is token_cross_entropy_sum or bool(getattr(loss_fn, "next_token_labels", False))
-
-
-def attention_inputs(model: torch.nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-    """The keyword inputs a padded batch needs beyond ``input_ids``, for a model whose forward takes them: none for
-    cadence's right-padded batches, nor for a model that only takes ``input_ids`` (the built-in GPT, which a right-
-    padded causal batch needs no mask for)."""
-    if "attention_mask" not in batch and "position_ids" not in batch:
-        return {}
-    accepted = _keyword_inputs(type(_innermost(model)))
-    mask = batch.get("attention_mask") if "attention_mask" in accepted else None
-    if mask is None:
-        return {key: batch[key] for key in ("position_ids",) if key in batch and key in accepted}
-    positions = batch.get("position_ids")
-    if positions is None:
-        # Left padding: without this, an absolute-position model (gpt2) would see a padded row's tokens at the
-        # positions after its pads, not at 0, 1, 2... (padded positions get 1: they are masked out anyway).
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    return {"attention_mask": mask, "position_ids": positions}
-
-
-def _innermost(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP (``.module``) or torch.compile (``._orig_mod``) wrappers, whose forward
-    passes every keyword on."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
-
-@functools.lru_cache(maxsize=64)
-def _keyword_inputs(module_type: type) -> frozenset[str]:
-    """The keyword inputs a module class's forward takes (``attention_mask``, ``position_ids`` when it takes
-    ``**kwargs``). Cached per class: the signature does not change, and this runs for every micro-batch."""
-    wanted = ("attention_mask", "position_ids")
-    try:
-        parameters = inspect.signature(module_type.forward).parameters.values()
-    except (TypeError, ValueError):
-        return frozenset(wanted)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return frozenset(wanted)
-    return frozenset(p.name for p in parameters if p.name in wanted)
 
 
 def looks_like_hf_labels(batch: Batch) -> bool:
@@ -234,6 +166,7 @@ class Engine:
         precision: PrecisionName | Precision = "fp32",
         max_grad_norm: float = 0.0,
         loss_fn: LossFn = token_cross_entropy_sum,
+        objective: Objective | None = None,
         collective: Collective | None = None,
         counter: WindowCounter | None = None,
         skip_nonfinite: bool = True,
@@ -250,7 +183,12 @@ class Engine:
         self.device = next(model.parameters()).device
         self.precision = precision if isinstance(precision, Precision) else Precision(precision, self.device)
         self.max_grad_norm = float(max_grad_norm)
-        self.loss_fn = loss_fn
+        if objective is not None and loss_fn is not token_cross_entropy_sum:
+            raise ValueError("give the engine an objective or a loss_fn, not both (a loss_fn is the sft objective "
+                             "computed by it: Objective.token(loss_fn))")
+        self.objective = objective if objective is not None else Objective.token(loss_fn)
+        """What the step chain minimises: the loss, its reduction unit and the reported loss
+        (cadence.engine.objective); a bare ``loss_fn`` is the sft objective computed by that function."""
         self.collective: Collective = collective or SingleProcess()
         self.counter = counter or WindowCounter()
         self.skip_nonfinite = skip_nonfinite
@@ -262,7 +200,7 @@ class Engine:
         forward and after its backward, all ranks learn whether any ran out of memory, and all raise together."""
         self.hf_labels = hf_labels
         """Windows given as plain lists hold Hugging Face style labels (equal to ``input_ids``): shift them."""
-        self._labels_checked = hf_labels or not reads_next_token_labels(loss_fn)
+        self._labels_checked = hf_labels or not self.objective.reads_next_token_labels
         """The first window's labels are checked once for the Hugging Face convention (see ``step``)."""
         self.noise_scale = noise_scale
         """Measures the gradient noise scale from the window's two batch sizes (cadence.engine.noise_scale: one
@@ -271,6 +209,8 @@ class Engine:
         """Add the token embedding's and the LM head's weight gradients straight into ``.grad``
         (cadence.memory.grad_in_place), so that accumulation never holds those largest gradients twice; False: autograd's
         usual path for every parameter (the same sums, to rounding)."""
+        self.last_metrics: dict[str, float] = {}
+        """The objective's statistics of the last window that stepped (none for the default objective)."""
         self.phases: PhaseRecorder | None = None
         """Set by cadence.profiling.profiler while a profile runs; None (no annotations, no cost) otherwise."""
         self.steps = 0
@@ -313,16 +253,16 @@ class Engine:
             model=self.model, optimizer=self.optimizer, enabled=measure_memory, segmented=True
         ):
             counts = self._window_counts(window)
-            if counts.targets == 0:
+            if counts.units[0] == 0:
                 return self._skip_empty_window(window, started, lr, loss_scale, counts)
             loss_sum = self.accumulate(
-                window, counts.targets, on_micro_batch=on_micro_batch, stop_requested=stop_requested, resume=resume
+                window, counts.units, on_micro_batch=on_micro_batch, stop_requested=stop_requested, resume=resume
             )
             self.windows += 1  # only now: a window that failed or was interrupted part-way is not counted
             grad_norm, skip_reason = self.apply_gradients()
             window_loss = self._window_loss(loss_sum, counts, grad_norm=grad_norm, stepped=skip_reason is None,
                                             loss_scale=loss_scale)
-            # The step's host syncs, per window and none per micro-batch: the window's target count over ranks
+            # The step's host syncs, per window and none per micro-batch: the window's unit counts over ranks
             # (several processes only: it must be known before the first backward), the fp16 loss scale and found-inf
             # check, the grad norm and the loss (with the noise scale's terms) read back for the metrics, and this
             # one, so that step_time_s is the time the device took, not the time it took to queue the work.
@@ -347,19 +287,23 @@ class Engine:
                 "its current token, pass your own loss_fn)")
 
     def _window_counts(self, window: Window) -> _WindowCounts:
-        """The window's targets, tokens and samples, summed over all processes (one small all-reduce), and the first
-        micro-batch's targets when the noise scale is measured (its small batch)."""
-        first = self.counter.targets(window.micro_batches[0]) if self.noise_scale is not None else 0
-        # Sync point: every process must know the WHOLE window's target count before its first backward.
+        """The window's targets, tokens, samples and the objective's reduction units, summed over all processes (one
+        small all-reduce), and the first micro-batch's count of the first unit when the noise scale is measured (its
+        small batch)."""
+        first = self.objective.batch_units(window.micro_batches[0], self.counter)[0] \
+            if self.noise_scale is not None else 0
+        units = self.objective.window_units(window)
+        # Sync point: every process must know the WHOLE window's unit counts before its first backward.
         with self._region("gradient_sync"):
             totals = self.collective.all_reduce_sum(torch.tensor(
-                [window.targets, window.tokens, window.samples, window.positions, first], dtype=torch.float64))
-        return _WindowCounts(*(int(v) for v in totals.tolist()), first_targets_here=first)
+                [window.targets, window.tokens, window.samples, window.positions, first, *units], dtype=torch.float64))
+        summed = [int(v) for v in totals.tolist()]
+        return _WindowCounts(*summed[:5], first_targets_here=first, units=tuple(summed[5:]))
 
     def accumulate(
         self,
         window: Window,
-        window_targets: int,
+        window_units: int | Sequence[int],
         *,
         on_micro_batch: Callable[[int], None] | None = None,
         stop_requested: Callable[[], bool] | None = None,
@@ -376,14 +320,20 @@ class Engine:
         the out-of-memory agreement is a tiny all-reduce read after each forward and backward, and the chunked loss
         (--loss-chunk-tokens) reads the micro-batch's target count, which sets the shapes of its chunks.
 
-        ``window_targets`` is the whole window's target count over all processes. ``on_micro_batch``,
-        ``stop_requested`` and ``resume`` are ``step``'s. On any failure but WindowInterrupted the partial gradients
-        are dropped, so that a retry of the window starts from the state before it.
+        ``window_units`` is the whole window's count of each of the objective's reduction units over all processes
+        (for the default objective, its target count). The objective's window statistic, if it has one, is computed
+        first (before any backward). ``on_micro_batch``, ``stop_requested`` and ``resume`` are ``step``'s. On any
+        failure but WindowInterrupted the partial gradients are dropped, so that a retry of the window starts from
+        the state before it. Returns the float64 vector of the window's loss sums and statistics on this process.
         """
-        loss_sum = torch.full((), resume.loss_sum if resume else 0.0, dtype=torch.float64, device=self.device)
-        world = self.collective.world_size
+        units = (window_units,) if isinstance(window_units, int) else tuple(window_units)
+        # Dividing by the window's units (not the micro-batch's) makes the accumulated gradient the one-big-batch
+        # gradient; x world undoes DDP's average over processes.
+        factors = [self.collective.world_size / count for count in units]
+        loss_sum = self._resumed_sums(resume)
         last = len(window.micro_batches) - 1
         try:
+            statistic = self.objective.window_statistic(self.model, window, reduce=self.collective.all_reduce_sum)
             for index, micro_batch in enumerate(window.micro_batches):
                 if resume is not None and index < resume.micro_batches_done:
                     continue  # their gradients were restored from the checkpoint
@@ -395,15 +345,13 @@ class Engine:
                     with self.collective.gradient_sync(self.model, enabled=index == last), \
                             self._first_gradient(index, last), self._gradients_into_grad():
                         with self._region("forward"), self.precision.autocast(), self._saved_tensors_context():
-                            micro_loss_sum = self.loss_fn(self.model, batch)
+                            micro_loss = self.objective.micro_batch_loss(self.model, batch, statistic)
                         agreement.passed("forward")  # before any backward hook can start an all-reduce
-                        # Dividing by the window's targets (not the micro-batch's) makes the accumulated
-                        # gradient the one-big-batch gradient; x world undoes DDP's average over processes.
                         with self._region("backward"):
-                            self.precision.backward(micro_loss_sum * (world / window_targets))
+                            self.precision.backward(self.objective.scaled(micro_loss, factors))
                 agreement.passed("backward")
-                loss_sum += micro_loss_sum.detach().to(torch.float64)
-                del micro_loss_sum, batch  # free the graph's last references before the next micro-batch
+                loss_sum += self.objective.detached(micro_loss)
+                del micro_loss, batch  # free the graph's last references before the next micro-batch
                 self._stop_if_requested(stop_requested, index=index, last=last, loss_sum=loss_sum)
         except WindowInterrupted:
             raise  # the accumulated gradients are the point: keep them for the checkpoint
@@ -456,23 +404,35 @@ class Engine:
         ``.grad`` (cadence.memory.grad_in_place), or the shared no-op."""
         return accumulate_in_place(self.model) if self.gradients_in_place else NO_PHASE
 
+    def _resumed_sums(self, resume: PartialWindow | None) -> torch.Tensor:
+        """The window's loss sums and statistics so far (float64, on the device): zeros, or what the interrupted
+        window had summed before it stopped."""
+        width = len(self.objective.units) + len(self.objective.statistic_names)
+        sums = torch.zeros(width, dtype=torch.float64, device=self.device)
+        if resume is not None:
+            sums[:] = torch.tensor([resume.loss_sum, *resume.more_sums], dtype=torch.float64)
+        return sums
+
     def _window_loss(self, loss_sum: torch.Tensor, counts: _WindowCounts, *, grad_norm: float, stepped: bool,
                      loss_scale: float | None) -> float:
-        """The window's token-mean loss over all processes: the step's one host sync of the loss. The noise scale's
-        terms for the window (the first micro-batch's norm against the clipping norm, computed on the device) travel
-        in the same read-back and the same all-reduce."""
-        values = loss_sum.reshape(1)
+        """The window's loss over all processes as the objective reports it (the default objective's: the token
+        mean): the step's one host sync of the loss. The noise scale's terms for the window (the first micro-batch's
+        norm against the clipping norm, computed on the device) travel in the same read-back and the same all-reduce,
+        and so do the objective's statistics (kept in ``last_metrics``)."""
+        values = loss_sum.reshape(-1)
+        width = len(values)
         if self.noise_scale is not None:
             values = torch.cat([values, self.noise_scale.window_terms(
-                grad_norm=grad_norm, stepped=stepped, window_targets=counts.targets,
+                grad_norm=grad_norm, stepped=stepped, window_targets=counts.units[0],
                 first_targets_here=counts.first_targets_here, first_targets_all=counts.first_targets,
                 world_size=self.collective.world_size, loss_scale=loss_scale, device=self.device)])
         with self._region("gradient_sync"):
             totals = self.collective.all_reduce_sum(values.cpu()).tolist()
         if self.noise_scale is not None:
-            self.noise_scale.add_window(totals[1:], samples=counts.samples, targets=counts.targets,
+            self.noise_scale.add_window(totals[width:], samples=counts.samples, targets=counts.units[0],
                                         tokens=counts.tokens)
-        return totals[0] / counts.targets
+        self.last_metrics = self.objective.window_metrics(totals[:width], counts.units)
+        return self.objective.window_loss(totals[:width], counts.units)
 
     def _result(
         self,
@@ -558,7 +518,8 @@ class Engine:
         """Between two micro-batches (never after the last), raise WindowInterrupted when the caller asks to stop,
         leaving the gradients accumulated so far in place. Only a stop reads ``loss_sum`` back to the host."""
         if stop_requested is not None and index < last and stop_requested():
-            raise WindowInterrupted(micro_batches_done=index + 1, loss_sum=float(loss_sum))
+            sums = loss_sum.tolist()
+            raise WindowInterrupted(micro_batches_done=index + 1, loss_sum=sums[0], more_sums=tuple(sums[1:]))
 
     def _saved_tensors_context(self) -> contextlib.AbstractContextManager[Any]:
         """Where autograd keeps what the forward saves for backward: device memory, or host memory when offloaded."""
@@ -569,20 +530,30 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, micro_batches: Sequence[Batch] | Any) -> float | None:
-        """Token-mean loss over ``micro_batches`` (all processes), in eval mode and the training precision."""
+        """The objective's loss over ``micro_batches`` (all processes) as one window, in eval mode and the training
+        precision (the default objective's: the token mean)."""
         was_training = self.model.training
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64)
+        width = len(self.objective.units) + len(self.objective.statistic_names)
+        totals = torch.zeros(width + len(self.objective.units), dtype=torch.float64)
         try:
             for micro_batch in micro_batches:
                 batch = _to_device(micro_batch, self.device)
                 with self.precision.autocast():
-                    totals[0] += float(self.loss_fn(self.model, batch))
-                totals[1] += self.counter.targets(micro_batch)
+                    loss = self.objective.micro_batch_loss(self.model, batch)
+                totals[:width] += self.objective.detached(loss).cpu()
+                totals[width:] += torch.tensor(self.objective.batch_units(micro_batch, self.counter),
+                                               dtype=torch.float64)
         finally:
             self.model.train(was_training)
-        loss_sum, targets = self.collective.all_reduce_sum(totals).tolist()
-        return loss_sum / targets if targets > 0 else None
+        summed = self.collective.all_reduce_sum(totals).tolist()
+        units = summed[width:]
+        return self.objective.window_loss(summed[:width], units) if min(units) > 0 else None
+
+    @property
+    def loss_fn(self) -> LossFn:
+        """The default objective's way of computing a micro-batch's summed token loss."""
+        return self.objective.loss_fn
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -616,7 +587,10 @@ class PartialWindow:
 
     micro_batches_done: int
     loss_sum: float
-    """Their summed loss (float64), so the window's reported loss is exact after a resume."""
+    """Their summed loss (float64; the objective's first term), so the window's reported loss is exact after a
+    resume."""
+    more_sums: tuple[float, ...] = ()
+    """The objective's further terms and statistics summed so far (none for the default objective)."""
 
 
 class _WindowCounts(NamedTuple):
@@ -630,14 +604,16 @@ class _WindowCounts(NamedTuple):
     """The first micro-batch's targets over all processes (counted only while the noise scale is measured)."""
     first_targets_here: int = 0
     """The same on this process alone."""
+    units: tuple[int, ...] = ()
+    """The objective's reduction units in the window, over all processes (the default objective: its targets)."""
 
 
 class WindowInterrupted(Exception):
     """A stop was asked for between two micro-batches of a window; the gradients so far are still in place."""
 
-    def __init__(self, *, micro_batches_done: int, loss_sum: float) -> None:
+    def __init__(self, *, micro_batches_done: int, loss_sum: float, more_sums: tuple[float, ...] = ()) -> None:
         super().__init__(f"window interrupted after {micro_batches_done} micro-batches")
-        self.partial = PartialWindow(micro_batches_done=micro_batches_done, loss_sum=loss_sum)
+        self.partial = PartialWindow(micro_batches_done=micro_batches_done, loss_sum=loss_sum, more_sums=more_sums)
 
 
 class _OutOfMemoryAgreement:

@@ -11,15 +11,14 @@ import torch
 
 from cadence.config import TrainConfig
 from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
-from cadence.engine.chunked_loss import ChunkedCrossEntropy, TargetsOnlyCrossEntropy
 from cadence.engine.noise_scale import GradientNoiseScale
+from cadence.engine.objective import Objective
 from cadence.engine.schedules import build_lr_scheduler
-from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
+from cadence.engine.step import Engine, LossFn
 from cadence.memory.offload import OffloadedOptimizer
 from cadence.memory.optimizer_state import BF16StateAdamW, adamw_8bit_class
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import MODEL_CONFIGS, CompileClock, build_model, compile_blocks
-from cadence.models.heads import chunking_problem
 from cadence.models.pretrained import load_shards
 from cadence.training.prepare import Prepared
 
@@ -53,24 +52,9 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 def build_loss(config: TrainConfig, model: torch.nn.Module | None = None, *, vocab_size: int | None = None
                ) -> LossFn:
     """The next-token loss of ``model`` (as built, before any wrapping), whose vocabulary has ``vocab_size`` tokens:
-
-    - ``--loss-chunk-tokens N`` > 0: the head and cross-entropy N targets at a time (prepare() has checked that the
-      model's logits can be made chunk by chunk);
-    - 0, a model that can be split at its head (:func:`cadence.models.heads.chunking_problem` finds nothing, checked
-      here by its probe of 6 tokens): the head on the target positions only (:class:`TargetsOnlyCrossEntropy`), so
-      the logits of positions without a target (prompts, user and system turns, padding) are never made; the same
-      loss and gradient as all the logits;
-    - otherwise all logits at once (:func:`token_cross_entropy_sum`): families whose logits cadence cannot reproduce
-      from the head's input keep their own forward. That is recurrent Gemma (its own ``logits_soft_cap``), a padded
-      vocabulary trimmed after the head (``unpadded_vocab_size``), a config with more than one post-processing of the
-      logits, a model without an output-embedding module, a forward that calls its head more than once or not on
-      every position, or changes the logits in any way the probe does not recognise; and a model not given here.
-    """
-    if config.loss_chunk_tokens > 0:
-        return ChunkedCrossEntropy(config.loss_chunk_tokens)
-    if model is not None and vocab_size is not None and chunking_problem(model, vocab_size) is None:
-        return TargetsOnlyCrossEntropy()
-    return token_cross_entropy_sum
+    the sft objective's way of computing its loss sum, chosen for the model as every command chooses it
+    (:meth:`cadence.engine.objective.Objective.for_model`)."""
+    return Objective.from_flags(config).for_model(model, vocab_size=vocab_size).loss_fn
 
 
 @dataclass(kw_only=True)
@@ -100,7 +84,7 @@ def build_components(prep: Prepared) -> Components:
     # Chosen (and the model probed: a pending model's 1-layer twin) before recompute, compilation and wrapping change
     # what a forward runs.
     probe, vocab_size = prep.hf.probe if prep.hf else (model, MODEL_CONFIGS[config.model].vocab_size)
-    loss_fn = build_loss(config, probe, vocab_size=vocab_size)
+    objective = prep.objective.for_model(probe, vocab_size=vocab_size)
     apply_activation_checkpointing(model, config.activation_checkpointing)
     # After recompute (the checkpointed forward is what compiles), before wrapping (FSDP2's hooks stay eager around
     # each compiled block); parameter names stay the model's.
@@ -127,7 +111,7 @@ def build_components(prep: Prepared) -> Components:
     if measured and collective is not None:
         collective.watch_local_gradients(model)  # DDP, one micro-batch per window: this rank's norm before the sync
     engine = Engine(
-        model, optimizer, scheduler=scheduler, precision=config.precision, loss_fn=loss_fn,
+        model, optimizer, scheduler=scheduler, precision=config.precision, objective=objective,
         max_grad_norm=config.max_grad_norm, offload_activations=config.offload == "activations",
         memory_budget_bytes=budget if prep.device.type == "cpu" else None,
         collective=collective,

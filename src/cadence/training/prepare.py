@@ -22,6 +22,7 @@ from cadence.data import DataSplits, default_cache_dir
 from cadence.data.source import Source, open_source
 from cadence.distributed.ranks import SINGLE, Ranks, broadcast_from_main, rank_device
 from cadence.engine.cut import Cut
+from cadence.engine.objective import Objective
 from cadence.engine.precision import cpu_emulation_note
 from cadence.engine.windows import Window, epoch_windows
 from cadence.errors import UsageError
@@ -58,6 +59,9 @@ class Prepared:
     """The Hugging Face model (built, seeded) when --model is hf:TYPE or a directory."""
     ranks: Ranks = SINGLE
     """This process among the run's processes (one, unless torchrun started several)."""
+    objective: Objective = Objective()
+    """What every step minimises (engine/objective): built once from the flags, its loss sum's way of computing
+    chosen for the model when the components are built."""
 
     @property
     def cut(self) -> Cut:
@@ -86,7 +90,7 @@ class Prepared:
         micro = config.resolved_micro_batch_size(self.world_size)
         accum = config.resolved_grad_accum_steps(self.world_size)
         return dataclasses.replace(
-            self, config=config, micro_batch_size=micro, grad_accum_steps=accum,
+            self, config=config, objective=Objective.from_flags(config), micro_batch_size=micro, grad_accum_steps=accum,
             effective_batch_size=micro * accum * self.world_size, memory_budget_bytes=config.memory_budget_bytes(),
             hf=build_run_hf(config, warn=False) if self.hf is not None else None)
 
@@ -188,7 +192,7 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     return Prepared(
         config=config, device=device, seq_len=seq_len, micro_batch_size=micro,
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
-        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, ranks=ranks,
+        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, ranks=ranks, objective=Objective.from_flags(config),
     )
 
 
