@@ -4,7 +4,7 @@ memory estimate predicts them.
 1. `cadence train --model gpt-small --seq-len 64 --micro-batch-size 8 --max-steps 200 --warmup-steps 20 --lr 1e-3`
    on the built-in corpus with --optimizer-state fp32, bf16 and 8bit: the optimizer state's bytes
    (summary.json's `optimizer_state_bytes`), the measured peak (`peak_memory_bytes`: the profiler's allocation replay
-   of window 2 on CPU) against the estimate (`estimate_step_memory(..., optimizer_state=...)`), tokens/s, and the
+   of window 2 on CPU) against the estimate (`estimate_step_memory(..., optimizer=OptimizerSpec(state=...))`), tokens/s, and the
    loss: the mean of the last 20 steps against fp32's (the same data, the same seed: only the state's precision
    differs).
 2. `cadence train --model hf:llama` (width 256, 4 layers, byte vocabulary) trained whole, with --lora-rank 8, and with
@@ -32,6 +32,7 @@ from cadence.config import TrainConfig
 from cadence.memory.estimate import estimate_step_memory
 from cadence.memory.estimate_hf import estimate_hf_step_memory
 from cadence.models import MODEL_CONFIGS
+from cadence.optim.spec import OptimizerSpec
 from cadence.training.prepare import build_run_hf
 from cadence.training.run_dir import read_metrics
 
@@ -57,7 +58,7 @@ def optimizer_states(root: Path, *, steps: int, model: str) -> dict:
     for state in ("fp32", "bf16", "8bit"):
         summary, rows, wall = train(root / f"state-{state}", *common, "--optimizer-state", state)
         estimate = estimate_step_memory(MODEL_CONFIGS[model], precision="fp32", checkpointing="none",
-                                        optimizer_state=state, **shape)
+                                        optimizer=OptimizerSpec(state=state), **shape)
         losses = [row["loss"] for row in rows]
         runs[state] = {
             "optimizer_state_bytes": summary["optimizer_state_bytes"], "peak_memory_bytes": summary["peak_memory_bytes"],

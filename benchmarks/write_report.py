@@ -463,7 +463,7 @@ def render_optimizer_state(data: dict) -> list[str]:
         f"{states['steps'] // 10}, fp32 compute), once per `--optimizer-state`: the same data and seed, only the "
         "moments' storage differs. State: summary.json's `optimizer_state_bytes` (the state tensors' bytes). Peak: "
         "summary.json's `peak_memory_bytes` (the profiler's allocation replay of window 2), against "
-        f"`estimate_step_memory(..., optimizer_state=...)`. Loss: the mean of the last {states['last_steps_averaged']} "
+        f"`estimate_step_memory(..., optimizer=OptimizerSpec(state=...))`. Loss: the mean of the last {states['last_steps_averaged']} "
         f"steps. bitsandbytes {versions.get('bitsandbytes')}; load average {data['load_average_before']:.1f} before, "
         f"{data['load_average_after']:.1f} after (2 cores: tokens/s are those of a shared machine).")
     rows = [[name, f"{sections.mib(run['optimizer_state_bytes'])} MiB", f"{run['state_vs_fp32']:.3f}x",

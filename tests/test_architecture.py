@@ -19,6 +19,7 @@ LAYERS: list[set[str]] = [
     {"errors", "formatting", "lazy"},
     {"input_files", "output_files", "process_locks", "records"},
     {"data", "models"},
+    {"optim"},
     {"memory"},
     {"engine"},
     {"config"},

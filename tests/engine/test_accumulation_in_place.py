@@ -18,8 +18,8 @@ from cadence.engine.step import Engine, token_cross_entropy_sum
 from cadence.engine.windows import make_window
 from cadence.memory.estimate_hf import estimate_hf_step_memory
 from cadence.memory.grad_in_place import accumulate_in_place, in_place_modules, in_place_problem
-from cadence.memory.optimizer_state import BF16StateAdamW
 from cadence.models.hf import model_shape
+from cadence.optim.low_precision import BF16StateAdamW
 
 MiB = 2**20
 VOCAB, WIDTH = 32000, 64

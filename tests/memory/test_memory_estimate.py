@@ -14,6 +14,7 @@ from cadence.memory.estimate import ESTIMATE_CATEGORIES, MemoryEstimate, estimat
 from cadence.memory.measure import MeasuredMemory, measure_step
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import GPT, MODEL_CONFIGS, GPTConfig
+from cadence.optim.spec import OptimizerSpec
 from cadence.plan.estimate_check import estimate_against_measurement
 from cadence.training.components import build_optimizer
 
@@ -237,7 +238,7 @@ def test_the_optimizer_state_estimate_matches_a_measurement(name: str, micro_bat
     engine.step(window)
     measured = measure_step(model, optimizer, lambda: engine.step(window), "cpu")
     predicted = estimate_step_memory(config, micro_batch_size=micro_batch, seq_len=seq, precision="fp32",
-                                     checkpointing="none", optimizer_state=state)
+                                     checkpointing="none", optimizer=OptimizerSpec(state=state))
     assert abs(relative_error(predicted.peak_bytes, measured.peak_bytes)) <= 0.10
     measured_state = measured.peak_by_category["optimizer_state"]
     assert abs(relative_error(predicted.by_category["optimizer_state"], measured_state)) <= 0.01
@@ -245,12 +246,13 @@ def test_the_optimizer_state_estimate_matches_a_measurement(name: str, micro_bat
 
 def test_the_optimizer_state_sets_the_state_bytes_per_parameter() -> None:
     params = MODEL_CONFIGS["gpt-small"].num_parameters()
-    state = {name: estimate("gpt-small", micro_batch_size=1, optimizer_state=name).by_category["optimizer_state"]
+    state = {name: estimate("gpt-small", micro_batch_size=1,
+                            optimizer=OptimizerSpec(state=name)).by_category["optimizer_state"]
              for name in ("fp32", "bf16", "8bit")}
     assert state["fp32"] == 8 * params and state["bf16"] == 4 * params
     assert 2 * params < state["8bit"] < 2.1 * params  # one byte per moment, an fp32 scale per 256, fp32 for biases
-    offloaded = estimate("gpt-small", device_type="cuda", offload="optimizer", optimizer_state="8bit")
+    offloaded = estimate("gpt-small", device_type="cuda", offload="optimizer", optimizer=OptimizerSpec(state="8bit"))
     assert offloaded.by_category["optimizer_state"] == 0
     assert offloaded.by_category["offloaded_to_host"] == state["8bit"] + 8 * params  # masters and gradient buffers
-    with pytest.raises(ValueError, match="optimizer_state"):
-        estimate(optimizer_state="4bit")
+    with pytest.raises(ValueError, match="state must be one of"):
+        estimate(optimizer=OptimizerSpec(state="4bit"))

@@ -18,6 +18,7 @@ from cadence.memory.estimate_hf import block_style, estimate_hf_step_memory
 from cadence.memory.measure import MeasuredMemory, measure_step
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models.hf import HFModel, ModelShape, build_hf_model
+from cadence.optim.spec import OptimizerSpec
 from cadence.training.components import build_optimizer
 
 pytest.importorskip("transformers")
@@ -251,7 +252,7 @@ def test_the_lora_and_optimizer_state_estimates_match_a_measurement(spec, overri
     window = make_window(4, 128)
     measured = measure_step(hf.model, optimizer, lambda: engine.step(window), "cpu")
     predicted = estimate(hf, micro_batch_size=4, seq_len=128, precision=precision, checkpointing=checkpointing,
-                         optimizer_state=state, lora=lora_shape(hf.model))
+                         optimizer=OptimizerSpec(state=state), lora=lora_shape(hf.model))
     assert abs(relative_error(predicted.peak_bytes, measured.peak_bytes)) <= 0.10, (predicted.summary(),
                                                                                    measured.summary())
 
@@ -270,7 +271,7 @@ def test_lora_leaves_gradients_and_state_to_the_adapters(llama: HFModel) -> None
     assert lora.by_category["parameters"] == 4 * (llama.shape.num_parameters + adapters.adapter_parameters)
     assert lora.activation_bytes < full.activation_bytes and lora.peak_bytes < full.peak_bytes
     # Adapters of this width are under bitsandbytes' 4,096 elements: their moments stay fp32.
-    eight_bit = estimate(llama, micro_batch_size=8, lora=adapters, optimizer_state="8bit")
+    eight_bit = estimate(llama, micro_batch_size=8, lora=adapters, optimizer=OptimizerSpec(state="8bit"))
     assert eight_bit.by_category["optimizer_state"] == lora.by_category["optimizer_state"]
 
 

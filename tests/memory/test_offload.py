@@ -12,8 +12,9 @@ from torch import nn
 
 from cadence import Engine, iter_windows, token_cross_entropy_sum
 from cadence.memory.choices import OFFLOAD_MODES
-from cadence.memory.offload import OffloadedOptimizer, activation_offload, offloaded_state_bytes
+from cadence.memory.offload import activation_offload
 from cadence.models import GPT, GPTConfig
+from cadence.optim.offload import OffloadedOptimizer, offloaded_state_bytes
 
 GPT_CONFIG = GPTConfig(vocab_size=256, context_length=16, n_layer=2, n_head=2, n_embd=32)
 Schedule = Callable[[int], float]

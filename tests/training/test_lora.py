@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from cadence.cli import main
 from cadence.config import TrainConfig
 from cadence.engine.step import Engine
-from cadence.memory.optimizer_state import optimizer_state_bytes
 from cadence.models.hf import build_hf_model
 from cadence.models.lora import LoraSettings, apply_lora, parameter_counts
+from cadence.optim.state import optimizer_state_bytes
 from cadence.training.checkpoint import checkpoint_dirs
 from cadence.training.components import build_optimizer
 from cadence.training.run_dir import read_metrics

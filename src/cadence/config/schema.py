@@ -20,7 +20,8 @@ from cadence.data.chat import TrainOn
 from cadence.data.choices import TooLong
 from cadence.engine.choices import DEFAULT_MIN_LR_RATIO, LastWindow, LRScheduleName, PrecisionName
 from cadence.engine.cut import MicroBatchOrder
-from cadence.memory.choices import CheckpointingMode, OffloadMode, OptimizerStateName
+from cadence.memory.choices import CheckpointingMode, OffloadMode
+from cadence.optim.choices import OptimizerName, OptimizerStateName
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 DEVICE_CHOICES: tuple[DeviceName, ...] = ("auto", "cpu", "cuda")
@@ -199,6 +200,8 @@ class TrainConfig:
     """With --micro-batch-size auto: good optimizer steps after a halving before trying a larger micro-batch again."""
     max_grad_norm: float = setting(1.0, OPTIMIZER, changes_math=True)
     """Clip the total gradient norm to this, once per optimizer step after unscaling; 0 turns clipping off."""
+    optimizer: OptimizerName = setting("adamw", OPTIMIZER, changes_math=True)
+    """The optimizer: adamw (decoupled weight decay on matrices and embeddings). A resume keeps the run's optimizer."""
     lr: float = setting(1e-3, OPTIMIZER, changes_math=True)
     """Peak learning rate (AdamW)."""
     weight_decay: float = setting(0.1, OPTIMIZER, changes_math=True)

@@ -26,11 +26,12 @@ from cadence.engine.cut import MICRO_BATCH_ORDER_CHOICES
 from cadence.engine.objective import Objective
 from cadence.engine.precision import precision_problem
 from cadence.errors import Problem, UsageError
-from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES, OPTIMIZER_STATES
-from cadence.memory.optimizer_state import eight_bit_problem
+from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES
 from cadence.models import MODEL_NAMES, compile_problem, model_context_length
 from cadence.models.lora import peft_problem, split_targets
 from cadence.models.quantized import bitsandbytes_problem
+from cadence.optim.choices import OPTIMIZER_STATES, OPTIMIZERS
+from cadence.optim.spec import OptimizerSpec
 
 if TYPE_CHECKING:
     import torch
@@ -116,9 +117,11 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     finite_range("adam_beta1", 0.0, 1.0, high_open=True)
     finite_range("adam_beta2", 0.0, 1.0, high_open=True)
     problems += _lora_problems(config)
+    choice("optimizer", OPTIMIZERS)
     choice("optimizer_state", OPTIMIZER_STATES)
-    if config.optimizer_state == "8bit" and (reason := eight_bit_problem()) is not None:
-        bad("optimizer_state", f"8bit {reason}")
+    if config.optimizer in OPTIMIZERS and config.optimizer_state in OPTIMIZER_STATES:
+        # The optimizer's own checks: options that do not apply to it, its packages, what FSDP2 cannot shard.
+        problems += OptimizerSpec.from_flags(config).problems(sharded=launched and config.strategy == "fsdp")
     finite_range("min_lr_ratio", 0.0, 1.0)
     if config.val_fraction is not None:  # not given: held_out_fraction decides
         finite_range("val_fraction", 0.0, 0.5)
@@ -467,11 +470,4 @@ def distributed_problems(config: TrainConfig, world_size: int, launched: bool) -
         if config.strategy == "fsdp" and config.precision == "fp16":
             bad("precision", "fp16 with --strategy fsdp is not supported: each rank would find inf/nan in its own "
                              "gradient shard and skip steps alone; use bf16")
-        if config.strategy == "fsdp" and config.optimizer_state == "8bit":
-            bad("optimizer_state", "8bit with --strategy fsdp is not supported: bitsandbytes' 8-bit AdamW updates "
-                                   "whole tensors and cannot update FSDP2's sharded (DTensor) parameters; use "
-                                   "--optimizer-state bf16 (which shards like fp32), or --strategy ddp")
-        if config.strategy == "fsdp" and config.offload == "optimizer":
-            bad("offload", "optimizer offload with --strategy fsdp is not supported; FSDP already shards the "
-                           "optimizer state over the ranks")
     return problems

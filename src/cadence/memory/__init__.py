@@ -10,6 +10,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "cadence.memory.estimate_hf": ("estimate_hf_step_memory",),
     "cadence.memory.measure": ("MeasuredMemory", "measure_step"),
     "cadence.memory.meter": ("StepMemoryMeter",),
-    "cadence.memory.offload": ("OffloadedOptimizer",),
     "cadence.memory.recompute": ("apply_activation_checkpointing",),
 })

@@ -1,7 +1,8 @@
 """The spellings of the memory levers, in a module without torch.
 
 Why a module of their own: the command line's `--help` lists these choices and must answer without importing torch
-(issue 41); offload.py, optimizer_state.py and recompute.py, which need torch, take their names from here.
+(issue 41); offload.py and recompute.py, which need torch, take their names from here (the optimizer's are in
+cadence.optim.choices).
 """
 
 from __future__ import annotations
@@ -10,9 +11,6 @@ from typing import Literal
 
 OffloadMode = Literal["none", "activations", "optimizer"]
 OFFLOAD_MODES: tuple[OffloadMode, ...] = ("none", "activations", "optimizer")
-
-OptimizerStateName = Literal["fp32", "bf16", "8bit"]
-OPTIMIZER_STATES: tuple[OptimizerStateName, ...] = ("fp32", "bf16", "8bit")
 
 CheckpointingMode = Literal["none", "full", "selective"]
 CHECKPOINTING_MODES: tuple[CheckpointingMode, ...] = ("none", "full", "selective")

@@ -24,17 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cadence.formatting import format_mib
-from cadence.memory.choices import OPTIMIZER_STATES, CheckpointingMode, OffloadMode
-from cadence.memory.optimizer_state import (
-    CHUNK_ELEMENTS,
-    EIGHT_BIT_CODE_BOOK,
-    EIGHT_BIT_MIN_SIZE,
-    state_bytes_per_parameter,
-)
+from cadence.memory.choices import CheckpointingMode, OffloadMode
 from cadence.models.gpt import GPTConfig
+from cadence.optim.spec import OptimizerSpec
 
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 """cadence.engine.precision.PrecisionName, repeated here: the engine is a layer above memory."""
+
+ADAMW = OptimizerSpec()
+"""The default optimizer of an estimate: ``cadence train``'s (AdamW, fp32 moments)."""
 
 ESTIMATE_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
 """Device categories of :attr:`MemoryEstimate.by_category`, in report order."""
@@ -86,11 +84,10 @@ def estimate_step_memory(
     checkpointing: CheckpointingMode,
     offload: OffloadMode = "none",
     device_type: str = "cpu",
-    optimizer: Literal["adamw"] = "adamw",
+    optimizer: OptimizerSpec = ADAMW,
     grad_accum_steps: int = 1,
     loss_chunk_tokens: int = 0,
     target_tokens: int | None = None,
-    optimizer_state: str = "fp32",
     full_logits: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one step of ``GPT(config)`` trained the way :class:`cadence.engine.step.Engine` does.
@@ -108,14 +105,15 @@ def estimate_step_memory(
     (:func:`cadence.engine.step.token_cross_entropy_sum`, the ``Engine``'s own default, which ``cadence train`` keeps
     for a model whose logits cannot be made from its head's input); with every position a target the two differ by
     the gather's few bytes per token.
-    ``optimizer_state``: how AdamW stores its moments (--optimizer-state fp32, bf16 or 8bit), which sets the state's
-    bytes and the optimizer step's scratch (:func:`optimizer_step_bytes`).
+    ``optimizer``: the run's optimizer (:class:`cadence.optim.spec.OptimizerSpec`: which one, and how it stores its
+    state, --optimizer-state), which sets the state's bytes and the optimizer step's scratch
+    (:meth:`OptimizerSpec.state_bytes`); whether it lives on the host is ``offload``'s to say.
     """
     problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
                               context_length=config.context_length, precision=precision,
-                              checkpointing=checkpointing, offload=offload, optimizer=optimizer,
+                              checkpointing=checkpointing, offload=offload,
                               loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens,
-                              optimizer_state=optimizer_state, full_logits=full_logits)
+                              full_logits=full_logits)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -124,43 +122,19 @@ def estimate_step_memory(
         config, tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
-        loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens, optimizer_state=optimizer_state,
+        loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens, optimizer=optimizer,
         full_logits=full_logits,
     )
     return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,
                                 on_device=on_device)
 
 
-def optimizer_step_bytes(optimizer_state: str, trained: list[int], *, on_device: bool) -> tuple[int, int]:
-    """(state bytes, the step's largest scratch beyond the fp32 AdamW's) for the trained tensors ``trained``
-    (element counts) under ``--optimizer-state``:
-
-    - ``fp32``: two fp32 moments, 8 bytes per element (the scratch is the replay's own, model by model);
-    - ``bf16``: two bf16 moments, 4 bytes; :class:`cadence.memory.optimizer_state.BF16StateAdamW` works on one chunk
-      of one tensor at a time: fp32 copies of both moments plus the denominator (then the rounding noise), 12 bytes
-      per element of the largest chunk;
-    - ``8bit``: one byte per moment and an fp32 absmax per block of 256 (tensors under 4,096 elements keep fp32
-      moments), plus the two shared code books. bitsandbytes' CPU update dequantises both moments of a tensor to fp32,
-      scales a copy of its gradient and takes the square root and the quotient: five fp32 copies of the largest
-      8-bit tensor (20 bytes per element); its CUDA kernel updates in place (no scratch).
-    """
-    state = sum(int(state_bytes_per_parameter(optimizer_state, numel) * numel) for numel in trained)
-    if optimizer_state == "8bit":
-        quantised = [numel for numel in trained if numel >= EIGHT_BIT_MIN_SIZE]
-        state += 2 * EIGHT_BIT_CODE_BOOK if quantised else 0  # held (and counted) once some tensor is quantised
-        return state, 0 if on_device or not quantised else 5 * FP32_BYTES * max(quantised)
-    if optimizer_state == "bf16":
-        return state, 3 * FP32_BYTES * min(max(trained, default=0), CHUNK_ELEMENTS)
-    return state, 0
-
-
 def input_problems(*, micro_batch_size: int, seq_len: int, grad_accum_steps: int, context_length: int,
-                   precision: str, checkpointing: str, offload: str, optimizer: str = "adamw",
-                   loss_chunk_tokens: int = 0, target_tokens: int | None = None,
-                   optimizer_state: str = "fp32", full_logits: bool = False) -> list[str]:
-    """What is wrong with an estimate's arguments (shared by the built-in and the Hugging Face estimates)."""
-    choices = {"precision": (precision, ("fp32", "bf16", "fp16")), "optimizer": (optimizer, ("adamw",)),
-               "optimizer_state": (optimizer_state, OPTIMIZER_STATES),
+                   precision: str, checkpointing: str, offload: str, loss_chunk_tokens: int = 0,
+                   target_tokens: int | None = None, full_logits: bool = False) -> list[str]:
+    """What is wrong with an estimate's arguments (shared by the built-in and the Hugging Face estimates; the
+    optimizer is an OptimizerSpec, checked when it was made)."""
+    choices = {"precision": (precision, ("fp32", "bf16", "fp16")),
                "checkpointing": (checkpointing, ("none", "full", "selective")),
                "offload": (offload, ("none", "activations", "optimizer"))}
     problems = [f"unknown {key} {value!r} (one of {', '.join(ok)})" for key, (value, ok) in choices.items()
@@ -222,11 +196,11 @@ class StepReplay:
     def __init__(
         self, config: GPTConfig, *, tokens: int, seq_len: int, precision: str, checkpointing: str,
         offload_activations: bool, offload_optimizer: bool, on_device: bool, loss_chunk_tokens: int = 0,
-        target_tokens: int | None = None, optimizer_state: str = "fp32", full_logits: bool = False,
+        target_tokens: int | None = None, optimizer: OptimizerSpec = ADAMW, full_logits: bool = False,
     ) -> None:
         self.cfg, self.n, self.t, self.c = config, tokens, seq_len, config.n_embd
-        self.optimizer_state = optimizer_state
-        """--optimizer-state: how AdamW stores its moments (fp32, bf16, 8bit)."""
+        self.optimizer = optimizer
+        """The run's optimizer: its state bytes and its step's scratch."""
         self.chunk = loss_chunk_tokens
         """--loss-chunk-tokens: N > 0 the head and loss N target tokens at a time; 0 all target tokens at once."""
         self.gathered = not full_logits
@@ -317,10 +291,10 @@ class StepReplay:
         self.phase = "forward"
         self.alloc("params", self.parameter_bytes(), "parameters")
         trained = self.trained_tensors()
-        # AdamW's exp_avg and exp_avg_sq: fp32 like the parameters, or bf16 / 8-bit (--optimizer-state).
-        state, self.step_scratch = optimizer_step_bytes(self.optimizer_state, trained, on_device=self.on_device)
+        # The optimizer's state (AdamW's exp_avg and exp_avg_sq: fp32 like the parameters, or bf16 / 8-bit).
+        state, self.step_scratch = self.optimizer.state_bytes(trained, on_device=self.on_device)
         if self.offload_optimizer:
-            # cadence.memory.offload.OffloadedOptimizer: the state, an fp32 master copy the host step updates, and the
+            # cadence.optim.offload.OffloadedOptimizer: the state, an fp32 master copy the host step updates, and the
             # (pinned) buffers the gradients are copied into, for the trained parameters.
             self.host_bytes += state + 2 * sum(trained) * FP32_BYTES
             self.notes.append("offload optimizer: AdamW state, an fp32 master copy and a gradient buffer live on the "
@@ -340,7 +314,8 @@ class StepReplay:
         self.free("inputs")
         self.phase = "optimizer step"
         if not self.offload_optimizer:
-            scratch = self._optimizer_scratch() if self.optimizer_state == "fp32" else self.step_scratch
+            # None: the elementwise fp32 update, whose scratch depends on this model's tensors and their order.
+            scratch = self._optimizer_scratch() if self.step_scratch is None else self.step_scratch
             self.alloc("adam.scratch", scratch, "temporaries")
             self.free("adam.scratch")
         for name in list(self.grads):

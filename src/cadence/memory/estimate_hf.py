@@ -22,9 +22,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cadence.memory.estimate import FP32_BYTES, MemoryEstimate, StepReplay, estimate_from_replay, input_problems
+from cadence.memory.estimate import (
+    ADAMW,
+    FP32_BYTES,
+    MemoryEstimate,
+    StepReplay,
+    estimate_from_replay,
+    input_problems,
+)
 from cadence.models.hf import ModelShape
 from cadence.models.lora import LoraShape
+from cadence.optim.spec import OptimizerSpec
 
 GPT2_TYPES = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "gptj"})
 """Model types whose blocks are gpt2-style; every other decoder is treated as llama-style."""
@@ -100,13 +108,13 @@ def estimate_hf_step_memory(
     grad_accum_steps: int = 1,
     loss_chunk_tokens: int = 0,
     target_tokens: int | None = None,
-    optimizer_state: str = "fp32",
+    optimizer: OptimizerSpec = ADAMW,
     lora: LoraShape | None = None,
     packed: bool = False,
     full_logits: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one step of the Hugging Face model ``shape`` describes, trained by the Engine;
-    ``loss_chunk_tokens``, ``target_tokens``, ``optimizer_state`` and ``full_logits`` as in
+    ``loss_chunk_tokens``, ``target_tokens``, ``optimizer`` and ``full_logits`` as in
     :func:`cadence.memory.estimate.estimate_step_memory` (``loss_chunk_tokens`` 0: the target positions' logits only,
     every position counted as a target unless ``target_tokens`` says otherwise). ``lora``: the adapters --lora-rank
     injected
@@ -118,8 +126,7 @@ def estimate_hf_step_memory(
     problems = input_problems(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
                               context_length=shape.context_length, precision=precision,
                               checkpointing=checkpointing, offload=offload, loss_chunk_tokens=loss_chunk_tokens,
-                              target_tokens=target_tokens, optimizer_state=optimizer_state,
-                              full_logits=full_logits)
+                              target_tokens=target_tokens, full_logits=full_logits)
     if not shape.num_heads or not shape.head_dim or not shape.intermediate_size:
         problems.append("the model's config gives no attention heads, head size or MLP width to estimate from")
     if problems:
@@ -129,7 +136,7 @@ def estimate_hf_step_memory(
         shape, block_style(model_type), tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision,
         checkpointing=checkpointing, offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,
-        loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens, optimizer_state=optimizer_state,
+        loss_chunk_tokens=loss_chunk_tokens, target_tokens=target_tokens, optimizer=optimizer,
         lora=lora, packed=packed, full_logits=full_logits,
     )
     return estimate_from_replay(replay, grad_accum_steps=grad_accum_steps, precision=precision, offload=offload,

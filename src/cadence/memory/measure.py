@@ -7,7 +7,7 @@ tensor. Its labels are turned into the categories people reason in:
 - ``parameter``: the fp32 parameters, plus the low-precision copies autocast makes of them (a bf16/fp16 weight copy
   is the parameter in compute dtype; the profiler calls it an activation because an activation flows into the op);
 - ``gradient``: the parameters' ``.grad`` (fp32: they accumulate in the parameters' dtype);
-- ``optimizer_state``: AdamW's two moments (and its step counters);
+- ``optimizer_state``: the optimizer's state (AdamW's two moments and its step counters);
 - ``activation``: tensors made by the forward (saved for backward or not yet freed), including the ones activation
   checkpointing recomputes during backward (the profiler files those under "autograd detail");
 - ``temporary``: working memory: gradients of activations flowing through backward, the optimizer step's scratch;

@@ -20,6 +20,8 @@ from cadence.memory.estimate_hf import estimate_hf_step_memory
 from cadence.models import MODEL_CONFIGS, MODEL_NAMES, build_model, model_context_length
 from cadence.models.hf import HFModel, ModelShape
 from cadence.models.lora import LoraShape, planned_nf4
+from cadence.optim.choices import OptimizerStateName
+from cadence.optim.spec import OptimizerSpec
 from cadence.training.prepare import build_run_hf
 
 
@@ -42,15 +44,16 @@ class PlanModel:
 
     def estimate(self, *, micro_batch_size: int, seq_len: int, precision: str, checkpointing: str,
                  offload: str = "none", device_type: str = "cpu", grad_accum_steps: int = 1,
-                 loss_chunk_tokens: int = 0, optimizer_state: str = "fp32",
+                 loss_chunk_tokens: int = 0, optimizer_state: OptimizerStateName = "fp32",
                  lora_base_precision: str | None = None) -> MemoryEstimate:
-        """The estimated step of one candidate; ``lora_base_precision``: the base a candidate holds under LoRA
-        (default: the configuration's)."""
+        """The estimated step of one candidate; ``optimizer_state``: the state the candidate stores the run's optimizer
+        in (the plan's lossy lever; the optimizer itself is the user's); ``lora_base_precision``: the base a
+        candidate holds under LoRA (default: the configuration's)."""
         options: dict[str, Any] = {
             "micro_batch_size": micro_batch_size, "seq_len": seq_len, "precision": precision,
             "checkpointing": checkpointing, "offload": offload, "device_type": device_type,
             "grad_accum_steps": grad_accum_steps, "loss_chunk_tokens": loss_chunk_tokens,
-            "optimizer_state": optimizer_state,
+            "optimizer": OptimizerSpec.from_flags(self.config).with_state(optimizer_state),
         }
         if self.shape is None:
             return estimate_step_memory(MODEL_CONFIGS[self.config.model], **options)

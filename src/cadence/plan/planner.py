@@ -42,10 +42,10 @@ from cadence.formatting import format_bytes
 from cadence.input_files import read_regular_file
 from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES
 from cadence.memory.estimate import MemoryEstimate
-from cadence.memory.optimizer_state import eight_bit_problem
 from cadence.models.hf import packed_attention_supported
 from cadence.models.packed_attention import runs_packed_attention
 from cadence.models.quantized import bitsandbytes_problem
+from cadence.optim.spec import OptimizerSpec
 from cadence.output_files import atomic_write_json
 from cadence.plan.batch import BatchChoice, choose_effective_batch
 from cadence.plan.measure import (
@@ -264,15 +264,6 @@ STATE_TOLERANCE = 0.01
 last 20 steps within 0.1% (bf16) and 0.1% (8bit) of fp32's (BENCHMARKS.md); a slow test checks the same on gpt-tiny at 1%."""
 
 
-def lossy_optimizer_states(notes: list[str]) -> list[str]:
-    """The lower-precision optimizer states this machine can run: bf16, and 8bit where bitsandbytes is installed."""
-    missing = eight_bit_problem()
-    if missing is not None:
-        notes.append(f"8bit optimizer state was not a candidate: it {missing}")
-        return ["bf16"]
-    return ["bf16", "8bit"]
-
-
 BASE_TOLERANCE = 0.01
 """An nf4 base is kept only when, over the quality check's steps, every loss is within 1% (relative) of the same
 configuration's with the full-precision base (as QLoRA's paper finds 4-bit NormalFloat matching 16-bit LoRA).
@@ -327,8 +318,9 @@ def lossy_candidates(config: TrainConfig, constrained: set[str], device: torch.d
     forward, recompute and backward, so at the same levers it is slower (measured on this CPU, a 49.9M llama: 229
     against 272 tokens/s, 0.84x, BENCHMARKS.md)."""
     more: list[Candidate] = []
-    if "optimizer_state" not in constrained:
-        lossy = lossy_optimizer_states(notes)
+    # What the optimizer may vary (AdamW: bf16, and 8bit where bitsandbytes is installed); never the optimizer.
+    lossy = [] if "optimizer_state" in constrained else OptimizerSpec.from_flags(config).lossy_states(notes)
+    if lossy:
         notes.append(f"no configuration with fp32 optimizer state fits (measured): {' and '.join(lossy)} optimizer "
                      f"state were candidates too, each kept only if its losses stay within {STATE_TOLERANCE:.0%} "
                      f"of fp32 state's over the quality check's steps")

@@ -25,7 +25,7 @@ from cadence.data.text import PackedSequences
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import prefetch
 from cadence.engine.windows import Window, count_targets, epoch_windows, example_lengths, make_window
-from cadence.memory.choices import OptimizerStateName
+from cadence.optim.choices import OptimizerStateName
 from cadence.training.components import build_components
 from cadence.training.prepare import Prepared
 from cadence.verify.equivalence import Setup

@@ -1,11 +1,10 @@
 """The objects one training run is made of, built from a prepared configuration: the model (with recompute, compiled
-with --compile, then wrapped by DDP or sharded by FSDP2), the optimizer (possibly offloaded), the LR schedule and the
-engine."""
+with --compile, then wrapped by DDP or sharded by FSDP2), the optimizer (the run's OptimizerSpec builds it), the LR
+schedule and the engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -15,38 +14,17 @@ from cadence.engine.noise_scale import GradientNoiseScale
 from cadence.engine.objective import Objective
 from cadence.engine.schedules import build_lr_scheduler
 from cadence.engine.step import Engine, LossFn
-from cadence.memory.offload import OffloadedOptimizer
-from cadence.memory.optimizer_state import BF16StateAdamW, adamw_8bit_class
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import MODEL_CONFIGS, CompileClock, build_model, compile_blocks
 from cadence.models.pretrained import load_shards
+from cadence.optim.spec import OptimizerSpec
 from cadence.training.prepare import Prepared
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices and embeddings only (decaying biases and norm gains only hurts), over the
-    trained parameters only (frozen ones, a LoRA run's base, get no state); its moments in fp32, bf16 or 8 bits
-    (--optimizer-state); with ``--offload optimizer`` its state and update live on the CPU."""
-    decay, no_decay = [], []
-    seen: set[int] = set()
-    for param in model.parameters():  # parameters() yields a tied weight once
-        if not param.requires_grad or id(param) in seen:
-            continue
-        seen.add(id(param))
-        (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    options: dict[str, Any] = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2)}
-    optimizer_class: Any = {"fp32": torch.optim.AdamW, "bf16": BF16StateAdamW}.get(config.optimizer_state)
-    if optimizer_class is None:  # 8bit: validate() has checked that bitsandbytes is installed
-        optimizer_class = adamw_8bit_class()
-        options["eps"] = 1e-8  # torch's AdamW default (bitsandbytes' is the same today; pinned, as it is the math)
-    if config.offload == "optimizer":
-        return OffloadedOptimizer(groups, optimizer_class=optimizer_class, **options)
-    if config.optimizer_state == "fp32" and decay and decay[0].device.type == "cuda":
-        # One fused kernel updates every parameter of a group (a few launches per step instead of several per
-        # tensor); it also takes the fp16 scaler's inf check on the device. CPU keeps PyTorch's default.
-        options["fused"] = True
-    return optimizer_class(groups, **options)  # type: ignore[no-any-return]
+    """The optimizer the configuration names, over ``model``'s trained parameters only (frozen ones, a LoRA run's
+    base, get no state): :meth:`cadence.optim.spec.OptimizerSpec.build` (its groups, state precision, offload)."""
+    return OptimizerSpec.from_flags(config).build(model)
 
 
 def build_loss(config: TrainConfig, model: torch.nn.Module | None = None, *, vocab_size: int | None = None
@@ -96,7 +74,7 @@ def build_components(prep: Prepared) -> Components:
     model = wrap_model(model, prep.ranks, prep.device, precision=config.precision)
     if pending is not None:
         load_shards(model, pending, prep.device)
-    optimizer = build_optimizer(model, config)
+    optimizer = prep.optimizer.build(model)
     scheduler = build_lr_scheduler(
         optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
         max_steps=config.max_steps, min_lr_ratio=config.min_lr_ratio,

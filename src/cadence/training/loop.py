@@ -46,9 +46,9 @@ from cadence.engine.step import Engine, PartialWindow, StepResult, WindowInterru
 from cadence.engine.windows import Window, padding_micro_batch
 from cadence.errors import CadenceFailure, UsageError
 from cadence.formatting import format_bytes
-from cadence.memory.optimizer_state import optimizer_state_bytes
 from cadence.models.hf import save_hf
 from cadence.models.lora import parameter_counts
+from cadence.optim.state import optimizer_state_bytes
 from cadence.training.autobatch import MicroBatchController, MicroBatchTooLarge
 from cadence.training.checkpoint import Checkpointer
 from cadence.training.components import Components, build_components

@@ -38,6 +38,7 @@ from cadence.models.hf import (
 from cadence.models.lora import LoraSettings, apply_lora, hold_base_in_bf16, lora_shape, split_targets
 from cadence.models.packed_attention import runs_packed_attention
 from cadence.models.quantized import already_quantized, quantize_base_nf4
+from cadence.optim.spec import OptimizerSpec
 from cadence.training.run_dir import exported_before
 
 
@@ -68,6 +69,11 @@ class Prepared:
         """How every window of this run is cut into micro-batches: train's cut flags at the resolved micro-batch size
         (``--packing`` packs rows of the sequence length)."""
         return Cut.from_flags(self.config, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
+
+    @property
+    def optimizer(self) -> OptimizerSpec:
+        """The run's optimizer (its groups, state precision and offload), from train's flags."""
+        return OptimizerSpec.from_flags(self.config)
 
     def windows(self, epoch: int, *, whole: bool = False) -> Iterator[Window]:
         """This rank's windows of ``epoch``, exactly as ``cadence train`` runs them. ``whole``: every window whole

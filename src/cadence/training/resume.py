@@ -23,7 +23,7 @@ from cadence.engine.cut import CUT_FLAG_DEFAULTS
 from cadence.engine.schedules import lr_factor
 from cadence.engine.step import PartialWindow
 from cadence.errors import Problem, UsageError
-from cadence.memory.optimizer_state import EIGHT_BIT_BLOCK, check_saved_state
+from cadence.optim.spec import OptimizerSpec
 from cadence.records import Record, RecordInvalid, integer
 from cadence.training.checkpoint import (
     STATE_FILES,
@@ -232,10 +232,11 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Components, c
         # A checkpoint whose manifest verifies can still hold states that do not fit this run (crafted, or written
         # by another model): each load below raises on its own terms, and all of them are one refusal, before the
         # metrics (the only file a resume changes) are touched.
-        check_saved_state(str(resolved_config.get("optimizer_state", "fp32")),
-                          Record(state["optimizer"], path / STATE_FILES[0], "optimizer"))
+        # The optimizer the run records is the one this run builds (its flags change the math: checked above).
+        optimizer = OptimizerSpec.from_flags(resolved_config)
+        optimizer.check_saved(Record(state["optimizer"], path / STATE_FILES[0], "optimizer"))
         continued = checkpointer.load(checkpoint, parts)
-        _check_optimizer_state_shapes(parts.optimizer)
+        optimizer.check_loaded(parts.optimizer)
         position = state["data_position"]
         windows_done, epoch, window_in_epoch = (int(state["engine"]["windows"]), int(position["epoch"]),
                                                 int(position["window_in_epoch"]))
@@ -294,29 +295,6 @@ def _check_partial_window(partial: Record, model: Any, *, most: int) -> None:
         if tuple(grad.shape) != tuple(trained[name].shape):
             raise grads.invalid(name, f"has shape {tuple(grad.shape)}, not its parameter's "
                                       f"{tuple(trained[name].shape)}")
-
-
-_PER_BLOCK_STATE = ("absmax1", "absmax2")
-"""bitsandbytes' 8-bit state (--optimizer-state 8bit): one fp32 scale per block of its moments' elements."""
-_UNSHAPED_STATE = ("step", "qmap1", "qmap2", "unorm_vec")
-"""State that has no parameter's shape: step counters, bitsandbytes' code books."""
-
-
-def _check_optimizer_state_shapes(optimizer: Any) -> None:
-    """torch's load_state_dict takes moments of any shape; one that does not match its parameter would fail at the
-    first step, mid-run. (Offloaded and FSDP2-sharded optimizers keep their own layout and are left to themselves.)"""
-    for group in getattr(optimizer, "param_groups", []):
-        for parameter in group["params"]:
-            if type(parameter).__name__ == "DTensor":
-                continue
-            for name, value in optimizer.state.get(parameter, {}).items():
-                if name in _UNSHAPED_STATE or not hasattr(value, "shape"):
-                    continue
-                expected = (-(-parameter.numel() // EIGHT_BIT_BLOCK),) if name in _PER_BLOCK_STATE \
-                    else tuple(parameter.shape)
-                if tuple(value.shape) != expected:
-                    raise ValueError(f"optimizer state {name} of shape {tuple(value.shape)} for a parameter of shape "
-                                     f"{tuple(parameter.shape)}")
 
 
 def _metrics_rows(run_dir: Path) -> tuple[list[dict[str, Any]], str | None]:

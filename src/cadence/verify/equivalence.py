@@ -27,8 +27,8 @@ from cadence.engine.cut import Cut
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.engine.windows import Window, recut
 from cadence.memory.choices import CheckpointingMode, OffloadMode
-from cadence.memory.offload import OffloadedOptimizer
 from cadence.memory.recompute import apply_activation_checkpointing
+from cadence.optim.offload import OffloadedOptimizer
 
 GRADIENT_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 """Relative L2 error of the window gradient against the fp32 reference that passes, per precision. fp32: rounding

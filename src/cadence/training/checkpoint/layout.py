@@ -257,7 +257,7 @@ def check_contents(path: Path, info: Record, state: Any) -> None:
     (``RecordInvalid`` naming the file and the field otherwise): a checkpoint whose manifest verifies may still
     have been edited (the manifest recomputed), and a string where a count belongs would otherwise end the resume
     in a traceback, or worse, mid-run. What each optimizer keeps per parameter is checked where the optimizer is
-    known (``optimizer_state.check_saved_state``); shapes, once the state is loaded into the model's."""
+    known (``OptimizerSpec.check_saved``); shapes, once the state is loaded into the model's."""
     info.count("step")
     info.text("optimizer_format", default="by-index")
     for name in ("resolved_config", "config"):

@@ -10,8 +10,9 @@ import torch
 from cadence.config import TrainConfig, validate
 from cadence.engine.step import Engine
 from cadence.errors import UsageError
-from cadence.memory.optimizer_state import BF16StateAdamW, optimizer_state_bytes, state_tensors
 from cadence.models import build_model
+from cadence.optim.low_precision import BF16StateAdamW
+from cadence.optim.state import optimizer_state_bytes, state_tensors
 from cadence.training.components import build_optimizer
 from cadence.training.state_file import read_state, write_state
 

@@ -20,7 +20,6 @@ bitsandbytes lacks is DTensor support: ``8bit`` is refused under ``--strategy fs
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 
 from cadence.models.lora import bitsandbytes_problem
 from cadence.models.quantized import quiet_bitsandbytes
-from cadence.records import COUNT, Kind, Record, tensor_kind
+from cadence.optim.stepping import closure_loss, local, shard_index
 
 EIGHT_BIT_BLOCK = 256
 """Elements per quantisation block of bitsandbytes' block-wise 8-bit state (one fp32 absmax each)."""
@@ -36,6 +35,9 @@ EIGHT_BIT_MIN_SIZE = 4096
 """bitsandbytes' ``min_8bit_size``: smaller tensors keep fp32 moments (their bytes do not matter)."""
 EIGHT_BIT_CODE_BOOK = 256 * 4
 """Bytes of one code book (256 fp32 values); two (signed for exp_avg, unsigned for exp_avg_sq) per device."""
+
+EIGHT_BIT_QUANT_STATE = "__bnb_optimizer_quant_state__"
+"""Where bitsandbytes' state dict wraps a parameter's quantisation state (for FSDP's sake)."""
 
 CHUNK_ELEMENTS = 1 << 20
 """BF16StateAdamW updates a tensor this many elements at a time, so the fp32 working copies of a large embedding
@@ -75,82 +77,6 @@ def adamw_8bit_class() -> type[torch.optim.Optimizer]:
     with quiet_bitsandbytes():
         import bitsandbytes
     return bitsandbytes.optim.AdamW8bit  # type: ignore[no-any-return]
-
-
-_FLOATING = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_MOMENT = tensor_kind(dtypes=_FLOATING, words="a floating-point tensor (a moment)")
-_CODE_BOOK = tensor_kind(dtypes=(torch.float32,), elements=256, words="a float32 code book of 256 entries")
-_SCALES = tensor_kind(dtypes=(torch.float32,), words="a float32 tensor of per-block scales")
-EIGHT_BIT_QUANT_STATE = "__bnb_optimizer_quant_state__"
-"""Where bitsandbytes' state dict wraps a parameter's quantisation state (for FSDP's sake)."""
-
-
-def _step_tensor(value: Any) -> Any:
-    """torch's AdamW keeps the step as a one-element float tensor; a vector or a negative, fractional or infinite
-    count would fail (or silently skew the bias correction) at the first step."""
-    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
-        raise ValueError
-    count = float(value.reshape(()).item())
-    if not (math.isfinite(count) and count >= 0 and count == int(count)):
-        raise ValueError
-    return value
-
-
-_STEP_TENSOR = Kind("a step count (a tensor of one element)", _step_tensor)
-
-
-def check_saved_state(name: str, optimizer: Record) -> None:
-    """The per-parameter state a saved optimizer state dict holds, as the optimizer of ``--optimizer-state name``
-    reads it at its next step: raise ``RecordInvalid`` (naming the file and the field) for a step that is not a
-    count, a missing moment, or an 8-bit state without its scales or code books. torch's ``load_state_dict`` takes
-    any of these as they are (and turns a string step into a generator), so each would otherwise end the resumed
-    run at its first step with a traceback; shapes are checked after loading, against the parameters."""
-    states = optimizer.record("state")
-    for key in states.data:
-        entry = states.record(key)
-        if name == "8bit":
-            entry.count("step")
-            _check_eight_bit(entry.record(EIGHT_BIT_QUANT_STATE, default=entry))
-            continue
-        entry.take("step", _STEP_TENSOR if name == "fp32" else COUNT)
-        for moment in ("exp_avg", "exp_avg_sq"):
-            entry.take(moment, _MOMENT)
-
-
-def _check_eight_bit(state: Record) -> None:
-    """bitsandbytes' state of one parameter: two moments of one dtype, fp32 (a small tensor) or uint8 codes with
-    their per-block scales and code books (``update_step`` picks its kernel by ``state1``'s dtype)."""
-    first = state.take("state1", tensor_kind(dtypes=(torch.float32, torch.uint8), words="a float32 or uint8 tensor"))
-    state.take("state2", tensor_kind(dtypes=(first.dtype,), words=f"a {str(first.dtype).replace('torch.', '')} tensor "
-                                                             f"(as state1)"))
-    if first.dtype == torch.uint8:
-        for name in ("qmap1", "qmap2"):
-            state.take(name, _CODE_BOOK)
-        for name in ("absmax1", "absmax2"):
-            state.take(name, _SCALES)
-
-
-def state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every tensor the optimizer holds as state (moments, scales, code books, step counters); a DTensor's local
-    shard."""
-    for per_parameter in optimizer.state.values():
-        for value in per_parameter.values():
-            if isinstance(value, torch.Tensor):
-                yield _local(value)
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's state tensors on this process, a storage shared by several (a code book) once."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for tensor in state_tensors(optimizer):
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
 
 
 class BF16StateAdamW(torch.optim.Optimizer):
@@ -211,10 +137,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         index = -1
         for group in self.param_groups:
             lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
@@ -240,11 +163,11 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 bias_correction2 = 1 - beta2**step
                 step_size = lr / bias_correction1
                 bias_correction2_sqrt = bias_correction2**0.5
-                tensors = [_local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
+                tensors = [local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if weight_decay != 0:
                     tensors[0].mul_(1 - lr * weight_decay)
                 for chunk, pieces in enumerate(self._chunks(*tensors)):
-                    seed = _noise_seed(int(step), index, chunk, _shard(param))
+                    seed = _noise_seed(int(step), index, chunk, shard_index(param))
                     # A function of its own: its fp32 working copies are freed when it returns, so the step's
                     # scratch is one chunk's (m, v and denom, then m, v and the noise: 12 bytes per element).
                     self._update_chunk(*pieces, beta1=beta1, beta2=beta2, eps=eps, step_size=step_size,
@@ -311,20 +234,3 @@ def _noise_seed(step: int, index: int, chunk: int, shard: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the storage an in-place update must write), or the tensor itself."""
-    if type(tensor).__name__ != "DTensor":
-        return tensor
-    return tensor.to_local()  # type: ignore[attr-defined,no-any-return]
-
-
-def _shard(param: torch.Tensor) -> int:
-    """Which shard of an FSDP2-sharded parameter this process holds (0 for an ordinary tensor): each shard draws
-    its own rounding bits."""
-    mesh = getattr(param, "device_mesh", None)
-    if mesh is None or type(param).__name__ != "DTensor":
-        return 0
-    coordinate = mesh.get_coordinate() or [0]
-    return int(coordinate[0])
