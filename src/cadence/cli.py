@@ -204,8 +204,8 @@ def _own_options(cls: type, options: dict[str, Any]) -> tuple[Any, dict[str, Any
 def _train_config(config_file: Path | None, flags: dict[str, Any]) -> TrainConfig:
     """Flags over the --config file over the defaults, and then --plan's decision (where the command takes --plan:
     a flag that contradicts the plan is an error)."""
+    from cadence.config.from_plan import apply_plan
     from cadence.config.sources import build_config, given_keys
-    from cadence.plan.planner import apply_plan
 
     config = build_config(toml_path=config_file, flags=flags)
     if config.plan is not None:

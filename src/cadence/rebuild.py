@@ -17,16 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from cadence.config import is_cadence_config
+from cadence.config.plan_file import MARKS as PLAN_MARKS
+from cadence.config.plan_file import PLAN_FILE
 from cadence.errors import UsageError
-from cadence.plan.report import PLAN_FILE, plan_report
+from cadence.plan.report import plan_report
 from cadence.profiling.report import PROFILE_FILE, profile_report
 from cadence.report.document import WHERE, read_json_object, write_report
 from cadence.report.runs import run_report
 from cadence.training.run_dir import CONFIG_FILE, METRICS_FILE
 
-PLAN_MARKS: dict[str, type | tuple[type, ...]] = {"version": int, "created": str, "diagnosis": dict,
-                                                  "candidates": list}
-"""Fields every plan.json that cadence plan writes holds, with their JSON types (cadence.plan.planner)."""
 PROFILE_MARKS: dict[str, type | tuple[type, ...]] = {"version": int, "created": str, "schedule": dict,
                                                      "step_times_s": list, "phases": dict}
 """Fields every profile.json that cadence profile writes holds, with their JSON types (cadence.profiling.profiler)."""

@@ -12,8 +12,10 @@ from helpers import sample_text
 
 from cadence.cli import main
 from cadence.config import TrainConfig
+from cadence.config.commands import PlanOptions
 from cadence.engine.cut import Cut
-from cadence.plan.planner import PlanOptions, build_candidates, choose_trials, divisors
+from cadence.plan.candidates import build_candidates, divisors
+from cadence.plan.search import choose_trials
 from cadence.plan.trials import TrialSetup
 from cadence.training.run_dir import read_metrics
 from cadence.verify.equivalence import Setup

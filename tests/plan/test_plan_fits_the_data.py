@@ -136,8 +136,9 @@ def test_while_nothing_fits_the_levers_that_change_the_fit_are_measured_first() 
     the same levers in fp32, and a lossy optimizer state's saving counts."""
     import torch
 
+    from cadence.plan.candidates import build_candidates
     from cadence.plan.models import plan_model
-    from cadence.plan.planner import build_candidates, choose_trials, fit_first
+    from cadence.plan.search import choose_trials, fit_first
 
     config = TrainConfig(model="hf:llama", model_config=BIG_VOCAB[1::2], effective_batch_size=8,
                          memory_budget="64MiB", seq_len=512)
@@ -196,9 +197,10 @@ def test_the_untried_levers_are_named_with_their_estimates() -> None:
     and the one most likely to fit with the flags that plan it."""
     import torch
 
+    from cadence.plan.candidates import build_candidates
     from cadence.plan.measure import Deadline
     from cadence.plan.models import plan_model
-    from cadence.plan.planner import build_candidates, untried_levers
+    from cadence.plan.search import untried_levers
 
     cpu = torch.device("cpu")
     config = TrainConfig(model="hf:llama", model_config=BIG_VOCAB[1::2], effective_batch_size=8,
@@ -231,8 +233,8 @@ def test_the_accumulation_transient_is_avoided_and_the_diagnosis_says_so() -> No
     are avoided and which are not. gpt-tiny's byte vocabulary: accumulation lowers the peak there too."""
     import torch
 
+    from cadence.plan.candidates import accumulation_diagnosis, build_candidates
     from cadence.plan.models import plan_model
-    from cadence.plan.planner import accumulation_diagnosis, build_candidates
 
     cpu = torch.device("cpu")
     config = TrainConfig(model="hf:llama", model_config=BIG_VOCAB[1::2], effective_batch_size=8,

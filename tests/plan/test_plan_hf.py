@@ -13,8 +13,8 @@ from helpers import sample_text
 from cadence.cli import main
 from cadence.config import TrainConfig
 from cadence.config.schema import command_fields
+from cadence.plan.candidates import build_candidates
 from cadence.plan.models import plan_model
-from cadence.plan.planner import build_candidates
 from cadence.training.run_dir import read_metrics
 
 pytest.importorskip("transformers")

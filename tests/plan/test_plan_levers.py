@@ -112,9 +112,9 @@ def test_a_lossy_optimizer_state_that_fails_its_loss_check_is_never_chosen(tmp_p
                                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """With a tolerance of zero the bf16 state's (different, after the first update) losses fail: every bf16
     candidate is refused, nothing else fits, and the plan fails saying why rather than choosing it."""
-    from cadence.plan import planner
+    from cadence.plan import quality
 
-    monkeypatch.setattr(planner, "STATE_TOLERANCE", 0.0)
+    monkeypatch.setattr(quality, "STATE_TOLERANCE", 0.0)
     assert main(_state_plan(tmp_path, "plan")) == 1
     err = capsys.readouterr().err
     assert "optimizer state bf16: losses within" in err and "FAIL" in err

@@ -16,9 +16,9 @@ import pytest
 from helpers import run_cli, write_jsonl
 
 from cadence.config import TrainConfig
+from cadence.plan.decision import nf4_buys_speed, nf4_clearly_faster
 from cadence.plan.measure import Rates
 from cadence.plan.models import plan_model
-from cadence.plan.planner import nf4_buys_speed, nf4_clearly_faster
 from cadence.plan.trials import TrialSetup
 from cadence.training.prepare import build_run_hf
 
@@ -113,9 +113,9 @@ def test_without_bitsandbytes_an_nf4_base_is_not_a_candidate_and_the_failure_say
 def test_an_nf4_base_that_fails_its_loss_check_is_never_chosen(tmp_path: Path, monkeypatch, one_thread: None) -> None:
     """With a tolerance of zero the nf4 base's (4-bit) losses fail against the fp32 base's: every nf4 candidate is
     refused, nothing else fits, and the plan fails saying why rather than choosing it."""
-    from cadence.plan import planner
+    from cadence.plan import quality
 
-    monkeypatch.setattr(planner, "BASE_TOLERANCE", 0.0)
+    monkeypatch.setattr(quality, "BASE_TOLERANCE", 0.0)
     data = write_jsonl(tmp_path / "data.jsonl", count=32)
     status, _, err = run_cli(["plan", *LLAMA, "--data", str(data), "--data-cache", str(tmp_path / "cache"), *PLAN,
                               "--memory-budget", "2.75MiB", "--out", str(tmp_path / "plan")])

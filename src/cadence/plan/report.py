@@ -6,51 +6,46 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cadence.config.plan_file import PLAN_FILE, CandidateRow, Choice, CutRow, PlanRecord, read_plan
 from cadence.engine.cut import Cut
 from cadence.formatting import format_bytes, format_hms, format_number
 from cadence.report import render as plots
-from cadence.report.document import plot_block, read_json_object, times
+from cadence.report.document import WHERE, plot_block, times
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Report, Table
-
-PLAN_FILE = "plan.json"
 
 
 def plan_report(root: Path) -> Report:
     """The report of a plan, the decision first: what to train with, why, and whether its quality check passed;
     then the setup, the diagnosis, the candidates (estimated and measured), the cuts, the quality details, the notes.
-    """
-    plan = read_json_object(root / PLAN_FILE)
-    candidates = [c for c in plan.get("candidates") or [] if isinstance(c, dict)]
-    choice = plan.get("choice") if isinstance(plan.get("choice"), dict) else None
-    if choice is not None and isinstance(plan.get("seq_len"), int):
-        choice = {**choice, "seq_len": plan["seq_len"]}  # --packing's row length, for the chosen cut in words
-    chosen_id = choice.get("id") if choice else None
-    chosen = next((c for c in candidates if c.get("id") == chosen_id), None)
-    budget = plan.get("memory_budget_bytes") if plots.finite(plan.get("memory_budget_bytes")) else None
-    blocks: list[Block] = [Heading(text="Decision"), *_decision(root, choice, chosen, candidates, budget,
-                                                                 plan.get("quality"))]
+    plan.json is read through its typed record (``config.plan_file``): a field of the wrong type is one line naming
+    the file and the field."""
+    plan = read_plan(root / PLAN_FILE, where=WHERE)
+    candidates = plan.candidates
+    choice, chosen = plan.choice, plan.candidate(plan.choice.id if plan.choice else None)
+    chosen_id = choice.id if choice else None
+    budget = plan.memory_budget_bytes or None
+    rows = [row.as_json() for row in candidates]  # the plots take plan.json's rows
+    blocks: list[Block] = [Heading(text="Decision"), *_decision(root, plan, chosen, budget)]
     blocks += [Heading(text="Setup"), Bullets(items=_plan_setup(plan))]
-    batch = plan.get("effective_batch")
+    batch = plan.effective_batch
     if isinstance(batch, dict) and batch.get("given") == "auto":
         blocks += [Heading(text="The effective batch, from the gradient noise scale"), *_effective_batch(batch)]
-    blocks += _diagnosis(plan.get("diagnosis") or {}, chosen, budget)
-    blocks += [Heading(text="Candidates"), _candidate_table(candidates, chosen_id, plan.get("quality"))]
+    blocks += _diagnosis(plan.diagnosis, chosen, budget)
+    blocks += [Heading(text="Candidates"), _candidate_table(candidates, chosen_id, plan.quality)]
     if candidates:
         blocks.append(plot_block("report-memory.png", "Peak memory per candidate, one row each: estimated (blue; "
                                  "faint when not measured) and measured (green); hatched: over the budget; dashed "
                                  "line: the budget; the chosen row is shaded and starred.",
-                                 plots.memory_figure(candidates, budget=budget, chosen=chosen_id)))
-    if any(plots.finite((c.get("measured") or {}).get("tokens_per_s")) for c in candidates):
+                                 plots.memory_figure(rows, budget=budget, chosen=chosen_id)))
+    if any(row.measured is not None and plots.finite(row.measured.tokens_per_s) for row in candidates):
         blocks.append(plot_block("report-throughput.png", "Measured throughput of each measured candidate; the "
                                  "chosen one in purple, over-budget ones hatched.",
-                                 plots.throughput_plan_figure(candidates, chosen=chosen_id)))
-    cuts = [row for row in plan.get("cuts") or [] if isinstance(row, dict)]
-    if cuts:
-        blocks += [Heading(text="Cutting the windows by length"), *_cuts(cuts)]
-    blocks += [Heading(text="Quality check"), *_quality(plan.get("quality"))]
-    notes = [str(note) for note in plan.get("notes") or []]
-    blocks += [Heading(text="Notes"), Bullets(items=notes) if notes else Paragraph(text="None.")]
-    title = f"Plan report: {plan.get('model', '?')}" + (f" within {format_bytes(budget)}" if budget else "")
+                                 plots.throughput_plan_figure(rows, chosen=chosen_id)))
+    if plan.cuts:
+        blocks += [Heading(text="Cutting the windows by length"), *_cuts(plan.cuts)]
+    blocks += [Heading(text="Quality check"), *_quality(plan.quality)]
+    blocks += [Heading(text="Notes"), Bullets(items=plan.notes) if plan.notes else Paragraph(text="None.")]
+    title = f"Plan report: {plan.model or '?'}" + (f" within {format_bytes(budget)}" if budget else "")
     return Report(title=title, blocks=blocks)
 
 
@@ -88,36 +83,32 @@ def _config_text(item: dict[str, Any]) -> str:
                else ""))
 
 
-def _plan_setup(plan: dict[str, Any]) -> list[str]:
-    get = plan.get
-    params = get("parameters")
+def _plan_setup(plan: PlanRecord) -> list[str]:
+    params = plan.parameters
     items = [
-        f"**Model:** {get('model', '?')}" + (f", {params:,} parameters" if isinstance(params, int) else ""),
-        f"**Device:** {get('device', '?')}, {get('world_size', 1)} process(es); **sequence length:** "
-        f"{get('seq_len', '?')} tokens",
-        f"**Effective batch:** {get('effective_batch_size', '?')} sequences; **memory budget:** "
-        f"{format_bytes(get('memory_budget_bytes'))} per process",
-        f"**Data:** {get('data') or 'built-in corpus'}"
-        + (f" ({get('tokens_per_epoch'):,} tokens per epoch)" if isinstance(get("tokens_per_epoch"), int) else ""),
-        f"**Planned:** {get('created', '?')}, in {format_hms(get('duration_s'))}"
-        + (f" of a {get('time_budget_s'):g} s --time-budget" if isinstance(get("time_budget_s"), (int, float)) else "")
-        + _time_spent(get("time_spent_s")),
+        f"**Model:** {plan.model or '?'}" + (f", {params:,} parameters" if params is not None else ""),
+        f"**Device:** {plan.device}, {plan.world_size} process(es); **sequence length:** "
+        f"{plan.seq_len if plan.seq_len is not None else '?'} tokens",
+        f"**Effective batch:** {plan.effective_batch_size or '?'} sequences; **memory budget:** "
+        f"{format_bytes(plan.memory_budget_bytes)} per process",
+        f"**Data:** {plan.data or 'built-in corpus'}"
+        + (f" ({plan.tokens_per_epoch:,} tokens per epoch)" if plan.tokens_per_epoch is not None else ""),
+        f"**Planned:** {plan.created}, in {format_hms(plan.duration_s)}"
+        + (f" of a {plan.time_budget_s:g} s --time-budget" if plan.time_budget_s is not None else "")
+        + _time_spent(plan.time_spent_s),
     ]
-    if get("version") not in (None, 1):
-        items.append(f"**Note:** plan.json version {get('version')}; this report reads version 1 and may miss fields")
+    if plan.version != 1:
+        items.append(f"**Note:** plan.json version {plan.version}; this report reads version 1 and may miss fields")
     return items
 
 
-def _time_spent(spent: Any) -> str:
+def _time_spent(spent: dict[str, float]) -> str:
     """Where the plan's time went (plan.json ``time_spent_s``), largest first; empty for a plan without it."""
-    if not isinstance(spent, dict):
-        return ""
-    phases = sorted(((str(name), float(seconds)) for name, seconds in spent.items()
-                     if isinstance(seconds, (int, float)) and seconds >= 0.05), key=lambda item: -item[1])
+    phases = sorted(((name, seconds) for name, seconds in spent.items() if seconds >= 0.05), key=lambda item: -item[1])
     return f" ({', '.join(f'{name} {seconds:.1f} s' for name, seconds in phases)})" if phases else ""
 
 
-def _diagnosis(diagnosis: dict[str, Any], chosen: dict[str, Any] | None, budget: float | None) -> list[Block]:
+def _diagnosis(diagnosis: dict[str, Any], chosen: CandidateRow | None, budget: float | None) -> list[Block]:
     baseline = diagnosis.get("baseline") or {}
     estimate = diagnosis.get("estimate") or {}
     peak, categories = estimate.get("peak_bytes"), estimate.get("by_category") or {}
@@ -141,8 +132,8 @@ def _diagnosis(diagnosis: dict[str, Any], chosen: dict[str, Any] | None, budget:
         verdict = "raises the peak" if accumulation.get("raises_peak") else "lowers the peak"
         blocks.append(Paragraph(text=f"**Accumulation {verdict} on this model:** {accumulation['explanation']}"))
     bars = [("baseline", categories)]
-    if chosen and chosen.get("estimated_by_category"):
-        bars.append((f"chosen ({chosen.get('id')})", chosen["estimated_by_category"]))
+    if chosen is not None and chosen.estimated_by_category:
+        bars.append((f"chosen ({chosen.id})", chosen.estimated_by_category))
     if categories:
         blocks.append(plot_block("report-diagnosis.png", "Estimated peak memory by category: the baseline"
                             + (" and the chosen candidate" if len(bars) > 1 else "") + "; dashed line: the budget.",
@@ -150,20 +141,19 @@ def _diagnosis(diagnosis: dict[str, Any], chosen: dict[str, Any] | None, budget:
     return blocks
 
 
-def memory_throughput_front(candidates: list[dict[str, Any]]) -> set[str]:
+def memory_throughput_front(candidates: list[CandidateRow]) -> set[str]:
     """The ids of the measured candidates that fit and that no other fitting one beats on both peak memory (lower)
     and throughput (higher): the front a user chooses along when memory, not speed, is what they are short of."""
-    fitting = [(c.get("id"), m["peak_bytes"], m["tokens_per_s"]) for c in candidates
-               if isinstance(m := c.get("measured"), dict) and m.get("fits") and plots.finite(m.get("peak_bytes"))
-               and plots.finite(m.get("tokens_per_s"))]
-    return {str(name) for name, peak, rate in fitting
+    fitting = [(c.id, m.peak_bytes, m.tokens_per_s) for c in candidates
+               if (m := c.measured) is not None and m.fits and m.peak_bytes is not None and m.tokens_per_s is not None]
+    return {name for name, peak, rate in fitting
             if not any(p <= peak and r >= rate and (p < peak or r > rate) for _, p, r in fitting)}
 
 
-def _lossy_quality(candidate: dict[str, Any], quality: Any) -> str:
+def _lossy_quality(candidate: CandidateRow, quality: Any) -> str:
     """The quality column: exact for fp32 optimizer state on a full-precision base; each lossy lever's loss check
     (a lower-precision state against fp32 state, an nf4 base against the full-precision base), or "not checked"."""
-    state, base = str(candidate.get("optimizer_state", "fp32")), str(candidate.get("lora_base_precision", "fp32"))
+    state, base = str(candidate.decision["optimizer_state"]), str(candidate.decision["lora_base_precision"])
     parts = []
     if state != "fp32":
         parts.append(_lever_check(quality, "optimizer_state", state, f"{state} state", "fp32 state"))
@@ -183,99 +173,105 @@ def _lever_check(quality: Any, lever: str, value: str, name: str, reference: str
     return f"{name}: lossy, not checked"
 
 
-def _candidate_table(candidates: list[dict[str, Any]], chosen_id: str | None,
+def _verdict(fits: bool | None, how: str) -> str:
+    return "?" if fits is None else f"{'yes' if fits else 'no'} ({how})"
+
+
+def _candidate_table(candidates: list[CandidateRow], chosen_id: str | None,
                      quality: Any = None) -> Table | Paragraph:
     if not candidates:
         return Paragraph(text="The plan holds no candidates.")
     front = memory_throughput_front(candidates)
     rows, marked = [], None
     for index, cand in enumerate(candidates):
-        measured = cand.get("measured") or {}
-        if measured:
+        measured = cand.measured
+        if measured is not None:
             # Measured on the longest window the data can produce (plan.json's measured_on), or, in a plan made
             # before that, on the epoch's second window.
-            how = "measured on the longest window" if measured.get("measured_on") else "measured"
-            fits = {True: f"yes ({how})", False: f"no ({how})"}.get(measured.get("fits"), "?")
+            how = "measured on the longest window" if measured.measured_on else "measured"
+            fits = _verdict(measured.fits, how)
         else:
-            fits = {True: "yes (estimate)", False: "no (estimate)"}.get(cand.get("fits_estimate"), "?")
-        name = str(cand.get("id", "?"))
+            fits = _verdict(cand.fits_estimate, "estimate")
+        name = cand.id
         if name == chosen_id:
             name, marked = f"**{name} (chosen)**", index
-        state, base = str(cand.get("optimizer_state", "fp32")), str(cand.get("lora_base_precision", "fp32"))
-        levers = ", ".join(([f"loss chunks {cand['loss_chunk_tokens']}"] if cand.get("loss_chunk_tokens") else [])
+        decision = cand.decision
+        state, base = str(decision["optimizer_state"]), str(decision["lora_base_precision"])
+        levers = ", ".join(([f"loss chunks {decision['loss_chunk_tokens']}"] if decision["loss_chunk_tokens"] else [])
                            + ([f"{state} state"] if state != "fp32" else [])
                            + ([f"{base} base"] if base != "fp32" else [])) or "-"
-        rows.append([name, f"{cand.get('micro_batch_size', '?')} x {cand.get('grad_accum_steps', '?')}",
-                     str(cand.get("precision", "?")), str(cand.get("activation_checkpointing", "none")),
-                     str(cand.get("offload", "none")), levers, format_bytes(cand.get("estimated_peak_bytes")),
-                     format_bytes(cand["accumulation_bytes"]) if plots.finite(cand.get("accumulation_bytes")) else "-",
-                     format_bytes(measured.get("peak_bytes")), fits,
-                     format_number(measured.get("tokens_per_s"), ",.0f"),
-                     format_hms(measured.get("seconds_per_epoch")),
-                     format_hms(times(measured.get("hours_per_billion_tokens"), 3600)),
-                     "yes" if str(cand.get("id")) in front else "", _lossy_quality(cand, quality),
-                     str(cand.get("status", "?")) + (f": {measured['error']}" if measured.get("error") else "")])
+        rows.append([name, f"{decision['micro_batch_size']} x {decision['grad_accum_steps']}",
+                     str(decision["precision"]), str(decision["activation_checkpointing"]),
+                     str(decision["offload"]), levers, format_bytes(cand.estimated_peak_bytes),
+                     format_bytes(cand.accumulation_bytes) if cand.accumulation_bytes is not None else "-",
+                     format_bytes(measured.peak_bytes if measured else None), fits,
+                     format_number(measured.tokens_per_s if measured else None, ",.0f"),
+                     format_hms(measured.seconds_per_epoch if measured else None),
+                     format_hms(times(measured.hours_per_billion_tokens if measured else None, 3600)),
+                     "yes" if cand.id in front else "", _lossy_quality(cand, quality),
+                     cand.status + (f": {measured.error}" if measured and measured.error else "")])
     header = ["candidate", "micro x accum", "precision", "recompute", "offload", "levers", "estimated peak",
               "of it, accumulation", "measured peak", "fits", "tokens/s", "time per epoch", "time per 1B tokens", "front", "quality",
               "status"]
     return Table(header=header, rows=rows, marked_row=marked)
 
 
-def _decision(root: Path, choice: dict[str, Any] | None, chosen: dict[str, Any] | None,
-              candidates: list[dict[str, Any]], budget: float | None, quality: Any) -> list[Block]:
+def _decision(root: Path, plan: PlanRecord, chosen: CandidateRow | None, budget: float | None) -> list[Block]:
     """What to train with, why, the command, and the quality check in one line; or why nothing was chosen."""
-    if not choice:
-        return [Paragraph(text=f"**No candidate was chosen.** {_why_none(candidates, budget)}")]
-    measured = (chosen or {}).get("measured") or {}
+    choice, quality = plan.choice, plan.quality
+    if choice is None:
+        return [Paragraph(text=f"**No candidate was chosen.** {_why_none(plan.candidates, budget)}")]
+    measured = chosen.measured if chosen is not None else None
     figures = ""
-    if plots.finite(measured.get("tokens_per_s")):
-        figures = (f"; measured {measured['tokens_per_s']:,.0f} tokens/s at a peak of "
-                   f"{format_bytes(measured.get('peak_bytes'))}" + (f" of {format_bytes(budget)}" if budget else ""))
-    flags = (f"--micro-batch-size {choice.get('micro_batch_size')} --grad-accum-steps {choice.get('grad_accum_steps')} "
-             f"--precision {choice.get('precision')} --activation-checkpointing "
-             f"{choice.get('activation_checkpointing', 'none')} --offload {choice.get('offload', 'none')}")
+    if measured is not None and measured.tokens_per_s is not None:
+        figures = (f"; measured {measured.tokens_per_s:,.0f} tokens/s at a peak of "
+                   f"{format_bytes(measured.peak_bytes)}" + (f" of {format_bytes(budget)}" if budget else ""))
+    flags = choice.flags
+    command = (f"--micro-batch-size {flags['micro_batch_size']} --grad-accum-steps {flags['grad_accum_steps']} "
+               f"--precision {flags['precision']} --activation-checkpointing {flags['activation_checkpointing']} "
+               f"--offload {flags['offload']}")
     # train's default order is by-length, so a plan's "drawn" must be said (a plan.json without it means drawn).
-    flags += " " + " ".join(_chosen_cut(choice).command_line())
-    if choice.get("loss_chunk_tokens"):
-        flags += f" --loss-chunk-tokens {choice['loss_chunk_tokens']}"
-    if choice.get("optimizer_state", "fp32") != "fp32":
-        flags += f" --optimizer-state {choice['optimizer_state']}"
-    if choice.get("lora_base_precision", "fp32") != "fp32":
-        flags += f" --lora-base-precision {choice['lora_base_precision']}"
-    reason = str(choice.get("reason") or "not given").rstrip(".")
-    return [Paragraph(text=f"**Chosen: {choice.get('id', '?')}**: {_config_text(choice)}{_cut_text(choice)}{figures}."),
+    command += " " + " ".join(_chosen_cut(choice, plan.seq_len).command_line())
+    if flags["loss_chunk_tokens"]:
+        command += f" --loss-chunk-tokens {flags['loss_chunk_tokens']}"
+    if flags["optimizer_state"] != "fp32":
+        command += f" --optimizer-state {flags['optimizer_state']}"
+    if flags["lora_base_precision"] != "fp32":
+        command += f" --lora-base-precision {flags['lora_base_precision']}"
+    reason = (choice.reason or "not given").rstrip(".")
+    return [Paragraph(text=f"**Chosen: {choice.id}**: {_config_text(flags)}{_cut_text(choice, plan.seq_len)}"
+                           f"{figures}."),
             Paragraph(text=f"**Why:** {reason}."),
             Paragraph(text=f"**Train with it:** `cadence train --plan {root / PLAN_FILE}` with the --data it was "
-                           f"planned on, or by flags: `cadence train ... {flags}`"),
+                           f"planned on, or by flags: `cadence train ... {command}`"),
             Paragraph(text=f"**Quality check: {quality_verdict(quality)}**{_quality_line(quality)}")]
 
 
-def _chosen_cut(choice: dict[str, Any]) -> Cut:
-    """The chosen configuration's cut, from plan.json's choice (a plan without the cut flags means drawn rows)."""
-    return Cut.from_flags(choice, micro_batch_size=int(choice.get("micro_batch_size") or 1),
-                          seq_len=int(choice.get("seq_len") or 1))
+def _chosen_cut(choice: Choice, seq_len: int | None) -> Cut:
+    """The chosen configuration's cut, from plan.json's choice (a plan without the cut flags means drawn rows);
+    --packing's rows are the sequence length."""
+    return Cut.from_flags(choice.flags, micro_batch_size=int(choice.flags["micro_batch_size"] or 1),
+                          seq_len=seq_len or 1)
 
 
-def _cut_text(choice: dict[str, Any]) -> str:
+def _cut_text(choice: Choice, seq_len: int | None) -> str:
     """How the chosen configuration cuts each window, when it is not the drawn order (empty otherwise)."""
-    described = _chosen_cut(choice).describe()
+    described = _chosen_cut(choice, seq_len).describe()
     return f", windows cut: {described}" if described else ""
 
 
-def _why_none(candidates: list[dict[str, Any]], budget: float | None) -> str:
+def _why_none(candidates: list[CandidateRow], budget: float | None) -> str:
     """Why nothing was chosen: the candidates' statuses counted, and the smallest estimate against the budget."""
     if not candidates:
         return "The plan holds no candidates: see the notes."
     counts: dict[str, int] = {}
     for candidate in candidates:
-        status = str(candidate.get("status", "no status"))
-        counts[status] = counts.get(status, 0) + 1
+        counts[candidate.status] = counts.get(candidate.status, 0) + 1
     text = f"Of {len(candidates)} candidates: " + "; ".join(f"{n} {status}" for status, n in counts.items()) + "."
-    estimated = [c for c in candidates if plots.finite(c.get("estimated_peak_bytes"))]
-    if estimated and budget:
-        smallest = min(estimated, key=lambda c: c["estimated_peak_bytes"])
-        text += (f" The smallest estimated peak is {smallest.get('id', '?')}'s "
-                 f"{format_bytes(smallest['estimated_peak_bytes'])}, against a budget of {format_bytes(budget)}.")
+    if budget:
+        smallest = min(candidates, key=lambda c: c.estimated_peak_bytes)
+        text += (f" The smallest estimated peak is {smallest.id}'s {format_bytes(smallest.estimated_peak_bytes)}, "
+                 f"against a budget of {format_bytes(budget)}.")
     return text + " See each candidate's status below and the notes."
 
 
@@ -348,21 +344,22 @@ def _loss_check_text(title: str, check: dict[str, Any], what: str) -> str:
             + (f"; {check['error']}" if check.get("error") else "") + ".")
 
 
-def _cuts(rows: list[dict[str, Any]]) -> list[Block]:
+def _cuts(rows: list[CutRow]) -> list[Block]:
     """The chosen configuration measured with its windows cut four ways (same samples, same gradient)."""
     def number(value: Any, pattern: str) -> str:
         return pattern.format(value) if plots.finite(value) else "-"
 
     table = Table(
         header=["cut", "real-token share", "tokens/s", "vs drawn", "measured peak", "fits", "chosen"],
-        rows=[[str(row.get("cut", "?")), number(row.get("real_share"), "{:.2f}"),
-               number(row.get("tokens_per_s"), "{:,.0f}"), number(row.get("ratio"), "{:.2f}x"),
-               format_bytes(row.get("peak_bytes")), "yes" if row.get("fits") else "no",
-               "**yes**" if row.get("chosen") else ""] for row in rows],
-        marked_row=next((index for index, row in enumerate(rows) if row.get("chosen")), None),
+        rows=[[row.cut, number(row.real_share, "{:.2f}"), number(row.tokens_per_s, "{:,.0f}"),
+               number(row.ratio, "{:.2f}x"), format_bytes(row.peak_bytes), "yes" if row.fits else "no",
+               "**yes**" if row.chosen else ""] for row in rows],
+        marked_row=next((index for index, row in enumerate(rows) if row.chosen), None),
     )
     return [Paragraph(text="The data's examples differ in length, so the chosen configuration was measured again "
                            "with each window's samples sorted by length before cutting, cut by a token budget "
                            "(micro-batch x sequence length positions) and packed into rows of the sequence "
                            "length. The window's samples, and so the gradient, are the same for every cut; only "
                            "the padding the model computes changes (the real-token share)."), table]
+
+

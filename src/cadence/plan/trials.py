@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from cadence.config.plan_file import DECISION_FIELDS
 from cadence.config.schema import LoraBasePrecision
 from cadence.data.batching import IGNORE_INDEX, collate
 from cadence.data.text import PackedSequences
@@ -72,16 +73,6 @@ class TrialSetup(Setup):
         return (f"micro {self.micro_batch_size} x accum {self.grad_accum_steps}, {self.precision}, "
                 f"recompute {self.activation_checkpointing}, offload {self.offload}" + self.lever_text()
                 + (f", {cut}" if cut else ""))
-
-
-# targets_only is how verify computes the loss of a model whose head splits (derived from the model, not a flag).
-_SETUP_FIELDS = [f for f in dataclasses.fields(TrialSetup) if f.name not in ("cut", "grad_accum_steps", "targets_only")]
-DECISION_FIELDS: tuple[str, ...] = ("micro_batch_size", "grad_accum_steps", *(f.name for f in _SETUP_FIELDS))
-"""What a plan decides, in plan.json's order: the split of the effective batch, then how the setup computes a
-window and updates (each of its fields, so a new one is decided and recorded too). plan.json records the setup's
-cut next to them, as train's cut flags."""
-DECISION_DEFAULTS: dict[str, Any] = {f.name: f.default for f in _SETUP_FIELDS if f.default is not dataclasses.MISSING}
-"""What a decision field is when a plan.json has no key for it (a lever added after the plan was made)."""
 
 
 @dataclass(kw_only=True)

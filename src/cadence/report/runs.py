@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.config import TrainConfig
+from cadence.config.plan_file import read_plan
 from cadence.engine.cut import Cut
 from cadence.errors import UsageError
 from cadence.formatting import format_bytes, format_hms, format_number
@@ -403,26 +404,26 @@ def _planned_against_measured(config: dict[str, Any], summary: dict[str, Any]) -
         return []
     heading = Heading(text="Planned against measured")
     try:
-        plan = read_json_object(Path(plan_path))
+        plan = read_plan(Path(plan_path), where=WHERE)
     except UsageError:
         return [heading, Paragraph(text=f"The plan {plan_path} this run was trained with can no longer be read, so "
                                         f"its prediction cannot be compared.")]
-    prediction = plan.get("prediction") if isinstance(plan.get("prediction"), dict) else {}
-    predicted, measured = prediction.get("tokens_per_s"), summary.get("tokens_per_s")
-    if not (plots.finite(predicted) and plots.finite(measured) and predicted > 0):
+    prediction = plan.prediction
+    predicted, measured = (prediction.tokens_per_s if prediction else None), summary.get("tokens_per_s")
+    if prediction is None or not (plots.finite(predicted) and plots.finite(measured) and predicted > 0):
         return [heading, Paragraph(text=f"The plan {plan_path} records no predicted throughput (made before plans "
                                         f"did), so there is nothing to compare.")]
     ratio = measured / predicted
-    band = prediction.get("tokens_per_s_band")
+    band = prediction.tokens_per_s_band
     items = [f"**Throughput:** planned {predicted:,.0f} tokens/s"
-             + (f" (+/- {band:,.0f} over {prediction.get('rounds')} rounds)" if plots.finite(band) and band else "")
+             + (f" (+/- {band:,.0f} over {prediction.rounds} rounds)" if band else "")
              + f", measured {measured:,.0f} tokens/s: {ratio:.2f}x of the prediction, "
              + ("within" if abs(ratio - 1) <= PLAN_MATCH else "outside") + f" {PLAN_MATCH:.0%}"]
-    if plots.finite(prediction.get("seconds_per_epoch")):
-        items.append(f"**Time per epoch:** planned {format_hms(prediction['seconds_per_epoch'])}, at the measured "
-                     f"throughput {format_hms(prediction['seconds_per_epoch'] / ratio)}")
-    if plots.finite(prediction.get("peak_bytes")) and plots.finite(summary.get("peak_memory_bytes")):
-        items.append(f"**Peak memory:** planned {format_bytes(prediction['peak_bytes'])}, measured "
+    if prediction.seconds_per_epoch is not None:
+        items.append(f"**Time per epoch:** planned {format_hms(prediction.seconds_per_epoch)}, at the measured "
+                     f"throughput {format_hms(prediction.seconds_per_epoch / ratio)}")
+    if prediction.peak_bytes is not None and plots.finite(summary.get("peak_memory_bytes")):
+        items.append(f"**Peak memory:** planned {format_bytes(prediction.peak_bytes)}, measured "
                      f"{format_bytes(summary['peak_memory_bytes'])}")
     return [heading, Bullets(items=items)]
 
