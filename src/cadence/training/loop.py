@@ -27,7 +27,6 @@ from cadence.config import TrainConfig
 from cadence.data import iterate_micro_batches
 from cadence.data.chat_store import chat_template_for
 from cadence.data.hf import as_tokenizer
-from cadence.data.source import Source
 from cadence.data.store import StoreDamaged
 from cadence.distributed.ranks import (
     SINGLE,
@@ -582,7 +581,7 @@ class TrainingRun:
         # trained on chat data, the template its conversations were rendered with.
         tokenizer = prep.hf.tokenizer if prep.hf else None
         chat_template = None
-        if Source.from_flags(config).kind == "chat":
+        if prep.source.kind == "chat":
             chat_template = chat_template_for(tokenizer, config.chat_template)[0].source
         try:
             # Under FSDP2 the weights come from the final model.safetensors, a tensor at a time.

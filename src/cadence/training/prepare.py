@@ -58,22 +58,18 @@ class Prepared:
     memory_budget_bytes: int | None
     hf: HFModel | None = None
     """The Hugging Face model (built, seeded) when --model is hf:TYPE or a directory."""
+    source: Source
+    """What --data is and how its rows become examples, built once per command (``Source.from_flags``)."""
+    cut: Cut
+    """How every window of this run is cut into micro-batches: train's cut flags at the resolved micro-batch size
+    (``--packing`` packs rows of the sequence length); built once, and again by :meth:`variant` for its settings."""
     ranks: Ranks = SINGLE
     """This process among the run's processes (one, unless torchrun started several)."""
     objective: Objective = Objective()
     """What every step minimises (engine/objective): built once from the flags, its loss sum's way of computing
     chosen for the model when the components are built."""
-
-    @property
-    def cut(self) -> Cut:
-        """How every window of this run is cut into micro-batches: train's cut flags at the resolved micro-batch size
-        (``--packing`` packs rows of the sequence length)."""
-        return Cut.from_flags(self.config, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
-
-    @property
-    def optimizer(self) -> OptimizerSpec:
-        """The run's optimizer (its groups, state precision and offload), from train's flags."""
-        return OptimizerSpec.from_flags(self.config)
+    optimizer: OptimizerSpec
+    """The run's optimizer (its groups, state precision and offload), built once from train's flags."""
 
     def windows(self, epoch: int, *, whole: bool = False) -> Iterator[Window]:
         """This rank's windows of ``epoch``, exactly as ``cadence train`` runs them. ``whole``: every window whole
@@ -96,7 +92,9 @@ class Prepared:
         micro = config.resolved_micro_batch_size(self.world_size)
         accum = config.resolved_grad_accum_steps(self.world_size)
         return dataclasses.replace(
-            self, config=config, objective=Objective.from_flags(config), micro_batch_size=micro, grad_accum_steps=accum,
+            self, config=config, objective=Objective.from_flags(config), optimizer=OptimizerSpec.from_flags(config),
+            micro_batch_size=micro, grad_accum_steps=accum,
+            cut=Cut.from_flags(config, micro_batch_size=micro, seq_len=self.seq_len),
             effective_batch_size=micro * accum * self.world_size, memory_budget_bytes=config.memory_budget_bytes(),
             hf=build_run_hf(config, warn=False) if self.hf is not None else None)
 
@@ -160,15 +158,17 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
         warnings.warn(f"--packing: {why}, so packed rows go through transformers' dense block mask: attention over "
                       f"whole rows, which can make packing slower than --micro-batch-order by-length although it "
                       f"computes less padding", stacklevel=2)
+    source = Source.from_flags(config)  # once per command: a .jsonl file's first row tells chat from text
     if config.eval_data is not None:
         # --eval-data: all of --data trains; the evaluation file, read the same way, is the validation split.
-        data = load_run_data(dataclasses.replace(config, val_fraction=0.0), seq_len, hf, ranks=ranks)
-        held = load_run_data(dataclasses.replace(config, data=config.eval_data, val_fraction=0.0), seq_len, hf,
-                             ranks=ranks)
+        data = load_run_data(source, dataclasses.replace(config, val_fraction=0.0), seq_len, hf, ranks=ranks)
+        evaluated = Source.from_flags(dataclasses.replace(config, data=config.eval_data))
+        held = load_run_data(evaluated, dataclasses.replace(config, data=config.eval_data, val_fraction=0.0), seq_len,
+                             hf, ranks=ranks)
         data = dataclasses.replace(data, val=held.train, description=f"{data.description}; evaluated on "
                                                                       f"{held.description}")
     else:
-        data = load_run_data(config, seq_len, hf, ranks=ranks)
+        data = load_run_data(source, config, seq_len, hf, ranks=ranks)
     model_vocab = hf.vocab_size if hf else MODEL_CONFIGS[config.model].vocab_size
     if data.vocab_size is not None and data.vocab_size > model_vocab:
         # An id past the embedding would be an IndexError mid-run (a crafted store, or one made for another model).
@@ -198,7 +198,9 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     return Prepared(
         config=config, device=device, seq_len=seq_len, micro_batch_size=micro,
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
-        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, ranks=ranks, objective=Objective.from_flags(config),
+        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, ranks=ranks, source=source,
+        cut=Cut.from_flags(config, micro_batch_size=micro, seq_len=seq_len), objective=Objective.from_flags(config),
+        optimizer=OptimizerSpec.from_flags(config),
     )
 
 
@@ -252,11 +254,12 @@ def build_run_hf(config: TrainConfig, *, warn: bool, shard_later: bool = False) 
     return hf
 
 
-def load_run_data(config: TrainConfig, seq_len: int, hf: HFModel | None, *, ranks: Ranks = SINGLE) -> DataSplits:
-    """The run's data (its :class:`cadence.data.source.Source`) through the token store in --data-cache, read with the
+def load_run_data(source: Source, config: TrainConfig, seq_len: int, hf: HFModel | None, *,
+                  ranks: Ranks = SINGLE) -> DataSplits:
+    """The data of ``source`` (the run's, from ``config``) through the token store in --data-cache, read with the
     model's tokenizer (bytes for a built-in model). Every rank opens the same store; the first to need it builds it
     while the others wait (cadence.data.cache)."""
     # Only the main rank reports a long build; another rank that happens to build is just as correct, but silent.
-    return open_source(Source.from_flags(config), hf.tokenizer if hf else None, seq_len=seq_len,
+    return open_source(source, hf.tokenizer if hf else None, seq_len=seq_len,
                        val_fraction=held_out_fraction(config), cache_dir=config.data_cache or default_cache_dir(),
                        progress=sys.stderr if ranks.is_main else None, too_long=config.too_long)
