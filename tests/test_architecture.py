@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cadence"
 
 LAYERS: list[set[str]] = [
     {"errors", "formatting", "lazy"},
-    {"input_files", "output_files", "process_locks", "records"},
+    {"input_files", "output_files", "process_locks"},
+    {"records"},
     {"data", "models"},
     {"optim"},
     {"memory"},
@@ -172,3 +173,96 @@ def test_the_step_chain_and_the_training_loop_each_fit_one_screen(module: str, f
     lines = node.end_lineno - node.lineno + 1
     assert lines <= 60, f"{function} is {lines} lines"
     assert _depth(node) <= 4, f"{function} nests {_depth(node)} blocks deep"
+
+
+MODULE_LINES = 700
+FUNCTION_LINES = 80
+TRAINING_RUN_ATTRIBUTES = 15
+BEING_SPLIT = {
+    # Issue 50: modules and functions other branches are splitting at the same time. The lead removes each entry as
+    # its split lands; nothing else may pass the limits.
+    "plan/planner.py",
+    "plan/planner.py:make_plan",
+    "plan/planner.py:_compare_cuts",
+    "config/validate.py:validate",
+    "memory/estimate_hf.py",
+    "memory/estimate_hf.py:_lora_block_forward",
+    "data/store.py",
+    "data/chat.py",
+    "data/splits.py:splits_from_store",
+}
+"""Issue 50 item 5's allow-list: exactly the modules (``path``) and functions (``path:name``) being split elsewhere."""
+
+
+def _sources() -> dict[str, Path]:
+    return {path.relative_to(PACKAGE).as_posix(): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _function_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """From its first decorator (or ``def``) to its last line, docstring included."""
+    first = min([node.lineno, *(decorator.lineno for decorator in node.decorator_list)])
+    return node.end_lineno - first + 1  # type: ignore[operator]
+
+
+def test_no_module_passes_700_lines() -> None:
+    long = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in _sources().items()}
+    over = sorted(f"{name}: {lines}" for name, lines in long.items() if lines > MODULE_LINES and name not in BEING_SPLIT)
+    assert not over, f"modules over {MODULE_LINES} lines (split by concern, not by count):\n" + "\n".join(over)
+
+
+def test_no_function_passes_80_lines() -> None:
+    over = []
+    for name, path in _sources().items():
+        for node in _functions(path):
+            lines = _function_lines(node)
+            if lines > FUNCTION_LINES and f"{name}:{node.name}" not in BEING_SPLIT:
+                over.append(f"{name}:{node.lineno} {node.name}: {lines}")
+    assert not over, f"functions over {FUNCTION_LINES} lines:\n" + "\n".join(over)
+
+
+def test_the_allow_list_holds_only_what_is_still_over_the_limits() -> None:
+    """An entry whose module or function is back under its limit (its split landed) is removed, so the list never
+    shields anything."""
+    sources = _sources()
+    stale = []
+    for entry in sorted(BEING_SPLIT):
+        name, _, function = entry.partition(":")
+        if name not in sources:
+            stale.append(f"{entry}: no such module")
+        elif not function:
+            if len(sources[name].read_text(encoding="utf-8").splitlines()) <= MODULE_LINES:
+                stale.append(f"{entry}: within {MODULE_LINES} lines")
+        elif all(_function_lines(node) <= FUNCTION_LINES for node in _functions(sources[name])
+                 if node.name == function):
+            stale.append(f"{entry}: within {FUNCTION_LINES} lines (or gone)")
+    assert not stale, "remove from BEING_SPLIT:\n" + "\n".join(stale)
+
+
+def _instance_attributes(path: Path, owner: str) -> set[str]:
+    """The attributes ``self.NAME`` that the methods of class ``owner`` assign (plain, augmented or annotated)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == owner)
+    found = set()
+    for node in ast.walk(cls):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for item in ast.walk(target):  # tuples: self.a, self.b = ...
+                if isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id == "self":
+                    found.add(item.attr)
+    return found
+
+
+def test_the_training_run_holds_at_most_15_attributes() -> None:
+    """Issue 50 item 5: what the loop mutates has owners of its own (the totals, the evaluations, the checkpoints,
+    the stops), so the run object stays a small assembly of them (36 attributes before)."""
+    attributes = _instance_attributes(PACKAGE / "training" / "loop.py", "TrainingRun")
+    assert len(attributes) <= TRAINING_RUN_ATTRIBUTES, f"{len(attributes)}: {sorted(attributes)}"

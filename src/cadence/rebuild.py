@@ -22,28 +22,30 @@ from cadence.config.plan_file import PLAN_FILE
 from cadence.errors import UsageError
 from cadence.plan.report import plan_report
 from cadence.profiling.report import PROFILE_FILE, profile_report
-from cadence.report.document import WHERE, read_json_object, write_report
+from cadence.records import PROFILE, read_object
+from cadence.report.document import WHERE, write_report
 from cadence.report.runs import run_report
 from cadence.training.run_dir import CONFIG_FILE, METRICS_FILE
 
-PROFILE_MARKS: dict[str, type | tuple[type, ...]] = {"version": int, "created": str, "schedule": dict,
-                                                     "step_times_s": list, "phases": dict}
-"""Fields every profile.json that cadence profile writes holds, with their JSON types (cadence.profiling.profiler)."""
+
+def _plan_problem(path: Path) -> str | None:
+    """Why cadence plan did not write the plan.json at ``path`` (one line naming it), or None."""
+    value = read_object(path, where=WHERE).data  # not JSON at all is its own error, naming the line
+    missing = [key for key, kind in PLAN_MARKS.items()
+               if not isinstance(value.get(key), kind) or isinstance(value.get(key), bool)]
+    return _not_written_by("cadence plan", path, missing)
 
 
-def _json_problem(marks: dict[str, type | tuple[type, ...]], command: str) -> Callable[[Path], str | None]:
-    """A check of a plan or profile JSON: why cadence did not write it (one line naming it), or None."""
+def _profile_problem(path: Path) -> str | None:
+    """Why cadence profile did not write the profile.json at ``path``, or None: its record's marks."""
+    return _not_written_by("cadence profile", path, PROFILE.missing(read_object(path, where=WHERE)))
 
-    def problem(path: Path) -> str | None:
-        value = read_json_object(path)  # not JSON at all is its own error, naming the line
-        missing = [key for key, kind in marks.items()
-                   if not isinstance(value.get(key), kind) or isinstance(value.get(key), bool)]
-        if missing:
-            return (f"{path} was not written by {command} (no {', '.join(missing)}); its report is not written "
-                    f"(nothing was written)")
-        return None
 
-    return problem
+def _not_written_by(command: str, path: Path, missing: list[str]) -> str | None:
+    if missing:
+        return (f"{path} was not written by {command} (no {', '.join(missing)}); its report is not written "
+                f"(nothing was written)")
+    return None
 
 
 def _run_problem(path: Path) -> str | None:
@@ -57,9 +59,9 @@ def _run_problem(path: Path) -> str | None:
 
 
 DIRECTORY_KINDS: tuple[tuple[str, Callable[[Path], str | None], Callable[[Path], Any], str], ...] = (
-    (PLAN_FILE, _json_problem(PLAN_MARKS, "cadence plan"), plan_report, "a plan ({file}, written by cadence plan)"),
+    (PLAN_FILE, _plan_problem, plan_report, "a plan ({file}, written by cadence plan)"),
     # Before metrics.jsonl: a profile directory may hold one as well.
-    (PROFILE_FILE, _json_problem(PROFILE_MARKS, "cadence profile"), profile_report,
+    (PROFILE_FILE, _profile_problem, profile_report,
      "a profile ({file}, written by cadence profile)"),
     (METRICS_FILE, _run_problem, run_report, "a run ({file}, written by cadence train)"),
 )

@@ -20,15 +20,11 @@ has the name, shape and finite values the model expects, and a checkpoint's file
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-from torch.distributed.checkpoint.api import CheckpointException
 
 from cadence.config import TrainConfig
 from cadence.config.commands import SampleOptions
@@ -37,11 +33,12 @@ from cadence.config.validate import is_cadence_config
 from cadence.data.chat import ROLES, ChatDataError, ChatTemplateError, parse_conversation
 from cadence.data.chat_store import chat_template_for
 from cadence.data.hf import HFTokenizer, Tokenizer, as_tokenizer
+from cadence.distributed.ranks import SINGLE
 from cadence.errors import CadenceFailure, Problem, UsageError
-from cadence.input_files import read_regular_file, regular_file_problem
+from cadence.input_files import regular_file_problem
 from cadence.models import build_model, model_context_length
-from cadence.training.checkpoint import CheckpointFormat, checkpoint_dirs, verify_checkpoint
-from cadence.training.checkpoint.sharded import read_model_tensors
+from cadence.records import read_json
+from cadence.training.checkpoint import Checkpointer, WeightsUnreadable, checkpoint_dirs, verify_checkpoint
 from cadence.training.prepare import build_run_hf
 from cadence.training.run_dir import WEIGHTS_FILE
 
@@ -124,8 +121,8 @@ def _utf8_problem(text: str) -> str | None:
 
 
 def weights_file(run_dir: Path, which: str) -> Path:
-    """The safetensors file of ``which`` (final, best, step-N) in ``run_dir``; a UsageError naming --weights when it
-    is not there."""
+    """The weights ``which`` names in ``run_dir``: the final or best safetensors file, or a checkpoint folder (step-N,
+    verified); a UsageError naming --weights when it is not there."""
     if which == "final":
         path = run_dir / WEIGHTS_FILE
         if not path.is_file():
@@ -151,23 +148,24 @@ def weights_file(run_dir: Path, which: str) -> Path:
         raise UsageError.single("--weights", f"checkpoint {folders[which]} is damaged ({problem}); "
                                              + (f"give another: {', '.join(others)}" if others else
                                                 "the run has no other weights"))
-    # A sharded checkpoint (FSDP2) has no weights file: its folder, whose shards read_weights assembles.
-    return folders[which] / WEIGHTS_FILE if CheckpointFormat.of_checkpoint(folders[which]).kind == "files" \
-        else folders[which]
+    # The folder, whatever its format: the Checkpointer reads its weights (a sharded one's shards assembled).
+    return folders[which]
 
 
-def read_weights(path: Path, model: torch.nn.Module, model_name: str) -> dict[str, torch.Tensor]:
-    """The tensors of ``path``, checked against ``model``: a safetensors file (a pickle or garbage is refused
-    without being run) whose every tensor the model has, of the model's shape, with finite values. UsageError naming
-    --weights and the file otherwise."""
+def read_weights(path: Path, model: torch.nn.Module, model_name: str,
+                 checkpointer: Checkpointer) -> dict[str, torch.Tensor]:
+    """The tensors of ``path`` (:func:`weights_file`) as ``checkpointer`` reads them, checked against ``model``:
+    safetensors or a checkpoint's own format (a pickle or garbage is refused without being run) whose every tensor
+    the model has, of the model's shape, with finite values. UsageError naming --weights and the file otherwise."""
     problem = None if path.is_dir() else regular_file_problem(path)
     if problem is not None:
         raise UsageError.single("--weights", problem)
     try:
-        state = read_model_tensors(path) if path.is_dir() else load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError, CheckpointException) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UsageError.single("--weights", f"{path} is not a safetensors file of weights ({reason})") from None
+        state = checkpointer.read_weights(path)
+    except WeightsUnreadable as err:
+        raise UsageError.single("--weights", f"{err.path} is not a safetensors file of weights ({err.reason})") \
+            from None
+    path = checkpointer.weights_at(path)
     expected = model.state_dict()
     missing = [name for name in expected if name not in state]
     unexpected = [name for name in state if name not in expected]
@@ -201,7 +199,9 @@ def load_run(run_dir: Path, which: str = "final") -> LoadedRun:
     path = weights_file(run_dir, which)
     hf = build_run_hf(config, warn=False)
     model = hf.model if hf is not None else build_model(config.model)
-    state = read_weights(path, model, str(config.model))
+    checkpointer = Checkpointer(run_dir, SINGLE)  # the reader of any weights of the run, whatever their format
+    state = read_weights(path, model, str(config.model), checkpointer)
+    path = checkpointer.weights_at(path)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:  # checked above; what torch still refuses, said in its first line
@@ -216,11 +216,7 @@ def load_run(run_dir: Path, which: str = "final") -> LoadedRun:
 def conversation_messages(options: SampleOptions) -> list[dict[str, str]]:
     """The conversation --message or --messages-file gives, as {role, content} dicts (checked as chat data is)."""
     if options.messages_file is not None:
-        raw = read_regular_file(options.messages_file, where="--messages-file", limit=MESSAGES_FILE_LIMIT)
-        try:
-            loaded = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as err:
-            raise UsageError.single("--messages-file", f"{options.messages_file} is not UTF-8 JSON ({err})") from None
+        loaded = read_json(options.messages_file, where="--messages-file", limit=MESSAGES_FILE_LIMIT)
         record = loaded if isinstance(loaded, dict) else {"messages": loaded}
         where = "--messages-file"
     else:

@@ -142,3 +142,14 @@ def test_invalid_profile_json_is_a_usage_error_naming_run_dir(tmp_path: Path) ->
 
 def test_empty_directory_names_the_profile_too(tmp_path: Path) -> None:
     assert "profile.json" in str(_usage_error(tmp_path))
+
+
+def test_a_field_of_another_type_is_one_line_naming_the_field_and_nothing_is_written(tmp_path: Path) -> None:
+    """Issue 50 item 6: profile.json is read by its record (cadence.records.PROFILE), not parsed by hand: a field of
+    another type is refused naming it, where the report used to take it for missing or fail on it."""
+    root = _copy(tmp_path, edit=lambda profile: profile.update(tokens_per_s="fast"))
+    error = _usage_error(root)
+    assert "field 'tokens_per_s' is 'fast', not a finite number" in str(error)
+    assert not (root / "report.md").exists()
+    other = _copy(tmp_path, "profile_b", edit=lambda profile: profile.pop("step_times_s"))
+    assert "was not written by cadence profile (no step_times_s)" in str(_usage_error(other))

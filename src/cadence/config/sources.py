@@ -5,7 +5,6 @@ The TOML keys are TrainConfig's field names (``micro_batch_size``); flags win ov
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -14,7 +13,7 @@ from cadence.config.schema import TrainConfig, hint_types
 from cadence.config.validate import is_cadence_config, validate
 from cadence.errors import Problem, UsageError
 from cadence.input_files import read_regular_file
-from cadence.records import Kind, Record, RecordInvalid
+from cadence.records import Kind, Record, RecordInvalid, read_json
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -190,8 +189,8 @@ def recorded_plan(out: Path) -> str | None:
     gone), but keeps it on record: the run's report sets the plan's prediction beside what the run measured, before
     and after a resume alike."""
     try:
-        recorded = json.loads(read_regular_file(out / "config.json", where="--out", limit=CONFIG_LIMIT_BYTES))
-    except (UsageError, OSError, ValueError, RecursionError):
+        recorded = read_json(out / "config.json", where="--out", limit=CONFIG_LIMIT_BYTES)
+    except (UsageError, OSError):
         return None
     plan = recorded.get("plan") if isinstance(recorded, dict) else None
     return plan if isinstance(plan, str) and plan else None
@@ -206,9 +205,8 @@ def recorded_values(path: Path, *, where: str = "RUN_DIR", strict: bool = True) 
     field would silently fall back to its default and the run would not be the one recorded. ``strict=False`` drops
     such fields instead (for collecting the good keys beside a problem already reported)."""
     try:
-        content = read_regular_file(path, where=where, limit=CONFIG_LIMIT_BYTES)
-        recorded = json.loads(content.decode("utf-8"))
-    except (UsageError, OSError, ValueError, RecursionError):
+        recorded = read_json(path, where=where, limit=CONFIG_LIMIT_BYTES)
+    except (UsageError, OSError):
         return {}
     if not isinstance(recorded, dict) or "effective_batch_size" not in recorded:
         return {}

@@ -3,7 +3,6 @@ flag; also the helpers validation shares with the CLI (sizes, devices)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -32,6 +31,7 @@ from cadence.models.lora import peft_problem, split_targets
 from cadence.models.quantized import bitsandbytes_problem
 from cadence.optim.choices import OPTIMIZER_STATES, OPTIMIZERS
 from cadence.optim.spec import OptimizerSpec
+from cadence.records import RUN_CONFIG
 
 if TYPE_CHECKING:
     import torch
@@ -330,17 +330,7 @@ RUN_FOLDERS = ("checkpoints", "best", "tensorboard")
 def is_cadence_config(path: Path) -> bool:
     """Whether ``path`` is a config.json that cadence train wrote: a JSON object with the resolved batch fields, the
     data's fingerprint and cadence's version (``versions.cadence``), the mark by which --resume knows its own runs."""
-    try:
-        if not path.is_file() or path.stat().st_size > (1 << 20):
-            return False
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    if not isinstance(value, dict) or not {"effective_batch_size", "grad_accum_steps", "world_size",
-                                            "data_fingerprint"} <= set(value):
-        return False
-    versions = value.get("versions")
-    return isinstance(versions, dict) and isinstance(versions.get("cadence"), str)
+    return RUN_CONFIG.holds(path)  # its marks (records.RUN_CONFIG), read as any record cadence reads back
 
 
 def run_directory_problem(out: Path, *, resume: bool) -> str | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Iterator
@@ -36,9 +35,9 @@ from cadence.engine.step import Engine
 from cadence.errors import Problem, UsageError
 from cadence.memory.meter import live_training_bytes, quiet_native_stderr
 from cadence.models import MODEL_CONFIGS, CompileClock
-from cadence.output_files import atomic_write_json
 from cadence.profiling.flops import hf_model_flops_per_token, measured_peak_flops, model_flops_per_token
 from cadence.profiling.report import PROFILE_FILE, compile_line, profile_report
+from cadence.records import PROFILE
 from cadence.report.document import write_report
 from cadence.training.components import build_components
 from cadence.training.noise_scale import noise_scale_fields, noise_scale_line
@@ -183,7 +182,7 @@ class StepProfiler:
             return
         profiler.export_chrome_trace(str(self.out / TRACE_FILE))
         self.result = summarize(self, profiler)
-        atomic_write_json(self.out / PROFILE_FILE, self.result)
+        PROFILE.write(self.out / PROFILE_FILE, self.result)
         write_report(profile_report(self.out), self.out)  # report.md and report.html, as `cadence report` writes
 
 
@@ -340,13 +339,6 @@ def verdict(result: dict[str, Any], memory_limit: int | None) -> dict[str, str]:
     return {"kind": "compute-bound", "figure": f"forward + backward take {compute:.0%} of the step{mfu_text}",
             "advice": "the math is the bottleneck: " + (f"{', '.join(levers[:-1])}, or " if levers[1:] else "")
                       + levers[-1]}
-
-
-def load_profile(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / PROFILE_FILE).read_text(encoding="utf-8"))
-
-
-
 
 
 def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> dict[str, Any]:

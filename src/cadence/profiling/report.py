@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from cadence.errors import UsageError
 from cadence.formatting import format_bytes, format_number, format_seconds, format_share, format_si
+from cadence.records import PROFILE
 from cadence.report import render as plots
-from cadence.report.document import read_json_object
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Plot, Report, Table
 from cadence.training.noise_scale import batch_against_noise_scale
 
@@ -49,7 +49,7 @@ def read_profile(root: Path, where: str = WHERE) -> dict[str, Any]:
     path = root / PROFILE_FILE
     if not path.is_file():
         raise UsageError.single(where, f"{root} holds no {PROFILE_FILE} (written by cadence profile)")
-    return read_json_object(path, where)
+    return dict(PROFILE.read(path, where=where).data)  # the fields it has of their types; absent ones: a dash
 
 
 # ---------------------------------------------------------------------------------------------- profile numbers

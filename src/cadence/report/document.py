@@ -13,7 +13,6 @@ PNG without any text chunk that such a report links to.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
@@ -21,8 +20,8 @@ from typing import Any
 
 from cadence.errors import UsageError
 from cadence.formatting import finite
-from cadence.input_files import read_regular_file
 from cadence.output_files import atomic_write_bytes
+from cadence.records import read_object
 from cadence.report import render as plots
 from cadence.report.render import Plot, Report, to_html, to_markdown
 
@@ -140,20 +139,10 @@ def _own_png(head: bytes, name: str, markdown: str | None) -> bool:
 
 # ----------------------------------------------------------------------------------------------------- reading
 def read_json_object(path: Path, where: str = WHERE) -> dict[str, Any]:
-    """A JSON file that must hold an object; any problem is a UsageError naming ``where``. Read as the user's other
-    inputs are: a regular file only, at most 256 MiB (a named pipe or a link to a device is refused, not read)."""
-    content = read_regular_file(path, where=where, limit=256 << 20)
-    try:
-        value = json.loads(content.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise UsageError.single(where, f"{path} cannot be read: {err}") from None
-    except json.JSONDecodeError as err:
-        raise UsageError.single(where, f"{path} is not valid JSON ({err.msg}, line {err.lineno})") from None
-    except RecursionError:
-        raise UsageError.single(where, f"{path} is not valid JSON (nested too deeply)") from None
-    if not isinstance(value, dict):
-        raise UsageError.single(where, f"{path} should hold a JSON object, not {type(value).__name__}")
-    return value
+    """A JSON file that must hold an object (the records' reader, ``records.read_object``); any problem is a
+    UsageError naming ``where``. Read as the user's other inputs are: a regular file only, at most 256 MiB (a named
+    pipe or a link to a device is refused, not read)."""
+    return dict(read_object(path, where=where).data)
 
 
 def times(value: Any, factor: float) -> Any:

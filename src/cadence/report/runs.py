@@ -12,8 +12,9 @@ from cadence.config.plan_file import read_plan
 from cadence.engine.cut import Cut
 from cadence.errors import UsageError
 from cadence.formatting import format_bytes, format_hms, format_number
+from cadence.records import RUN_CONFIG
 from cadence.report import render as plots
-from cadence.report.document import WHERE, plot_block, read_json_object
+from cadence.report.document import WHERE, plot_block
 from cadence.report.render import Block, Bullets, Heading, Paragraph, Report, Table
 from cadence.training.noise_scale import batch_against_noise_scale
 from cadence.training.run_dir import (
@@ -49,7 +50,8 @@ def _metrics_rows(root: Path) -> list[dict[str, Any]]:
 def run_report(root: Path) -> Report:
     """The report of a training run: configuration, totals, plots per step and the last metrics rows."""
     rows = _metrics_rows(root)
-    config = read_json_object(root / CONFIG_FILE) if (root / CONFIG_FILE).is_file() else {}
+    # Its fields of their types: a string where a count belongs is one line naming the field, not a wrong figure.
+    config = dict(RUN_CONFIG.read(root / CONFIG_FILE, where=WHERE).data) if (root / CONFIG_FILE).is_file() else {}
     summary = read_summary(root)  # its totals checked: a string where a count belongs is one line, not a traceback
     blocks: list[Block] = [Heading(text="Configuration"), Bullets(items=_config_items(config, rows))]
     blocks += [Heading(text="Totals")]

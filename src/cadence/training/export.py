@@ -16,11 +16,17 @@ from cadence.config.sources import recorded_config
 from cadence.data.chat_store import chat_template_for
 from cadence.data.hf import as_tokenizer
 from cadence.data.source import Source
+from cadence.distributed.ranks import SINGLE
 from cadence.errors import UsageError
 from cadence.models.hf import save_hf, save_hf_problem
 from cadence.records import Record, RecordInvalid
-from cadence.training.checkpoint import CheckpointUnreadable, load_checkpoint, verify_checkpoint
-from cadence.training.checkpoint.sharded import read_model_tensors
+from cadence.training.checkpoint import (
+    Checkpointer,
+    CheckpointUnreadable,
+    WeightsUnreadable,
+    load_checkpoint,
+    verify_checkpoint,
+)
 from cadence.training.prepare import build_run_hf
 from cadence.training.run_dir import export_files
 
@@ -45,7 +51,11 @@ def export_checkpoint(checkpoint: Path, out: Path) -> list[str]:
     if hf is None:
         raise UsageError.single("CHECKPOINT", f"{checkpoint} holds cadence's built-in {config.model}, which has no "
                                               f"transformers format: export a run on a transformers model")
-    weights = loaded.weights or read_model_tensors(checkpoint)
+    try:
+        # In the checkpoint's own format (a sharded one's shards assembled in this process, no process group).
+        weights = Checkpointer(checkpoint.parent.parent, SINGLE).read_weights(checkpoint)
+    except WeightsUnreadable as err:
+        raise UsageError.single("CHECKPOINT", str(err)[:300]) from None
     try:
         hf.model.load_state_dict(weights, strict=True)
     except RuntimeError as err:

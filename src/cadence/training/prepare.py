@@ -158,23 +158,7 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
         warnings.warn(f"--packing: {why}, so packed rows go through transformers' dense block mask: attention over "
                       f"whole rows, which can make packing slower than --micro-batch-order by-length although it "
                       f"computes less padding", stacklevel=2)
-    source = Source.from_flags(config)  # once per command: a .jsonl file's first row tells chat from text
-    if config.eval_data is not None:
-        # --eval-data: all of --data trains; the evaluation file, read the same way, is the validation split.
-        data = load_run_data(source, dataclasses.replace(config, val_fraction=0.0), seq_len, hf, ranks=ranks)
-        evaluated = Source.from_flags(dataclasses.replace(config, data=config.eval_data))
-        held = load_run_data(evaluated, dataclasses.replace(config, data=config.eval_data, val_fraction=0.0), seq_len,
-                             hf, ranks=ranks)
-        data = dataclasses.replace(data, val=held.train, description=f"{data.description}; evaluated on "
-                                                                      f"{held.description}")
-    else:
-        data = load_run_data(source, config, seq_len, hf, ranks=ranks)
-    model_vocab = hf.vocab_size if hf else MODEL_CONFIGS[config.model].vocab_size
-    if data.vocab_size is not None and data.vocab_size > model_vocab:
-        # An id past the embedding would be an IndexError mid-run (a crafted store, or one made for another model).
-        raise UsageError.single("--data", f"{data.store or config.data} holds token ids up to {data.vocab_size - 1}, "
-                                          f"beyond {config.model}'s vocabulary of {model_vocab}; build the store for "
-                                          f"this model (cadence prepare-data --model ...)")
+    source, data = load_sources(config, seq_len, hf, ranks=ranks)
     micro = config.resolved_micro_batch_size(world_size)
     grad_accum_steps = config.resolved_grad_accum_steps(world_size)
     effective = micro * grad_accum_steps * world_size
@@ -252,6 +236,30 @@ def build_run_hf(config: TrainConfig, *, warn: bool, shard_later: bool = False) 
                           f"the adapters are trained on a random model; give a model directory (save_pretrained) for "
                           f"a real fine-tune", stacklevel=3)
     return hf
+
+
+def load_sources(config: TrainConfig, seq_len: int, hf: HFModel | None, *,
+                 ranks: Ranks = SINGLE) -> tuple[Source, DataSplits]:
+    """The run's source (built once per command: a .jsonl file's first row tells chat from text) and its data, with
+    --eval-data's as the validation split; a store whose ids pass the model's vocabulary is refused."""
+    source = Source.from_flags(config)
+    if config.eval_data is not None:
+        # --eval-data: all of --data trains; the evaluation file, read the same way, is the validation split.
+        data = load_run_data(source, dataclasses.replace(config, val_fraction=0.0), seq_len, hf, ranks=ranks)
+        evaluated = Source.from_flags(dataclasses.replace(config, data=config.eval_data))
+        held = load_run_data(evaluated, dataclasses.replace(config, data=config.eval_data, val_fraction=0.0), seq_len,
+                             hf, ranks=ranks)
+        data = dataclasses.replace(data, val=held.train, description=f"{data.description}; evaluated on "
+                                                                      f"{held.description}")
+    else:
+        data = load_run_data(source, config, seq_len, hf, ranks=ranks)
+    model_vocab = hf.vocab_size if hf else MODEL_CONFIGS[config.model].vocab_size
+    if data.vocab_size is not None and data.vocab_size > model_vocab:
+        # An id past the embedding would be an IndexError mid-run (a crafted store, or one made for another model).
+        raise UsageError.single("--data", f"{data.store or config.data} holds token ids up to {data.vocab_size - 1}, "
+                                          f"beyond {config.model}'s vocabulary of {model_vocab}; build the store for "
+                                          f"this model (cadence prepare-data --model ...)")
+    return source, data
 
 
 def load_run_data(source: Source, config: TrainConfig, seq_len: int, hf: HFModel | None, *,

@@ -24,10 +24,9 @@ from cadence.config import TrainConfig, is_cadence_config
 from cadence.distributed.ranks import Ranks, broadcast_from_main, gather_from_all
 from cadence.distributed.torchrun import torchrun_attempt
 from cadence.errors import UsageError
-from cadence.input_files import read_regular_file
-from cadence.records import TEXT, Record, list_of
+from cadence.records import RUN_CONFIG, TEXT, Record, list_of
 from cadence.training.resume import ResumePoint
-from cadence.training.run_dir import CONFIG_FILE, RUN_RECORD_LIMIT, MetricsUnreadable, read_metrics
+from cadence.training.run_dir import CONFIG_FILE, MetricsUnreadable, read_metrics
 
 LAUNCH_FIELD = "launch"
 """config.json's record of the launch that last wrote the run (:meth:`Launch.record`)."""
@@ -96,7 +95,7 @@ def recorded_launch(out: Path) -> Record | None:
     try:
         if not is_cadence_config(path):
             return None
-        record = Record.parse(read_regular_file(path, where=str(path), limit=RUN_RECORD_LIMIT), path)
+        record = RUN_CONFIG.read(path)
         return record.record(LAUNCH_FIELD, default=None)
     except (OSError, UsageError):  # a name too long to stat, a file replaced meanwhile: not this launch's run
         return None

@@ -1,4 +1,4 @@
-"""Resume and preemption: continue a run exactly where its last checkpoint left it, and stop cleanly on a signal.
+"""Resume: continue a run exactly where its last checkpoint left it (the stop on a signal is ``stopping``'s).
 
 A resumed run is indistinguishable from one that never stopped: the model, optimizer, scheduler, loss scaler,
 counters and random generators come back from the checkpoint, the data order is the same per-epoch permutation
@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import itertools
 import shutil
-import signal
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from cadence.config.schema import MATH_FIELDS
-from cadence.distributed.ranks import broadcast_from_main, unwrap
+from cadence.distributed.ranks import Ranks, broadcast_from_main, unwrap
 from cadence.engine.cut import CUT_FLAG_DEFAULTS
 from cadence.engine.schedules import lr_factor
 from cadence.engine.step import PartialWindow
@@ -29,6 +26,7 @@ from cadence.training.checkpoint import (
     STATE_FILES,
     Checkpointer,
     CheckpointUnreadable,
+    LoadedCheckpoint,
     checkpoint_dirs,
     load_checkpoint,
     newest_intact_checkpoint,
@@ -149,21 +147,52 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Components, c
     checkpoint was written in, whatever this run writes); None if there is none.
 
     Raises UsageError when the configuration changes the math, or when ``micro_batch_size`` or ``cut`` (the run's
-    cut flags, if given: :meth:`cadence.engine.cut.Cut.flags`) differs from that of a window the checkpoint interrupted. Call before the run
-    writer opens metrics.jsonl.
+    cut flags, if given: :meth:`cadence.engine.cut.Cut.flags`) differs from that of a window the checkpoint
+    interrupted. Call before the run writer opens metrics.jsonl.
     Under several processes every rank calls it and all load the checkpoint rank 0 chose; rank 0 alone tidies the
     run directory.
     """
     main = parts.ranks.is_main
+    rows, path = _checkpoint_to_resume(run_dir, parts.ranks)
+    if path is None:  # a run killed before its first checkpoint starts over
+        if main:
+            _truncate_metrics(run_dir, rows, windows=0)
+        return None
+    try:
+        checkpoint = load_checkpoint(path)
+    except (CheckpointUnreadable, RecordInvalid) as err:
+        raise _refused(path, run_dir, str(err)) from None
+    problems = incompatibilities(checkpoint.info.get("resolved_config", {}), resolved_config)
+    partial = checkpoint.state.get("partial_window")
+    if partial:
+        problems += _interrupted_window_problems(checkpoint, parts, resolved_config, micro_batch_size, cut or {})
+    if problems:
+        raise UsageError(problems)
+    continued, windows_done, epoch, window_in_epoch = _load(checkpoint, parts, checkpointer, resolved_config)
+    kept = _truncate_metrics(run_dir, rows, windows=windows_done) if main else []
+    point = ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=epoch,
+                        windows_done_in_epoch=window_in_epoch, kept_rows=kept,
+                        saved_config=dict(checkpoint.info.get("resolved_config", {})))
+    if partial:
+        point.partial = continued
+        point.partial_micro_batch_size = int(partial["micro_batch_size"])
+    return point
+
+
+def _checkpoint_to_resume(run_dir: Path, ranks: Ranks) -> tuple[list[dict[str, Any]], Path | None]:
+    """Rank 0's metrics rows (the others': none) and the checkpoint every rank resumes from (None: a run killed
+    before its first checkpoint, which starts over). Refused: unreadable metrics, checkpoints of which none is
+    intact, a run that ended without any checkpoint, and a checkpoint without the metrics before it."""
+    main = ranks.is_main
     rows, unreadable = _metrics_rows(run_dir) if main else ([], None)
-    unreadable = broadcast_from_main(unreadable, parts.ranks)  # every rank stops, not rank 0 alone
+    unreadable = broadcast_from_main(unreadable, ranks)  # every rank stops, not rank 0 alone
     if unreadable:
         raise UsageError([Problem(where="--resume", message=unreadable)])
     if main:
         for staging in (run_dir / CHECKPOINTS_DIR).glob(".step-*"):  # a write cut short by a kill: never renamed in
             shutil.rmtree(staging, ignore_errors=True)
     # All ranks decide together: rank 0's choice, even if a file changed between two ranks' checks.
-    path = broadcast_from_main(newest_intact_checkpoint(run_dir) if main else None, parts.ranks)
+    path = broadcast_from_main(newest_intact_checkpoint(run_dir) if main else None, ranks)
     if path is None:
         found = checkpoint_dirs(run_dir)
         if found:
@@ -172,47 +201,43 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Components, c
                 f"no usable checkpoint in {run_dir / CHECKPOINTS_DIR}; "
                 + "; ".join(f"{p.name}: {verify_checkpoint(p)}" for p in found)
                 + " (nothing was changed; start a new --out to train from scratch)"))])
-        # A run killed before its first checkpoint starts over; one that ended (it wrote its summary) without any
-        # checkpoint (--checkpoint-every 0) has nothing to continue from, and starting over would replace its steps
-        # and final weights.
-        if broadcast_from_main(main and (run_dir / SUMMARY_FILE).is_file(), parts.ranks):
+        # One that ended (it wrote its summary) without any checkpoint (--checkpoint-every 0) has nothing to continue
+        # from, and starting over would replace its steps and final weights.
+        if broadcast_from_main(main and (run_dir / SUMMARY_FILE).is_file(), ranks):
             raise UsageError([Problem(where="--resume", message=(
                 f"{run_dir} holds a run that ended (it has a summary.json) without a checkpoint to continue from "
                 f"(--checkpoint-every 0); nothing was changed: train a new --out to go on"))])
-        if main:
-            _truncate_metrics(run_dir, rows, windows=0)
-        return None
+        return rows, None
     # A checkpoint without the history before it: the summary would count only the steps after the resume. Every
     # rank learns rank 0's finding, so that all stop together.
-    if broadcast_from_main(main and not (run_dir / METRICS_FILE).is_file(), parts.ranks):
+    if broadcast_from_main(main and not (run_dir / METRICS_FILE).is_file(), ranks):
         raise UsageError([Problem(where="--resume", message=(
             f"{run_dir / METRICS_FILE} is missing although {path.name} exists: the run's earlier steps would be lost "
             f"from its totals. Put the file back, or start a new --out (nothing was changed)"))])
+    return rows, path
+
+
+def _interrupted_window_problems(checkpoint: LoadedCheckpoint, parts: Components, resolved: dict[str, Any],
+                                 micro_batch_size: int | None, cut: dict[str, Any]) -> list[Problem]:
+    """Why this run cannot continue the window ``checkpoint`` interrupted (mid-window): its record must fit the
+    model, and the world size, the micro-batch size and the cut must be the ones it was cut by."""
+    path, partial = checkpoint.path, checkpoint.state["partial_window"]
     try:
-        checkpoint = load_checkpoint(path)
-    except CheckpointUnreadable as err:
-        raise _refused(path, run_dir, str(err)) from None
+        _check_partial_window(Record(partial, path / STATE_FILES[0], "partial_window"), parts.model,
+                              most=_micro_batches_at_most(resolved, cut))
     except RecordInvalid as err:
-        raise _refused(path, run_dir, str(err)) from None
-    problems = incompatibilities(checkpoint.info.get("resolved_config", {}), resolved_config)
-    state = checkpoint.state
-    partial = state.get("partial_window")
-    if partial:
-        try:
-            _check_partial_window(Record(partial, path / STATE_FILES[0], "partial_window"), parts.model,
-                                  most=_micro_batches_at_most(resolved_config, cut or {}))
-        except RecordInvalid as err:
-            raise _refused(path, run_dir, str(err)) from None
+        raise _refused(path, path.parent.parent, str(err)) from None
+    problems = []
     saved_world = checkpoint.info.get("world_size", checkpoint.info.get("resolved_config", {}).get("world_size", 1))
-    if partial and saved_world != parts.ranks.world_size:
+    if saved_world != parts.ranks.world_size:
         problems.append(Problem(where="--nproc-per-node", message=(
             f"{parts.ranks.world_size} process(es) cannot continue the window the checkpoint interrupted on "
             f"{saved_world}: each rank holds its own gradients of that window (resume on {saved_world})")))
-    if partial and micro_batch_size is not None and int(partial["micro_batch_size"]) != micro_batch_size:
+    if micro_batch_size is not None and int(partial["micro_batch_size"]) != micro_batch_size:
         problems.append(Problem(where="--micro-batch-size", message=(
             f"{micro_batch_size} differs from the {int(partial['micro_batch_size'])} of the window the checkpoint "
             f"interrupted")))
-    for name, value in (cut or {}).items() if partial else ():
+    for name, value in cut.items():
         # A mid-window checkpoint records the cut its window was cut by (the same keys), so that window is
         # continued from the micro-batch it stopped at, which is only the right one under the same cut. (Between
         # windows the cut is free to change: it changes the cost, not the math.) Older checkpoints lack the keys:
@@ -222,38 +247,32 @@ def restore(run_dir: Path, resolved_config: dict[str, Any], parts: Components, c
             problems.append(Problem(where="--" + name.replace("_", "-"), message=(
                 f"{value!r} differs from the {saved!r} of the window the checkpoint interrupted: that window must be "
                 f"cut into micro-batches as it was to continue it (resume with {saved!r})")))
-    if problems:
-        raise UsageError(problems)
-    # DCP's exception (a BaseException) is imported here, not with the module: importing DCP costs every command
-    # about 2 s (torch.distributed.checkpoint pulls torch.distributed.tensor) and only a resume can meet it.
-    from torch.distributed.checkpoint.api import CheckpointException
+    return problems
 
+
+def _load(checkpoint: LoadedCheckpoint, parts: Components, checkpointer: Checkpointer,
+          resolved: dict[str, Any]) -> tuple[PartialWindow | None, int, int, int]:
+    """Load ``checkpoint`` into ``parts``: the window it interrupted (None between windows), the windows done, the
+    epoch and the windows done in it. Whatever does not fit this run is one refusal, before the metrics (the only
+    file a resume changes) are touched."""
+    state, path = checkpoint.state, checkpoint.path
     try:
         # A checkpoint whose manifest verifies can still hold states that do not fit this run (crafted, or written
-        # by another model): each load below raises on its own terms, and all of them are one refusal, before the
-        # metrics (the only file a resume changes) are touched.
+        # by another model): each load below raises on its own terms.
         # The optimizer the run records is the one this run builds (its flags change the math: checked above).
-        optimizer = OptimizerSpec.from_flags(resolved_config)
+        optimizer = OptimizerSpec.from_flags(resolved)
         optimizer.check_saved(Record(state["optimizer"], path / STATE_FILES[0], "optimizer"))
         continued = checkpointer.load(checkpoint, parts)
         optimizer.check_loaded(parts.optimizer)
         position = state["data_position"]
-        windows_done, epoch, window_in_epoch = (int(state["engine"]["windows"]), int(position["epoch"]),
-                                                int(position["window_in_epoch"]))
-    except RecordInvalid as err:
-        raise _refused(path, run_dir, str(err)) from None
-    except (KeyError, ValueError, TypeError, RuntimeError, IndexError, OverflowError, CheckpointException) as err:
+        return (continued, int(state["engine"]["windows"]), int(position["epoch"]),
+                int(position["window_in_epoch"]))
+    except (RecordInvalid, CheckpointUnreadable) as err:  # its weights do not parse, or a field is of a wrong kind
+        raise _refused(path, path.parent.parent, str(err)) from None
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError, OverflowError) as err:
         what = f"missing {err}" if isinstance(err, KeyError) else (str(err).splitlines() or [""])[0][:300]
-        raise _refused(path, run_dir, f"{checkpoint.path} verifies against its manifest but does not fit this run "
-                                      f"({what})") from None
-    kept = _truncate_metrics(run_dir, rows, windows=windows_done) if main else []
-    point = ResumePoint(checkpoint=checkpoint.path, step=checkpoint.step, epoch=epoch,
-                        windows_done_in_epoch=window_in_epoch, kept_rows=kept,
-                        saved_config=dict(checkpoint.info.get("resolved_config", {})))
-    if partial:
-        point.partial = continued
-        point.partial_micro_batch_size = int(partial["micro_batch_size"])
-    return point
+        raise _refused(path, path.parent.parent, f"{path} verifies against its manifest but does not fit this run "
+                                                 f"({what})") from None
 
 
 def _refused(checkpoint: Path, run_dir: Path, what: str) -> UsageError:
@@ -320,29 +339,3 @@ def _truncate_metrics(run_dir: Path, rows: list[dict[str, Any]], *, windows: int
     kept = list(itertools.takewhile(lambda row: int(row.get("window", 0)) <= windows, rows))
     rewrite_metrics(run_dir, kept)
     return kept
-
-
-class StopOnSignal:
-    """SIGTERM / SIGINT ask the loop to stop after the current window (it checkpoints and exits 0); the handler is
-    removed at the first signal, so a second one acts at once (terminates / interrupts)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.requested: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, number: int, frame: FrameType | None) -> None:
-        self.requested = signal.Signals(number).name
-        signal.signal(number, signal.SIG_DFL if number == signal.SIGTERM else signal.default_int_handler)
-
-    def __enter__(self) -> "StopOnSignal":
-        if threading.current_thread() is threading.main_thread():  # handlers can only be set from the main thread
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.getsignal(sig)
-                signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)

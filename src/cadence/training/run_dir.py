@@ -20,10 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from cadence.config.sources import recorded_plan
-from cadence.errors import CadenceFailure
-from cadence.input_files import read_regular_file
-from cadence.output_files import atomic_write_bytes, atomic_write_json, finite, fsync_file
-from cadence.records import COUNT, FLAG, NUMBER, REQUIRED, TEXT, Kind, Record, RecordInvalid
+from cadence.errors import CadenceFailure, UsageError
+from cadence.output_files import atomic_write_bytes, finite, fsync_file
+from cadence.records import BEST, METRICS_ROW, RUN_CONFIG, SUMMARY, NotJson, Record, RecordInvalid, parse_json
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -120,7 +119,7 @@ class RunWriter:
             # report of a resumed run lost its comparison with the plan's prediction).
             resolved = {**resolved, "plan": plan}
         with writing(str(self.root / CONFIG_FILE)):
-            atomic_write_json(self.root / CONFIG_FILE, resolved)
+            RUN_CONFIG.write(self.root / CONFIG_FILE, resolved)
 
     def log_step(self, row: dict[str, Any]) -> None:
         with writing(str(self.root / METRICS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
@@ -141,7 +140,7 @@ class RunWriter:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         with writing(str(self.root / SUMMARY_FILE)):
-            atomic_write_json(self.root / SUMMARY_FILE, summary)
+            SUMMARY.write(self.root / SUMMARY_FILE, summary)
 
     def save_model(self, weights: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
         with writing(str(self.root / WEIGHTS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
@@ -153,7 +152,7 @@ class RunWriter:
         folder = run_folder(self.root, BEST_DIR)
         with writing(str(folder / WEIGHTS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
             save_weights(weights, folder / WEIGHTS_FILE)
-            atomic_write_json(folder / BEST_FILE, record)
+            BEST.write(folder / BEST_FILE, record)
 
     def save_best_streamed(self, write: Callable[[Path | None], None], record: dict[str, Any]) -> None:
         """:meth:`save_best` with the weights written by ``write(path)`` (FSDP2: every rank calls it, the others with
@@ -166,13 +165,15 @@ class RunWriter:
             raise
         with writing(str(folder / WEIGHTS_FILE), then="the checkpoints so far are intact: free space, then --resume"):
             write(folder / WEIGHTS_FILE)
-            atomic_write_json(folder / BEST_FILE, record)
+            BEST.write(folder / BEST_FILE, record)
 
     def close(self) -> None:
+        """Close metrics.jsonl and TensorBoard (a second call does nothing)."""
         self._metrics.close()
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
+            self._tb = None
 
 
 class NoWriter(RunWriter):
@@ -214,57 +215,29 @@ class MetricsUnreadable(RecordInvalid):
         self.reason = reason
 
 
-METRICS_FIELDS: dict[str, Kind] = {
-    **dict.fromkeys(("window", "tokens", "targets", "samples", "micro_steps", "micro_batch_size", "padded_positions",
-                     "epoch", "oom_retries", "peak_memory_bytes"), COUNT),
-    **dict.fromkeys(("loss", "val_loss", "val_perplexity", "grad_norm", "lr", "loss_scale", "step_time_s",
-                     "tokens_per_s", "grad_noise_scale", "grad_noise_scale_tokens", "compile_time_s"), NUMBER),
-    "skipped": FLAG,
-    "skip_reason": TEXT,
-}
-"""The type of each field of a metrics row that cadence reads back (the resume's totals, the best evaluation, the
-report), each may be null or absent unless a reader requires it; other fields are passed on unread."""
-
 ROW_REQUIRED = ("tokens",)
 """What every metrics row holds: the tokens are summed into every total a run reports."""
 RESUMED_ROW_REQUIRED = ("tokens", "targets", "samples", "step_time_s")
 """What a resumed run's totals add up from each kept row."""
 
 
-SUMMARY_FIELDS: dict[str, Kind] = {
-    **dict.fromkeys(("steps", "skipped", "windows", "epochs", "tokens", "targets", "samples", "padded_positions",
-                     "peak_memory_bytes", "max_rss_bytes", "effective_batch_size", "final_micro_batch_size",
-                     "oom_retries", "parameters", "trainable_parameters", "frozen_parameters",
-                     "optimizer_state_bytes", "resumed_from_step", "best_val_step", "save_hf_step",
-                     "grad_noise_scale_windows"), COUNT),
-    **dict.fromkeys(("wall_time_s", "tokens_per_s", "padding_fraction", "final_loss", "final_val_loss",
-                     "final_val_perplexity", "best_val_loss", "run_wall_time_s", "compile_time_s",
-                     "grad_noise_scale", "grad_noise_scale_tokens", "grad_noise_scale_targets"), NUMBER),
-    **dict.fromkeys(("stopped_by", "save_hf", "peak_memory_of", "peak_memory_source"), TEXT),
-}
-"""The totals of summary.json that cadence reads back (a resume's segments, the report), null allowed."""
-SEGMENT_FIELDS: dict[str, Kind] = {"from_step": COUNT, "to_step": COUNT, "tokens": COUNT, "wall_time_s": NUMBER,
-                                   "step_time_s": NUMBER, "stopped_by": TEXT}
-
-
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
-    """A run's summary.json, its totals and segments checked (:data:`SUMMARY_FIELDS`); None when there is none.
+    """A run's summary.json, its totals and segments checked (``records.SUMMARY``); None when there is none.
     Anything else, a file that is not a JSON object or a total of the wrong type, is a ``RecordInvalid`` naming the
     file and the field (summary.json is written whole or not at all, so no damage is forgiven)."""
     path = run_dir / SUMMARY_FILE
     if not path.is_file():
         return None
-    record = Record.parse(read_regular_file(path, where=str(path), limit=RUN_RECORD_LIMIT), path)
-    for name, kind in SUMMARY_FIELDS.items():
-        record.take(name, kind, default=None)
-    for segment in record.records("segments", default=[]):
-        for name, kind in SEGMENT_FIELDS.items():
-            segment.take(name, kind, default=None)
-    return dict(record.data)
+    return dict(SUMMARY.read(path).data)
 
 
-RUN_RECORD_LIMIT = 64 << 20
-"""The most bytes of a summary.json read back (a few kilobytes when cadence wrote it)."""
+def kept_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The summary.json a run wrote, or None when it is missing or does not read as one (for what only a summary
+    cadence wrote can say: the export it made, a run that had already ended)."""
+    try:
+        return read_summary(run_dir)
+    except (OSError, UsageError):
+        return None
 
 
 def export_files(directory: Path) -> dict[str, list[int]] | None:
@@ -290,11 +263,8 @@ def exported_before(run_dir: Path, directory: Path) -> bool:
     where, and what files it held): a segment stopped by a signal exports too, and a resumed run replaces that export
     with its own. Anything else there (files added or changed since, an unrelated folder) is not the run's to
     replace."""
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    if not isinstance(summary, dict):
+    summary = kept_summary(run_dir)
+    if summary is None:
         return False
     recorded, files = summary.get("save_hf"), summary.get("save_hf_files")
     if not isinstance(recorded, str) or not recorded or not isinstance(files, dict):
@@ -312,7 +282,7 @@ def read_metrics(run_dir: Path, *, required: tuple[str, ...] = ROW_REQUIRED) -> 
     A run killed mid-write can leave a torn last line (no newline, not valid JSON): the step it was writing did not
     finish, so that line is dropped. Any other line that is not a metrics row (a JSON object with a ``step`` and the
     ``required`` fields, each field of :data:`METRICS_FIELDS` of its type) raises :class:`MetricsUnreadable` naming
-    the file, the line number and the field. Blank lines are skipped.
+    the file, the line number and the field (``records.METRICS_ROW``: the fields' types). Blank lines are skipped.
     """
     path = run_dir / METRICS_FILE
     text = path.read_text(encoding="utf-8")
@@ -322,23 +292,19 @@ def read_metrics(run_dir: Path, *, required: tuple[str, ...] = ROW_REQUIRED) -> 
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            if number == len(lines) and not text.endswith("\n"):
+            row = parse_json(line, f"{path}:{number}")
+        except NotJson as err:
+            if number == len(lines) and not text.endswith("\n") and "valid JSON" in err.what:
                 break  # torn by a kill mid-write
-            raise MetricsUnreadable(path, number, f"is not valid JSON ({err.msg})") from None
-        except RecursionError:
-            raise MetricsUnreadable(path, number, "is nested too deeply") from None
+            raise MetricsUnreadable(path, number, err.what) from None
         if not isinstance(row, dict) or "step" not in row:
             raise MetricsUnreadable(path, number, "is not a metrics row (a JSON object with a step)")
         step = row["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             # A report of "x optimizer steps" is worse than none: the step is a count, or the row is not ours.
             raise MetricsUnreadable(path, number, f"has step {step!r}, not a count of optimizer steps")
-        record = Record(row, f"{path}:{number}")
         try:
-            for name, kind in METRICS_FIELDS.items():
-                record.take(name, kind, default=REQUIRED if name in required else None)
+            METRICS_ROW.check(Record(row, f"{path}:{number}"), required=required)
         except RecordInvalid as err:
             raise MetricsUnreadable(path, number, err.what, err.field) from None
         rows.append(row)

@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cadence.output_files import fsync_file
+from cadence.records import NotJson, parse_json
 
 STRUCTURE_SUFFIX = ".json"
 TENSORS_SUFFIX = ".safetensors"
@@ -68,9 +69,9 @@ def read_state(folder: Path, stem: str) -> Any:
     """The state written by ``write_state``; ``StateFileError`` when either file is malformed."""
     structure_name, tensors_name = state_file_names(stem)
     try:
-        structure = json.loads((folder / structure_name).read_text(encoding="utf-8"))
+        structure = parse_json((folder / structure_name).read_bytes(), folder / structure_name)
         tensors = load_file(str(folder / tensors_name))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, SafetensorError) as err:
+    except (OSError, NotJson, ValueError, SafetensorError) as err:
         raise StateFileError(f"{folder / structure_name}: unreadable training state ({err})") from err
     if not isinstance(structure, dict) or structure.get("format") != _FORMAT or "state" not in structure:
         raise StateFileError(f"{folder / structure_name}: not a cadence training state ({_FORMAT})")

@@ -1,82 +1,63 @@
-"""The owner of a run's checkpoints: which format it writes, and save, load and pruning in that format.
+"""The owner of a run's checkpoints: which format it writes, and save, load and pruning in that format; and the one
+reader of weights, a checkpoint's (any format) or a weights file's.
 
-A checkpoint is one step-N folder (``layout``: staging, manifest, verification, pruning) in one of two formats:
-
-- ``files`` (one process, DDP): ``model.safetensors`` and the whole training state, written by rank 0 (``files``);
-- ``dcp`` (FSDP2): every rank writes its own shard with torch.distributed.checkpoint (``sharded``), nothing is
-  gathered, and each rank its own random generators; rank 0 adds the JSON training state and, once every rank has
-  written and checksummed its files, the manifest, then renames the folder into place.
+A checkpoint is one step-N folder (``layout``: staging, manifest, verification, pruning) in one format, a class
+behind one protocol (``format``): ``files`` (one process, DDP: ``model.safetensors`` and the whole training state,
+written by rank 0) or ``dcp`` (FSDP2: every rank writes its own shard with torch.distributed.checkpoint, nothing is
+gathered, and each rank its own random generators; rank 0 adds the JSON training state and, once every rank has
+written and checksummed its files, the manifest, then renames the folder into place).
 
 With --async-checkpoint the state is copied and a thread of the Checkpointer's writes and seals it while training
 goes on (see :class:`Checkpointer`).
 
-The format a run writes is chosen from the run (:meth:`CheckpointFormat.from_ranks`); the format a checkpoint is
-read in, from its manifest. Either format resumes on any world size and strategy (DCP reshards; the single file is
-loaded whole and FSDP2 keeps its shard), with the same effective batch (the resume refuses another).
+The format a run writes is chosen from the run (:func:`~cadence.training.checkpoint.format.run_format`); the format a
+checkpoint is read in, from its manifest. Either format resumes on any world size and strategy (DCP reshards; the
+single file is loaded whole and FSDP2 keeps its shard), with the same effective batch (the resume refuses another).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shutil
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cadence.distributed.ranks import Ranks, broadcast_from_main, full_model_state, like_parameter, unwrap
+from cadence.distributed.ranks import (
+    Ranks,
+    broadcast_from_main,
+    full_model_state,
+    like_parameter,
+    unwrap,
+    write_full_model_state,
+)
 from cadence.engine.step import PartialWindow
-from cadence.output_files import atomic_write_json
-from cadence.training.checkpoint.files import BY_INDEX, BY_NAME, full_optimizer_state, load_files_state, write_files
+from cadence.records import CHECKPOINT_INFO
+from cadence.training.checkpoint.files import read_weights_file
+from cadence.training.checkpoint.format import Captured, run_format
 from cadence.training.checkpoint.layout import (
-    DCP,
-    FILES,
-    FORMAT_FILES,
     INFO_FILE,
+    STATE_FILES,
     STATE_STEM,
     LoadedCheckpoint,
+    checkpoint_format,
     checksums,
-    manifest_format,
     prune_checkpoints,
     rank_state_stem,
     restore_rng_state,
     rng_state,
     seal,
-    shard_files,
     stage,
 )
 from cadence.training.components import Components
-from cadence.training.run_dir import CHECKPOINTS_DIR, writing
+from cadence.training.run_dir import CHECKPOINTS_DIR, WEIGHTS_FILE, RunWriter, writing
 from cadence.training.state_file import read_state, state_file_names, write_state
-
-FormatKind = Literal["files", "dcp"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointFormat:
-    """How a run's checkpoints hold the model and optimizer: whole (``files``) or as one DCP shard per rank
-    (``dcp``)."""
-
-    kind: FormatKind = FILES  # type: ignore[assignment]
-
-    @classmethod
-    def from_ranks(cls, ranks: Ranks) -> CheckpointFormat:
-        """Sharded under FSDP2 (no rank holds the whole state), whole otherwise (every rank does anyway)."""
-        return cls(kind=DCP if ranks.launched and ranks.strategy == "fsdp" else FILES)  # type: ignore[arg-type]
-
-    @classmethod
-    def of_checkpoint(cls, path: Path) -> CheckpointFormat:
-        """The format a (verified) checkpoint folder was written in, as its manifest says."""
-        return cls(kind=manifest_format(path))  # type: ignore[arg-type]
-
-    def describe(self) -> str:
-        if self.kind == DCP:
-            return "sharded: one torch.distributed.checkpoint shard per rank (.distcp) and a .metadata index"
-        return "whole: model.safetensors and the training state, written by rank 0"
 
 
 @dataclass(kw_only=True)
@@ -85,16 +66,13 @@ class _Capture:
 
     step: int
     staging: Path | None
-    """The folder every rank writes into (rank 0 made it); None on ranks that write nothing of their own."""
+    """The folder the ranks write into (rank 0 made it); None on ranks that write nothing of their own."""
     final: Path | None
     shared: dict[str, Any]
     """The training state rank 0 writes (scheduler, engine, data position, RNG, the interrupted window)."""
     info: dict[str, Any]
-    whole: tuple[dict[str, Any], dict[str, Any]] | None = None
-    """The single-file format's weights and optimizer state (rank 0)."""
-    shards: dict[str, Any] | None = None
-    """The sharded format's tensors of this rank (``sharded.shard_state``)."""
-    sharded_optimizer: dict[str, Any] | None = None
+    captured: Captured
+    """The model and optimizer as the run's format took them."""
     own: dict[str, Any] | None = None
     """This rank's own state when every rank writes one (sharded, or mid-window on several ranks)."""
 
@@ -102,6 +80,11 @@ class _Capture:
 class Checkpointer:
     """Saves the run's state into checkpoints/step-N/ in the run's format and loads any checkpoint back into it;
     prunes to the newest ``keep`` intact ones. Every rank holds one and calls :meth:`save` together.
+
+    It is also where weights are read, in both directions: the live model's, for a checkpoint (:meth:`save`), the
+    final file and --save-hf (:meth:`gathered_weights`, :meth:`save_final`) and --keep-best (:meth:`save_best`); and
+    saved ones (:meth:`load`, :meth:`read_weights`). Weights that a reader should see other than the training ones
+    (an optimizer that evaluates on averaged weights) are swapped in here, and in ``Evaluation.run`` for evaluation.
 
     With ``background`` (--async-checkpoint) a save copies the state (to the CPU, where it already is on CPU) and
     returns; a thread writes and seals it while training goes on. One write is in flight at most: the next save, the
@@ -114,10 +97,13 @@ class Checkpointer:
         self.run_dir = run_dir
         self.ranks = ranks
         self.keep = keep
-        self.format = CheckpointFormat.from_ranks(ranks)
+        self.format = run_format(ranks)
         self.intact: set[Path] = set(known_intact)
         """Checkpoints known to be whole (written by this run, or verified to resume from): pruning skips hashing
         them again."""
+        self.saved_windows: int | None = None
+        """The windows done at the last checkpoint this run saved or resumed from: one window boundary is never
+        checkpointed twice."""
         self.background = background
         self._writer: ThreadPoolExecutor | None = None
         self._in_flight: Future[Path | None] | None = None
@@ -134,6 +120,7 @@ class Checkpointer:
         position (and, mid-window, the gradients so far); a collective. The folder on rank 0 once written, None
         elsewhere and when it is written in the background."""
         self.wait()
+        self.saved_windows = parts.engine.windows
         in_background = self.background and partial_window is None
         capture = self._capture(parts, copy=in_background, shared={
             "scheduler": None if parts.scheduler is None else parts.scheduler.state_dict(),
@@ -147,6 +134,12 @@ class Checkpointer:
             self._in_flight = self._writer.submit(self._commit, capture, self._group)
             return None
         return self._commit(capture, None)
+
+    def resumed_from(self, checkpoint: Path, *, windows: int) -> None:
+        """The checkpoint this run resumed from (``windows`` done): known intact, so pruning does not hash it
+        again, and not written again at the same window boundary."""
+        self.intact.add(checkpoint)
+        self.saved_windows = windows
 
     def wait(self) -> Path | None:
         """Wait for the write in flight (if any); what it wrote, or its failure raised here."""
@@ -166,19 +159,12 @@ class Checkpointer:
 
     def _capture(self, parts: Components, *, copy: bool, shared: dict[str, Any], info: dict[str, Any]) -> _Capture:
         """Everything the checkpoint holds, read from the run now (collectives on the default group, by every
-        rank): gathered for the single-file format, this rank's shards for the sharded one."""
-        ranks, kind, step = self.ranks, self.format.kind, parts.engine.steps
+        rank): what the format takes (gathered whole, or this rank's shards) and the training state."""
+        ranks, kind, step = self.ranks, self.format, parts.engine.steps
         partial = shared["partial_window"]
-        capture = _Capture(step=step, staging=None, final=None, shared=shared,
-                           info={"step": step, **info, "format": kind, "world_size": ranks.world_size})
-        if kind == FILES:  # gathered by every rank together under FSDP2 (a run that chose this format itself)
-            capture.whole = (full_model_state(parts.model, ranks),
-                             full_optimizer_state(parts.model, parts.optimizer, ranks))
-        else:
-            from cadence.training.checkpoint.sharded import shard_state  # DCP's import: only runs that use it
-
-            capture.shards, capture.sharded_optimizer = shard_state(parts.model, parts.optimizer)
-        if kind == DCP or (partial is not None and ranks.world_size > 1):
+        capture = _Capture(step=step, staging=None, final=None, shared=shared, captured=kind.capture(parts, ranks),
+                           info={"step": step, **info, "format": kind.name, "world_size": ranks.world_size})
+        if kind.every_rank_writes or (partial is not None and ranks.world_size > 1):
             # Mid-window each rank has its own gradients and its own share of the window's loss so far.
             capture.own = {"rng": shared["rng"], "grads": (partial or {}).get("grads", {}),
                            "loss_sum": (partial or {}).get("loss_sum")}
@@ -188,52 +174,48 @@ class Checkpointer:
         # One folder for all: rank 0 made it (a shared file system, as for the run directory itself).
         capture.staging = broadcast_from_main(staging, ranks) if capture.own is not None else staging
         if copy:  # the live tensors go on changing while the copy is written
-            capture.whole, capture.shards, capture.shared, capture.own = _copied(
-                (capture.whole, capture.shards, capture.shared, capture.own))
+            capture.shared, capture.own = _copied((capture.shared, capture.own))
+            capture.captured = dataclasses.replace(capture.captured, tensors=_copied(capture.captured.tensors),
+                                                   optimizer=_copied(capture.captured.optimizer))
         return capture
 
     def _commit(self, capture: _Capture, group: Any) -> Path | None:
-        """Write, hash and seal what ``capture`` holds. Whole: rank 0 writes. Sharded, or mid-window on several
-        ranks: every rank writes its own files (its shard, its RNG and gradients) into rank 0's staging folder and
-        hashes them; rank 0 adds the shared state and, last, the manifest of all of them. Then pruning."""
-        ranks, kind, staging = self.ranks, self.format.kind, capture.staging
+        """Write, hash and seal what ``capture`` holds. The format's files are written by the ranks it says (rank 0,
+        or every rank its shard); where every rank writes, each also writes its own state (its RNG and gradients)
+        into rank 0's staging folder, and hashes its files. Rank 0 adds the shared state and, last, the manifest of
+        all of them. Then pruning."""
+        ranks, kind, staging = self.ranks, self.format, capture.staging
         with writing(f"checkpoint step-{capture.step} in {self.run_dir / CHECKPOINTS_DIR}",
                      then="the checkpoints before it are intact: free space, then --resume"):
             try:
-                digests: list[dict[str, str]] = []
+                written: list[str] = []
                 if capture.own is not None and staging is not None:
                     write_state(staging, rank_state_stem(ranks.rank), capture.own)
-                    if capture.shards is not None:
-                        from cadence.training.checkpoint.sharded import write_shards
-
-                        write_shards(staging, capture.shards, group=group)  # every rank its own shard
-                    mine = [*state_file_names(rank_state_stem(ranks.rank)), *shard_files(staging, ranks.rank)]
-                    digests = _gathered(checksums(staging, mine), ranks, group)  # each rank hashes what it wrote
+                    written += state_file_names(rank_state_stem(ranks.rank))
+                if staging is not None:
+                    written += kind.write(staging, capture.captured, ranks, group)
+                mine = checksums(staging, written) if staging is not None else {}
+                # Each rank hashes what it wrote; where every rank writes, rank 0 gathers the checksums.
+                digests = _gathered(mine, ranks, group) if capture.own is not None else [mine]
                 if not ranks.is_main or staging is None or capture.final is None:
                     return None
                 shared = dict(capture.shared)
                 if capture.own is not None and shared["partial_window"] is not None:  # the grads are per rank
                     shared["partial_window"] = {key: value for key, value in shared["partial_window"].items()
                                                 if key != "grads"}
-                if capture.whole is None:
-                    write_state(staging, STATE_STEM, {"optimizer": {"state": {}, **(capture.sharded_optimizer or {})},
-                                                      **shared})
-                    optimizer_format = BY_NAME
-                else:
-                    write_files(staging, capture.whole[0], {"optimizer": capture.whole[1], **shared})
-                    optimizer_format = BY_NAME if ranks.launched and ranks.strategy == "fsdp" else BY_INDEX
-                atomic_write_json(staging / INFO_FILE, {**capture.info, "optimizer_format": optimizer_format})
+                write_state(staging, STATE_STEM, {"optimizer": capture.captured.optimizer, **shared})
+                CHECKPOINT_INFO.write(staging / INFO_FILE, {**capture.info, **capture.captured.info})
                 table = {name: digest for found in digests for name, digest in found.items()}
-                table.update(checksums(staging, FORMAT_FILES[kind]))
+                table.update(checksums(staging, (*STATE_FILES, INFO_FILE)))
             except BaseException:
                 if staging is not None and ranks.is_main:
                     _remove(staging)
                 raise
-            written = seal(staging, capture.final, step=capture.step, kind=kind, checksums=table)
-            self.intact.add(written)
+            written_folder = seal(staging, capture.final, step=capture.step, kind=kind.name, checksums=table)
+            self.intact.add(written_folder)
             if self.keep > 0:
                 prune_checkpoints(self.run_dir, keep=self.keep, known_intact=self.intact)
-        return written
+        return written_folder
 
     # ------------------------------------------------------------------------------------------------------- load
     def load(self, checkpoint: LoadedCheckpoint, parts: Components) -> PartialWindow | None:
@@ -241,14 +223,7 @@ class Checkpointer:
         scheduler, precision state, counters and random generators; mid-window, this rank's gradients so far, and
         the window to continue (this rank's micro-batches done and loss so far) is returned. Every rank calls it. Raises what a state that does not fit raises (KeyError, ValueError, RuntimeError)."""
         state, path = checkpoint.state, checkpoint.path
-        kind = CheckpointFormat.of_checkpoint(path).kind
-        if kind == DCP:
-            from cadence.training.checkpoint.sharded import read_shards
-
-            read_shards(path, parts.model, parts.optimizer, state["optimizer"])
-        else:
-            load_files_state(parts.model, parts.optimizer, parts.ranks, checkpoint.weights, state["optimizer"],
-                             str(checkpoint.info.get("optimizer_format", BY_INDEX)))
+        checkpoint_format(path).load(path, state["optimizer"], checkpoint.info, parts)
         if state["scheduler"] is not None:
             parts.scheduler.load_state_dict(state["scheduler"])
         parts.engine.load_state_dict(state["engine"])
@@ -274,6 +249,47 @@ class Checkpointer:
         loss_sum = own.get("loss_sum") if own is not None else None
         return PartialWindow(micro_batches_done=int(partial["micro_batches_done"]),
                              loss_sum=float(partial["loss_sum"] if loss_sum is None else loss_sum))
+
+    # ---------------------------------------------------------------------------------------------------- weights
+    @property
+    def streams_weights(self) -> bool:
+        """Under FSDP2 the whole weights are written a tensor at a time, never gathered whole onto one rank."""
+        return self.ranks.launched and self.ranks.strategy == "fsdp"
+
+    def gathered_weights(self, parts: Components) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0, for the final file and --save-hf (every rank calls it: FSDP2 would
+        gather); empty where they are streamed instead (:attr:`streams_weights`)."""
+        return {} if self.streams_weights else full_model_state(parts.model, self.ranks)
+
+    def save_final(self, parts: Components, writer: RunWriter, weights: dict[str, torch.Tensor],
+                   metadata: dict[str, str]) -> None:
+        """OUT/model.safetensors, the final weights: ``weights`` as :meth:`gathered_weights` gave them, or (FSDP2)
+        streamed by every rank together, rank 0 writing one gathered tensor at a time."""
+        if not self.streams_weights:
+            writer.save_model(weights, metadata=metadata)
+            return
+        path = self.run_dir / WEIGHTS_FILE
+        with writing(str(path), then="the checkpoints so far are intact: free space, then --resume"):
+            write_full_model_state(parts.model, self.ranks, path if self.ranks.is_main else None, metadata)
+
+    def save_best(self, parts: Components, writer: RunWriter, record: dict[str, Any]) -> None:
+        """--keep-best: the model's weights into OUT/best with ``record`` (its step and validation loss); every rank
+        gathers its part, rank 0 writes; under FSDP2 one tensor at a time."""
+        if self.streams_weights:
+            writer.save_best_streamed(lambda path: write_full_model_state(parts.model, self.ranks, path), record)
+            return
+        writer.save_best(full_model_state(parts.model, self.ranks), record)
+
+    def weights_at(self, path: Path) -> Path:
+        """Where the weights of ``path`` (a checkpoint folder, or a weights file) are, for a message."""
+        return checkpoint_format(path).weights_at(path) if path.is_dir() else path
+
+    def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
+        """The whole model's weights, in this process: of a checkpoint folder (verified by the caller) in its format
+        (a sharded one's shards assembled without a process group), or of a weights file (the final model, best/).
+        Every reader of saved weights reads them here (resume through :meth:`load`, ``cadence sample``,
+        ``cadence export``); raises ``WeightsUnreadable``."""
+        return checkpoint_format(path).read_weights(path) if path.is_dir() else read_weights_file(path)
 
     def _rank_state(self, path: Path) -> dict[str, Any] | None:
         """This rank's own state (its RNG; mid-window, its gradients) in a checkpoint every rank wrote into: the one

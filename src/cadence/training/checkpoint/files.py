@@ -1,5 +1,5 @@
-"""The single-file format (one process, DDP; and every checkpoint cadence wrote before the sharded one): the whole
-model in ``model.safetensors`` and the whole optimizer state in the JSON training state, written by rank 0.
+"""The whole format (``files``: one process, DDP; and every checkpoint cadence wrote before the sharded one): the whole
+model in ``model.safetensors``, written by rank 0, and the whole optimizer state in the JSON training state.
 
 The optimizer state is keyed by parameter index (torch's own ``state_dict``), or, in a checkpoint an FSDP2 run wrote
 before FSDP2 got the sharded format, by parameter name (the gathered full state). Either loads into either kind of
@@ -9,24 +9,67 @@ and FSDP2, and between world sizes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
-from cadence.distributed.ranks import Ranks, unwrap
-from cadence.training.checkpoint.layout import STATE_STEM
+from cadence.distributed.ranks import Ranks, full_model_state, unwrap
+from cadence.training.checkpoint.format import BY_INDEX, BY_NAME, Captured, WeightsUnreadable
+from cadence.training.components import Components
 from cadence.training.run_dir import WEIGHTS_FILE, save_weights
-from cadence.training.state_file import write_state
-
-BY_INDEX, BY_NAME = "by-index", "by-name"
 
 
-def write_files(folder: Path, weights: Mapping[str, torch.Tensor], state: dict[str, Any]) -> None:
-    """The weights and the training state (the optimizer's whole state inside it) into ``folder``."""
-    save_weights(weights, folder / WEIGHTS_FILE)
-    write_state(folder, STATE_STEM, state)
+class WholeFiles:
+    """:class:`~cadence.training.checkpoint.format.CheckpointFormat` ``files``: gathered whole, written by rank 0."""
+
+    name = "files"
+    files = (WEIGHTS_FILE,)
+    every_rank_writes = False
+
+    def describe(self) -> str:
+        return "whole: model.safetensors and the training state, written by rank 0"
+
+    def problem(self, listed: Collection[str]) -> str | None:
+        return None
+
+    def capture(self, parts: Components, ranks: Ranks) -> Captured:
+        # Gathered by every rank together under FSDP2 (a run that chose this format itself), keyed by name there.
+        fsdp = ranks.launched and ranks.strategy == "fsdp"
+        return Captured(tensors=full_model_state(parts.model, ranks),
+                        optimizer=full_optimizer_state(parts.model, parts.optimizer, ranks),
+                        info={"optimizer_format": BY_NAME if fsdp else BY_INDEX})
+
+    def write(self, folder: Path, captured: Captured, ranks: Ranks, group: Any) -> list[str]:
+        if not ranks.is_main or captured.tensors is None:
+            return []
+        save_weights(captured.tensors, folder / WEIGHTS_FILE)
+        return [WEIGHTS_FILE]
+
+    def load(self, folder: Path, saved: dict[str, Any], info: Mapping[str, Any], parts: Components) -> None:
+        load_files_state(parts.model, parts.optimizer, parts.ranks, self.read_weights(folder), saved,
+                         str(info.get("optimizer_format", BY_INDEX)))
+
+    def weights_at(self, folder: Path) -> Path:
+        return folder / WEIGHTS_FILE
+
+    def read_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        return read_weights_file(folder / WEIGHTS_FILE)
+
+
+FORMAT = WholeFiles()
+
+
+def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path`` (a checkpoint's, the run's final or best weights): safetensors
+    only, so a pickle or garbage is refused without being run; :class:`WeightsUnreadable` otherwise."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise WeightsUnreadable(path, str(err).splitlines()[0] if str(err) else type(err).__name__) from None
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: Ranks) -> dict[str, Any]:

@@ -14,7 +14,6 @@ run at worst, never run code. The manifest guards against damage, not tampering
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import re
@@ -29,41 +28,35 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from cadence.config.sources import recorded_config
-from cadence.output_files import atomic_write_json, fsync_directory
-from cadence.records import Record, integer, tensor_kind
-from cadence.training.run_dir import (
-    CHECKPOINTS_DIR,
-    WEIGHTS_FILE,
-    RunDirectoryWriteFailed,
-    run_folder,
+from cadence.errors import UsageError
+from cadence.output_files import fsync_directory
+from cadence.records import CHECKPOINT_INFO, MANIFEST, Record, integer, tensor_kind
+from cadence.training.checkpoint.format import (
+    FORMATS,
+    UNNAMED,
+    CheckpointFormat,
+    CheckpointUnreadable,
+    format_named,
 )
+from cadence.training.run_dir import CHECKPOINTS_DIR, RunDirectoryWriteFailed, run_folder
 from cadence.training.state_file import read_state, state_file_names
 
 STATE_STEM = "training_state"
 STATE_FILES = state_file_names(STATE_STEM)
 INFO_FILE = "checkpoint.json"
 MANIFEST_FILE = "manifest.json"
-FILES, DCP = "files", "dcp"
-"""The two formats (``CheckpointFormat.kind``): one weights file and one state, or torch.distributed.checkpoint's
-shards (one ``.distcp`` per rank and a ``.metadata``) beside the same JSON state."""
-DCP_METADATA_FILE = ".metadata"
-SHARD_SUFFIX = ".distcp"
-FORMAT_FILES: dict[str, tuple[str, ...]] = {FILES: (WEIGHTS_FILE, *STATE_FILES, INFO_FILE),
-                                            DCP: (DCP_METADATA_FILE, *STATE_FILES, INFO_FILE)}
-"""The files a checkpoint of each format always has: its manifest must vouch for each of them (and for any other
-file it lists: a DCP checkpoint's shards and per-rank states)."""
 _PLAIN_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.-]+$")
 LEGACY_PICKLE_FILE = "training_state.pt"
 """What cadence before the pickle-free format wrote: never loaded, since unpickling it could run code."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def shard_files(folder: Path, rank: int) -> list[str]:
-    """The shard files ``rank`` wrote into ``folder`` (DCP names them after their writer's rank)."""
-    return sorted(path.name for path in folder.glob(f"__{rank}_*{SHARD_SUFFIX}"))
+def always_present(kind: CheckpointFormat) -> tuple[str, ...]:
+    """The files a checkpoint of format ``kind`` always has: its manifest must vouch for each of them (and for any
+    other file it lists: a sharded checkpoint's shards and per-rank states)."""
+    return (*kind.files, *STATE_FILES, INFO_FILE)
 
 
 def rng_state() -> dict[str, Any]:
@@ -102,7 +95,7 @@ def seal(staging: Path, final: Path, *, step: int, kind: str, checksums: Mapping
     """Write the manifest (last: a folder with a valid manifest was complete when it was written) and rename the
     staging folder into place; the staging folder is removed whole on any failure."""
     try:
-        atomic_write_json(staging / MANIFEST_FILE, {"step": step, "format": kind, "sha256": dict(checksums)})
+        MANIFEST.write(staging / MANIFEST_FILE, {"step": step, "format": kind, "sha256": dict(checksums)})
         if final.is_symlink() or final.is_file():
             # Not a checkpoint of this run's (it writes folders): never removed, and not replaced either.
             raise RunDirectoryWriteFailed(f"{final} is a link or a file, not one of the run's checkpoints; nothing "
@@ -156,12 +149,18 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
 
 
 def manifest_format(path: Path) -> str:
-    """The format a checkpoint's manifest names (``files`` for manifests written before there were two)."""
+    """The name of the format a checkpoint's manifest states (``files`` for manifests written before there were
+    two, and for one that cannot be read: verification refuses it)."""
     try:
-        kind = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8")).get("format", FILES)
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return FILES
-    return kind if kind in FORMAT_FILES else FILES
+        kind = MANIFEST.read(path / MANIFEST_FILE).get("format", UNNAMED)
+    except (OSError, UsageError):
+        return UNNAMED
+    return kind if kind in FORMATS else UNNAMED
+
+
+def checkpoint_format(path: Path) -> CheckpointFormat:
+    """The format a (verified) checkpoint folder was written in, as its manifest says."""
+    return format_named(manifest_format(path))
 
 
 def verify_checkpoint(path: Path) -> str | None:
@@ -174,35 +173,38 @@ def verify_checkpoint(path: Path) -> str | None:
         return (f"{LEGACY_PICKLE_FILE} is a pickle from an older cadence; loading it could run code, so it is not "
                 f"read (start a new run, or resume with the cadence that wrote it)")
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        checksums = manifest["sha256"]
-        kind = manifest.get("format", FILES)
+        manifest = MANIFEST.read(manifest_path)
+        checksums, name = manifest.get("sha256"), manifest.get("format", UNNAMED)
         if not isinstance(checksums, dict):
             return "unreadable manifest (no checksum table)"
-        if kind not in FORMAT_FILES:
-            return f"unknown checkpoint format {str(kind)[:40]!r} in the manifest"
-        for name in FORMAT_FILES[kind]:
-            if name not in checksums:
-                return f"the manifest does not vouch for {name}"
-        if kind == DCP and not any(name.endswith(SHARD_SUFFIX) for name in checksums):
-            return f"the manifest lists no {SHARD_SUFFIX} shard"
-        for name, digest in checksums.items():
-            if not isinstance(name, str) or not _PLAIN_NAME.match(name):
-                return f"the manifest lists {str(name)[:60]!r}, not a file name of this folder"
-            if not (path / name).is_file():
-                return f"{name} is missing"
-            if sha256(path / name) != digest:
-                return f"{name} does not match its checksum"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        if name not in FORMATS:
+            return f"unknown checkpoint format {str(name)[:40]!r} in the manifest"
+        kind = format_named(name)
+        for needed in always_present(kind):
+            if needed not in checksums:
+                return f"the manifest does not vouch for {needed}"
+        lacking = kind.problem([listed for listed in checksums if isinstance(listed, str)])
+        if lacking is not None:
+            return lacking
+        for listed, digest in checksums.items():
+            if not isinstance(listed, str) or not _PLAIN_NAME.match(listed):
+                return f"the manifest lists {str(listed)[:60]!r}, not a file name of this folder"
+            if not (path / listed).is_file():
+                return f"{listed} is missing"
+            if sha256(path / listed) != digest:
+                return f"{listed} does not match its checksum"
+    except (OSError, UsageError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         return f"unreadable manifest ({err})"
     return None
 
 
 @dataclass(kw_only=True)
 class LoadedCheckpoint:
+    """A checkpoint's records: checkpoint.json (``info``) and the shared training state, checked; its model and
+    optimizer are read by its format when it is loaded (``Checkpointer.load``)."""
+
     path: Path
     step: int
-    weights: dict[str, torch.Tensor]
     state: dict[str, Any]
     info: dict[str, Any]
 
@@ -236,20 +238,19 @@ def _warning_line(message: str) -> None:
 
 
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
-    """Read one checkpoint folder (verify it first: ``newest_intact_checkpoint``); JSON and safetensors only.
+    """Read one checkpoint folder's checkpoint.json and training state (verify it first: ``newest_intact_checkpoint``);
+    JSON and safetensors only.
 
     Raises ``CheckpointUnreadable`` when a file that matched its checksum still does not parse (a manifest recomputed
     over edited files)."""
     try:
         info_text = (path / INFO_FILE).read_bytes()
         state = read_state(path, STATE_STEM)
-        # A sharded checkpoint's weights are in its shards: read into the model by the sharded format.
-        weights = load_file(str(path / WEIGHTS_FILE)) if manifest_format(path) == FILES else {}
     except (OSError, ValueError, KeyError, TypeError, RecursionError, SafetensorError) as err:
         raise CheckpointUnreadable(f"{path}: unreadable checkpoint ({str(err)[:300]})") from err
-    info = Record.parse(info_text, path / INFO_FILE)
+    info = CHECKPOINT_INFO.parse(info_text, path / INFO_FILE)
     check_contents(path, info, state)
-    return LoadedCheckpoint(path=path, step=info.count("step"), weights=weights, state=dict(state), info=dict(info.data))
+    return LoadedCheckpoint(path=path, step=info.count("step"), state=dict(state), info=dict(info.data))
 
 
 def check_contents(path: Path, info: Record, state: Any) -> None:
@@ -283,7 +284,3 @@ def check_contents(path: Path, info: Record, state: Any) -> None:
         grads = partial.record("grads", default=Record({}, partial.source))  # a sharded format's: per rank
         for name in grads.data:
             grads.take(name, tensor_kind(words="a tensor of gradients"))
-
-
-class CheckpointUnreadable(ValueError):
-    """A checkpoint's files verify against its manifest but do not parse as a cadence checkpoint."""

@@ -1,5 +1,6 @@
-"""The sharded format (FSDP2): every rank writes its own shard of the model and optimizer state with
-torch.distributed.checkpoint (DCP), and nothing is gathered; loading reshards to whatever world size reads it.
+"""The sharded format (``dcp``, FSDP2): every rank writes its own shard of the model and optimizer state with
+torch.distributed.checkpoint (DCP), and nothing is gathered; loading reshards to whatever world size reads it, and one
+process assembles the whole model's weights without a process group (``cadence sample``, ``cadence export``).
 
 DCP writes one ``__RANK_0.distcp`` per rank (``single_file_per_rank``: the writer's rank is the file's prefix) and rank 0
 a ``.metadata`` index. Only tensors go through DCP: the optimizer's non-tensor state (its param groups, a Python step
@@ -21,6 +22,7 @@ import io
 import pickle
 import re
 import warnings
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -36,9 +39,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from cadence.distributed.ranks import unwrap
-from cadence.training.checkpoint.layout import DCP_METADATA_FILE, SHARD_SUFFIX
+from cadence.distributed.ranks import Ranks, unwrap
+from cadence.training.checkpoint.format import BY_NAME, Captured, WeightsUnreadable
+from cadence.training.components import Components
 
+DCP_METADATA_FILE = ".metadata"
+SHARD_SUFFIX = ".distcp"
 _SHARD_NAME = re.compile(r"^__\d+_\d+" + re.escape(SHARD_SUFFIX) + "$")
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED_GLOBALS = {
@@ -173,3 +179,51 @@ def read_model_tensors(folder: Path) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING)
         dcp.load({"model": weights}, storage_reader=SafeReader(str(folder)), no_dist=True)
     return weights
+
+
+def shard_files(folder: Path, rank: int) -> list[str]:
+    """The shard files ``rank`` wrote into ``folder`` (DCP names them after their writer's rank)."""
+    return sorted(path.name for path in folder.glob(f"__{rank}_*{SHARD_SUFFIX}"))
+
+
+class Sharded:
+    """:class:`~cadence.training.checkpoint.format.CheckpointFormat` ``dcp``: one DCP shard per rank and the
+    ``.metadata`` index rank 0 writes; the optimizer's non-tensor state goes into the JSON training state."""
+
+    name = "dcp"
+    files = (DCP_METADATA_FILE,)
+    every_rank_writes = True
+
+    def describe(self) -> str:
+        return "sharded: one torch.distributed.checkpoint shard per rank (.distcp) and a .metadata index"
+
+    def problem(self, listed: Collection[str]) -> str | None:
+        if not any(name.endswith(SHARD_SUFFIX) for name in listed):
+            return f"the manifest lists no {SHARD_SUFFIX} shard"
+        return None
+
+    def capture(self, parts: Components, ranks: Ranks) -> Captured:
+        tensors, rest = shard_state(parts.model, parts.optimizer)
+        return Captured(tensors=tensors, optimizer={"state": {}, **rest}, info={"optimizer_format": BY_NAME})
+
+    def write(self, folder: Path, captured: Captured, ranks: Ranks, group: Any) -> list[str]:
+        write_shards(folder, captured.tensors or {}, group=group)  # every rank its own shard; rank 0 the index
+        return [*shard_files(folder, ranks.rank), *((DCP_METADATA_FILE,) if ranks.is_main else ())]
+
+    def load(self, folder: Path, saved: dict[str, Any], info: Mapping[str, Any], parts: Components) -> None:
+        try:
+            read_shards(folder, parts.model, parts.optimizer, saved)
+        except CheckpointException as err:  # a BaseException: a state that does not fit, said as the others are
+            raise ValueError((str(err).splitlines() or [""])[0][:300]) from None
+
+    def weights_at(self, folder: Path) -> Path:
+        return folder
+
+    def read_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        try:
+            return read_model_tensors(folder)
+        except (MetadataRefused, OSError, ValueError, RuntimeError, CheckpointException) as err:
+            raise WeightsUnreadable(folder, str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+
+
+FORMAT = Sharded()
