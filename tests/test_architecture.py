@@ -181,9 +181,6 @@ TRAINING_RUN_ATTRIBUTES = 15
 BEING_SPLIT = {
     # Issue 50: modules and functions other branches are splitting at the same time. The lead removes each entry as
     # its split lands; nothing else may pass the limits.
-    "plan/planner.py",
-    "plan/planner.py:make_plan",
-    "plan/planner.py:_compare_cuts",
     "config/validate.py:validate",
     "memory/estimate_hf.py",
     "memory/estimate_hf.py:_lora_block_forward",
