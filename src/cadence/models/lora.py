@@ -32,6 +32,8 @@ from torch import nn
 
 from cadence.errors import UsageError
 from cadence.models.quantized import (
+    bitsandbytes_installed,
+    bitsandbytes_problem,
     logical_numel,
     nf4_bytes,
     quantizable_linears,
@@ -86,47 +88,21 @@ def peft_problem() -> str | None:
         return "needs peft (pip install 'cadence[hf]', or pip install peft)"
     # peft reaches for bitsandbytes' 8-bit linear layer whenever bitsandbytes is installed (to tell its layers
     # apart while injecting the adapters), so a bitsandbytes without it fails every LoRA run.
-    broken = bitsandbytes_problem(needs=("nn.Linear8bitLt",))
+    broken = bitsandbytes_problem(needs=("nn.Linear8bitLt",)) if bitsandbytes_installed() else None
     if broken is None:
         try:
             _import_peft()
         except UsageError:
             return "needs peft, which fails to import (pip install --force-reinstall peft)"
         except Exception as err:  # noqa: BLE001 - peft or what it imports, failing as installed
-            reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
             frames = traceback.extract_tb(err.__traceback__)
             if "bitsandbytes" not in str(err) and not any("bitsandbytes" in frame.filename for frame in frames):
+                reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
                 return f"needs peft, which is installed but fails to import ({reason}): pip install --force-reinstall peft"
-            broken = f"bitsandbytes is installed but fails to be used ({reason})"
+            broken = bitsandbytes_problem(failure=err)
     if broken is not None:
-        return (f"needs peft, which imports bitsandbytes when it is installed, and {broken}: repair it (pip install "
-                f"--force-reinstall bitsandbytes) or, if you do not use --optimizer-state 8bit, uninstall it (pip "
-                f"uninstall bitsandbytes)")
-    return None
-
-
-def bitsandbytes_problem(*, needs: tuple[str, ...] = ()) -> str | None:
-    """Why an installed bitsandbytes cannot be used (None when it is missing, or imports and has ``needs``, dotted
-    names such as ``optim.AdamW8bit``).
-
-    An installed package can still fail at import: its native library missing or built for another CUDA (an
-    OSError), a symbol a newer torch lacks (an AttributeError). Found here, before any run directory exists, it is
-    one line naming the package; found when the optimizer or peft is built, it was a traceback."""
-    import importlib.util
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return None
-    try:
-        with quiet_bitsandbytes():
-            import bitsandbytes
-
-        for name in needs:
-            target: Any = bitsandbytes
-            for part in name.split("."):
-                target = getattr(target, part)
-    except Exception as err:  # noqa: BLE001 - whatever its import raises, the package is unusable as installed
-        reason = (str(err).splitlines() or [""])[0][:160]
-        return f"bitsandbytes is installed but fails to import ({type(err).__name__}: {reason})"
+        return (f"needs peft, which imports bitsandbytes when it is installed; it {broken} (or, if you do not use "
+                f"--optimizer-state 8bit, uninstall it: pip uninstall bitsandbytes)")
     return None
 
 
