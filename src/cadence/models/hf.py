@@ -37,6 +37,7 @@ from cadence.models.lora import LoraShape, is_lora, write_adapter
 from cadence.models.packed_attention import transformers_attention, use_packed_attention
 from cadence.models.pretrained import SAFETENSORS_FILE, PretrainedFiles, parameters_on_meta
 from cadence.models.safetensors_file import copy_tensors, read_header, read_tensor
+from cadence.models.shape import ModelShape
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -62,22 +63,6 @@ _SHRINK_HINT = (
     "--model-config hidden_size=256 --model-config num_hidden_layers=4 --model-config num_attention_heads=4 "
     "--model-config intermediate_size=1024 --model-config vocab_size=256"
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelShape:
-    """The sizes a memory estimate needs, read from a transformers config (None where the config has no such idea)."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int | None
-    num_kv_heads: int | None  # grouped-query attention; equal to num_heads for plain multi-head attention
-    head_dim: int | None
-    intermediate_size: int | None  # width of the MLP's hidden layer
-    vocab_size: int
-    context_length: int
-    num_parameters: int  # distinct parameters of the built model (a tied LM head counted once)
-    tied_embeddings: bool  # the LM head shares the token embedding's weight
 
 
 @dataclass(kw_only=True)
