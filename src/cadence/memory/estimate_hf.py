@@ -4,7 +4,8 @@ and the style of their blocks.
 The replay of a step is :mod:`cadence.memory.decoder_replay` (the blocks, the head, the model trained whole) and, under
 ``--lora-rank``, :mod:`cadence.memory.lora_replay` (the frozen base, in fp32, bf16 or nf4, and peft's adapters).
 Calibrated against :func:`cadence.memory.measure.measure_step` on tiny llama and gpt2 configs (see
-tests/memory/test_memory_estimate_hf.py); the style of a model's blocks is :func:`block_style`'s.
+tests/memory/test_memory_estimate_hf.py). Which style a model's blocks are is the model's to say
+(:attr:`cadence.models.spec.ModelSpec.estimator`): this module never guesses it from a name.
 """
 
 from __future__ import annotations
@@ -15,18 +16,11 @@ from cadence.memory.lora_replay import LoraDecoderReplay
 from cadence.models.lora import LoraShape
 from cadence.models.shape import ModelShape
 
-GPT2_TYPES = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "gptj"})
-"""Model types whose blocks are gpt2-style; every other decoder is treated as llama-style."""
-
-
-def block_style(model_type: str) -> BlockStyle:
-    return "gpt2" if model_type in GPT2_TYPES else "llama"
-
 
 def estimate_hf_step_memory(
     shape: ModelShape,
     *,
-    model_type: str,
+    style: BlockStyle,
     micro_batch_size: int,
     seq_len: int,
     precision: str,
@@ -41,8 +35,8 @@ def estimate_hf_step_memory(
     packed: bool = False,
     full_logits: bool = False,
 ) -> MemoryEstimate:
-    """Predict the peak memory of one step of the transformers decoder ``shape`` describes (of ``model_type``,
-    whose blocks are gpt2-style or llama-style), trained by the Engine; ``loss_chunk_tokens``, ``target_tokens``, ``optimizer_state``
+    """Predict the peak memory of one step of the transformers decoder ``shape`` describes, whose blocks are
+    ``style`` (llama or gpt2), trained by the Engine; ``loss_chunk_tokens``, ``target_tokens``, ``optimizer_state``
     and ``full_logits`` as in :func:`cadence.memory.estimate.estimate_step_memory` (``loss_chunk_tokens`` 0: the
     target positions' logits only, every position counted as a target unless ``target_tokens`` says otherwise).
     ``lora``: the adapters --lora-rank injected (:func:`cadence.models.lora.lora_shape`; ``shape`` stays the base
@@ -55,7 +49,8 @@ def estimate_hf_step_memory(
                               checkpointing=checkpointing, offload=offload, loss_chunk_tokens=loss_chunk_tokens,
                               target_tokens=target_tokens, optimizer_state=optimizer_state,
                               full_logits=full_logits)
-    style = block_style(model_type)
+    if style not in BLOCK_STYLES:
+        problems.append(f"unknown block style {style!r} (one of {', '.join(BLOCK_STYLES)})")
     if not shape.num_heads or not shape.head_dim or not shape.intermediate_size:
         problems.append("the model's config gives no attention heads, head size or MLP width to estimate from")
     if problems:
@@ -74,4 +69,4 @@ def estimate_hf_step_memory(
                                 on_device=on_device)
 
 
-__all__ = ["BLOCK_STYLES", "BlockStyle", "GPT2_TYPES", "block_style", "estimate_hf_step_memory"]
+__all__ = ["BLOCK_STYLES", "BlockStyle", "estimate_hf_step_memory"]

@@ -19,7 +19,6 @@ peft is an optional dependency (``cadence[hf]``), imported only when LoRA is ask
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import traceback
 from collections.abc import Mapping
@@ -36,7 +35,6 @@ from cadence.models.quantized import (
     bitsandbytes_problem,
     logical_numel,
     nf4_bytes,
-    quantizable_linears,
     quantized_layers,
     quiet_bitsandbytes,
 )
@@ -239,13 +237,6 @@ def lora_shape(model: nn.Module) -> LoraShape | None:
                      bf16_base_parameters=bf16, nf4_base_parameters=sum(nf4), nf4_base_bytes=nf4_bytes(nf4))
 
 
-def planned_nf4(lora: LoraShape, model: nn.Module) -> LoraShape:
-    """``lora`` as it would be with an nf4 base, for a model that is not quantised (one on the meta device, for an
-    estimate): the layers :func:`cadence.models.quantized.quantize_base_nf4` would quantise, counted."""
-    sizes = [module.weight.numel() for _, module in quantizable_linears(model)]
-    return dataclasses.replace(lora, nf4_base_parameters=sum(sizes), nf4_base_bytes=nf4_bytes(sizes))
-
-
 def adapter_weights(model: nn.Module, weights: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The adapter's tensors as a saved adapter holds them: ``base_model.model.<name>`` without the adapter name
     (peft's ``get_peft_model_state_dict``, then PeftModel's prefix). ``weights``: the model's full state dict, when
@@ -266,4 +257,4 @@ def write_adapter(model: nn.Module, directory: Path, weights: Mapping[str, torch
 
 
 __all__ = ["LoraSettings", "LoraShape", "apply_lora", "hold_base_in_bf16", "is_lora", "lora_shape",
-           "parameter_counts", "peft_problem", "planned_nf4", "split_targets", "write_adapter"]
+           "parameter_counts", "peft_problem", "split_targets", "write_adapter"]

@@ -42,10 +42,10 @@ from cadence.formatting import format_bytes
 from cadence.input_files import read_regular_file
 from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES
 from cadence.memory.estimate import MemoryEstimate
+from cadence.memory.estimate_for import estimate_for
 from cadence.memory.optimizer_state import eight_bit_problem
-from cadence.models.hf import packed_attention_supported
-from cadence.models.packed_attention import runs_packed_attention
 from cadence.models.quantized import bitsandbytes_problem
+from cadence.models.spec import ModelSpec
 from cadence.output_files import atomic_write_json
 from cadence.plan.batch import BatchChoice, choose_effective_batch
 from cadence.plan.measure import (
@@ -58,7 +58,6 @@ from cadence.plan.measure import (
     ranked_with_ties,
     tied,
 )
-from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.report import plan_report
 from cadence.plan.trials import (
     DECISION_DEFAULTS,
@@ -194,7 +193,7 @@ def given_cut(config: TrainConfig, constrained: set[str], micro_batch_size: int,
 
 
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
-                     notes: list[str], model: PlanModel | None = None, *, states: list[str] | None = None,
+                     notes: list[str], model: ModelSpec | None = None, *, states: list[str] | None = None,
                      first_number: int = 1, longest: int | None = None,
                      precisions: list[str] | None = None, bases: list[str] | None = None) -> list[Candidate]:
     """Every combination of the levers the user left open, each with its estimated peak; ``states``: the optimizer
@@ -203,7 +202,7 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
     example (positions; default ``seq_len``), the row length of its longest micro-batch, where each is estimated
     (packed rows are ``seq_len`` long whatever the examples). ``precisions``: the ones a first call kept (the matmul
     probe that chooses them takes seconds: it runs once per plan)."""
-    model = model or plan_model(config)
+    model = model or ModelSpec.from_flags(config)
     rows = seq_len if config.packing and "packing" in constrained else min(seq_len, longest or seq_len)
     effective = int(config.effective_batch_size or 0)
     micro_sizes = [int(config.micro_batch_size)] if "micro_batch_size" in constrained else divisors(effective)
@@ -241,16 +240,16 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
                                            activation_checkpointing=recompute, offload=offload,
                                            loss_chunk_tokens=chunk, optimizer_state=state,
                                            lora_base_precision=base)
-                        estimate = model.estimate(
-                            micro_batch_size=micro, seq_len=rows, precision=precision,
+                        estimate = estimate_for(
+                            model, micro_batch_size=micro, seq_len=rows, precision=precision,
                             checkpointing=recompute, offload=offload, device_type=device.type,
                             grad_accum_steps=setup.grad_accum_steps, loss_chunk_tokens=chunk,
-                            optimizer_state=state, lora_base_precision=base,
+                            optimizer_state=state, lora_base_precision=base, packed=config.packing,
                         )
-                        alone = estimate if setup.grad_accum_steps == 1 else model.estimate(
-                            micro_batch_size=micro, seq_len=rows, precision=precision, checkpointing=recompute,
-                            offload=offload, device_type=device.type, grad_accum_steps=1,
-                            loss_chunk_tokens=chunk, optimizer_state=state, lora_base_precision=base)
+                        alone = estimate if setup.grad_accum_steps == 1 else estimate_for(
+                            model, micro_batch_size=micro, seq_len=rows, precision=precision, checkpointing=recompute,
+                            offload=offload, device_type=device.type, grad_accum_steps=1, loss_chunk_tokens=chunk,
+                            optimizer_state=state, lora_base_precision=base, packed=config.packing)
                         candidates.append(Candidate(
                             id=f"c{len(candidates) + first_number:02d}", setup=setup, estimate=estimate,
                             accumulation_bytes=(estimate.peak_bytes - alone.peak_bytes
@@ -281,12 +280,12 @@ NF4_PRECISIONS = ("fp32", "bf16")
 """The --precision values an nf4 base computes in (its layers dequantise to that dtype)."""
 
 
-def nf4_problem(config: TrainConfig, constrained: Collection[str], model: PlanModel,
+def nf4_problem(config: TrainConfig, constrained: Collection[str], model: ModelSpec,
                 precisions: Collection[str]) -> str | None:
     """Why an nf4 base cannot be this plan's candidate (in words that follow "it"), or None when it can: LoRA on a
     Hugging Face model whose blocks have linear layers, bitsandbytes installed, the base not given, a precision it
     computes in (``precisions``: the ones the plan kept)."""
-    if model.shape is None:
+    if not model.takes("nf4"):
         return (f"holds the frozen base of LoRA adapters on a Hugging Face model, and {config.model} is built in "
                 f"(it trains whole)")
     if config.lora_rank <= 0:
@@ -298,14 +297,14 @@ def nf4_problem(config: TrainConfig, constrained: Collection[str], model: PlanMo
         return missing
     if config.strategy == "fsdp":
         return "does not work with --strategy fsdp (bitsandbytes' packed weights are not DTensors)"
-    if not model.nf4_layers():
+    if not model.supports.nf4_linears:
         return f"quantises the nn.Linear layers of the model's blocks, and {config.model}'s blocks have none"
     if not set(precisions) & set(NF4_PRECISIONS):
         return f"computes in bf16 or fp32, and the plan's precisions are {', '.join(precisions)}"
     return None
 
 
-def lossy_bases(config: TrainConfig, constrained: Collection[str], model: PlanModel, precisions: Collection[str],
+def lossy_bases(config: TrainConfig, constrained: Collection[str], model: ModelSpec, precisions: Collection[str],
                 notes: list[str]) -> list[str]:
     """["nf4"] where a 4-bit NormalFloat base can be a candidate of this plan (:func:`nf4_problem`), else [] with the
     reason in ``notes`` (the report's notes, and a failed plan's message)."""
@@ -317,7 +316,7 @@ def lossy_bases(config: TrainConfig, constrained: Collection[str], model: PlanMo
 
 
 def lossy_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
-                     model: PlanModel, *, longest: int, precisions: list[str], first_number: int, notes: list[str],
+                     model: ModelSpec, *, longest: int, precisions: list[str], first_number: int, notes: list[str],
                      say: Callable[[str], None]) -> list[Candidate]:
     """The candidates of the lossy levers, for a plan where nothing exact fits (measured): lower-precision optimizer
     state (unless --optimizer-state was given) and, under LoRA, an nf4 base with the exact optimizer state (unless
@@ -379,19 +378,20 @@ CHUNK_SAVING = 0.9
 than 10%: with a byte vocabulary the logits are a sliver of the memory, and chunking only costs time."""
 
 
-def loss_chunk_options(config: TrainConfig, constrained: set[str], model: PlanModel, seq_len: int, budget: int,
+def loss_chunk_options(config: TrainConfig, constrained: set[str], model: ModelSpec, seq_len: int, budget: int,
                        device: torch.device, notes: list[str]) -> list[int]:
     """The --loss-chunk-tokens values worth measuring: 0 (all logits at once) and, where the logits matter, the
     largest chunk whose estimate at micro-batch 1 fits the budget (the smallest size when none does)."""
     if "loss_chunk_tokens" in constrained:
         return [config.loss_chunk_tokens]
     def peak(chunk: int) -> int:
-        return model.estimate(micro_batch_size=1, seq_len=seq_len, precision="fp32", checkpointing="none",
-                              device_type=device.type, loss_chunk_tokens=chunk).peak_bytes
+        return estimate_for(model, micro_batch_size=1, seq_len=seq_len, precision="fp32", checkpointing="none",
+                            device_type=device.type, loss_chunk_tokens=chunk, packed=config.packing,
+                            lora_base_precision=config.lora_base_precision).peak_bytes
     whole = peak(0)
     sizes = [size for size in LOSS_CHUNKS if size < seq_len]
     if not sizes or peak(sizes[-1]) > CHUNK_SAVING * whole:
-        notes.append(f"loss chunking was not a candidate: with a vocabulary of {model.vocab_size:,} the logits are "
+        notes.append(f"loss chunking was not a candidate: with a vocabulary of {model.shape.vocab_size:,} the logits are "
                      f"a small part of the estimated peak, so chunking them would only cost time")
         return [0]
     fitting = [size for size in sizes if peak(size) <= budget]
@@ -454,7 +454,7 @@ def speed_first(queue: list[Candidate], device: torch.device) -> list[Candidate]
     return sorted(queue, key=lambda c: measuring_cost(c, device))
 
 
-def accumulation_diagnosis(candidates: list[Candidate], model: PlanModel) -> dict[str, Any]:
+def accumulation_diagnosis(candidates: list[Candidate], model: ModelSpec) -> dict[str, Any]:
     """Whether accumulation raises the peak on this model, from the candidates' estimates: within each group of
     levers, a candidate that accumulates estimated above the group's whole batch at once (micro N x accum 1). From the
     second micro-batch on, autograd makes each parameter's new gradient beside the one accumulated so far; for the
@@ -466,7 +466,7 @@ def accumulation_diagnosis(candidates: list[Candidate], model: PlanModel) -> dic
     whole = {c.group: c for c in candidates if c.setup.grad_accum_steps == 1}
     worse = [(c, whole[c.group]) for c in candidates if c.accumulation_bytes is not None and c.group in whole
              and c.estimate.peak_bytes > whole[c.group].estimate.peak_bytes]
-    largest = model.embedding_bytes
+    largest = model.shape.embedding_bytes
     added = [c.accumulation_bytes for c in candidates if c.accumulation_bytes is not None]
     text = ((f"accumulation adds {format_bytes(min(added))} to {format_bytes(max(added))} to the candidates' estimated "
              f"peaks: the gradients accumulated so far are held through the later micro-batches. The largest tensors' "
@@ -537,7 +537,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     prep = prepare(dataclasses.replace(config, val_fraction=0.0, **({"effective_batch_size": 1} if auto else {})),
                    out=out)
     device, seq_len, data = prep.device, prep.seq_len, prep.data
-    model = plan_model(config, hf=prep.hf)
+    model = prep.spec
     budget = int(config.memory_budget_bytes() or 0)
     if config.out is None and out.exists():
         raise UsageError.single("--out", f"default {out} already exists; give --out")
@@ -561,8 +561,9 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     effective = int(config.effective_batch_size or 0)
 
     longest = longest_example(data, seq_len)
-    baseline = model.estimate(micro_batch_size=effective, seq_len=longest, precision="fp32", checkpointing="none",
-                              device_type=device.type)
+    baseline = estimate_for(model, micro_batch_size=effective, seq_len=longest, precision="fp32",
+                            checkpointing="none", device_type=device.type, packed=config.packing,
+                            lora_base_precision=config.lora_base_precision)
     say(f"plan: {config.model}, effective batch {effective} x {seq_len} tokens, budget {format_bytes(budget)} "
         f"on {device}\ndiagnosis: the whole batch at once in fp32 needs about {format_bytes(baseline.peak_bytes)}: "
         f"{baseline.dominant}")
@@ -936,7 +937,7 @@ def nf4_clearly_faster(nf4: Rates, chosen: Rates) -> bool:
 
 
 def _compare_nf4_base(prep: Prepared, chosen: Candidate, config: TrainConfig, constrained: set[str],
-                      model: PlanModel, budget: int, options: PlanOptions, say: Callable[[str], None],
+                      model: ModelSpec, budget: int, options: PlanOptions, say: Callable[[str], None],
                       notes: list[str], deadline: Deadline, *, first_number: int,
                       longest: int) -> tuple[Candidate, list[Candidate]]:
     """Under LoRA with a full-precision base that fits: the nf4-base configurations whose estimates fit the budget
@@ -1005,7 +1006,7 @@ def _time_against(chosen: Candidate, fitting: list[Candidate], prep: Prepared, o
 
 
 def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions, say: Callable[[str], None],
-                  model: PlanModel, notes: list[str], deadline: Deadline) -> tuple[Candidate, list[dict[str, Any]]]:
+                  model: ModelSpec, notes: list[str], deadline: Deadline) -> tuple[Candidate, list[dict[str, Any]]]:
     """For data of variable lengths, the chosen configuration measured again with its windows cut by length, by a
     token budget and packed: the same samples per window and the same gradient, less padding. The fastest that fits
     replaces drawn order when it is clearly faster. Returns the (possibly re-cut) choice and one row per cut."""
@@ -1027,11 +1028,11 @@ def _compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanO
         ("token budget", {"order": "by-length", "micro_batch_tokens": micro * seq_len}),
         ("packing", {"pack_length": seq_len, "micro_batch_tokens": micro * seq_len}),
     ]
-    if model.hf is not None and not packed_attention_supported():
+    if model.supports.packing == "none":
         variants.pop()
-        notes.append("packing was not measured: this transformers cannot keep packed examples apart")
-    elif model.hf is not None and not runs_packed_attention(model.hf.model):
-        notes.append(f"packing on this model ({model.hf.model.config._attn_implementation} attention) goes through "
+        notes.append(f"packing was not measured: {model.supports.packing_problem}")
+    elif model.supports.packing == "dense-mask":
+        notes.append(f"packing on this model ({model.supports.attention} attention) goes through "
                      f"transformers' dense block mask, attention over whole rows: it can be slower than by-length "
                      f"although it computes less padding (the measurement below decides)")
     if chosen.setup.grad_accum_steps == 1:
@@ -1118,13 +1119,14 @@ def _next_smaller(candidates: list[Candidate], candidate: Candidate) -> Candidat
 
 
 def _quality_check(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions,
-                   model: PlanModel) -> dict[str, Any]:
+                   model: ModelSpec) -> dict[str, Any]:
     setup, device = chosen.setup, prep.device
     window = next(prep.windows(0, whole=True))  # the first window of the trials' samples, re-cut as ``setup`` cuts it
 
     def model_factory() -> torch.nn.Module:
         # The chosen base: an nf4 one computes in the chosen precision (its layers' dtype is fixed when quantised).
-        return model.build(lora_base_precision=setup.lora_base_precision, precision=setup.precision).to(device)
+        return model.build(seed=prep.config.seed, precision=setup.precision,
+                           base_precision=setup.lora_base_precision).module.to(device)
 
     gradient = compare_gradients(model_factory, window, setup)
     steps = max(3, options.quality_steps)
@@ -1189,7 +1191,7 @@ def _loss_check(prep: Prepared, setup: TrialSetup, reference_setup: TrialSetup, 
 
 def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, seq_len: int, budget: int,
                    baseline: MemoryEstimate, candidates: list[Candidate], chosen: Candidate, quality: dict[str, Any],
-                   notes: list[str], tokens_per_epoch: int, duration: float, model: PlanModel,
+                   notes: list[str], tokens_per_epoch: int, duration: float, model: ModelSpec,
                    time_budget: float) -> dict[str, Any]:
     def row(candidate: Candidate) -> dict[str, Any]:
         result = candidate.measured
@@ -1216,7 +1218,7 @@ def _plan_document(config: TrainConfig, data: DataSplits, device: torch.device, 
         "duration_s": duration,
         "model": config.model,
         "model_config": list(config.model_config) if config.model_config else None,
-        "parameters": model.num_parameters,
+        "parameters": model.shape.num_parameters,
         "seq_len": seq_len,
         # Rows of the data's longest micro-batch: what every candidate's peak was measured on (train --plan's check
         # of a cut the user gives reads it).

@@ -328,7 +328,7 @@ class TrainingRun:
             print(f"evaluation: every {config.eval_every} steps on {self.val_examples:,} validation examples"
                   + (f" (the first {config.eval_batches} micro-batches of {whole:,}: --eval-batches)"
                      if self.val_examples < whole else " (all of them)"), file=stream, flush=True)
-        if prep.hf is not None and prep.hf.pending is not None:
+        if prep.built.pending is not None:
             print(f"weights: loaded once, each of the {prep.world_size} ranks reading only its own shard of "
                   f"{config.model}'s safetensors", file=stream, flush=True)
         length_note = prep.data.long_examples.note() if prep.data.long_examples else None
@@ -580,7 +580,7 @@ class TrainingRun:
             return
         # A byte-level model gets cadence's byte tokenizer (as_tokenizer(None)), so that it loads and stops; a model
         # trained on chat data, the template its conversations were rendered with.
-        tokenizer = prep.hf.tokenizer if prep.hf else None
+        tokenizer = prep.built.tokenizer
         chat_template = None
         if Source.from_flags(config).kind == "chat":
             chat_template = chat_template_for(tokenizer, config.chat_template)[0].source
