@@ -62,7 +62,7 @@ def main() -> int:
     for name, levers, lora_base in LEVERS:
         shape, lora = shapes[lora_base]
         for micro in MICRO_BATCHES:
-            estimate = estimate_hf_step_memory(shape, model_type="llama", micro_batch_size=micro, seq_len=SEQ_LEN,
+            estimate = estimate_hf_step_memory(shape, style="llama", micro_batch_size=micro, seq_len=SEQ_LEN,
                                                precision="bf16", checkpointing="full", device_type="cuda", lora=lora,
                                                **levers)
             rows.append({"levers": name, "micro_batch_size": micro, "peak_bytes": estimate.peak_bytes,

@@ -76,7 +76,7 @@ def measure(model_name: str, cut: str, precision: str, recompute: str) -> dict:
     engine = Engine(hf.model, optimizer, precision=precision, max_grad_norm=1.0)  # type: ignore[arg-type]
     batches, rows, length, targets = window(cut, 1)
     measured = measure_step(hf.model, optimizer, lambda: engine.step(batches), "cpu")
-    predicted = estimate_hf_step_memory(hf.shape, model_type=hf.config.model_type, micro_batch_size=rows,
+    predicted = estimate_hf_step_memory(hf.shape, style=hf.config.model_type, micro_batch_size=rows,
                                         seq_len=length, precision=precision, checkpointing=recompute,
                                         target_tokens=targets, packed=cut == "packed")
     return {"model": model_name, "cut": cut, "precision": precision, "recompute": recompute, "rows": rows,

@@ -32,8 +32,9 @@ from cadence.config import TrainConfig
 from cadence.memory.estimate import estimate_step_memory
 from cadence.memory.estimate_hf import estimate_hf_step_memory
 from cadence.models import MODEL_CONFIGS
+from cadence.models.lora import lora_shape
+from cadence.models.spec import ModelSpec
 from cadence.optim.spec import OptimizerSpec
-from cadence.training.prepare import build_run_hf
 from cadence.training.run_dir import read_metrics
 
 LLAMA = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 688,
@@ -92,10 +93,12 @@ def lora(root: Path, *, steps: int, sizes: dict) -> dict:
         config = TrainConfig(model="hf:llama", model_config=[f"{k}={v}" for k, v in sizes.items()],
                              lora_rank=8 if flags else 0, precision="bf16" if "bf16" in flags else "fp32",
                              lora_base_precision="bf16" if "bf16" in flags else "fp32")
-        hf = build_run_hf(config, warn=False)
-        assert hf is not None
-        estimate = estimate_hf_step_memory(hf.shape, model_type="llama", precision=config.precision,
-                                           checkpointing="none", lora=hf.lora, **shape)
+        built = ModelSpec.from_flags(config).build(seed=config.seed, precision=config.precision,
+                                                   base_precision=config.lora_base_precision)
+        estimate = estimate_hf_step_memory(ModelSpec.from_flags(config).shape, style="llama",
+                                           precision=config.precision, checkpointing="none",
+                                           lora=lora_shape(built.module),
+                                           **shape)
         runs[name] = {
             "trainable_parameters": summary["trainable_parameters"], "frozen_parameters": summary["frozen_parameters"],
             "optimizer_state_bytes": summary["optimizer_state_bytes"], "peak_memory_bytes": summary["peak_memory_bytes"],

@@ -63,7 +63,7 @@ def estimate_8b() -> tuple[int, list[dict]]:
     for base, lora in (("bf16", bf16), ("nf4", nf4)):
         for chunk in (0, 1024):
             for micro in MICRO_BATCHES:
-                estimate = estimate_hf_step_memory(shape, model_type="llama", micro_batch_size=micro,
+                estimate = estimate_hf_step_memory(shape, style="llama", micro_batch_size=micro,
                                                    seq_len=SEQ_LEN, precision="bf16", checkpointing="full",
                                                    device_type="cuda", lora=lora, loss_chunk_tokens=chunk)
                 rows.append({"base": base, "loss_chunk_tokens": chunk, "micro_batch_size": micro,

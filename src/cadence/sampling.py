@@ -36,10 +36,9 @@ from cadence.data.hf import HFTokenizer, Tokenizer, as_tokenizer
 from cadence.distributed.ranks import SINGLE
 from cadence.errors import CadenceFailure, Problem, UsageError
 from cadence.input_files import regular_file_problem
-from cadence.models import build_model, model_context_length
+from cadence.models.spec import ModelSpec
 from cadence.records import read_json
 from cadence.training.checkpoint import Checkpointer, WeightsUnreadable, checkpoint_dirs, verify_checkpoint
-from cadence.training.prepare import build_run_hf
 from cadence.training.run_dir import WEIGHTS_FILE
 
 BEST = "best"
@@ -66,7 +65,6 @@ class LoadedRun:
     context_length: int
     weights: Path
     """The safetensors file the weights came from."""
-    is_hf: bool
     config: TrainConfig
     """The run's recorded configuration (its chat template, for --message)."""
 
@@ -197,8 +195,9 @@ def load_run(run_dir: Path, which: str = "final") -> LoadedRun:
     config = TrainConfig(**{key: value for key, value in values.items()
                             if key in {f.name for f in dataclasses.fields(TrainConfig)}})
     path = weights_file(run_dir, which)
-    hf = build_run_hf(config, warn=False)
-    model = hf.model if hf is not None else build_model(config.model)
+    spec = ModelSpec.from_flags(config)
+    built = spec.build(seed=config.seed, precision=config.precision, base_precision=config.lora_base_precision)
+    model = built.module
     checkpointer = Checkpointer(run_dir, SINGLE)  # the reader of any weights of the run, whatever their format
     state = read_weights(path, model, str(config.model), checkpointer)
     path = checkpointer.weights_at(path)
@@ -208,9 +207,8 @@ def load_run(run_dir: Path, which: str = "final") -> LoadedRun:
         raise UsageError.single("--weights", f"{path} does not fit {config.model}: "
                                              f"{str(err).splitlines()[0]}") from None
     model.eval()
-    context = hf.context_length if hf is not None else model_context_length(config.model)
-    return LoadedRun(model=model, tokenizer=as_tokenizer(hf.tokenizer if hf else None), context_length=context,
-                     weights=path, is_hf=hf is not None, config=config)
+    return LoadedRun(model=model, tokenizer=as_tokenizer(built.tokenizer), context_length=spec.shape.context_length,
+                     weights=path, config=config)
 
 
 def conversation_messages(options: SampleOptions) -> list[dict[str, str]]:
@@ -271,9 +269,9 @@ def generate(run: LoadedRun, options: SampleOptions, prompt_ids: list[int] | Non
     ended = False
     for _ in range(options.max_new_tokens):
         context = torch.tensor([(ids + new)[-run.context_length:]])
-        output = run.model(input_ids=context) if run.is_hf else run.model(context)
+        output = run.model(context)  # input_ids, positional: as the engine calls every model
         # float64: scores divided by a small temperature stay finite where float32 would overflow.
-        logits = (output.logits if run.is_hf else output)[0, -1].double()
+        logits = (output if isinstance(output, torch.Tensor) else output.logits)[0, -1].double()
         if not bool(torch.isfinite(logits).any()) or bool(torch.isnan(logits).any()):
             raise SampleFailed(f"the model's scores for token {len(new) + 1} are not numbers (weights {run.weights}); "
                                f"try other --weights")

@@ -76,7 +76,7 @@ def test_micro_1_x_accum_8_peaks_no_higher_than_micro_8_x_accum_1(one_thread: No
     model = llama(tied=True)
     shape = model_shape(model, model.config)
     estimates = {micro: estimate_hf_step_memory(
-        shape, model_type="llama", micro_batch_size=micro, seq_len=64, precision="fp32", checkpointing="none",
+        shape, style="llama", micro_batch_size=micro, seq_len=64, precision="fp32", checkpointing="none",
         grad_accum_steps=8 // micro, target_tokens=4 * micro).peak_bytes for micro in (1, 8)}
     print({f"{micro}x{8 // micro} estimated": f"{estimates[micro] / MiB:.1f} MiB" for micro in (1, 8)})
     assert estimates[1] <= estimates[8]

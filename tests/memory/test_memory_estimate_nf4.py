@@ -52,7 +52,7 @@ def measured_and_estimated(overrides: dict, *, precision: str, checkpointing: st
     engine = Engine(hf.model, optimizer, precision=precision, max_grad_norm=1.0)  # type: ignore[arg-type]
     batch_window = window(batch, seq, 1)
     measured = measure_step(hf.model, optimizer, lambda: engine.step(batch_window), "cpu")
-    predicted = estimate_hf_step_memory(hf.shape, model_type="llama", micro_batch_size=batch, seq_len=seq,
+    predicted = estimate_hf_step_memory(hf.shape, style="llama", micro_batch_size=batch, seq_len=seq,
                                         precision=precision, checkpointing=checkpointing, lora=lora_shape(hf.model))
     return predicted.peak_bytes, measured.peak_bytes
 

@@ -13,9 +13,9 @@ import pytest
 from helpers import run_cli, sample_text, spawn, write_jsonl
 
 from cadence.config import TrainConfig
+from cadence.models.spec import ModelSpec
 from cadence.plan.batch import NoiseScaleUnmeasured, choose_effective_batch, lr_advice, nearest_power_of_two
 from cadence.plan.measure import Deadline
-from cadence.plan.models import plan_model
 from cadence.training.prepare import prepare
 
 
@@ -128,7 +128,7 @@ def test_the_noise_scale_stops_at_the_plan_s_deadline(tmp_path: Path, checks: in
     lines: list[str] = []
 
     def choose(deadline: Deadline):  # type: ignore[no-untyped-def]
-        return choose_effective_batch(prep, plan_model(config), budget=256 << 20, windows=1_000_000,
+        return choose_effective_batch(prep, ModelSpec.from_flags(config), budget=256 << 20, windows=1_000_000,
                                       bounds=(1, 4096), lr_reference=None, constrained=set(), say=lines.append,
                                       deadline=deadline)
 

@@ -136,13 +136,13 @@ def test_while_nothing_fits_the_levers_that_change_the_fit_are_measured_first() 
     the same levers in fp32, and a lossy optimizer state's saving counts."""
     import torch
 
+    from cadence.models.spec import ModelSpec
     from cadence.plan.candidates import build_candidates
-    from cadence.plan.models import plan_model
     from cadence.plan.search import choose_trials, fit_first
 
     config = TrainConfig(model="hf:llama", model_config=BIG_VOCAB[1::2], effective_batch_size=8,
                          memory_budget="64MiB", seq_len=512)
-    model = plan_model(config)
+    model = ModelSpec.from_flags(config)
     budget = 64 << 20
     cpu = torch.device("cpu")
     candidates = []
@@ -197,15 +197,15 @@ def test_the_untried_levers_are_named_with_their_estimates() -> None:
     and the one most likely to fit with the flags that plan it."""
     import torch
 
+    from cadence.models.spec import ModelSpec
     from cadence.plan.candidates import build_candidates
     from cadence.plan.measure import Deadline
-    from cadence.plan.models import plan_model
     from cadence.plan.search import untried_levers
 
     cpu = torch.device("cpu")
     config = TrainConfig(model="hf:llama", model_config=BIG_VOCAB[1::2], effective_batch_size=8,
                          memory_budget="64MiB", seq_len=512, precision="fp32")
-    model = plan_model(config)
+    model = ModelSpec.from_flags(config)
     candidates = []
     for state in ("fp32", "8bit"):
         candidates += build_candidates(config, {"precision"}, cpu, 512, [], model, states=[state],
@@ -233,13 +233,13 @@ def test_the_accumulation_transient_is_avoided_and_the_diagnosis_says_so() -> No
     are avoided and which are not. gpt-tiny's byte vocabulary: accumulation lowers the peak there too."""
     import torch
 
+    from cadence.models.spec import ModelSpec
     from cadence.plan.candidates import accumulation_diagnosis, build_candidates
-    from cadence.plan.models import plan_model
 
     cpu = torch.device("cpu")
     config = TrainConfig(model="hf:llama", model_config=BIG_VOCAB[1::2], effective_batch_size=8,
                          memory_budget="64MiB", seq_len=512, loss_chunk_tokens=64)
-    model = plan_model(config)
+    model = ModelSpec.from_flags(config)
     # Short examples (rows of 8 positions): the activations a smaller micro-batch saves are less than a second
     # copy of the 32,000 x 64 embedding's gradient would be.
     candidates = build_candidates(config, {"precision", "activation_checkpointing", "loss_chunk_tokens"}, cpu, 512,
@@ -258,5 +258,5 @@ def test_the_accumulation_transient_is_avoided_and_the_diagnosis_says_so() -> No
             assert candidate.estimate.peak_bytes <= whole[candidate.group].estimate.peak_bytes, candidate.id
     tiny_config = TrainConfig(effective_batch_size=8, memory_budget="64MiB", precision="fp32")
     tiny = accumulation_diagnosis(build_candidates(tiny_config, {"precision", "activation_checkpointing"}, cpu, 256,
-                                                   [], plan_model(tiny_config)), plan_model(tiny_config))
+                                                   [], ModelSpec.from_flags(tiny_config)), ModelSpec.from_flags(tiny_config))
     assert not tiny["raises_peak"] and "accumulation lowers the peak" in tiny["explanation"]

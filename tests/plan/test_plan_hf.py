@@ -13,8 +13,8 @@ from helpers import sample_text
 from cadence.cli import main
 from cadence.config import TrainConfig
 from cadence.config.schema import command_fields
+from cadence.models.spec import ModelSpec
 from cadence.plan.candidates import build_candidates
-from cadence.plan.models import plan_model
 from cadence.training.run_dir import read_metrics
 
 pytest.importorskip("transformers")
@@ -37,8 +37,8 @@ def test_plan_fields_take_the_hf_options():
 def test_hf_candidates_use_the_hf_estimate():
     config = TrainConfig(model="hf:llama", model_config=MODEL_CONFIG, effective_batch_size=8, memory_budget="4MiB",
                          precision="fp32")
-    model = plan_model(config)
-    assert model.shape is not None and model.num_parameters == model.shape.num_parameters
+    model = ModelSpec.from_flags(config)
+    assert model.estimator == "llama" and model.shape.num_parameters > 0
     candidates = build_candidates(config, {"precision"}, torch.device("cpu"), 32, [], model)
     assert {c.setup.activation_checkpointing for c in candidates} == {"none", "selective", "full"}
     by_setup = {(c.setup.micro_batch_size, c.setup.activation_checkpointing): c.estimate.peak_bytes
@@ -46,7 +46,7 @@ def test_hf_candidates_use_the_hf_estimate():
     assert by_setup[(8, "full")] < by_setup[(8, "none")]
     assert by_setup[(1, "none")] < by_setup[(8, "none")]
     # Two fresh builds start from the same weights (trials and the quality check compare like with like).
-    first, second = model.build(), model.build()
+    first, second = model.build(seed=config.seed).module, model.build(seed=config.seed).module
     assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters(), strict=True))
 
 

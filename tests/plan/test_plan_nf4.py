@@ -16,11 +16,13 @@ import pytest
 from helpers import run_cli, write_jsonl
 
 from cadence.config import TrainConfig
+from cadence.memory.estimate_for import estimate_for
+from cadence.memory.estimate_hf import estimate_hf_step_memory
+from cadence.models.lora import lora_shape
+from cadence.models.spec import ModelSpec
 from cadence.plan.decision import nf4_buys_speed, nf4_clearly_faster
 from cadence.plan.measure import Rates
-from cadence.plan.models import plan_model
 from cadence.plan.trials import TrialSetup
-from cadence.training.prepare import build_run_hf
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -84,14 +86,15 @@ def test_the_plan_estimates_an_nf4_base_as_the_estimate_of_the_quantised_model()
     estimate as the model built with --lora-base-precision nf4."""
     config = TrainConfig(model="hf:llama", model_config=[f"{k}={v}" for k, v in SIZES.items()], lora_rank=8,
                          seq_len=64)
-    planned = plan_model(config)
-    built = plan_model(config, hf=build_run_hf(TrainConfig(**{**config.__dict__, "lora_base_precision": "nf4"}),
-                                               warn=False))
+    planned = ModelSpec.from_flags(config)
+    built = lora_shape(planned.build(seed=config.seed, base_precision="nf4").module)  # the quantised model's
+    assert built == planned.adapters_for("nf4")
     for checkpointing in ("none", "full"):
         options = {"micro_batch_size": 2, "seq_len": 64, "precision": "fp32", "checkpointing": checkpointing,
                    "grad_accum_steps": 2}
-        assert planned.estimate(**options, lora_base_precision="nf4") == built.estimate(**options)
-        full, nf4 = planned.estimate(**options), built.estimate(**options)
+        assert estimate_for(planned, **options, lora_base_precision="nf4") == estimate_hf_step_memory(
+            planned.shape, style="llama", lora=built, **options)
+        full, nf4 = estimate_for(planned, **options), estimate_for(planned, **options, lora_base_precision="nf4")
         assert full.by_category["parameters"] > 3 * nf4.by_category["parameters"] and full.peak_bytes > nf4.peak_bytes
 
 

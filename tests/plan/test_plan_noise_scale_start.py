@@ -13,7 +13,6 @@ from helpers import sample_text
 
 from cadence.config import TrainConfig
 from cadence.plan.batch import choose_effective_batch
-from cadence.plan.models import plan_model
 from cadence.training.prepare import prepare
 
 transformers = pytest.importorskip("transformers")
@@ -75,7 +74,7 @@ def test_the_auto_noise_scale_of_a_partly_trained_llama_is_its_exact_one(tmp_pat
                          micro_batch_size=1, val_fraction=0.0, data_cache=tmp_path / "cache", out=tmp_path / "unused",
                          lr=1e-3)
     prep = prepare(config)
-    model = plan_model(config, hf=prep.hf)
+    model = prep.spec
     lines: list[str] = []
     choice = choose_effective_batch(prep, model, budget=256 << 20, windows=96, bounds=(1, 4096), lr_reference=None,
                                     constrained=set(), say=lines.append)
@@ -84,7 +83,7 @@ def test_the_auto_noise_scale_of_a_partly_trained_llama_is_its_exact_one(tmp_pat
     assert choice.as_dict()["measured_at"] == choice.measured_at
     assert any("at the weights the run starts from (no optimizer step)" in line for line in lines)
     population = [prep.data.train[i] for i in range(len(prep.data.train))]
-    exact = exact_noise_scale(model.build().float(), population)
+    exact = exact_noise_scale(model.build(seed=config.seed).module.float(), population)
     print(f"noise scale at the starting weights {measured.sequences:.3g} +/- {measured.sequences_error:.2g} "
           f"against the exact per-sequence {exact:.3g} sequences ({len(population)} sequences)")
     assert measured.sequences is not None and 1 / 1.5 <= measured.sequences / exact <= 1.5

@@ -14,10 +14,11 @@ from safetensors.torch import load_file
 
 from cadence.cli import main
 from cadence.config import TrainConfig
+from cadence.models.family import BuiltModel
 from cadence.models.hf import build_hf_model
 from cadence.models.lora import LoraSettings, apply_lora, lora_shape, parameter_counts
 from cadence.models.quantized import NF4_CODE_BYTES, nf4_bytes, quantize_base_nf4, quantized_layers
-from cadence.training.prepare import build_run_hf
+from cadence.models.spec import ModelSpec
 from cadence.training.run_dir import read_metrics
 
 pytest.importorskip("peft")
@@ -78,6 +79,13 @@ def test_the_blocks_linear_layers_are_nf4_and_the_rest_stays() -> None:
     assert nf4_bytes([64 * 256]) == 64 * 256 // 2 + 256 + 4 + 16 * 4 + 256 * 4 + 4
 
 
+def nf4_build() -> BuiltModel:
+    """The run's model as its spec builds it (seeded, LoRA on an nf4 base): the weights every build starts from."""
+    config = TrainConfig(model="hf:llama", model_config=[f"{k}={v}" for k, v in SIZES.items()], lora_rank=8,
+                         lora_base_precision="nf4")
+    return ModelSpec.from_flags(config).build(seed=config.seed, base_precision="nf4")
+
+
 def test_the_run_trains_the_adapters_and_saves_what_reloads_exactly(nf4_run) -> None:
     losses = [r["loss"] for r in read_metrics(nf4_run["run"])]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
@@ -85,16 +93,14 @@ def test_the_run_trains_the_adapters_and_saves_what_reloads_exactly(nf4_run) -> 
     assert weights["model.layers.0.self_attn.q_proj.base_layer.weight"].dtype == torch.uint8
     assert "model.layers.0.mlp.up_proj.weight.absmax" in weights
     # The frozen base did not move: it is the quantisation of the seeded build.
-    fresh = build_run_hf(TrainConfig(model="hf:llama", model_config=[f"{k}={v}" for k, v in SIZES.items()],
-                                     lora_rank=8, lora_base_precision="nf4"), warn=False)
-    assert fresh is not None
-    start = fresh.model.state_dict()
+    fresh = nf4_build()
+    start = fresh.module.state_dict()
     assert start.keys() == weights.keys()
     for name, tensor in weights.items():
         assert torch.equal(tensor, start[name]) == (".lora_" not in name), name
     # Loading the saved state (what resume and sample do) restores it bit for bit, quantisation state included.
-    fresh.model.load_state_dict(weights, strict=True)
-    assert all(torch.equal(tensor, weights[name]) for name, tensor in fresh.model.state_dict().items())
+    fresh.module.load_state_dict(weights, strict=True)
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in fresh.module.state_dict().items())
 
 
 def test_a_resume_after_sigterm_is_bitwise_the_uninterrupted_run(nf4_run) -> None:
@@ -127,13 +133,11 @@ def test_the_saved_adapter_is_the_adapter_alone_for_the_original_base(nf4_run) -
     quantized = base_model()
     quantize_base_nf4(quantized, torch.float32)
     on_quantized = PeftModel.from_pretrained(quantized, str(adapter)).eval()
-    ours = build_run_hf(TrainConfig(model="hf:llama", model_config=[f"{k}={v}" for k, v in SIZES.items()],
-                                    lora_rank=8, lora_base_precision="nf4"), warn=False)
-    assert ours is not None
-    ours.model.load_state_dict(run)
-    ours.model.eval()
+    ours = nf4_build().module
+    ours.load_state_dict(run)
+    ours.eval()
     with torch.no_grad():
-        mine = ours.model(input_ids=ids).logits
+        mine = ours(input_ids=ids).logits
         same = on_quantized(input_ids=ids).logits
         full = on_original(input_ids=ids).logits
     assert torch.allclose(same, mine, rtol=0, atol=1e-6)

@@ -20,15 +20,15 @@ from cadence.config.schema import (
     parse_size,
 )
 from cadence.data.choices import TOO_LONG_CHOICES
+from cadence.data.hf import HF_DATA_PREFIX
 from cadence.engine.choices import LAST_WINDOW_CHOICES, LR_SCHEDULES, PRECISIONS
 from cadence.engine.cut import MICRO_BATCH_ORDER_CHOICES
 from cadence.engine.objective import Objective
 from cadence.engine.precision import precision_problem
 from cadence.errors import Problem, UsageError
 from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES
-from cadence.models import MODEL_NAMES, compile_problem, model_context_length
-from cadence.models.lora import peft_problem, split_targets
-from cadence.models.quantized import bitsandbytes_problem
+from cadence.models.compile import compile_problem
+from cadence.models.spec import ModelSpec
 from cadence.optim.choices import OPTIMIZER_STATES, OPTIMIZERS
 from cadence.optim.spec import OptimizerSpec
 from cadence.records import RUN_CONFIG
@@ -49,204 +49,162 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
                 if (problem := path_length_problem(getattr(config, name))) is not None]
     if too_long:
         raise UsageError(too_long)
-    problems: list[Problem] = []
+    problems = [*_batch_shape_problems(config, world_size), *_value_problems(config), *_model_problems(config),
+                *_run_problems(config), *_optimizer_problems(config, launched),
+                *distributed_problems(config, world_size, launched),
+                *_device_problems(config, cuda_available)]
+    if problems:
+        raise UsageError(problems)
 
-    def bad(name: str, message: str) -> None:
-        problems.append(Problem(where=flag(name), message=message))
 
-    def choice(name: str, allowed: tuple[str, ...]) -> None:
-        value = getattr(config, name)
+def _optimizer_problems(config: TrainConfig, launched: bool) -> list[Problem]:
+    """The optimizer's own checks, once its name and state are known: options that do not apply to it, its packages,
+    what FSDP2 cannot shard."""
+    if config.optimizer not in OPTIMIZERS or config.optimizer_state not in OPTIMIZER_STATES:
+        return []  # named by _value_problems
+    return OptimizerSpec.from_flags(config).problems(sharded=launched and config.strategy == "fsdp")
+
+
+class _Checks:
+    """One concern's problems with one config: each check adds a problem naming the field's flag."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.problems: list[Problem] = []
+
+    def bad(self, name: str, message: str) -> None:
+        self.problems.append(Problem(where=flag(name), message=message))
+
+    def choice(self, name: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(self.config, name)
         if value not in allowed:
-            bad(name, f"{value!r} is not one of {', '.join(allowed)}")
+            self.bad(name, f"{value!r} is not one of {', '.join(allowed)}")
 
-    def at_least(name: str, minimum: int) -> bool:
-        value = getattr(config, name)
+    def at_least(self, name: str, minimum: int) -> bool:
+        value = getattr(self.config, name)
         if value is not None and value < minimum:
-            bad(name, f"must be at least {minimum}, got {value}")
+            self.bad(name, f"must be at least {minimum}, got {value}")
             return False
         return True
 
-    def finite_range(name: str, low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> None:
-        value = getattr(config, name)
+    def finite_range(self, name: str, low: float, high: float, *, low_open: bool = False,
+                     high_open: bool = False) -> None:
+        value = getattr(self.config, name)
         too_low = value <= low if low_open else value < low
         too_high = value >= high if high_open else value > high
         if not math.isfinite(value) or too_low or too_high:
             left, right = "(" if low_open else "[", ")" if high_open else "]"
-            bad(name, f"must be in {left}{low:g}, {high:g}{right}, got {value:g}")
+            self.bad(name, f"must be in {left}{low:g}, {high:g}{right}, got {value:g}")
 
-    seq_ok = at_least("seq_len", 2)
-    if config.model not in MODEL_NAMES and not _is_hf_model(config.model):
-        bad("model", f"unknown model {config.model!r}; built-in models are {', '.join(MODEL_NAMES)}, or hf:TYPE, "
-                     f"or a local model directory")
-    elif config.model_config and config.model in MODEL_NAMES:
-        bad("model_config", f"overrides a Hugging Face model's config; {config.model} is built in")
-    elif config.model in MODEL_NAMES and config.seq_len is not None and seq_ok and \
-            config.seq_len > model_context_length(config.model):
-        context = model_context_length(config.model)
-        bad("seq_len", f"{config.seq_len} is above {config.model}'s context length of {context}")
-    problems += _batch_shape_problems(config, world_size)
-    choice("too_long", TOO_LONG_CHOICES)
-    choice("precision", PRECISIONS)
-    choice("activation_checkpointing", CHECKPOINTING_MODES)
-    choice("offload", OFFLOAD_MODES)
-    choice("fp32_matmul", FP32_MATMUL_CHOICES)
-    if at_least("prefetch_windows", 0) and config.prefetch_windows > MAX_PREFETCH_WINDOWS:
-        bad("prefetch_windows", f"must be at most {MAX_PREFETCH_WINDOWS}, got {config.prefetch_windows} (each window "
-                                f"ahead waits collated in memory; 1 or 2 already hide the data's preparation)")
-    problems += Objective.problems(config)
-    at_least("auto_grow_after", 1)
+
+def _value_problems(config: TrainConfig) -> list[Problem]:
+    """Each number and choice on its own: the precision and memory levers, the cut, the optimizer and the schedule."""
+    check = _Checks(config)
+    check.at_least("seq_len", 2)
+    for name, allowed in (("too_long", TOO_LONG_CHOICES), ("precision", PRECISIONS),
+                          ("activation_checkpointing", CHECKPOINTING_MODES), ("offload", OFFLOAD_MODES),
+                          ("fp32_matmul", FP32_MATMUL_CHOICES)):
+        check.choice(name, allowed)
+    if check.at_least("prefetch_windows", 0) and config.prefetch_windows > MAX_PREFETCH_WINDOWS:
+        check.bad("prefetch_windows", f"must be at most {MAX_PREFETCH_WINDOWS}, got {config.prefetch_windows} "
+                                      f"(each window ahead waits collated in memory; 1 or 2 already hide the data's "
+                                      f"preparation)")
+    check.problems += Objective.problems(config)
+    check.at_least("auto_grow_after", 1)
     if config.memory_budget is not None:
         try:
             if parse_size(config.memory_budget) <= 0:
-                bad("memory_budget", "must be above 0")
+                check.bad("memory_budget", "must be above 0")
         except ValueError as err:
-            bad("memory_budget", str(err))
-    choice("lr_schedule", LR_SCHEDULES)
-    choice("last_window", LAST_WINDOW_CHOICES)
-    choice("micro_batch_order", MICRO_BATCH_ORDER_CHOICES)
-    if at_least("micro_batch_tokens", 1) and config.micro_batch_tokens is not None:
+            check.bad("memory_budget", str(err))
+    for name, allowed in (("lr_schedule", LR_SCHEDULES), ("last_window", LAST_WINDOW_CHOICES),
+                          ("micro_batch_order", MICRO_BATCH_ORDER_CHOICES)):
+        check.choice(name, allowed)
+    if check.at_least("micro_batch_tokens", 1) and config.micro_batch_tokens is not None:
         if config.seq_len is not None and config.micro_batch_tokens < config.seq_len:
-            bad("micro_batch_tokens", f"{config.micro_batch_tokens} is below --seq-len {config.seq_len}: the longest "
-                                      f"example must fit one micro-batch")
-    choice("device", DEVICE_CHOICES)
+            check.bad("micro_batch_tokens", f"{config.micro_batch_tokens} is below --seq-len {config.seq_len}: the "
+                                            f"longest example must fit one micro-batch")
+    check.choice("device", DEVICE_CHOICES)
     if not math.isfinite(config.max_grad_norm) or config.max_grad_norm < 0:
-        bad("max_grad_norm", f"must be >= 0 (0 turns clipping off), got {config.max_grad_norm:g}")
+        check.bad("max_grad_norm", f"must be >= 0 (0 turns clipping off), got {config.max_grad_norm:g}")
     if not math.isfinite(config.lr) or config.lr <= 0:
-        bad("lr", f"must be a positive number, got {config.lr:g}")
-    finite_range("weight_decay", 0.0, 1.0)
-    finite_range("adam_beta1", 0.0, 1.0, high_open=True)
-    finite_range("adam_beta2", 0.0, 1.0, high_open=True)
-    problems += _lora_problems(config)
-    choice("optimizer", OPTIMIZERS)
-    choice("optimizer_state", OPTIMIZER_STATES)
-    if config.optimizer in OPTIMIZERS and config.optimizer_state in OPTIMIZER_STATES:
-        # The optimizer's own checks: options that do not apply to it, its packages, what FSDP2 cannot shard.
-        problems += OptimizerSpec.from_flags(config).problems(sharded=launched and config.strategy == "fsdp")
-    finite_range("min_lr_ratio", 0.0, 1.0)
+        check.bad("lr", f"must be a positive number, got {config.lr:g}")
+    check.finite_range("weight_decay", 0.0, 1.0)
+    check.finite_range("adam_beta1", 0.0, 1.0, high_open=True)
+    check.finite_range("adam_beta2", 0.0, 1.0, high_open=True)
+    check.choice("optimizer", OPTIMIZERS)
+    check.choice("optimizer_state", OPTIMIZER_STATES)
+    check.finite_range("min_lr_ratio", 0.0, 1.0)
     if config.val_fraction is not None:  # not given: held_out_fraction decides
-        finite_range("val_fraction", 0.0, 0.5)
-    finite_range("noise_scale_ema", 0.0, 1.0, high_open=True)
+        check.finite_range("val_fraction", 0.0, 0.5)
+    check.finite_range("noise_scale_ema", 0.0, 1.0, high_open=True)
     if config.epochs is not None:
-        at_least("epochs", 1)  # the steps follow from the data: warmup is checked against them once it is loaded
-    elif at_least("max_steps", 1) and at_least("warmup_steps", 0) and config.warmup_steps >= config.max_steps > 1:
-        bad("warmup_steps", f"{config.warmup_steps} leaves no steps after warmup; must be below --max-steps "
-                            f"{config.max_steps}")
-    if at_least("seed", 0) and config.seed > MAX_SEED:
-        bad("seed", f"must be at most 2**64 - 1 = {MAX_SEED}, got {config.seed}")
-    at_least("eval_batches", 0)
-    at_least("checkpoint_every", 0)
-    at_least("log_every", 1)
-    if at_least("eval_every", 0) and config.eval_every > 0 and config.val_fraction == 0 and config.eval_data is None:
-        bad("eval_every", "needs a validation split; set --val-fraction above 0 or give --eval-data")
-    if at_least("early_stop_after", 0) and config.early_stop_after > 0 and config.eval_every <= 0:
-        bad("early_stop_after", "counts evaluations: give --eval-every N too")
+        check.at_least("epochs", 1)  # the steps follow from the data: warmup is checked against them once it is loaded
+    elif check.at_least("max_steps", 1) and check.at_least("warmup_steps", 0) and \
+            config.warmup_steps >= config.max_steps > 1:
+        check.bad("warmup_steps", f"{config.warmup_steps} leaves no steps after warmup; must be below --max-steps "
+                                  f"{config.max_steps}")
+    if check.at_least("seed", 0) and config.seed > MAX_SEED:
+        check.bad("seed", f"must be at most 2**64 - 1 = {MAX_SEED}, got {config.seed}")
+    return check.problems
+
+
+def _model_problems(config: TrainConfig) -> list[Problem]:
+    """The model flags: the model's own rules (its family's, the LoRA flags'; :meth:`ModelSpec.problems`)."""
+    check = _Checks(config)
+    check.choice("lora_base_precision", LORA_BASE_PRECISIONS)
+    return ModelSpec.problems(config) + check.problems
+
+
+def _run_problems(config: TrainConfig) -> list[Problem]:
+    """What the run reads and writes, and when: evaluation, checkpoints, --data, --plan, --out and --resume."""
+    check = _Checks(config)
+    for name, minimum in (("eval_batches", 0), ("checkpoint_every", 0), ("log_every", 1)):
+        check.at_least(name, minimum)
+    if check.at_least("eval_every", 0) and config.eval_every > 0 and config.val_fraction == 0 and \
+            config.eval_data is None:
+        check.bad("eval_every", "needs a validation split; set --val-fraction above 0 or give --eval-data")
+    if check.at_least("early_stop_after", 0) and config.early_stop_after > 0 and config.eval_every <= 0:
+        check.bad("early_stop_after", "counts evaluations: give --eval-every N too")
     if config.keep_best and config.eval_every <= 0:
-        bad("keep_best", "keeps the best evaluation's weights: give --eval-every N too")
+        check.bad("keep_best", "keeps the best evaluation's weights: give --eval-every N too")
     if config.eval_data is not None and not config.eval_data.is_file():
-        bad("eval_data", f"{config.eval_data} is not a file")
+        check.bad("eval_data", f"{config.eval_data} is not a file")
     if config.plan is not None and not config.plan.is_file():
-        bad("plan", f"{config.plan} is not a file; give the plan.json that cadence plan wrote")
-    if config.save_hf is not None and config.model in MODEL_NAMES:
-        bad("save_hf", f"saves Hugging Face models; {config.model} is built in (its weights are in model.safetensors)")
-    if config.data is not None and str(config.data).startswith("hf:"):
-        if not Path(str(config.data)[3:]).exists():
-            bad("data", f"{str(config.data)[3:]} does not exist (hf:PATH is a dataset saved by save_to_disk)")
+        check.bad("plan", f"{config.plan} is not a file; give the plan.json that cadence plan wrote")
+    if config.data is not None and str(config.data).startswith(HF_DATA_PREFIX):
+        if not Path(str(config.data)[len(HF_DATA_PREFIX):]).exists():
+            check.bad("data", f"{str(config.data)[len(HF_DATA_PREFIX):]} does not exist (hf:PATH is a dataset saved "
+                              f"by save_to_disk)")
     elif config.data is not None and not config.data.exists():
-        bad("data", f"{config.data} does not exist")
-    if config.out is not None:
-        problem = run_directory_problem(config.out, resume=config.resume)
-        if problem:
-            bad("out", problem)
+        check.bad("data", f"{config.data} does not exist")
+    if config.out is not None and (problem := run_directory_problem(config.out, resume=config.resume)):
+        check.bad("out", problem)
     if config.resume and config.out is None:
-        bad("resume", "needs --out: the run directory to continue")
-    at_least("keep_checkpoints", 0)
+        check.bad("resume", "needs --out: the run directory to continue")
+    check.at_least("keep_checkpoints", 0)
     if config.checkpoint_mid_window and config.micro_batch_size == "auto":
-        bad("checkpoint_mid_window", "needs a fixed --micro-batch-size (auto may re-cut the window it would continue)")
-    at_least("max_skipped_steps", 1)
-    problems += distributed_problems(config, world_size, launched)
+        check.bad("checkpoint_mid_window", "needs a fixed --micro-batch-size (auto may re-cut the window it would "
+                                           "continue)")
+    check.at_least("max_skipped_steps", 1)
+    return check.problems
+
+
+def _device_problems(config: TrainConfig, cuda_available: bool | None) -> list[Problem]:
+    """The device, and what only a real op on it tells: whether it runs the precision and torch.compile."""
+    check = _Checks(config)
     device_ok = config.device in DEVICE_CHOICES
     if config.device == "cuda" and not (_cuda_available() if cuda_available is None else cuda_available):
-        bad("device", "cuda was asked for but this machine has no usable CUDA device; use cpu or auto")
+        check.bad("device", "cuda was asked for but this machine has no usable CUDA device; use cpu or auto")
         device_ok = False
     if device_ok and config.precision in PRECISIONS:
         # Only a real op tells whether this build and device run the precision (fp16 on some CPUs, bf16 on old GPUs).
         reason = precision_problem(config.precision, resolve_device(config.device))
         if reason is not None:
-            bad("precision", reason)
-    if config.compile:
-        problems += _compile_problems(config, device_ok)
-    if problems:
-        raise UsageError(problems)
-
-
-def _lora_problems(config: TrainConfig) -> list[Problem]:
-    """--lora-rank and its companions: a transformers model, peft installed, sane values, and no companion without
-    a rank."""
-    problems: list[Problem] = []
-
-    def bad(name: str, message: str) -> None:
-        problems.append(Problem(where=flag(name), message=message))
-
-    if config.lora_rank < 0:
-        bad("lora_rank", f"must be at least 0 (0: no LoRA), got {config.lora_rank}")
-    elif config.lora_rank > 0:
-        if config.model in MODEL_NAMES:
-            bad("lora_rank", f"LoRA adapts Hugging Face models (hf:TYPE or a model directory, with peft); "
-                             f"{config.model} is built in and trains whole (drop --lora-rank)")
-        elif (reason := peft_problem()) is not None:
-            bad("lora_rank", f"LoRA {reason}")
-    else:
-        for name, value, unset in (("lora_alpha", config.lora_alpha, None), ("lora_targets", config.lora_targets, None),
-                                   ("lora_dropout", config.lora_dropout, 0.0)):
-            if value not in (unset, [], ()):
-                bad(name, "needs --lora-rank above 0 (LoRA is off)")
-    if config.lora_alpha is not None and (not math.isfinite(config.lora_alpha) or config.lora_alpha <= 0):
-        bad("lora_alpha", f"must be a positive number, got {config.lora_alpha:g}")
-    if not math.isfinite(config.lora_dropout) or not 0 <= config.lora_dropout < 1:
-        bad("lora_dropout", f"must be in [0, 1), got {config.lora_dropout:g}")
-    if config.lora_base_precision not in LORA_BASE_PRECISIONS:
-        bad("lora_base_precision", f"{config.lora_base_precision!r} is not one of {', '.join(LORA_BASE_PRECISIONS)}")
-    elif config.lora_base_precision == "bf16":
-        if config.lora_rank <= 0:
-            bad("lora_base_precision", "needs --lora-rank above 0 (only a frozen base can be held in bf16)")
-        elif config.precision != "bf16":
-            bad("lora_base_precision", f"bf16 needs --precision bf16 (got {config.precision}): only under bf16 "
-                                       f"autocast is a bf16 base the same math as the fp32 one")
-    elif config.lora_base_precision == "nf4":
-        if config.lora_rank <= 0:
-            bad("lora_base_precision", "nf4 needs --lora-rank above 0 (only a frozen base can be held in 4 bits)")
-        elif config.model in MODEL_NAMES:
-            bad("lora_base_precision", f"nf4 quantises a Hugging Face model's linear layers; {config.model} is built "
-                                       f"in")
-        if (reason := bitsandbytes_problem()) is not None:
-            bad("lora_base_precision", f"nf4 {reason}")
-        if config.precision not in ("bf16", "fp32"):
-            bad("lora_base_precision", f"nf4 computes in bf16 or fp32 (--precision bf16 or fp32), got "
-                                       f"{config.precision}")
-        if config.strategy == "fsdp":
-            bad("lora_base_precision", "nf4 does not work with --strategy fsdp (FSDP2 shards parameters as DTensors, "
-                                       "which bitsandbytes' packed 4-bit weights are not); use --strategy ddp")
-    if config.lora_targets is not None and not split_targets(config.lora_targets):
-        bad("lora_targets", "names no layer; give module names such as q_proj,v_proj (or all-linear)")
-    return problems
-
-
-def _compile_problems(config: TrainConfig, device_ok: bool) -> list[Problem]:
-    """--compile: refused where torch.compile cannot run here, or would recompile without end."""
-    problems = []
-    if config.packing and config.model in MODEL_NAMES:
-        # The built-in GPT's block-diagonal attention splits each row at its examples in Python: dynamo guards on
-        # those lengths, so every new packing is a new graph (about a minute each for gpt-tiny on a CPU) until it
-        # gives up after 8 and runs eagerly.
-        problems.append(Problem(where=flag("compile"), message=(
-            "does not work with --packing on a built-in model: its attention splits each row at the packed examples' "
-            "lengths, so every new packing would compile again; use --micro-batch-order by-length instead of "
-            "--packing, or drop --compile")))
-    if device_ok:
-        reason = compile_problem(resolve_device(config.device))
-        if reason is not None:
-            problems.append(Problem(where=flag("compile"), message=reason))
-    return problems
+            check.bad("precision", reason)
+    if config.compile and device_ok and (reason := compile_problem(resolve_device(config.device))) is not None:
+        check.bad("compile", reason)  # where torch.compile cannot run here
+    return check.problems
 
 
 def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]:
@@ -408,10 +366,6 @@ def _out_problem(out: Path) -> str | None:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"cannot create {out}: {ancestor} is not writable"
     return None
-
-
-def _is_hf_model(spec: str) -> bool:
-    return spec.startswith("hf:") or Path(spec).is_dir()
 
 
 def _cuda_available() -> bool:

@@ -7,6 +7,7 @@ from cadence.lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "cadence.memory.choices": ("CHECKPOINTING_MODES", "OFFLOAD_MODES"),
     "cadence.memory.estimate": ("MemoryEstimate", "estimate_step_memory"),
+    "cadence.memory.estimate_for": ("estimate_for",),
     "cadence.memory.estimate_hf": ("estimate_hf_step_memory",),
     "cadence.memory.measure": ("MeasuredMemory", "measure_step"),
     "cadence.memory.meter": ("StepMemoryMeter",),

@@ -508,12 +508,7 @@ class StepReplay:
                     self.free("logits")
                 self.alloc("lsm", size * v * FP32_BYTES, "activations")  # the last tensor the backward needs: the
                 self.free("logits", "logits.f32")  # recompute stops here and lets its intermediates go
-            self.alloc("dlsm", size * v * FP32_BYTES, "temporaries")  # nll_loss backward
-            self.alloc("dlogits.f32", size * v * FP32_BYTES, "temporaries")  # log_softmax backward
-            self.free("dlsm", "lsm")
-            if self.lowp:
-                self.alloc("dlogits", size * v * a, "temporaries")  # back to the logits' dtype
-                self.free("dlogits.f32")
+            self._log_softmax_backward(size)
             self.alloc(f"dh{index}", size * c * a, "temporaries")  # the head's input gradient, this chunk's rows
             if self.lowp:
                 # The weight's gradient in the compute dtype adds up in the cast's backward, over all chunks
@@ -550,12 +545,7 @@ class StepReplay:
             self.free("dhf")
         else:
             self._bring_back("lsm")
-            self.alloc("dlsm", n * v * FP32_BYTES, "temporaries")  # nll_loss backward
-            self.alloc("dlogits.f32", n * v * FP32_BYTES, "temporaries")  # log_softmax backward
-            self.free("dlsm", "lsm")
-            if self.lowp:
-                self.alloc("dlogits", n * v * a, "temporaries")  # back to the logits' dtype
-                self.free("dlogits.f32")
+            self._log_softmax_backward(n)
             self._bring_back("hf", "w.head")
             self.alloc("dhf", n * c * a, "temporaries")  # lm_head (tied to the token embedding)
             self.param_grad("tok_emb", v * c, in_place=self.head_in_place)
@@ -570,6 +560,18 @@ class StepReplay:
         self.param_grad("tok_emb", v * c, in_place=True)  # the lookup: cadence.memory.grad_in_place
         self.param_grad("pos_emb", self.cfg.context_length * c)
         self.free("dres", "dpos")
+
+    def _log_softmax_backward(self, rows: int) -> None:
+        """Cross-entropy's backward over ``rows`` positions' logits, from the saved log-softmax (``lsm``, freed): the
+        gradient of nll_loss and of log_softmax (fp32), then under autocast its cast back to the logits' dtype: what
+        the head's backward reads as ``dlogits`` (or ``dlogits.f32`` in fp32)."""
+        v = self.cfg.vocab_size
+        self.alloc("dlsm", rows * v * FP32_BYTES, "temporaries")  # nll_loss backward
+        self.alloc("dlogits.f32", rows * v * FP32_BYTES, "temporaries")  # log_softmax backward
+        self.free("dlsm", "lsm")
+        if self.lowp:
+            self.alloc("dlogits", rows * v * self.act, "temporaries")  # back to the logits' dtype
+            self.free("dlogits.f32")
 
     def _bring_back(self, *names: str) -> None:
         """Offloaded activations return to the device for the ops that need them (released by those ops)."""

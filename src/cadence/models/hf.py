@@ -33,10 +33,11 @@ import torch
 from torch import nn
 
 from cadence.errors import UsageError
-from cadence.models.lora import LoraShape, is_lora, write_adapter
+from cadence.models.lora import is_lora, write_adapter
 from cadence.models.packed_attention import transformers_attention, use_packed_attention
 from cadence.models.pretrained import SAFETENSORS_FILE, PretrainedFiles, parameters_on_meta
 from cadence.models.safetensors_file import copy_tensors, read_header, read_tensor
+from cadence.models.shape import ModelShape
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -64,22 +65,6 @@ _SHRINK_HINT = (
 )
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelShape:
-    """The sizes a memory estimate needs, read from a transformers config (None where the config has no such idea)."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int | None
-    num_kv_heads: int | None  # grouped-query attention; equal to num_heads for plain multi-head attention
-    head_dim: int | None
-    intermediate_size: int | None  # width of the MLP's hidden layer
-    vocab_size: int
-    context_length: int
-    num_parameters: int  # distinct parameters of the built model (a tied LM head counted once)
-    tied_embeddings: bool  # the LM head shares the token embedding's weight
-
-
 @dataclass(kw_only=True)
 class HFModel:
     """A transformers causal LM ready for cadence, and what the rest of cadence needs to know about it."""
@@ -95,8 +80,6 @@ class HFModel:
     shape: ModelShape
     source: str
     """One line saying what was built, for logs and reports."""
-    lora: LoraShape | None = None
-    """The LoRA adapters injected into ``model`` (--lora-rank; :func:`cadence.models.lora.apply_lora`), or None."""
     pending: PretrainedFiles | None = None
     """Set when the parameters are still on the meta device (``build_hf_model(..., shard_later=True)``): FSDP2 shards
     the model as it is, then every rank reads its own rows from these files
@@ -243,12 +226,14 @@ def _config_from_type(model_type: str, overrides: dict[str, Any]) -> PretrainedC
         raise UsageError.single("--model-config", f"{HF_PREFIX}{model_type}: {_one_line(error)}") from None
 
 
-def _count_on_meta(config: PretrainedConfig, flag: str) -> int:
-    """Parameters of the model ``config`` describes, built on the meta device (no memory, no init: 7B in < 1 s)."""
+def _on_meta(config: PretrainedConfig, flag: str) -> nn.Module:
+    """The model ``config`` describes, built on the meta device (no memory, no init: 7B in < 1 s); a config that is
+    no causal LM, or does not build, is a UsageError naming ``flag``."""
     transformers = _import_transformers()
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model: nn.Module = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return model
     except ValueError as error:
         if "Unrecognized configuration class" in str(error):
             raise UsageError.single("--model", (
@@ -258,7 +243,11 @@ def _count_on_meta(config: PretrainedConfig, flag: str) -> int:
         raise UsageError.single(flag, f"{config.model_type}: {_one_line(error)}") from None
     except Exception as error:  # noqa: BLE001 - a shape that does not build (heads not dividing the width, ...)
         raise UsageError.single(flag, f"{config.model_type}: {_one_line(error)}") from None
-    return sum(p.numel() for p in model.parameters())
+
+
+def _count_on_meta(config: PretrainedConfig, flag: str) -> int:
+    """Parameters of the model ``config`` describes, counted on the meta device."""
+    return sum(p.numel() for p in _on_meta(config, flag).parameters())
 
 
 def _first_int(config: PretrainedConfig, *names: str) -> int | None:
@@ -334,8 +323,9 @@ def _check_byte_vocab(vocab_size: int, flag: str) -> None:
         raise UsageError.single(flag, message)
 
 
-def _build_from_type(model_type: str, overrides: dict[str, Any], max_parameters: int | None) -> HFModel:
-    transformers = _import_transformers()
+def _type_config(model_type: str, overrides: dict[str, Any], max_parameters: int | None) -> PretrainedConfig:
+    """The config of ``hf:TYPE`` with ``overrides``, checked: byte tokens fit its vocabulary, and it is a causal LM of
+    at most ``max_parameters`` (None: any size)."""
     config = _config_from_type(model_type, overrides)
     flag = "--model-config" if overrides else "--model"
     _check_byte_vocab(int(config.vocab_size), "--model-config")
@@ -346,6 +336,13 @@ def _build_from_type(model_type: str, overrides: dict[str, Any], max_parameters:
             f"{HF_PREFIX}{model_type} with {sizes} has {count / 1e9:.2f}B parameters, more than the "
             f"{max_parameters / 1e9:g}B cadence builds from a config (random init); shrink it with --model-config, "
             f"e.g. {_SHRINK_HINT}"))
+    return config
+
+
+def _build_from_type(model_type: str, overrides: dict[str, Any], max_parameters: int | None) -> HFModel:
+    transformers = _import_transformers()
+    config = _type_config(model_type, overrides, max_parameters)
+    flag = "--model-config" if overrides else "--model"
     try:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except Exception as error:  # noqa: BLE001 - the meta build succeeded, so this is the config's values
@@ -384,7 +381,8 @@ def _finish(model: nn.Module, config: PretrainedConfig, tokenizer: Any | None, f
     )
 
 
-def _build_from_directory(path: Path, overrides: dict[str, Any], *, shard_later: bool = False) -> HFModel:
+def _directory_config(path: Path, overrides: dict[str, Any]) -> PretrainedConfig:
+    """The config of the model directory ``path`` with ``overrides``, checked to be a causal LM."""
     transformers = _import_transformers()
     if not (path / "config.json").is_file():
         raise UsageError.single("--model", f"{path} has no config.json; give a save_pretrained directory or hf:TYPE")
@@ -399,6 +397,12 @@ def _build_from_directory(path: Path, overrides: dict[str, Any], *, shard_later:
         except Exception as error:  # noqa: BLE001
             raise UsageError.single("--model-config", _one_line(error)) from None
     _count_on_meta(config, "--model")  # refuses non-causal-LM types with the same message as hf:TYPE
+    return config
+
+
+def _build_from_directory(path: Path, overrides: dict[str, Any], *, shard_later: bool = False) -> HFModel:
+    transformers = _import_transformers()
+    config = _directory_config(path, overrides)
     if shard_later and (deferred := _build_on_meta(path, config)) is not None:
         return deferred
     try:
@@ -514,6 +518,25 @@ def model_tokenizer(spec: str) -> Any | None:
         return None
     with quiet_transformers():
         return _load_tokenizer(Path(spec))
+
+
+def meta_model(spec: str, overrides: dict[str, Any], *,
+               max_parameters: int | None = DEFAULT_MAX_PARAMETERS) -> tuple[nn.Module, PretrainedConfig]:
+    """The model ``spec`` names (``hf:TYPE`` or a model directory, with ``overrides``) and its config, built on the
+    meta device: every module and parameter shape, no memory, no initialisation, no weights read. Bad input is the
+    UsageError :func:`build_hf_model` would raise for it."""
+    with quiet_transformers():
+        if spec.startswith(HF_PREFIX):
+            model_type = spec[len(HF_PREFIX):].strip()
+            if not model_type:
+                raise UsageError.single("--model", "hf: needs a model type, e.g. hf:llama or hf:gpt2")
+            config = _type_config(model_type, overrides, max_parameters)
+            return _on_meta(config, "--model-config" if overrides else "--model"), config
+        path = Path(spec)
+        if not path.is_dir():
+            raise UsageError.single("--model", f"{spec} is neither hf:TYPE nor an existing model directory")
+        config = _directory_config(path, overrides)
+        return _on_meta(config, "--model"), config
 
 
 def build_hf_model(
@@ -651,6 +674,6 @@ def _set_token_ids(directory: Path, token_ids: Mapping[str, int | None]) -> None
 
 __all__ = [
     "BYTE_VOCAB", "DEFAULT_MAX_PARAMETERS", "HFModel", "HF_PREFIX", "ModelShape", "build_hf_model", "is_hf_model",
-    "model_shape", "model_tokenizer", "packed_attention_supported", "parse_model_overrides", "quiet_transformers", "save_hf",
+    "meta_model", "model_shape", "model_tokenizer", "packed_attention_supported", "parse_model_overrides", "quiet_transformers", "save_hf",
     "save_hf_problem",
 ]

@@ -19,7 +19,6 @@ peft is an optional dependency (``cadence[hf]``), imported only when LoRA is ask
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import traceback
 from collections.abc import Mapping
@@ -32,9 +31,10 @@ from torch import nn
 
 from cadence.errors import UsageError
 from cadence.models.quantized import (
+    bitsandbytes_installed,
+    bitsandbytes_problem,
     logical_numel,
     nf4_bytes,
-    quantizable_linears,
     quantized_layers,
     quiet_bitsandbytes,
 )
@@ -86,47 +86,21 @@ def peft_problem() -> str | None:
         return "needs peft (pip install 'cadence[hf]', or pip install peft)"
     # peft reaches for bitsandbytes' 8-bit linear layer whenever bitsandbytes is installed (to tell its layers
     # apart while injecting the adapters), so a bitsandbytes without it fails every LoRA run.
-    broken = bitsandbytes_problem(needs=("nn.Linear8bitLt",))
+    broken = bitsandbytes_problem(needs=("nn.Linear8bitLt",)) if bitsandbytes_installed() else None
     if broken is None:
         try:
             _import_peft()
         except UsageError:
             return "needs peft, which fails to import (pip install --force-reinstall peft)"
         except Exception as err:  # noqa: BLE001 - peft or what it imports, failing as installed
-            reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
             frames = traceback.extract_tb(err.__traceback__)
             if "bitsandbytes" not in str(err) and not any("bitsandbytes" in frame.filename for frame in frames):
+                reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
                 return f"needs peft, which is installed but fails to import ({reason}): pip install --force-reinstall peft"
-            broken = f"bitsandbytes is installed but fails to be used ({reason})"
+            broken = bitsandbytes_problem(failure=err)
     if broken is not None:
-        return (f"needs peft, which imports bitsandbytes when it is installed, and {broken}: repair it (pip install "
-                f"--force-reinstall bitsandbytes) or, if you do not use --optimizer-state 8bit, uninstall it (pip "
-                f"uninstall bitsandbytes)")
-    return None
-
-
-def bitsandbytes_problem(*, needs: tuple[str, ...] = ()) -> str | None:
-    """Why an installed bitsandbytes cannot be used (None when it is missing, or imports and has ``needs``, dotted
-    names such as ``optim.AdamW8bit``).
-
-    An installed package can still fail at import: its native library missing or built for another CUDA (an
-    OSError), a symbol a newer torch lacks (an AttributeError). Found here, before any run directory exists, it is
-    one line naming the package; found when the optimizer or peft is built, it was a traceback."""
-    import importlib.util
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return None
-    try:
-        with quiet_bitsandbytes():
-            import bitsandbytes
-
-        for name in needs:
-            target: Any = bitsandbytes
-            for part in name.split("."):
-                target = getattr(target, part)
-    except Exception as err:  # noqa: BLE001 - whatever its import raises, the package is unusable as installed
-        reason = (str(err).splitlines() or [""])[0][:160]
-        return f"bitsandbytes is installed but fails to import ({type(err).__name__}: {reason})"
+        return (f"needs peft, which imports bitsandbytes when it is installed; it {broken} (or, if you do not use "
+                f"--optimizer-state 8bit, uninstall it: pip uninstall bitsandbytes)")
     return None
 
 
@@ -263,13 +237,6 @@ def lora_shape(model: nn.Module) -> LoraShape | None:
                      bf16_base_parameters=bf16, nf4_base_parameters=sum(nf4), nf4_base_bytes=nf4_bytes(nf4))
 
 
-def planned_nf4(lora: LoraShape, model: nn.Module) -> LoraShape:
-    """``lora`` as it would be with an nf4 base, for a model that is not quantised (one on the meta device, for an
-    estimate): the layers :func:`cadence.models.quantized.quantize_base_nf4` would quantise, counted."""
-    sizes = [module.weight.numel() for _, module in quantizable_linears(model)]
-    return dataclasses.replace(lora, nf4_base_parameters=sum(sizes), nf4_base_bytes=nf4_bytes(sizes))
-
-
 def adapter_weights(model: nn.Module, weights: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The adapter's tensors as a saved adapter holds them: ``base_model.model.<name>`` without the adapter name
     (peft's ``get_peft_model_state_dict``, then PeftModel's prefix). ``weights``: the model's full state dict, when
@@ -290,4 +257,4 @@ def write_adapter(model: nn.Module, directory: Path, weights: Mapping[str, torch
 
 
 __all__ = ["LoraSettings", "LoraShape", "apply_lora", "hold_base_in_bf16", "is_lora", "lora_shape",
-           "parameter_counts", "peft_problem", "planned_nf4", "split_targets", "write_adapter"]
+           "parameter_counts", "peft_problem", "split_targets", "write_adapter"]

@@ -46,11 +46,40 @@ absmaxes' fp32 offset."""
 INSTALL = "pip install 'cadence[8bit]', or pip install bitsandbytes"
 
 
-def bitsandbytes_problem() -> str | None:
-    """Why an nf4 base cannot be built here (bitsandbytes missing), or None."""
-    if importlib.util.find_spec("bitsandbytes") is None:
+def bitsandbytes_installed() -> bool:
+    """Whether bitsandbytes is installed (found by the import system; not imported)."""
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def bitsandbytes_problem(*, needs: tuple[str, ...] = (), failure: BaseException | None = None) -> str | None:
+    """Why bitsandbytes cannot be used here, in words that follow what needs it ("8bit ", "nf4 "), or None when it
+    can: not installed (the install line), or installed but failing to import or lacking one of ``needs`` (dotted
+    names such as ``optim.AdamW8bit``), or ``failure``: what using it raised elsewhere (peft importing it).
+
+    An installed package can still fail at import: its native library missing or built for another CUDA (an
+    OSError), a symbol a newer torch lacks (an AttributeError). Found here, before any run directory exists, it is
+    one line naming the package and its repair; found when the optimizer, the nf4 layers or peft are built, it was a
+    traceback."""
+    if not bitsandbytes_installed():
         return f"needs bitsandbytes ({INSTALL})"
-    return None
+    verb = "to be used"
+    if failure is None:
+        verb = "to import"
+        try:
+            with quiet_bitsandbytes():
+                import bitsandbytes
+
+            for name in needs:
+                target: Any = bitsandbytes
+                for part in name.split("."):
+                    target = getattr(target, part)
+        except Exception as err:  # noqa: BLE001 - whatever its import raises, the package is unusable as installed
+            failure = err
+    if failure is None:
+        return None
+    reason = f"{type(failure).__name__}: {(str(failure).splitlines() or [''])[0][:160]}"
+    return (f"needs bitsandbytes, and bitsandbytes is installed but fails {verb} ({reason}): repair it with pip "
+            f"install --force-reinstall bitsandbytes")
 
 
 def nf4_bytes(layer_elements: Iterable[int]) -> int:
@@ -227,5 +256,6 @@ def already_quantized(config_file: Any) -> str | None:
     return "quantised"
 
 
-__all__ = ["INSTALL", "NESTED_BLOCK", "NF4_CODE_BYTES", "NF4_BLOCK", "already_quantized", "bitsandbytes_problem", "logical_numel",
-           "nf4_bytes", "quantizable_linears", "quantize_base_nf4", "quantized_layers"]
+__all__ = ["INSTALL", "NESTED_BLOCK", "NF4_CODE_BYTES", "NF4_BLOCK", "already_quantized", "bitsandbytes_installed",
+           "bitsandbytes_problem", "logical_numel", "nf4_bytes", "quantizable_linears", "quantize_base_nf4",
+           "quantized_layers"]

@@ -19,14 +19,12 @@ bitsandbytes lacks is DTensor support: ``8bit`` is refused under ``--strategy fs
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from cadence.models.lora import bitsandbytes_problem
-from cadence.models.quantized import quiet_bitsandbytes
+from cadence.models.quantized import bitsandbytes_problem, quiet_bitsandbytes
 from cadence.optim.stepping import closure_loss, local, shard_index
 
 EIGHT_BIT_BLOCK = 256
@@ -61,12 +59,7 @@ def state_bytes_per_parameter(name: str, numel: int) -> float:
 
 def eight_bit_problem() -> str | None:
     """Why ``--optimizer-state 8bit`` cannot run here (bitsandbytes missing, or installed but failing), or None."""
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return "needs bitsandbytes (pip install 'cadence[8bit]', or pip install bitsandbytes)"
-    broken = bitsandbytes_problem(needs=("optim.AdamW8bit",))
-    if broken is not None:
-        return f"needs bitsandbytes, and {broken}: repair it with pip install --force-reinstall bitsandbytes"
-    return None
+    return bitsandbytes_problem(needs=("optim.AdamW8bit",))
 
 
 def adamw_8bit_class() -> type[torch.optim.Optimizer]:

@@ -27,8 +27,9 @@ from typing import Any
 
 from cadence.errors import CadenceFailure, UsageError
 from cadence.formatting import format_bytes
+from cadence.memory.estimate_for import estimate_for
+from cadence.models.spec import ModelSpec
 from cadence.plan.measure import Deadline
-from cadence.plan.models import PlanModel
 from cadence.training.noise_scale import NoiseScaleMeasurement, measure_noise_scale
 from cadence.training.prepare import Prepared
 
@@ -73,15 +74,18 @@ class BatchChoice:
                 "noise_scale": dataclasses.asdict(self.measurement)}
 
 
-def probe_setup(model: PlanModel, *, seq_len: int, budget: int, precision: str, device_type: str,
-                loss_chunk_tokens: int, sequences: int) -> dict[str, Any]:
+def probe_setup(model: ModelSpec, *, seq_len: int, budget: int, precision: str, device_type: str,
+                loss_chunk_tokens: int, sequences: int, packed: bool = False,
+                lora_base_precision: str | None = None) -> dict[str, Any]:
     """The probe's cut: micro-batches of one sequence, as many per window as the data allows (at least 2, at most
-    PROBE_MICRO_BATCHES), without recompute when the estimate fits ``budget``, else with full recompute."""
+    PROBE_MICRO_BATCHES), without recompute when the estimate fits ``budget``, else with full recompute (``packed``,
+    ``lora_base_precision``: the run's --packing and LoRA base, as the estimate takes them)."""
     per_window = max(2, min(PROBE_MICRO_BATCHES, sequences))
     for recompute in ("none", "full"):
-        estimate = model.estimate(micro_batch_size=1, seq_len=seq_len, precision=precision, checkpointing=recompute,
-                                  device_type=device_type, grad_accum_steps=per_window,
-                                  loss_chunk_tokens=loss_chunk_tokens)
+        estimate = estimate_for(model, micro_batch_size=1, seq_len=seq_len, precision=precision,
+                                checkpointing=recompute, device_type=device_type, grad_accum_steps=per_window,
+                                loss_chunk_tokens=loss_chunk_tokens, packed=packed,
+                                lora_base_precision=lora_base_precision)
         if estimate.peak_bytes <= budget:
             return {"micro_batch_size": 1, "grad_accum_steps": per_window, "precision": precision,
                     "activation_checkpointing": recompute, "estimated_peak_bytes": estimate.peak_bytes}
@@ -118,7 +122,7 @@ def lr_advice(lr: float, chosen: int, reference: int | None) -> str:
             f"SGD-like, with warmup). The plan trains with --lr {lr:g} unless you give another.")
 
 
-def choose_effective_batch(prep: Prepared, model: PlanModel, *, budget: int, windows: int, bounds: tuple[int, int],
+def choose_effective_batch(prep: Prepared, model: ModelSpec, *, budget: int, windows: int, bounds: tuple[int, int],
                            lr_reference: int | None, constrained: set[str], say: Callable[[str], None],
                            deadline: Deadline | None = None, training: bool = False) -> BatchChoice:
     """Measure the noise scale on ``windows`` probe windows of ``prep`` (at its starting weights; ``training``:
@@ -134,7 +138,8 @@ def choose_effective_batch(prep: Prepared, model: PlanModel, *, budget: int, win
             f"{high}); give a smaller bound or more data"))
     precision = config.precision if "precision" in constrained else "fp32"
     probe = probe_setup(model, seq_len=prep.seq_len, budget=budget, precision=precision,
-                        device_type=prep.device.type, loss_chunk_tokens=config.loss_chunk_tokens, sequences=sequences)
+                        device_type=prep.device.type, loss_chunk_tokens=config.loss_chunk_tokens, sequences=sequences,
+                        packed=config.packing, lora_base_precision=config.lora_base_precision)
     limit = f"; at most {NOISE_SCALE_SHARE:.0%} of the --time-budget" if deadline is not None else ""
     at = (f"training from the start as the run would (--lr {config.lr:g}, --warmup-steps {config.warmup_steps})"
           if training else "at the weights the run starts from (no optimizer step)")

@@ -24,10 +24,11 @@ from cadence.engine.precision import precision_problem
 from cadence.formatting import format_bytes
 from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES
 from cadence.memory.estimate import MemoryEstimate
+from cadence.memory.estimate_for import estimate_for
 from cadence.models.quantized import bitsandbytes_problem
+from cadence.models.spec import ModelSpec
 from cadence.optim.spec import OptimizerSpec
 from cadence.plan.measure import Rates, probe_precisions
-from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.quality import BASE_TOLERANCE, STATE_TOLERANCE
 from cadence.plan.trials import TrialResult, TrialSetup
 
@@ -113,7 +114,7 @@ class Levers:
 
 
 def _levers(config: TrainConfig, constrained: set[str], device: torch.device, rows: int, notes: list[str],
-            model: PlanModel, states: list[str] | None, precisions: list[str] | None,
+            model: ModelSpec, states: list[str] | None, precisions: list[str] | None,
             bases: list[str] | None) -> Levers:
     effective = int(config.effective_batch_size or 0)
     micro_sizes = [int(config.micro_batch_size)] if "micro_batch_size" in constrained else divisors(effective)
@@ -143,7 +144,7 @@ def _levers(config: TrainConfig, constrained: set[str], device: torch.device, ro
 
 
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
-                     notes: list[str], model: PlanModel | None = None, *, states: list[str] | None = None,
+                     notes: list[str], model: ModelSpec | None = None, *, states: list[str] | None = None,
                      first_number: int = 1, longest: int | None = None,
                      precisions: list[str] | None = None, bases: list[str] | None = None) -> list[Candidate]:
     """Every combination of the levers the user left open, each with its estimated peak; ``states``: the optimizer
@@ -152,7 +153,8 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
     example (positions; default ``seq_len``), the row length of its longest micro-batch, where each is estimated
     (packed rows are ``seq_len`` long whatever the examples). ``precisions``: the ones a first call kept (the matmul
     probe that chooses them takes seconds: it runs once per plan)."""
-    model = model or plan_model(config)
+    model = model or ModelSpec.from_flags(config)
+    optimizer = OptimizerSpec.from_flags(config)
     rows = seq_len if config.packing and "packing" in constrained else min(seq_len, longest or seq_len)
     levers = _levers(config, constrained, device, rows, notes, model, states, precisions, bases)
     effective = int(config.effective_batch_size or 0)
@@ -169,11 +171,12 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
                                            lora_base_precision=base)
                         levers_of: dict[str, Any] = {"seq_len": rows, "precision": precision, "checkpointing": recompute,
                                      "offload": offload, "device_type": device.type, "loss_chunk_tokens": chunk,
-                                     "optimizer_state": state, "lora_base_precision": base}
-                        estimate = model.estimate(micro_batch_size=micro, grad_accum_steps=setup.grad_accum_steps,
-                                                  **levers_of)
-                        alone = estimate if setup.grad_accum_steps == 1 else model.estimate(
-                            micro_batch_size=micro, grad_accum_steps=1, **levers_of)
+                                     "optimizer": optimizer.with_state(state), "lora_base_precision": base,
+                                     "packed": config.packing}
+                        estimate = estimate_for(model, micro_batch_size=micro,
+                                                grad_accum_steps=setup.grad_accum_steps, **levers_of)
+                        alone = estimate if setup.grad_accum_steps == 1 else estimate_for(
+                            model, micro_batch_size=micro, grad_accum_steps=1, **levers_of)
                         candidates.append(Candidate(
                             id=f"c{len(candidates) + first_number:02d}", setup=setup, estimate=estimate,
                             accumulation_bytes=(estimate.peak_bytes - alone.peak_bytes
@@ -185,12 +188,12 @@ NF4_PRECISIONS = ("fp32", "bf16")
 """The --precision values an nf4 base computes in (its layers dequantise to that dtype)."""
 
 
-def nf4_problem(config: TrainConfig, constrained: Collection[str], model: PlanModel,
+def nf4_problem(config: TrainConfig, constrained: Collection[str], model: ModelSpec,
                 precisions: Collection[str]) -> str | None:
     """Why an nf4 base cannot be this plan's candidate (in words that follow "it"), or None when it can: LoRA on a
     Hugging Face model whose blocks have linear layers, bitsandbytes installed, the base not given, a precision it
     computes in (``precisions``: the ones the plan kept)."""
-    if model.shape is None:
+    if not model.takes("nf4"):
         return (f"holds the frozen base of LoRA adapters on a Hugging Face model, and {config.model} is built in "
                 f"(it trains whole)")
     if config.lora_rank <= 0:
@@ -202,14 +205,14 @@ def nf4_problem(config: TrainConfig, constrained: Collection[str], model: PlanMo
         return missing
     if config.strategy == "fsdp":
         return "does not work with --strategy fsdp (bitsandbytes' packed weights are not DTensors)"
-    if not model.nf4_layers():
+    if not model.supports.nf4_linears:
         return f"quantises the nn.Linear layers of the model's blocks, and {config.model}'s blocks have none"
     if not set(precisions) & set(NF4_PRECISIONS):
         return f"computes in bf16 or fp32, and the plan's precisions are {', '.join(precisions)}"
     return None
 
 
-def lossy_bases(config: TrainConfig, constrained: Collection[str], model: PlanModel, precisions: Collection[str],
+def lossy_bases(config: TrainConfig, constrained: Collection[str], model: ModelSpec, precisions: Collection[str],
                 notes: list[str]) -> list[str]:
     """["nf4"] where a 4-bit NormalFloat base can be a candidate of this plan (:func:`nf4_problem`), else [] with the
     reason in ``notes`` (the report's notes, and a failed plan's message)."""
@@ -221,7 +224,7 @@ def lossy_bases(config: TrainConfig, constrained: Collection[str], model: PlanMo
 
 
 def lossy_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
-                     model: PlanModel, *, longest: int, precisions: list[str], first_number: int, notes: list[str],
+                     model: ModelSpec, *, longest: int, precisions: list[str], first_number: int, notes: list[str],
                      say: Callable[[str], None]) -> list[Candidate]:
     """The candidates of the lossy levers, for a plan where nothing exact fits (measured): lower-precision optimizer
     state (unless --optimizer-state was given) and, under LoRA, an nf4 base with the exact optimizer state (unless
@@ -260,26 +263,27 @@ CHUNK_SAVING = 0.9
 than 10%: with a byte vocabulary the logits are a sliver of the memory, and chunking only costs time."""
 
 
-def loss_chunk_options(config: TrainConfig, constrained: set[str], model: PlanModel, seq_len: int, budget: int,
+def loss_chunk_options(config: TrainConfig, constrained: set[str], model: ModelSpec, seq_len: int, budget: int,
                        device: torch.device, notes: list[str]) -> list[int]:
     """The --loss-chunk-tokens values worth measuring: 0 (all logits at once) and, where the logits matter, the
     largest chunk whose estimate at micro-batch 1 fits the budget (the smallest size when none does)."""
     if "loss_chunk_tokens" in constrained:
         return [config.loss_chunk_tokens]
     def peak(chunk: int) -> int:
-        return model.estimate(micro_batch_size=1, seq_len=seq_len, precision="fp32", checkpointing="none",
-                              device_type=device.type, loss_chunk_tokens=chunk).peak_bytes
+        return estimate_for(model, micro_batch_size=1, seq_len=seq_len, precision="fp32", checkpointing="none",
+                            device_type=device.type, loss_chunk_tokens=chunk, packed=config.packing,
+                            lora_base_precision=config.lora_base_precision).peak_bytes
     whole = peak(0)
     sizes = [size for size in LOSS_CHUNKS if size < seq_len]
     if not sizes or peak(sizes[-1]) > CHUNK_SAVING * whole:
-        notes.append(f"loss chunking was not a candidate: with a vocabulary of {model.vocab_size:,} the logits are "
+        notes.append(f"loss chunking was not a candidate: with a vocabulary of {model.shape.vocab_size:,} the logits are "
                      f"a small part of the estimated peak, so chunking them would only cost time")
         return [0]
     fitting = [size for size in sizes if peak(size) <= budget]
     return [0, fitting[0] if fitting else sizes[-1]]
 
 
-def accumulation_diagnosis(candidates: list[Candidate], model: PlanModel) -> dict[str, Any]:
+def accumulation_diagnosis(candidates: list[Candidate], model: ModelSpec) -> dict[str, Any]:
     """Whether accumulation raises the peak on this model, from the candidates' estimates: within each group of
     levers, a candidate that accumulates estimated above the group's whole batch at once (micro N x accum 1). From the
     second micro-batch on, autograd makes each parameter's new gradient beside the one accumulated so far; for the
@@ -291,7 +295,7 @@ def accumulation_diagnosis(candidates: list[Candidate], model: PlanModel) -> dic
     whole = {c.group: c for c in candidates if c.setup.grad_accum_steps == 1}
     worse = [(c, whole[c.group]) for c in candidates if c.accumulation_bytes is not None and c.group in whole
              and c.estimate.peak_bytes > whole[c.group].estimate.peak_bytes]
-    largest = model.embedding_bytes
+    largest = model.shape.embedding_bytes
     added = [c.accumulation_bytes for c in candidates if c.accumulation_bytes is not None]
     text = ((f"accumulation adds {format_bytes(min(added))} to {format_bytes(max(added))} to the candidates' estimated "
              f"peaks: the gradients accumulated so far are held through the later micro-batches. The largest tensors' "

@@ -18,11 +18,9 @@ from cadence.config.plan_file import CutRow, Rounds
 from cadence.data.text import PackedSequences
 from cadence.formatting import format_bytes
 from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES
-from cadence.models.hf import packed_attention_supported
-from cadence.models.packed_attention import runs_packed_attention
+from cadence.models.spec import ModelSpec
 from cadence.plan.candidates import NF4_PRECISIONS, Candidate, build_candidates
 from cadence.plan.measure import DISAGREE, Deadline, Rates, agree, alternate, ranked_with_ties, tied
-from cadence.plan.models import PlanModel
 from cadence.plan.quality import BASE_TOLERANCE
 from cadence.plan.search import OFFLOAD_COST, RECOMPUTE_COST, measure_candidate, measuring_cost, quality_reserve
 from cadence.plan.trials import TrialSetup, timed_round
@@ -167,7 +165,7 @@ def nf4_clearly_faster(nf4: Rates, chosen: Rates) -> bool:
 
 
 def compare_nf4_base(prep: Prepared, chosen: Candidate, config: TrainConfig, constrained: set[str],
-                     model: PlanModel, budget: int, options: PlanOptions, say: Say,
+                     model: ModelSpec, budget: int, options: PlanOptions, say: Say,
                      notes: list[str], deadline: Deadline, *, first_number: int,
                      longest: int) -> tuple[Candidate, list[Candidate]]:
     """Under LoRA with a full-precision base that fits: the nf4-base configurations whose estimates fit the budget
@@ -219,7 +217,7 @@ def compare_nf4_base(prep: Prepared, chosen: Candidate, config: TrainConfig, con
 
 
 # ---------------------------------------------------------------------------------------------- cuts by length
-def _cut_variants(prep: Prepared, chosen: Candidate, model: PlanModel,
+def _cut_variants(prep: Prepared, chosen: Candidate, model: ModelSpec,
                   notes: list[str]) -> list[tuple[str, dict[str, Any]]]:
     """The cuts worth measuring for ``chosen`` (name, the Cut fields they change): none for text of full sequences
     or data with little padding; packing only where the model keeps packed examples apart, and only packing where
@@ -241,11 +239,11 @@ def _cut_variants(prep: Prepared, chosen: Candidate, model: PlanModel,
         ("token budget", {"order": "by-length", "micro_batch_tokens": micro * seq_len}),
         ("packing", {"pack_length": seq_len, "micro_batch_tokens": micro * seq_len}),
     ]
-    if model.hf is not None and not packed_attention_supported():
+    if model.supports.packing == "none":
         variants.pop()
-        notes.append("packing was not measured: this transformers cannot keep packed examples apart")
-    elif model.hf is not None and not runs_packed_attention(model.hf.model):
-        notes.append(f"packing on this model ({model.hf.model.config._attn_implementation} attention) goes through "
+        notes.append(f"packing was not measured: {model.supports.packing_problem}")
+    elif model.supports.packing == "dense-mask":
+        notes.append(f"packing on this model ({model.supports.attention} attention) goes through "
                      f"transformers' dense block mask, attention over whole rows: it can be slower than by-length "
                      f"although it computes less padding (the measurement below decides)")
     if chosen.setup.grad_accum_steps == 1:
@@ -255,7 +253,7 @@ def _cut_variants(prep: Prepared, chosen: Candidate, model: PlanModel,
     return variants
 
 
-def compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions, say: Say, model: PlanModel,
+def compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions, say: Say, model: ModelSpec,
                  notes: list[str], deadline: Deadline) -> tuple[Candidate, list[CutRow]]:
     """For data of variable lengths, the chosen configuration measured again with its windows cut by length, by a
     token budget and packed: the same samples per window and the same gradient, less padding. The fastest that fits

@@ -15,10 +15,10 @@ from cadence.config import TrainConfig
 from cadence.engine.choices import PrecisionName
 from cadence.engine.step import Engine
 from cadence.memory.choices import CheckpointingMode
-from cadence.memory.estimate import estimate_step_memory
+from cadence.memory.estimate_for import estimate_for
 from cadence.memory.measure import MeasuredMemory, measure_step
 from cadence.memory.recompute import apply_activation_checkpointing
-from cadence.models import MODEL_CONFIGS, build_model
+from cadence.models.spec import ModelSpec
 from cadence.training.components import build_optimizer
 
 
@@ -35,8 +35,8 @@ def estimate_against_measurement(
         ids = torch.randint(0, 256, (micro_batch_size, seq_len), generator=generator)
         return [{"input_ids": ids, "labels": torch.randint(0, 256, (micro_batch_size, seq_len), generator=generator)}]
 
-    torch.manual_seed(0)
-    model = build_model(model_name)
+    spec = ModelSpec.from_flags({"model": model_name})
+    model = spec.build(seed=0).module
     optimizer = build_optimizer(model, TrainConfig())
     window = random_window(seed=1)
     Engine(model, optimizer, precision="fp32", max_grad_norm=1.0).step(random_window(seed=0))
@@ -47,7 +47,7 @@ def estimate_against_measurement(
         for precision in precisions:
             engine = Engine(model, optimizer, precision=precision, max_grad_norm=1.0)
             measured = measure_step(model, optimizer, lambda engine=engine: engine.step(window), "cpu")
-            predicted = estimate_step_memory(MODEL_CONFIGS[model_name], micro_batch_size=micro_batch_size,
-                                             seq_len=seq_len, precision=precision, checkpointing=checkpointing)
+            predicted = estimate_for(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision,
+                                     checkpointing=checkpointing)
             rows.append((precision, checkpointing, predicted, measured))
     return rows

@@ -31,6 +31,8 @@ from cadence.engine.choices import PRECISIONS
 from cadence.errors import CadenceFailure, Problem, UsageError
 from cadence.formatting import format_bytes
 from cadence.memory.estimate import MemoryEstimate
+from cadence.memory.estimate_for import estimate_for
+from cadence.models.spec import ModelSpec
 from cadence.plan.batch import BatchChoice, choose_effective_batch
 from cadence.plan.candidates import (
     Candidate,
@@ -42,7 +44,6 @@ from cadence.plan.candidates import (
 )
 from cadence.plan.decision import compare_cuts, compare_nf4_base, decide
 from cadence.plan.measure import Deadline
-from cadence.plan.models import PlanModel, plan_model
 from cadence.plan.quality import lossy_check, lossy_words, quality_check, unchecked_lossy_lever
 from cadence.plan.record import PlanOutcome, plan_record, write
 from cadence.plan.report import plan_report
@@ -129,7 +130,7 @@ class PlanRun:
     options: PlanOptions
     constrained: set[str]
     prep: Prepared
-    model: PlanModel
+    model: ModelSpec
     budget: int
     deadline: Deadline
     say: Say
@@ -188,7 +189,7 @@ def _assemble(config: TrainConfig, options: PlanOptions, constrained: set[str], 
     auto = config.effective_batch_size == "auto"
     prep = prepare(dataclasses.replace(config, val_fraction=0.0, **({"effective_batch_size": 1} if auto else {})),
                    out=out)
-    model = plan_model(config, hf=prep.hf)
+    model = prep.spec
     if config.out is None and out.exists():
         raise UsageError.single("--out", f"default {out} already exists; give --out")
     # One deadline from the plan's start: the noise-scale measurement spends part of it, the trials the rest.
@@ -217,8 +218,9 @@ def _diagnose(run: PlanRun) -> MemoryEstimate:
     prep, config = run.prep, run.config
     effective = int(config.effective_batch_size or 0)
     run.longest = longest_example(prep.data, prep.seq_len)
-    baseline = run.model.estimate(micro_batch_size=effective, seq_len=run.longest, precision="fp32",
-                                  checkpointing="none", device_type=prep.device.type)
+    baseline = estimate_for(run.model, micro_batch_size=effective, seq_len=run.longest, precision="fp32",
+                            checkpointing="none", device_type=prep.device.type, packed=config.packing,
+                            lora_base_precision=config.lora_base_precision)
     run.say(f"plan: {config.model}, effective batch {effective} x {prep.seq_len} tokens, budget "
             f"{format_bytes(run.budget)} on {prep.device}\ndiagnosis: the whole batch at once in fp32 needs about "
             f"{format_bytes(baseline.peak_bytes)}: {baseline.dominant}")

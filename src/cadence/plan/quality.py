@@ -17,7 +17,7 @@ import torch
 
 from cadence.config import TrainConfig
 from cadence.config.commands import PlanOptions
-from cadence.plan.models import PlanModel
+from cadence.models.spec import ModelSpec
 from cadence.plan.trials import TrialResult, TrialSetup, run_trial
 from cadence.training.prepare import Prepared
 from cadence.verify.equivalence import compare_gradients, compare_losses
@@ -40,7 +40,7 @@ def quality_steps(options: PlanOptions) -> int:
 
 
 def quality_check(prep: Prepared, setup: TrialSetup, budget: int, options: PlanOptions,
-                  model: PlanModel) -> dict[str, Any]:
+                  model: ModelSpec) -> dict[str, Any]:
     """``setup``'s window gradient against fp32 accumulation of the same window, and its losses over the quality
     check's steps against the same setup in fp32."""
     device = prep.device
@@ -48,7 +48,8 @@ def quality_check(prep: Prepared, setup: TrialSetup, budget: int, options: PlanO
 
     def model_factory() -> torch.nn.Module:
         # The chosen base: an nf4 one computes in the chosen precision (its layers' dtype is fixed when quantised).
-        return model.build(lora_base_precision=setup.lora_base_precision, precision=setup.precision).to(device)
+        return model.build(seed=prep.config.seed, precision=setup.precision,
+                           base_precision=setup.lora_base_precision).module.to(device)
 
     gradient = compare_gradients(model_factory, window, setup)
     steps = quality_steps(options)

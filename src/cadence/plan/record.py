@@ -31,8 +31,8 @@ from cadence.config.schema import LORA, section_of
 from cadence.data import DataSplits
 from cadence.data.source import Source
 from cadence.memory.estimate import MemoryEstimate
+from cadence.models.spec import ModelSpec
 from cadence.plan.candidates import Candidate, epoch_tokens, longest_example
-from cadence.plan.models import PlanModel
 
 
 def rounds_of(candidate: Candidate) -> Rounds | None:
@@ -67,7 +67,7 @@ class PlanOutcome:
     seq_len: int
     budget: int
     baseline: MemoryEstimate
-    model: PlanModel
+    model: ModelSpec
     candidates: list[Candidate]
     chosen: Candidate
     quality: dict[str, Any]
@@ -96,7 +96,7 @@ def plan_record(outcome: PlanOutcome) -> PlanRecord:
     return PlanRecord(
         created=datetime.now().isoformat(timespec="seconds"), duration_s=outcome.duration, model=config.model,
         model_config=list(config.model_config) if config.model_config else None,
-        parameters=outcome.model.num_parameters, seq_len=outcome.seq_len,
+        parameters=outcome.model.shape.num_parameters, seq_len=outcome.seq_len,
         # Rows of the data's longest micro-batch: what every candidate's peak was measured on (train --plan's check
         # of a cut the user gives reads it).
         longest_example=longest_example(data, outcome.seq_len), data=data.description,

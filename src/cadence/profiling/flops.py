@@ -9,7 +9,7 @@ import torch
 from cadence.engine.choices import PrecisionName
 from cadence.engine.precision import Precision
 from cadence.models import GPTConfig
-from cadence.models.hf import HFModel
+from cadence.models.spec import ModelSpec
 
 
 def model_flops_per_token(config: GPTConfig, seq_len: int) -> float:
@@ -60,21 +60,13 @@ def matmul_speed(precision: PrecisionName, device: torch.device, size: int = 384
     return repeats * size**3 / best
 
 
-def hf_model_flops_per_token(hf: HFModel, seq_len: int) -> float:
-    """The same count for a transformers causal LM: 6 x the weights of every matmul (each module's 2-D weight, the LM
-    head's included; an embedding is a lookup and is left out) + 12 L H Q T for attention, from its config's shape."""
-    matmul_weights = 0
-    seen: set[int] = set()
-    for module in hf.model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, torch.nn.Embedding) or not isinstance(weight, torch.Tensor) or weight.ndim != 2:
-            continue
-        if id(module) not in seen:  # a tied LM head shares the embedding's tensor but is a matmul all the same
-            seen.add(id(module))
-            matmul_weights += weight.numel()
-    shape = hf.shape
+def spec_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """The same count for any model, from its spec: 6 x the weights every token multiplies through
+    (``spec.matmul_weights``: for the built-in GPT exactly :func:`model_flops_per_token`'s; for a transformers model
+    each matmul's 2-D weight, the LM head's included, an embedding being a lookup) + 12 L H Q T for attention."""
+    shape = spec.shape
     attention_width = (shape.num_heads or 0) * (shape.head_dim or 0) or shape.hidden_size
-    return 6.0 * matmul_weights + 12.0 * shape.num_layers * attention_width * seq_len
+    return 6.0 * spec.matmul_weights + 12.0 * shape.num_layers * attention_width * seq_len
 
 
 def measured_peak_flops(precision: PrecisionName, device: torch.device) -> tuple[float, str]:

@@ -34,8 +34,8 @@ from cadence.engine.prefetch import prefetch
 from cadence.engine.step import Engine
 from cadence.errors import Problem, UsageError
 from cadence.memory.meter import live_training_bytes, quiet_native_stderr
-from cadence.models import MODEL_CONFIGS, CompileClock
-from cadence.profiling.flops import hf_model_flops_per_token, measured_peak_flops, model_flops_per_token
+from cadence.models import CompileClock
+from cadence.profiling.flops import measured_peak_flops, spec_flops_per_token
 from cadence.profiling.report import PROFILE_FILE, compile_line, profile_report
 from cadence.records import PROFILE
 from cadence.report.document import write_report
@@ -365,8 +365,7 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
     settings = ProfileSettings(
         active=options.steps, peak_flops=options.peak_flops,
         tokens_per_step=None,
-        model_flops_per_token=hf_model_flops_per_token(prep.hf, prep.seq_len) if prep.hf is not None
-        else model_flops_per_token(MODEL_CONFIGS[config.model], prep.seq_len),
+        model_flops_per_token=spec_flops_per_token(prep.spec, prep.seq_len),
         memory_limit_bytes=prep.memory_budget_bytes or (
             torch.cuda.get_device_properties(prep.device).total_memory if prep.device.type == "cuda" else None),
         config={**config.to_json_dict(), "seq_len": prep.seq_len, "micro_batch_size": prep.micro_batch_size,

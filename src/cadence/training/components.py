@@ -15,7 +15,7 @@ from cadence.engine.objective import Objective
 from cadence.engine.schedules import build_lr_scheduler
 from cadence.engine.step import Engine, LossFn
 from cadence.memory.recompute import apply_activation_checkpointing
-from cadence.models import MODEL_CONFIGS, CompileClock, build_model, compile_blocks
+from cadence.models import CompileClock, compile_blocks
 from cadence.models.pretrained import load_shards
 from cadence.optim.spec import OptimizerSpec
 from cadence.training.prepare import Prepared
@@ -53,15 +53,15 @@ def build_components(prep: Prepared) -> Components:
     """Model (with recompute), optimizer (possibly offloaded), schedule and engine, as the configuration says."""
     config = prep.config
     torch.manual_seed(config.seed)
-    # A model directory under FSDP2 is still on the meta device (prep.hf.pending): sharded as it is, then each rank
-    # reads its own rows of the weights.
-    pending = prep.hf.pending if prep.hf else None
-    model = prep.hf.model if prep.hf else build_model(config.model)
+    # The model prepare built (seeded). A model directory under FSDP2 is still on the meta device (its pending
+    # files): sharded as it is, then each rank reads its own rows of the weights.
+    pending = prep.built.pending
+    model = prep.built.module
     if pending is None:
         model = model.to(prep.device)
     # Chosen (and the model probed: a pending model's 1-layer twin) before recompute, compilation and wrapping change
     # what a forward runs.
-    probe, vocab_size = prep.hf.probe if prep.hf else (model, MODEL_CONFIGS[config.model].vocab_size)
+    probe, vocab_size = prep.built.probe
     objective = prep.objective.for_model(probe, vocab_size=vocab_size)
     apply_activation_checkpointing(model, config.activation_checkpointing)
     # After recompute (the checkpointed forward is what compiles), before wrapping (FSDP2's hooks stay eager around

@@ -19,6 +19,7 @@ from cadence.data.source import Source
 from cadence.distributed.ranks import SINGLE
 from cadence.errors import UsageError
 from cadence.models.hf import save_hf, save_hf_problem
+from cadence.models.spec import ModelSpec
 from cadence.records import Record, RecordInvalid
 from cadence.training.checkpoint import (
     Checkpointer,
@@ -27,7 +28,6 @@ from cadence.training.checkpoint import (
     load_checkpoint,
     verify_checkpoint,
 )
-from cadence.training.prepare import build_run_hf
 from cadence.training.run_dir import export_files
 
 
@@ -47,22 +47,23 @@ def export_checkpoint(checkpoint: Path, out: Path) -> list[str]:
                                                       "config")))
     except (CheckpointUnreadable, RecordInvalid, TypeError) as err:
         raise UsageError.single("CHECKPOINT", f"{checkpoint}: {str(err).splitlines()[0][:300]}") from None
-    hf = build_run_hf(config, warn=False)
-    if hf is None:
+    spec = ModelSpec.from_flags(config)
+    if not spec.exports_pretrained:
         raise UsageError.single("CHECKPOINT", f"{checkpoint} holds cadence's built-in {config.model}, which has no "
                                               f"transformers format: export a run on a transformers model")
+    built = spec.build(seed=config.seed, precision=config.precision, base_precision=config.lora_base_precision)
     try:
         # In the checkpoint's own format (a sharded one's shards assembled in this process, no process group).
         weights = Checkpointer(checkpoint.parent.parent, SINGLE).read_weights(checkpoint)
     except WeightsUnreadable as err:
         raise UsageError.single("CHECKPOINT", str(err)[:300]) from None
     try:
-        hf.model.load_state_dict(weights, strict=True)
+        built.module.load_state_dict(weights, strict=True)
     except RuntimeError as err:
         raise UsageError.single("CHECKPOINT", f"{checkpoint} does not fit {config.model} as its run recorded it "
                                               f"({str(err).splitlines()[0][:200]})") from None
     chat_template = None
     if Source.from_flags(config).kind == "chat":
-        chat_template = chat_template_for(hf.tokenizer, config.chat_template)[0].source
-    save_hf(hf.model, out, as_tokenizer(hf.tokenizer), chat_template=chat_template)
+        chat_template = chat_template_for(built.tokenizer, config.chat_template)[0].source
+    save_hf(built.module, out, as_tokenizer(built.tokenizer), chat_template=chat_template)
     return sorted(name for name in export_files(out) or {} if name != ".")

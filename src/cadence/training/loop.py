@@ -227,7 +227,7 @@ class TrainingRun:
                  f"{config.precision}, recompute {config.activation_checkpointing}, offload {config.offload}\n"
                  + batch_words(prep, micro) + f"\ndata: {prep.data.description}\nrun directory: {prep.out}",
                  noise_scale_announcement(self.engine, prep.grad_accum_steps), self.evaluation.announcement(prep)]
-        if prep.hf is not None and prep.hf.pending is not None:
+        if prep.built.pending is not None:
             lines.append(f"weights: loaded once, each of the {prep.world_size} ranks reading only its own shard of "
                          f"{config.model}'s safetensors")
         for line in lines:
@@ -471,7 +471,7 @@ class TrainingRun:
             return
         # A byte-level model gets cadence's byte tokenizer (as_tokenizer(None)), so that it loads and stops; a model
         # trained on chat data, the template its conversations were rendered with.
-        tokenizer = prep.hf.tokenizer if prep.hf else None
+        tokenizer = prep.built.tokenizer
         chat_template = None
         if prep.source.kind == "chat":
             chat_template = chat_template_for(tokenizer, config.chat_template)[0].source

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,18 +27,10 @@ from cadence.engine.objective import Objective
 from cadence.engine.precision import cpu_emulation_note
 from cadence.engine.windows import Window, epoch_windows
 from cadence.errors import UsageError
-from cadence.models import MODEL_CONFIGS, MODEL_NAMES, model_context_length, repeated_blocks
+from cadence.models.family import BuiltModel
 from cadence.models.heads import chunking_problem
-from cadence.models.hf import (
-    HFModel,
-    build_hf_model,
-    packed_attention_supported,
-    parse_model_overrides,
-    save_hf_problem,
-)
-from cadence.models.lora import LoraSettings, apply_lora, hold_base_in_bf16, lora_shape, split_targets
-from cadence.models.packed_attention import runs_packed_attention
-from cadence.models.quantized import already_quantized, quantize_base_nf4
+from cadence.models.hf import save_hf_problem
+from cadence.models.spec import ModelSpec
 from cadence.optim.spec import OptimizerSpec
 from cadence.training.run_dir import exported_before
 
@@ -56,8 +49,10 @@ class Prepared:
     data: DataSplits
     out: Path
     memory_budget_bytes: int | None
-    hf: HFModel | None = None
-    """The Hugging Face model (built, seeded) when --model is hf:TYPE or a directory."""
+    spec: ModelSpec
+    """What --model is (its family, shape, what it supports, its estimator): resolved once per command."""
+    built: BuiltModel
+    """The model built from ``spec`` with the seed's initial weights (a variant builds its own)."""
     source: Source
     """What --data is and how its rows become examples, built once per command (``Source.from_flags``)."""
     cut: Cut
@@ -86,8 +81,10 @@ class Prepared:
     def variant(self, **changes: object) -> Prepared:
         """This run with some of its settings changed (``changes``: TrainConfig fields; a plan's trials change the
         decision and the cut), without validating or loading the data again: the checks this run passed hold for
-        the variant, whose settings the caller chose among the valid ones. A Hugging Face model is built afresh,
+        the variant, whose settings the caller chose among the valid ones. The model is the same spec built afresh,
         seeded as ``prepare`` built it, so every variant starts from the same weights."""
+        if changed := sorted(set(changes) & set(self.spec.flags())):
+            raise ValueError(f"a variant keeps the run's model; {', '.join(changed)} would change it")
         config = dataclasses.replace(self.config, **changes)  # type: ignore[arg-type]
         micro = config.resolved_micro_batch_size(self.world_size)
         accum = config.resolved_grad_accum_steps(self.world_size)
@@ -96,7 +93,8 @@ class Prepared:
             micro_batch_size=micro, grad_accum_steps=accum,
             cut=Cut.from_flags(config, micro_batch_size=micro, seq_len=self.seq_len),
             effective_batch_size=micro * accum * self.world_size, memory_budget_bytes=config.memory_budget_bytes(),
-            hf=build_run_hf(config, warn=False) if self.hf is not None else None)
+            built=self.spec.build(seed=config.seed, precision=config.precision,
+                                  base_precision=config.lora_base_precision))
 
 
 def checked_run_directory(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Path:
@@ -112,8 +110,8 @@ def checked_run_directory(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Path
 
 
 def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = None) -> Prepared:
-    """Validate the configuration, build a Hugging Face model (if asked) and load the data; raises UsageError naming
-    every problem. Writes nothing into --out. Every rank of a distributed run calls it (all hold the data).
+    """Validate the configuration, resolve and build the model (its :class:`~cadence.models.spec.ModelSpec`, seeded)
+    and load the data; raises UsageError naming every problem. Writes nothing into --out. Every rank of a distributed run calls it (all hold the data).
 
     ``out``: the run directory that :func:`checked_run_directory` returned for this configuration (train has claimed
     it by then); None: validated here."""
@@ -130,35 +128,15 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
                            f"changed there, or it is another folder); nothing was changed: move it, or give a new "
                            f"--save-hf directory")
             raise UsageError.single("--save-hf", problem)
-    # Under FSDP2 a model directory is built on the meta device and each rank reads its own shard of the weights
-    # once the model is sharded (build_components).
-    hf = build_run_hf(config, warn=True, shard_later=ranks.launched and ranks.strategy == "fsdp")
-    if hf is not None:
-        check_chunking(config, *hf.probe)
-        if config.compile:  # checked here, before the run directory is created
-            try:
-                repeated_blocks(hf.model)
-            except ValueError as err:
-                raise UsageError.single("--compile", f"{err}; --compile compiles a model block by block") from None
-    context = hf.context_length if hf else model_context_length(config.model)
+    spec, built = prepare_model(config, ranks=ranks)
+    context = spec.shape.context_length
     seq_len = config.seq_len or context
     if seq_len > context:
         raise UsageError.single("--seq-len", f"{seq_len} is above {config.model}'s context length of {context}")
     if config.micro_batch_tokens is not None and config.micro_batch_tokens < seq_len:
         raise UsageError.single("--micro-batch-tokens", f"{config.micro_batch_tokens} is below the sequence length "
                                                         f"{seq_len}: the longest example must fit one micro-batch")
-    if config.packing and hf is not None and not packed_attention_supported():
-        raise UsageError.single("--packing", "this transformers cannot keep packed examples apart (it needs "
-                                             "masking_utils.find_packed_sequence_indices, transformers 4.54 or later); "
-                                             "use --micro-batch-order by-length instead")
-    if config.packing and hf is not None and (config.compile or not runs_packed_attention(hf.model)):
-        why = ("its blocks are compiled (--compile), which keeps transformers' attention" if config.compile else
-               f"{config.model} runs {hf.model.config._attn_implementation} attention, not cadence's per-example "
-               f"attention (an sdpa model's)")
-        warnings.warn(f"--packing: {why}, so packed rows go through transformers' dense block mask: attention over "
-                      f"whole rows, which can make packing slower than --micro-batch-order by-length although it "
-                      f"computes less padding", stacklevel=2)
-    source, data = load_sources(config, seq_len, hf, ranks=ranks)
+    source, data = load_sources(config, seq_len, built.tokenizer, spec.shape.vocab_size, ranks=ranks)
     micro = config.resolved_micro_batch_size(world_size)
     grad_accum_steps = config.resolved_grad_accum_steps(world_size)
     effective = micro * grad_accum_steps * world_size
@@ -182,92 +160,71 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     return Prepared(
         config=config, device=device, seq_len=seq_len, micro_batch_size=micro,
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
-        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, ranks=ranks, source=source,
+        memory_budget_bytes=config.memory_budget_bytes(), spec=spec, built=built, ranks=ranks, source=source,
         cut=Cut.from_flags(config, micro_batch_size=micro, seq_len=seq_len), objective=Objective.from_flags(config),
         optimizer=OptimizerSpec.from_flags(config),
     )
 
 
+def prepare_model(config: TrainConfig, *, ranks: Ranks = SINGLE) -> tuple[ModelSpec, BuiltModel]:
+    """The run's model: its spec resolved once, the run flags it cannot take refused before it is built, then built
+    with the run's seed (its notes said once), and what its built form decides (loss chunking, how packed rows go)."""
+    spec = ModelSpec.from_flags(config)
+    sharded = ranks.launched and ranks.strategy == "fsdp"
+    if problems := spec.run_problems(config, fsdp=sharded):
+        raise UsageError(problems)
+    # Under FSDP2 a model directory is built on the meta device and each rank reads its own shard of the weights
+    # once the model is sharded (build_components).
+    built = spec.build(seed=config.seed, precision=config.precision, base_precision=config.lora_base_precision,
+                       shard_later=sharded, warn=True)
+    check_chunking(config, *built.probe)
+    if config.packing and (config.compile or spec.supports.packing == "dense-mask"):
+        why = ("its blocks are compiled (--compile), which keeps transformers' attention" if config.compile else
+               f"{config.model} runs {spec.supports.attention} attention, not cadence's per-example attention (an "
+               f"sdpa model's)")
+        warnings.warn(f"--packing: {why}, so packed rows go through transformers' dense block mask: attention over "
+                      f"whole rows, which can make packing slower than --micro-batch-order by-length although it "
+                      f"computes less padding", stacklevel=3)
+    return spec, built
+
+
 def check_chunking(config: TrainConfig, model: torch.nn.Module, vocab_size: int) -> None:
     """--loss-chunk-tokens on a family whose logits cadence cannot make chunk by chunk is refused (``model``: what
-    the probe runs, ``HFModel.probe``)."""
+    the probe runs, ``BuiltModel.probe``)."""
     if config.loss_chunk_tokens > 0 and (problem := chunking_problem(model, vocab_size)) is not None:
         raise UsageError.single("--loss-chunk-tokens", (
             f"{config.model}: {problem}; train it with --loss-chunk-tokens 0 (all logits at once)"))
 
 
-def build_run_hf(config: TrainConfig, *, warn: bool, shard_later: bool = False) -> HFModel | None:
-    """The run's Hugging Face model (``--model hf:TYPE --model-config K=V``, or a local directory), built with the
-    run's seed so every build has the same initial weights; None for a built-in model. ``warn``: say its notes
-    (dropout left on, ...) as warnings, once per run. ``shard_later`` (FSDP2): a model directory without LoRA is
-    built on the meta device, its weights read by each rank for its own shard after sharding (``HFModel.pending``)."""
-    if config.model in MODEL_NAMES:
-        return None
-    if not config.model.startswith("hf:") and (quantized := already_quantized(Path(config.model) / "config.json")):
-        # Its weights are packed codes and scales, not the parameters its architecture lists: reading them as such
-        # would be garbage, and quantising or de-quantising them again is not what the user has.
-        raise UsageError.single("--model", (
-            f"{config.model} holds an already quantised model ({quantized}: its config.json has quantization_config); "
-            f"cadence reads full-precision weights only: give the original model directory (with --lora-rank and "
-            f"--lora-base-precision nf4 to train LoRA on a 4-bit base)"))
-    torch.manual_seed(config.seed)
-    hf = build_hf_model(config.model, parse_model_overrides(list(config.model_config or [])),
-                        shard_later=shard_later and config.lora_rank == 0)
-    for note in hf.notes if warn else ():
-        warnings.warn(note, stacklevel=3)
-    if config.lora_rank > 0:
-        if config.lora_base_precision == "nf4":
-            # Before the adapters, so that peft wraps the 4-bit layers with its bitsandbytes LoRA layer; the
-            # quantisation draws nothing from the RNG, so lora_A's init is the same as on a full-precision base.
-            quantize_base_nf4(hf.model, torch.bfloat16 if config.precision == "bf16" else torch.float32)
-        # Right after the build, under the same seeded RNG: lora_A's random init is the same in every build. The base
-        # is recorded as an absolute path, so the exported adapter loads with peft from any working directory.
-        apply_lora(hf.model, LoraSettings(
-            rank=config.lora_rank, alpha=config.lora_alpha, targets=split_targets(config.lora_targets),
-            dropout=config.lora_dropout,
-            base_name_or_path=None if config.model.startswith("hf:") else str(Path(config.model).resolve())))
-        if config.lora_base_precision == "bf16":
-            hold_base_in_bf16(hf.model)
-        hf.lora = lora_shape(hf.model)
-        if warn and config.model.startswith("hf:"):
-            # Adapters on a base of random weights learn nothing a real model could use (issue 41); said once the
-            # adapters are in place, so that a refused --lora-rank is its one line alone.
-            warnings.warn(f"--lora-rank on {config.model}: the base is built from its config with random weights, so "
-                          f"the adapters are trained on a random model; give a model directory (save_pretrained) for "
-                          f"a real fine-tune", stacklevel=3)
-    return hf
-
-
-def load_sources(config: TrainConfig, seq_len: int, hf: HFModel | None, *,
+def load_sources(config: TrainConfig, seq_len: int, tokenizer: Any | None, vocab_size: int, *,
                  ranks: Ranks = SINGLE) -> tuple[Source, DataSplits]:
     """The run's source (built once per command: a .jsonl file's first row tells chat from text) and its data, with
     --eval-data's as the validation split; a store whose ids pass the model's vocabulary is refused."""
     source = Source.from_flags(config)
     if config.eval_data is not None:
         # --eval-data: all of --data trains; the evaluation file, read the same way, is the validation split.
-        data = load_run_data(source, dataclasses.replace(config, val_fraction=0.0), seq_len, hf, ranks=ranks)
+        data = load_run_data(source, dataclasses.replace(config, val_fraction=0.0), seq_len, tokenizer, ranks=ranks)
         evaluated = Source.from_flags(dataclasses.replace(config, data=config.eval_data))
         held = load_run_data(evaluated, dataclasses.replace(config, data=config.eval_data, val_fraction=0.0), seq_len,
-                             hf, ranks=ranks)
+                             tokenizer, ranks=ranks)
         data = dataclasses.replace(data, val=held.train, description=f"{data.description}; evaluated on "
                                                                       f"{held.description}")
     else:
-        data = load_run_data(source, config, seq_len, hf, ranks=ranks)
-    model_vocab = hf.vocab_size if hf else MODEL_CONFIGS[config.model].vocab_size
-    if data.vocab_size is not None and data.vocab_size > model_vocab:
+        data = load_run_data(source, config, seq_len, tokenizer, ranks=ranks)
+    if data.vocab_size is not None and data.vocab_size > vocab_size:
         # An id past the embedding would be an IndexError mid-run (a crafted store, or one made for another model).
         raise UsageError.single("--data", f"{data.store or config.data} holds token ids up to {data.vocab_size - 1}, "
-                                          f"beyond {config.model}'s vocabulary of {model_vocab}; build the store for "
+                                          f"beyond {config.model}'s vocabulary of {vocab_size}; build the store for "
                                           f"this model (cadence prepare-data --model ...)")
     return source, data
 
 
-def load_run_data(source: Source, config: TrainConfig, seq_len: int, hf: HFModel | None, *,
+def load_run_data(source: Source, config: TrainConfig, seq_len: int, tokenizer: Any | None, *,
                   ranks: Ranks = SINGLE) -> DataSplits:
     """The data of ``source`` (the run's, from ``config``) through the token store in --data-cache, read with the
-    model's tokenizer (bytes for a built-in model). Every rank opens the same store; the first to need it builds it
+    model's tokenizer (None: bytes). Every rank opens the same store; the first to need it builds it
     while the others wait (cadence.data.cache)."""
     # Only the main rank reports a long build; another rank that happens to build is just as correct, but silent.
-    return open_source(source, hf.tokenizer if hf else None, seq_len=seq_len,
+    return open_source(source, tokenizer, seq_len=seq_len,
                        val_fraction=held_out_fraction(config), cache_dir=config.data_cache or default_cache_dir(),
                        progress=sys.stderr if ranks.is_main else None, too_long=config.too_long)

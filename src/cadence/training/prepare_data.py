@@ -29,8 +29,7 @@ from cadence.data.hf import ByteTokenizer, as_tokenizer
 from cadence.data.source import Source, source_recipe
 from cadence.errors import Problem, UsageError
 from cadence.formatting import format_bytes
-from cadence.models import MODEL_NAMES
-from cadence.models.hf import model_tokenizer
+from cadence.models.spec import data_tokenizer
 
 
 def _recipe(config: TrainConfig, tokenizer: Any | None, progress: IO[str] | None) -> Any:
@@ -59,7 +58,7 @@ def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO
                                                   "writes are the same without it (give it to cadence train)")
     started = time.perf_counter()
     recipe = None
-    tokenizer = None if config.model in MODEL_NAMES else model_tokenizer(config.model)
+    tokenizer = data_tokenizer(config.model)
     at_seq_len: list[DataSplits] = []
     given_store = config.data is not None and is_store(config.data)
 

@@ -39,7 +39,6 @@ from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.engine.windows import IGNORE_INDEX, Batch, Window, make_window
 from cadence.errors import CadenceFailure, UsageError
 from cadence.memory.recompute import apply_activation_checkpointing
-from cadence.models import MODEL_CONFIGS, build_model
 from cadence.training.components import build_loss, build_optimizer
 from cadence.training.prepare import prepare
 from cadence.verify.equivalence import (
@@ -317,18 +316,15 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ra
     if len(windows) < max(1, options.steps):
         raise UsageError.single("--steps", f"the data holds only {len(windows)} windows of {prep.effective_batch_size}")
 
-    hf_model = prep.hf.model if prep.hf is not None else None  # built (and seeded) once by prepare
+    built = prep.built.module  # built (and seeded) once by prepare
 
     def model_factory() -> torch.nn.Module:
-        # Every call the same initial weights: the built-in model seeded again, a transformers model copied.
-        if hf_model is not None:
-            return copy.deepcopy(hf_model).to(prep.device)
-        torch.manual_seed(config.seed)
-        return build_model(config.model).to(prep.device)
+        # Every call the same initial weights: the model prepare built, copied.
+        return copy.deepcopy(built).to(prep.device)
 
     # The loss train would compute (the head on the targets only, where the model's head splits): the one verified.
-    loss = build_loss(config, model_factory(), vocab_size=prep.hf.vocab_size if prep.hf else
-                      MODEL_CONFIGS[config.model].vocab_size)
+    probe, vocab_size = prep.built.probe
+    loss = build_loss(config, probe, vocab_size=vocab_size)
     setup = Setup(cut=prep.cut, precision=config.precision, activation_checkpointing=config.activation_checkpointing,
                   offload=config.offload, loss_chunk_tokens=config.loss_chunk_tokens,
                   targets_only=isinstance(loss, TargetsOnlyCrossEntropy))
