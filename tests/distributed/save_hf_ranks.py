@@ -2,7 +2,8 @@
 arguments after ``--``, measuring what this rank gathers whole. Writes to OUT/rank-RANK.json: "status"; "gathers", the
 bytes of each tensor ``DTensor.full_tensor`` made whole; "peak_live_bytes", the most bytes of such tensors alive at
 once (each counted from its creation until the tensor object is collected: weakref.finalize); "whole_state_calls",
-the calls of ``full_model_state`` (the gather of the whole state dict onto rank 0) made by the training loop.
+the calls of ``full_model_state`` (the gather of the whole state dict onto rank 0) made by the Checkpointer, which
+reads the live weights for the final file, --save-hf and --keep-best.
 
     python -m torch.distributed.run --nproc-per-node 2 save_hf_ranks.py OUT -- train ...
 """
@@ -19,7 +20,7 @@ from typing import Any
 from torch.distributed.tensor import DTensor
 
 from cadence.cli import main as cadence_main
-from cadence.training import loop
+from cadence.training.checkpoint import checkpointer
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
     argv = sys.argv[sys.argv.index("--") + 1:]
     rank = int(os.environ["RANK"])
     live, peak, gathers, whole_calls = [0], [0], [], [0]
-    full_tensor, whole_state = DTensor.full_tensor, loop.full_model_state
+    full_tensor, whole_state = DTensor.full_tensor, checkpointer.full_model_state
 
     def release(size: int) -> None:
         live[0] -= size
@@ -46,7 +47,7 @@ def main() -> None:
         return whole_state(*args, **kwargs)
 
     DTensor.full_tensor = tracked  # type: ignore[method-assign]
-    loop.full_model_state = counted  # type: ignore[assignment]
+    checkpointer.full_model_state = counted  # type: ignore[assignment]
     status = cadence_main(argv)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{rank}.json").write_text(json.dumps({"status": status, "gathers": gathers,
