@@ -302,8 +302,9 @@ def test_a_tied_embedding_s_two_gradients_are_estimated_with_accumulation(tmp_pa
                  "--out", str(tmp_path / "run")]) == 0
     measured = json.loads((tmp_path / "run" / "summary.json").read_text())["peak_memory_bytes"]
     predicted = estimate_for(
-        ModelSpec.from_flags(TrainConfig(model="hf:llama", model_config=overrides)), micro_batch_size=1, seq_len=64, precision="fp32", checkpointing="none", grad_accum_steps=accumulation,
-        optimizer_state=state).peak_bytes
+        ModelSpec.from_flags(TrainConfig(model="hf:llama", model_config=overrides)), micro_batch_size=1, seq_len=64,
+        precision="fp32", checkpointing="none", grad_accum_steps=accumulation,
+        optimizer=OptimizerSpec(state=state)).peak_bytes
     assert abs(relative_error(predicted, measured)) < 0.02, (predicted / MiB, measured / MiB)
 
 
