@@ -283,3 +283,18 @@ def test_a_variant_is_the_same_model_built_afresh(tmp_path: Path) -> None:
                                                    strict=True))
     with pytest.raises(ValueError, match="model"):
         prep.variant(model="gpt-small")
+
+
+@pytest.mark.slow  # a Mamba's sequential scan on the CPU: tens of seconds for two steps
+def test_train_under_a_budget_measures_a_model_without_an_estimate(tmp_path: Path) -> None:
+    """What the refusal points to: --micro-batch-size auto --memory-budget never estimates, it measures every step,
+    so a model no estimator knows trains under a budget as any other."""
+    pytest.importorskip("transformers")
+    data = tmp_path / "text.txt"
+    data.write_bytes(sample_text(4000))
+    status, _, err = run_cli(["train", "--model", "hf:mamba", *[a for item in MAMBA for a in ("--model-config", item)],
+                              "--data", str(data), "--seq-len", "32", "--micro-batch-size", "auto",
+                              "--effective-batch-size", "4", "--memory-budget", "64MiB", "--max-steps", "2",
+                              "--val-fraction", "0", "--out", str(tmp_path / "run")])
+    assert status == 0, err
+    assert (tmp_path / "run" / "summary.json").is_file()
