@@ -107,6 +107,28 @@ def write_jsonl(path: Path, count: int = 48) -> Path:
     return path
 
 
+def write_preference_jsonl(path: Path, count: int = 24, *, unpaired: bool = False, seed: int = 11) -> Path:
+    """``count`` preference rows of strings: pairs ``{"prompt", "chosen", "rejected"}`` whose completions differ in
+    length by 10x or more (2 to 30 bytes), or, ``unpaired``, KTO rows ``{"prompt", "completion", "label"}`` with
+    about two desirable rows to one undesirable."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "step", "scale"]
+
+    def completion(index: int) -> str:
+        return "ok" if index % 3 == 0 else "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(20, 30)))
+
+    lines = []
+    for index in range(count):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) + ":"
+        if unpaired:
+            row = {"prompt": prompt, "completion": completion(index), "label": index % 3 != 2}
+        else:
+            row = {"prompt": prompt, "chosen": completion(index), "rejected": completion(index + 1) + "!"}
+        lines.append(json.dumps(row))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     diff = torch.cat([(a[k] - b[k]).flatten() for k in sorted(a)])

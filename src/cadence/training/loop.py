@@ -320,6 +320,8 @@ class TrainingRun:
             f"data: {prep.data.description}\nrun directory: {prep.out}",
             file=stream, flush=True,
         )
+        if self.engine.objective.name != "sft":  # a preference objective: what is minimised, against what
+            print(f"objective: {self.engine.objective.describe()}", file=stream, flush=True)
         noise_scale = noise_scale_announcement(self.engine, prep.grad_accum_steps)
         if noise_scale is not None:
             print(noise_scale, file=stream, flush=True)

@@ -38,6 +38,7 @@ from cadence.models.hf import (
 from cadence.models.lora import LoraSettings, apply_lora, hold_base_in_bf16, lora_shape, split_targets
 from cadence.models.packed_attention import runs_packed_attention
 from cadence.models.quantized import already_quantized, quantize_base_nf4
+from cadence.training.reference import reference_problem
 from cadence.training.run_dir import exported_before
 
 
@@ -164,6 +165,11 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     else:
         data = load_run_data(config, seq_len, hf, ranks=ranks)
     model_vocab = hf.vocab_size if hf else MODEL_CONFIGS[config.model].vocab_size
+    objective = Objective.from_flags(config)
+    if (problem := objective.data_problem(data.train)) is not None:
+        raise UsageError.single("--objective", problem)
+    if (problem := reference_problem(config, model_vocab)) is not None:
+        raise UsageError.single("--reference-model", problem)
     if data.vocab_size is not None and data.vocab_size > model_vocab:
         # An id past the embedding would be an IndexError mid-run (a crafted store, or one made for another model).
         raise UsageError.single("--data", f"{data.store or config.data} holds token ids up to {data.vocab_size - 1}, "
@@ -192,7 +198,7 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     return Prepared(
         config=config, device=device, seq_len=seq_len, micro_batch_size=micro,
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
-        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, ranks=ranks, objective=Objective.from_flags(config),
+        memory_budget_bytes=config.memory_budget_bytes(), hf=hf, ranks=ranks, objective=objective,
     )
 
 
