@@ -4,16 +4,14 @@ batch's losses and weights."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import relative_l2, tiny_model
+from helpers import preference_samples, relative_l2, tiny_model
 
 from cadence import Engine
-from cadence.data.batching import Example, make_example
-from cadence.data.preference import PreferenceExample, mismatched
+from cadence.data.batching import Example
+from cadence.data.preference import PreferenceExample
 from cadence.engine.cut import Cut
 from cadence.engine.objective import Objective
 from cadence.engine.reference import FrozenReference
@@ -21,27 +19,6 @@ from cadence.engine.windows import epoch_windows
 
 OBJECTIVES = ["dpo", "ipo", "simpo", "orpo", "kto"]
 EFFECTIVE = 8
-
-
-def sequence(rng: random.Random, prompt_len: int, completion_len: int) -> Example:
-    tokens = [rng.randrange(1, 256) for _ in range(prompt_len + completion_len)]
-    labels = [tokens[i + 1] if i + 1 >= prompt_len else -100 for i in range(len(tokens) - 1)]
-    return make_example(tokens[:-1], labels)
-
-
-def preference_samples(kind: str, count: int = 20, seed: int = 4) -> list[PreferenceExample]:
-    """Pairs (or KTO examples) whose completions differ in length by 10x (2 or 20-28 tokens)."""
-    rng = random.Random(seed)
-
-    def completion_len(index: int) -> int:
-        return 2 if index % 3 == 0 else rng.randint(20, 28)
-
-    firsts = [sequence(rng, rng.randint(1, 6), completion_len(i)) for i in range(count)]
-    if kind == "kto":
-        return [PreferenceExample(first=firsts[i], second=mismatched(firsts[i], firsts[(i + 1) % count], 39),
-                                  desirable=i % 3 != 1) for i in range(count)]
-    return [PreferenceExample(first=first, second=sequence(rng, 3, completion_len(i + 1)))
-            for i, first in enumerate(firsts)]
 
 
 def summed_logps(model: torch.nn.Module, example: Example) -> torch.Tensor:
@@ -175,3 +152,17 @@ def test_a_per_micro_batch_pair_mean_would_be_caught():
     hand_loss("dpo", policy, reference, [samples[i] for i in order[:EFFECTIVE]]).backward()
     whole = {n: p.grad for n, p in policy.named_parameters()}
     assert relative_l2(per_micro, whole) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["dpo", "kto"])
+def test_evaluation_is_the_objectives_loss_over_everything_evaluated_as_one_window(name):
+    """KTO's reference point too is taken over all the evaluated micro-batches, not one."""
+    from cadence.engine.windows import collate_samples
+
+    samples = preference_samples(name)[:7]
+    model = tiny_model()
+    engine = Engine(model, optimizer_for(model), objective=objective_for(name, model))
+    batches = [collate_samples(samples[at:at + 3]) for at in range(0, 7, 3)]  # 3, 3 and 1 samples
+    assert engine.evaluate(batches) == pytest.approx(float(hand_loss(name, model, tiny_model(seed=1).eval(), samples)),
+                                                     rel=1e-6)
+    assert "rewards/chosen" in engine.last_eval_metrics

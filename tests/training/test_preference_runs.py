@@ -58,13 +58,19 @@ def test_bad_preference_input_is_one_line_exit_2_nothing_written(tmp_path, case)
     assert not (tmp_path / "run").exists()
 
 
-def test_a_dpo_run_logs_trls_metrics_window_wide_and_records_its_objective(tmp_path):
-    data = write_preference_jsonl(tmp_path / "pairs.jsonl", 16)
+def test_a_dpo_run_logs_trls_metrics_window_wide_evaluates_held_out_pairs_and_plots_them(tmp_path):
+    data = write_preference_jsonl(tmp_path / "pairs.jsonl", 20)
     status, out, err = run_cli(["train", "--data", str(data), "--data-cache", str(tmp_path / "cache"), "--out",
                                 str(tmp_path / "run"), "--objective", "dpo", "--beta", "0.2", "--seq-len", "64",
-                                "--micro-batch-size", "2", "--grad-accum-steps", "2", "--max-steps", "2"])
+                                "--micro-batch-size", "2", "--grad-accum-steps", "2", "--max-steps", "2",
+                                "--eval-every", "1", "--val-fraction", "0.2", "--keep-best"])
     assert status == 0, err
     rows = read_metrics(tmp_path / "run")
+    # The 4 held-out pairs' DPO loss and rewards (after each step: the policy has moved from the reference).
+    assert rows[0]["val_loss"] != pytest.approx(0.6931471805599453, rel=1e-6) and "val_rewards/margins" in rows[1]
+    assert (tmp_path / "run" / "best" / "best.json").is_file()
+    assert run_cli(["report", str(tmp_path / "run")])[0] == 0
+    assert (tmp_path / "run" / "report-rewards.png").is_file()
     assert rows[0]["loss"] == pytest.approx(0.6931471805599453, rel=1e-6)  # the policy is the reference at step 1
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert name in rows[1]
@@ -114,3 +120,68 @@ def test_with_a_reference_model_the_first_dpo_loss_is_the_independent_computatio
             losses.append(-F.logsigmoid(0.1 * margin))
     [row] = read_metrics(tmp_path / "run")
     assert row["loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-6)
+
+
+def _train(tmp_path: Path, out: str, *extra: str) -> list[dict]:  # type: ignore[type-arg]
+    status, _, err = run_cli(["train", "--data-cache", str(tmp_path / "cache"), "--out", str(tmp_path / out),
+                              "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum-steps", "2", *extra])
+    assert status == 0, err
+    return read_metrics(tmp_path / out)
+
+
+@pytest.mark.parametrize("objective", ["dpo", pytest.param("kto", marks=pytest.mark.slow)])
+def test_a_resumed_preference_run_is_bitwise_the_uninterrupted_one(tmp_path, objective):
+    """The reference (a frozen copy of the starting weights, made before the checkpoint is loaded) and KTO's
+    window-wide reference point are the uninterrupted run's."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    data = write_preference_jsonl(tmp_path / "rows.jsonl", 24, unpaired=objective == "kto")
+    common = ["--data", str(data), "--objective", objective, "--max-steps", "4", "--checkpoint-every", "2"]
+    whole = _train(tmp_path, "whole", *common)
+    _train(tmp_path, "cut", *common)
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-4")  # as if killed right after step 2
+    resumed = _train(tmp_path, "cut", *common, "--resume")
+    assert [row["loss"] for row in resumed] == [row["loss"] for row in whole]
+    assert [row.get("rewards/chosen") for row in resumed] == [row.get("rewards/chosen") for row in whole]
+    cut, uncut = load_file(str(tmp_path / "cut" / "model.safetensors")), load_file(str(tmp_path / "whole" /
+                                                                                       "model.safetensors"))
+    assert all(torch.equal(cut[name], uncut[name]) for name in uncut)
+
+
+def test_under_lora_the_reference_is_the_base_with_the_adapters_off(tmp_path):
+    """No copy of the base: the same losses as a run scored against a frozen copy of that base (--reference-model
+    naming the same directory), step after step."""
+    pytest.importorskip("peft")
+    base = _llama_directory(tmp_path / "base", 0)
+    data = write_preference_jsonl(tmp_path / "pairs.jsonl", 12)
+    common = ["--model", str(base), "--data", str(data), "--objective", "dpo", "--lora-rank", "4", "--lr", "1e-2",
+              "--max-steps", "3"]
+    adapters_off = _train(tmp_path, "adapters-off", *common)
+    frozen_copy = _train(tmp_path, "frozen-copy", *common, "--reference-model", str(base))
+    assert adapters_off[0]["loss"] == pytest.approx(0.6931471805599453, rel=1e-6)  # adapters start at zero
+    assert [row["loss"] for row in adapters_off] == pytest.approx([row["loss"] for row in frozen_copy], rel=1e-6)
+    assert adapters_off[-1]["loss"] != pytest.approx(adapters_off[0]["loss"], rel=1e-3)  # the adapters did move
+
+
+@pytest.mark.parametrize(("objective", "ranks"), [("dpo", []), pytest.param("kto", ["--nproc-per-node", "2"],
+                                                                              marks=pytest.mark.slow)])
+def test_verify_checks_the_objective_on_its_splits_and_ranks(tmp_path, objective, ranks):
+    """The window's gradient under micro-batches of one pair (and two ranks) against the whole window in one pass,
+    the objective's own: its reference attached, its units and KTO's reference point over the window."""
+    import subprocess
+    import sys
+
+    data = write_preference_jsonl(tmp_path / "rows.jsonl", 16, unpaired=objective == "kto")
+    args = ["verify", "--data", str(data), "--data-cache", str(tmp_path / "cache"), "--objective", objective,
+            "--seq-len", "64", "--micro-batch-size", "1", "--grad-accum-steps", "2" if ranks else "4", "--steps", "1",
+            *ranks]
+    if ranks:  # the launcher starts the ranks as processes of their own
+        result = subprocess.run([sys.executable, "-m", "cadence", *args], capture_output=True, text=True,
+                                timeout=600)
+        status, out, err = result.returncode, result.stdout, result.stderr
+    else:
+        status, out, err = run_cli(args)
+    assert status == 0, err[-2000:]
+    assert "PASS" in out and "gradient relative error" in out

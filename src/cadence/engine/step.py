@@ -215,6 +215,8 @@ class Engine:
         usual path for every parameter (the same sums, to rounding)."""
         self.last_metrics: dict[str, float] = {}
         """The objective's statistics of the last window that stepped (none for the default objective)."""
+        self.last_eval_metrics: dict[str, float] = {}
+        """The same of the last evaluation (``evaluate``)."""
         self.phases: PhaseRecorder | None = None
         """Set by cadence.profiling.profiler while a profile runs; None (no annotations, no cost) otherwise."""
         self.steps = 0
@@ -565,8 +567,12 @@ class Engine:
         finally:
             self.model.train(was_training)
         summed = self.collective.all_reduce_sum(totals).tolist()
-        units = summed[width:]
-        return self.objective.window_loss(summed[:width], units) if min(units) > 0 else None
+        units = [int(count) for count in summed[width:]]
+        if min(units) <= 0:
+            self.last_eval_metrics = {}
+            return None
+        self.last_eval_metrics = self.objective.window_metrics(summed[:width], units)
+        return self.objective.window_loss(summed[:width], units)
 
     @property
     def loss_fn(self) -> LossFn:

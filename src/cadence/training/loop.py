@@ -43,7 +43,7 @@ from cadence.distributed.ranks import (
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import Prefetcher, prefetch
 from cadence.engine.step import Engine, PartialWindow, StepResult, WindowInterrupted
-from cadence.engine.windows import Window, padding_micro_batch
+from cadence.engine.windows import Window, collate_samples, padding_micro_batch
 from cadence.errors import CadenceFailure, UsageError
 from cadence.formatting import format_bytes
 from cadence.memory.optimizer_state import optimizer_state_bytes
@@ -436,6 +436,7 @@ class TrainingRun:
         done = engine.steps >= self.config.max_steps
         if not result.skipped and self.val_batches and (done or engine.steps % self.config.eval_every == 0):
             totals.last_val = row["val_loss"] = engine.evaluate(self.val_batches)
+            row.update({f"val_{name}": value for name, value in engine.last_eval_metrics.items()})  # val_rewards/...
             # Perplexity: exp of the per-token validation loss (capped: a diverged model's would overflow).
             row["val_perplexity"] = math.exp(min(row["val_loss"], 700.0))
             if clock is not None:
@@ -822,11 +823,12 @@ def _validation_batches(prep: Prepared) -> tuple[list[dict[str, torch.Tensor]], 
     if config.eval_every <= 0 or prep.data.val is None:
         return [], 0
     batches = []
-    for batch in iterate_micro_batches(prep.data.val, prep.micro_batch_size, config.seed, 0, shuffle=False):
+    for batch in iterate_micro_batches(prep.data.val, prep.micro_batch_size, config.seed, 0, shuffle=False,
+                                       collate_fn=collate_samples):  # preference samples: their two sequences
         batches.append(batch)
         if len(batches) == config.eval_batches:
             break
-    examples = sum(int(batch["input_ids"].shape[0]) for batch in batches)
+    examples = sum(prep.objective.counter().samples(batch) for batch in batches)  # a preference sample: 2 rows
     world, rank = prep.ranks.world_size, prep.ranks.rank
     per_rank = -(-len(batches) // world)
     mine = batches[rank::world]

@@ -134,6 +134,10 @@ class RunWriter:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     name = {"val_loss": "val/loss", "val_perplexity": "val/perplexity"}.get(key, f"train/{key}")
                     self._tb.add_scalar(name, value, step)
+            for key, value in row.items():  # a preference objective's metrics under TRL's names (rewards/margins)
+                if "/" in key and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key.replace("val_", "val/", 1) if key.startswith("val_") else f"train/{key}",
+                                        value, step)
             if row.get("peak_memory_bytes"):
                 self._tb.add_scalar("train/peak_memory_mib", row["peak_memory_bytes"] / 2**20, step)
             if row.get("skipped"):
@@ -220,8 +224,9 @@ METRICS_FIELDS: dict[str, Kind] = {
     **dict.fromkeys(("loss", "val_loss", "val_perplexity", "grad_norm", "lr", "loss_scale", "step_time_s",
                      "tokens_per_s", "grad_noise_scale", "grad_noise_scale_tokens", "compile_time_s"), NUMBER),
     # A preference objective's window-wide metrics (cadence.engine.preference), under TRL's names.
-    **dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-                     "logps/rejected", "kl", "nll_loss"), NUMBER),
+    **dict.fromkeys((prefix + name for prefix in ("", "val_") for name in (
+        "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected",
+        "kl", "nll_loss")), NUMBER),
     "skipped": FLAG,
     "skip_reason": TEXT,
 }
