@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from cadence.data import TokenDataset, collate, epoch_order, make_example
+from cadence.data.batching import Example
+from cadence.data.preference import PreferenceExample, mismatched
 from cadence.engine.schedules import build_lr_scheduler
 from cadence.models import GPT, GPTConfig
 
@@ -103,6 +105,51 @@ def write_jsonl(path: Path, count: int = 48) -> Path:
         # completions of 2 bytes and of 25-30 bytes: target counts differ by more than 10x
         completion = "ok" if index % 3 == 0 else "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(25, 30)))
         lines.append(json.dumps({"prompt": prompt, "completion": completion}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _sequence(rng: random.Random, prompt_len: int, completion_len: int) -> Example:
+    tokens = [rng.randrange(1, 256) for _ in range(prompt_len + completion_len)]
+    labels = [tokens[i + 1] if i + 1 >= prompt_len else -100 for i in range(len(tokens) - 1)]
+    return make_example(tokens[:-1], labels)
+
+
+def preference_samples(kind: str, count: int = 20, seed: int = 4) -> list[PreferenceExample]:
+    """Preference samples in memory (``kind`` "kto": KTO examples with their mismatched sequences and labels; else
+    pairs) whose completions differ in length by 10x (2 or 20-28 tokens): random tokens, every sequence within the
+    tiny GPT's 40 positions."""
+    rng = random.Random(seed)
+
+    def completion_len(index: int) -> int:
+        return 2 if index % 3 == 0 else rng.randint(20, 28)
+
+    firsts = [_sequence(rng, rng.randint(1, 6), completion_len(i)) for i in range(count)]
+    if kind == "kto":
+        return [PreferenceExample(first=firsts[i], second=mismatched(firsts[i], firsts[(i + 1) % count], 39),
+                                  desirable=i % 3 != 1) for i in range(count)]
+    return [PreferenceExample(first=first, second=_sequence(rng, 3, completion_len(i + 1)))
+            for i, first in enumerate(firsts)]
+
+
+def write_preference_jsonl(path: Path, count: int = 24, *, unpaired: bool = False, seed: int = 11) -> Path:
+    """``count`` preference rows of strings: pairs ``{"prompt", "chosen", "rejected"}`` whose completions differ in
+    length by 10x or more (2 to 30 bytes), or, ``unpaired``, KTO rows ``{"prompt", "completion", "label"}`` with
+    about two desirable rows to one undesirable."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "step", "scale"]
+
+    def completion(index: int) -> str:
+        return "ok" if index % 3 == 0 else "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(20, 30)))
+
+    lines = []
+    for index in range(count):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) + ":"
+        if unpaired:
+            row = {"prompt": prompt, "completion": completion(index), "label": index % 3 != 2}
+        else:
+            row = {"prompt": prompt, "chosen": completion(index), "rejected": completion(index + 1) + "!"}
+        lines.append(json.dumps(row))
     path.write_text("\n".join(lines) + "\n")
     return path
 

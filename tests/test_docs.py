@@ -17,7 +17,8 @@ declared fragment of a file a test runs.
   ``test_the_quick_start_lines_work_pasted_into_a_fresh_shell``.
 - Relative links point at files that exist, and their ``#anchors`` at headings there.
 
-The files a recipe names (``notes.txt``, ``train.jsonl``, ``chat.jsonl``, the model directory ``my-model``,
+The files a recipe names (``notes.txt``, ``train.jsonl``, ``chat.jsonl``, the preference rows ``pairs.jsonl`` and
+``kto.jsonl``, the model directory ``my-model``,
 ``train.py`` for ``cadence audit``, and ``runs/demo`` as ``make demo`` leaves it, shorter) are in every page's
 directory; ``my-model`` is a 2-layer, hidden-64 llama with a ChatML tokenizer built offline by ``tokenizers``.
 """
@@ -39,7 +40,7 @@ from pathlib import Path
 import click
 import pytest
 import torch
-from helpers import sample_text
+from helpers import sample_text, write_preference_jsonl
 
 from cadence.cli import app, main
 from cadence.config import TrainConfig, flag
@@ -216,6 +217,8 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (base / "notes.txt").write_bytes(sample_text(60_000))
     (base / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in _prompt_completions()))
     (base / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in _conversations()))
+    write_preference_jsonl(base / "pairs.jsonl", 32)
+    write_preference_jsonl(base / "kto.jsonl", 32, unpaired=True)
     shutil.copy(ROOT / "tests" / "audit" / "cases" / "good_nanogpt_accumulation.py", base / "train.py")
     _model_directory(base / "my-model")
     status = main(["train", "--seq-len", "32", "--max-steps", "3", "--val-fraction", "0",

@@ -381,6 +381,10 @@ METRICS_ROW = RecordFile(
                              "padded_positions", "epoch", "oom_retries", "peak_memory_bytes"), COUNT),
             **dict.fromkeys(("loss", "val_loss", "val_perplexity", "grad_norm", "lr", "loss_scale", "step_time_s",
                              "tokens_per_s", "grad_noise_scale", "grad_noise_scale_tokens", "compile_time_s"), NUMBER),
+            # A preference objective's window-wide metrics (cadence.engine.preference), under TRL's names.
+            **dict.fromkeys((prefix + name for prefix in ("", "val_") for name in (
+                "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                "logps/rejected", "kl", "nll_loss")), NUMBER),
             "skipped": FLAG, "skip_reason": TEXT},
     limit=None,
 )

@@ -22,7 +22,11 @@ def test_the_objective_is_made_from_the_flags_and_written_back_to_them():
     config = TrainConfig(loss_chunk_tokens=64)
     objective = Objective.from_flags(config)
     assert objective == Objective(loss_chunk_tokens=64) and objective.name == "sft"
-    assert objective.flags() == {"loss_chunk_tokens": 64}
+    assert objective.flags() == {"objective": "sft", "loss_chunk_tokens": 64, "beta": 0.1, "simpo_gamma": 0.5,
+                                 "desirable_weight": 1.0, "undesirable_weight": 1.0}
+    dpo = Objective.from_flags(TrainConfig(objective="dpo", beta=0.3))
+    assert (dpo.name, dpo.beta, dpo.pairs, dpo.needs_reference) == ("dpo", 0.3, True, True)
+    assert Objective.from_flags(dpo.flags()) == dpo
     assert Objective.from_flags(objective.flags()) == objective
     assert Objective.from_flags({}) == Objective()  # a record from before the objective existed
     assert "targets" in objective.units[0] and "token mean" in objective.describe()
@@ -32,6 +36,11 @@ def test_its_problems_name_the_flag():
     [problem] = Objective.problems(TrainConfig(loss_chunk_tokens=-1))
     assert problem.where == "--loss-chunk-tokens" and "at least 0" in problem.message
     assert Objective.problems(TrainConfig()) == []
+    wheres = [p.where for p in Objective.problems(TrainConfig(objective="orpo", beta=-1.0, desirable_weight=2.0,
+                                                              packing=True))]
+    assert wheres == ["--beta", "--desirable-weight", "--packing"]
+    [problem] = Objective.problems({"objective": "ppo"})
+    assert problem.where == "--objective" and "'ppo' is not one of sft, dpo" in problem.message
 
 
 def test_the_sft_loss_sum_is_chosen_for_the_model_as_train_chose_it():

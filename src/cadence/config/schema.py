@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from cadence.data.chat import TrainOn
 from cadence.data.choices import TooLong
-from cadence.engine.choices import DEFAULT_MIN_LR_RATIO, LastWindow, LRScheduleName, PrecisionName
+from cadence.engine.choices import DEFAULT_MIN_LR_RATIO, LastWindow, LRScheduleName, ObjectiveName, PrecisionName
 from cadence.engine.cut import MicroBatchOrder
 from cadence.memory.choices import CheckpointingMode, OffloadMode
 from cadence.optim.choices import OptimizerName, OptimizerStateName
@@ -71,6 +71,7 @@ CUT = _section("Micro-batch cut", "plan", "profile", "verify")
 PRECISION = _section("Precision and memory levers", "plan", "profile", "verify")
 OPTIMIZER = _section("Optimizer", "plan", "profile", "verify")
 LORA = _section("LoRA adapters", "plan", "profile", "verify")
+OBJECTIVE = _section("Objective", "plan", "profile", "verify")
 DEVICE = _section("Device and seed", "plan", "profile", "verify")
 DISTRIBUTED = _section("Distributed", "verify")
 # What a measurement of speed and memory also depends on (verify compares gradients exactly: fp32 matmuls stay exact).
@@ -86,7 +87,8 @@ VALIDATION = _section("Validation")
 NOISE_SCALE = _section("Gradient noise scale", "profile")
 CHECKPOINTS = _section("Checkpoints, resume and export")
 
-SECTIONS: tuple[Section, ...] = (MODEL, DATA, BATCH, CUT, PRECISION, MEMORY, SPEED, OPTIMIZER, LORA, SCHEDULE, LENGTH,
+SECTIONS: tuple[Section, ...] = (MODEL, DATA, BATCH, CUT, PRECISION, MEMORY, SPEED, OPTIMIZER, LORA, OBJECTIVE, SCHEDULE,
+                                 LENGTH,
                                  VALIDATION, NOISE_SCALE, DEVICE, DISTRIBUTED, RUN_DIRECTORY, CHECKPOINTS, FROM_PLAN)
 """In --help order."""
 
@@ -236,6 +238,26 @@ class TrainConfig:
     in the forward and again in the backward. Embeddings, norms and the LM head stay fp32. Not the same math as the
     full-precision base (4-bit weights); not with --strategy fsdp; model.safetensors holds the packed codes and
     their scales, and --save-hf the adapter alone, for the original base."""
+    objective: ObjectiveName = setting("sft", OBJECTIVE, changes_math=True)
+    """What training minimises: sft (next-token cross-entropy on the targets), or on preference rows (TRL's
+    formats: {"prompt", "chosen", "rejected"} pairs, strings or message lists) dpo (sigmoid DPO against a reference
+    model), ipo, simpo (length-normalised, no reference) or orpo (the chosen completion's NLL plus the odds-ratio
+    term, no reference); kto on {"prompt", "completion", "label"} rows. Each divides by its unit counted over the
+    whole window and every process (pairs; KTO: examples; ORPO's NLL: chosen targets), so any split gives one big
+    batch's gradient."""
+    beta: float = setting(0.1, OBJECTIVE, changes_math=True)
+    """dpo, ipo, simpo, orpo, kto: beta, TRL's name and default (IPO's tau; ORPO's lambda, the weight of its
+    odds-ratio term)."""
+    simpo_gamma: float = setting(0.5, OBJECTIVE, changes_math=True)
+    """simpo: the target reward margin gamma (TRL's CPOConfig default)."""
+    desirable_weight: float = setting(1.0, OBJECTIVE, changes_math=True)
+    """kto: the weight of a desirable example's loss."""
+    undesirable_weight: float = setting(1.0, OBJECTIVE, changes_math=True)
+    """kto: the weight of an undesirable example's loss."""
+    reference_model: Path | None = setting(None, OBJECTIVE, changes_math=True)
+    """dpo, ipo, kto: score against this model directory (save_pretrained; the same tokenizer) instead of the
+    starting weights. Default: the starting weights, which under --lora-rank are the base with the adapters turned
+    off (no second copy in memory) and otherwise a frozen copy made before training."""
     lr_schedule: LRScheduleName = setting("cosine", SCHEDULE, changes_math=True)
     """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
     warmup_steps: int = setting(0, SCHEDULE, changes_math=True)

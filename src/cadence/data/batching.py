@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import overload
+from typing import Any, overload
 
 import torch
 
@@ -150,17 +150,20 @@ def iterate_micro_batches(
     seed: int,
     epoch: int,
     shuffle: bool = True,
+    *,
+    collate_fn: Callable[[list[Any]], dict[str, torch.Tensor]] = collate,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield collated micro-batches of one epoch, in consecutive groups of ``micro_batch_size``.
 
     The last micro-batch may be smaller and is never dropped: the caller groups micro-batches into accumulation
     windows and needs every sample, so that micro 8 x accum 1, micro 2 x accum 4 and micro 1 x accum 8 see exactly
-    the same samples in each window. ``shuffle=False`` walks the dataset in index order (validation).
+    the same samples in each window. ``shuffle=False`` walks the dataset in index order (validation). ``collate_fn``
+    makes a micro-batch of the drawn samples (preference samples: :func:`cadence.engine.windows.collate_samples`).
     """
     # Computed eagerly (not inside the generator) so that a bad micro_batch_size fails at the call, not later.
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     order = epoch_order(len(dataset), seed, epoch) if shuffle else torch.arange(len(dataset))
     # One int64 tensor for the epoch; each micro-batch's indices become Python ints only when it is collated.
-    return (collate([dataset[i] for i in order[start:start + micro_batch_size].tolist()])
+    return (collate_fn([dataset[i] for i in order[start:start + micro_batch_size].tolist()])
             for start in range(0, len(dataset), micro_batch_size))

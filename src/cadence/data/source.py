@@ -15,6 +15,9 @@ The kinds:
 - ``chat``: a .jsonl file of conversations (``messages``, conversational prompt/completion lists, ShareGPT
   ``conversations``, or the column --messages-field names), rendered under the model's chat template with an exact
   trained-token mask (:mod:`cadence.data.chat`, :mod:`cadence.data.chat_store`), whatever the model;
+- ``pairs`` and ``unpaired``: a .jsonl file of preference rows, ``{"prompt", "chosen", "rejected"}`` pairs or
+  ``{"prompt", "completion", "label"}`` unpaired rows (KTO), strings or message lists under the chat template
+  (:mod:`cadence.data.preference_store`), each sample two sequences (:mod:`cadence.data.preference`);
 - ``datasets``: hf:DIR, .parquet, .csv and .json, read with datasets;
 - ``store``: a token store directory written by ``cadence prepare-data``.
 
@@ -36,11 +39,14 @@ from cadence.data.choices import TooLong
 from cadence.data.hf import as_tokenizer, hf_recipe, is_hf_data
 from cadence.data.jsonl import TextFields
 from cadence.data.load import byte_recipe, is_store, open_prepared_store
+from cadence.data.preference import preference_splits
+from cadence.data.preference_store import preference_format, preference_recipe
 from cadence.data.sources import BYTES_TOKENIZER, jsonl_recipe
 from cadence.data.splits import DataSplits, splits_from_store
 from cadence.errors import Problem, UsageError
 
-SourceKind = Literal["corpus", "text", "jsonl", "chat", "datasets", "store"]
+SourceKind = Literal["corpus", "text", "jsonl", "chat", "pairs", "unpaired", "datasets", "store"]
+PREFERENCE_KINDS: tuple[SourceKind, ...] = ("pairs", "unpaired")
 
 FIELD_DEFAULTS: dict[str, Any] = {"text_field": "text", "prompt_field": "prompt", "completion_field": "completion",
                                   "messages_field": None, "chat_template": None, "train_on": "assistant"}
@@ -101,6 +107,10 @@ class Source:
                        "all": "every token"}[self.train_on]
             template = f" under {self.chat_template}" if self.chat_template else ""
             return f"chat JSONL file {self.path}{template}, trained on {trained}"
+        if self.kind in PREFERENCE_KINDS:
+            what = "preference pairs" if self.kind == "pairs" else "unpaired preference rows (KTO)"
+            template = f" under {self.chat_template}" if self.chat_template else ""
+            return f"JSONL file of {what} {self.path}{template}"
         return {"text": "text", "jsonl": "JSONL file", "datasets": "dataset", "store": "token store"}[self.kind] \
             + f" {self.path}"
 
@@ -113,6 +123,12 @@ class Source:
         if self.kind == "chat":
             wrong = given & column_flags
             why = "chat data holds conversations, not text or prompt/completion columns"
+        elif self.kind in PREFERENCE_KINDS:
+            # Preference rows have TRL's fixed names; a completion is always what is trained (the chat template
+            # still renders conversational rows).
+            wrong = given - {"chat_template"}
+            why = ("preference rows hold TRL's fields (prompt, chosen, rejected; or prompt, completion, label) and "
+                   "train on their completions")
         elif self.kind in ("jsonl", "datasets", "store"):
             # A dataset's rows are seen only when it is read: chat flags are checked then (hf_recipe's ChatRoute).
             wrong = given & chat_flags if self.kind != "datasets" else set()
@@ -138,6 +154,9 @@ def _kind(path: Path | None, messages_field: str | None) -> SourceKind:
         return "datasets"
     if path.suffix.lower() == ".jsonl" and not path.is_dir():
         record = first_record(path)
+        # Before chat: an unpaired row of message lists is a conversational prompt/completion row with a label.
+        if messages_field is None and (form := preference_format(record)) is not None:
+            return form
         if isinstance(record, Mapping) and detect_chat_format(record, messages_field=messages_field) is not None:
             return "chat"
         return "jsonl"
@@ -150,7 +169,7 @@ def source_recipe(source: Source, tokenizer: Any | None, *, progress: IO[str] | 
     dispatch every command uses. A store given as --data has no recipe (:func:`open_source` opens it)."""
     if source.kind == "store" or source.path is None and source.kind != "corpus":
         raise ValueError(f"a {source.kind} source is opened, not built")
-    if source.kind in ("chat", "datasets"):
+    if source.kind in ("chat", "datasets", *PREFERENCE_KINDS):
         assert source.path is not None
         template, flag = chat_template_for(getattr(as_tokenizer(tokenizer), "hf_tokenizer", None)
                                            if tokenizer is not None else None, source.chat_template)
@@ -158,6 +177,9 @@ def source_recipe(source: Source, tokenizer: Any | None, *, progress: IO[str] | 
                                 messages_field=source.messages_field)
         if source.kind == "chat":
             return chat_recipe(source.path, tokenizer=as_tokenizer(tokenizer), settings=settings, progress=progress)
+        if source.kind in PREFERENCE_KINDS:
+            return preference_recipe(source.path, "pairs" if source.kind == "pairs" else "unpaired",
+                                     tokenizer=as_tokenizer(tokenizer), settings=settings, progress=progress)
         # Parquet, json and saved datasets: conversations when the first row is one (seen only when it is read).
         given = [name for name in ("messages_field", "chat_template", "train_on")
                  if getattr(source, name) != FIELD_DEFAULTS[name]]
@@ -187,6 +209,9 @@ def open_source(source: Source, tokenizer: Any | None, *, seq_len: int, val_frac
         assert source.path is not None
         identity = as_tokenizer(tokenizer).identity if tokenizer is not None else BYTES_TOKENIZER
         store = open_prepared_store(source.path, expected_tokenizer=identity)
+        if store.meta.get("preference"):
+            return preference_splits(store, seq_len=seq_len, val_fraction=val_fraction, from_cache=False,
+                                     source=f"token store {source.path}", too_long=too_long)
         return splits_from_store(store, seq_len=seq_len, val_fraction=val_fraction, from_cache=False,
                                  source=f"token store {source.path} ({store.meta.get('description', '')})",
                                  too_long=too_long)
@@ -198,10 +223,13 @@ def open_source(source: Source, tokenizer: Any | None, *, seq_len: int, val_frac
                       f"tool that masks labels by the pad id would not train it", stacklevel=2)
     recipe = source_recipe(source, tokenizer, progress=progress)
     opened = open_or_build(recipe, cache_dir)
+    from_cache = not opened.built and cache_dir is not None
+    if source.kind in PREFERENCE_KINDS:
+        return preference_splits(opened.store, seq_len=seq_len, val_fraction=val_fraction, from_cache=from_cache,
+                                 source=source.describe(), too_long=too_long, lines_of=source.path)
     # Messages name file:line for cadence's own readers (text, JSONL, chat), the row for datasets'.
     lines_of = source.path if source.kind in ("text", "jsonl", "chat") else None
-    return splits_from_store(opened.store, seq_len=seq_len, val_fraction=val_fraction,
-                             from_cache=not opened.built and cache_dir is not None,
+    return splits_from_store(opened.store, seq_len=seq_len, val_fraction=val_fraction, from_cache=from_cache,
                              max_stream_tokens=max_corpus_bytes if source.kind == "corpus" else None,
                              source=_described(source, opened.store.meta, byte_level=tokenizer is None),
                              lines_of=lines_of, too_long=too_long)
@@ -223,4 +251,4 @@ def _described(source: Source, meta: Mapping[str, Any], *, byte_level: bool) -> 
     return None if source.kind == "corpus" else str(meta.get("description") or source.describe())
 
 
-__all__ = ["FIELD_DEFAULTS", "Source", "SourceKind", "TRAIN_ON", "open_source", "source_recipe"]
+__all__ = ["FIELD_DEFAULTS", "PREFERENCE_KINDS", "Source", "SourceKind", "TRAIN_ON", "open_source", "source_recipe"]

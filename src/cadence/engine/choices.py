@@ -22,6 +22,7 @@ and pretraining alike; 0.0 decays to nothing, which leaves the last steps with a
 LastWindow = Literal["step", "drop"]
 LAST_WINDOW_CHOICES: tuple[LastWindow, ...] = ("step", "drop")
 
-ObjectiveName = Literal["sft"]
-OBJECTIVES: tuple[ObjectiveName, ...] = ("sft",)
-"""What the step chain minimises (cadence.engine.objective): sft, next-token cross-entropy over the targets."""
+ObjectiveName = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"]
+OBJECTIVES: tuple[ObjectiveName, ...] = ("sft", "dpo", "ipo", "simpo", "orpo", "kto")
+"""What the step chain minimises (cadence.engine.objective): sft, next-token cross-entropy over the targets; dpo, ipo,
+simpo and orpo on preference pairs; kto on unpaired rows with a desirable/undesirable label."""

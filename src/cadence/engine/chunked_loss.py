@@ -84,6 +84,27 @@ def targets_only_cross_entropy_sum(model: torch.nn.Module, batch: Batch, chunk_t
     """The micro-batch's next-token loss sum with the head applied to the target positions only: the model's forward
     with its head bypassed, one ``index_select`` of the positions with labels != -100, then the head and the
     cross-entropy ``chunk_tokens`` targets at a time (None: all at once) by :func:`chunked_head_cross_entropy_sum`."""
+    hidden, targets, _, head = target_hidden_states(model, batch)
+    return chunked_head_cross_entropy_sum(hidden, targets, head, chunk_tokens)
+
+
+def target_losses(model: torch.nn.Module, batch: Batch, chunk_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each target's cross-entropy (one per position with labels != -100, in row-major order) and its position in the
+    flattened [rows x width] batch, the head applied to the target positions only, ``chunk_tokens`` at a time (None:
+    all at once): what a loss summed per sequence (a preference objective's log-probabilities) needs."""
+    hidden, targets, positions, head = target_hidden_states(model, batch)
+    if chunk_tokens is None or not torch.is_grad_enabled() or hidden.shape[0] <= chunk_tokens:
+        return _chunk_losses(head.module, head.transform, hidden, targets), positions
+    parts = [checkpoint(_chunk_losses, head.module, head.transform, rows, wanted, use_reentrant=False,
+                        preserve_rng_state=False)
+             for rows, wanted in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True)]
+    return torch.cat(parts), positions
+
+
+def target_hidden_states(model: torch.nn.Module, batch: Batch
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, OutputHead]:
+    """The model's forward with its output head bypassed: the head's input at every position with a target ([N, H]),
+    the targets ([N]), their positions in the flattened batch ([N]) and the head."""
     head = output_head(model)
     labels = batch["labels"].flatten()
     # The one host sync: the positions with a target, before the trunk's forward is queued, so that the device
@@ -96,7 +117,7 @@ def targets_only_cross_entropy_sum(model: torch.nn.Module, batch: Batch, chunk_t
         raise RuntimeError(f"the model called its output head {len(captured)} times in one forward; the chunked "
                            f"loss needs exactly one call (cadence.models.heads.chunking_problem checks this)")
     hidden = captured.pop().flatten(0, 1).index_select(0, positions)
-    return chunked_head_cross_entropy_sum(hidden, labels.index_select(0, positions), head, chunk_tokens)
+    return hidden, labels.index_select(0, positions), positions, head
 
 
 def chunked_head_cross_entropy_sum(hidden: torch.Tensor, targets: torch.Tensor, head: OutputHead,
@@ -125,6 +146,15 @@ def chunked_head_cross_entropy_sum(hidden: torch.Tensor, targets: torch.Tensor, 
     return total
 
 
+def _chunk_losses(head: torch.nn.Module, transform: LogitTransform | None, rows: torch.Tensor,
+                  wanted: torch.Tensor) -> torch.Tensor:
+    """Each row's cross-entropy, as :func:`_chunk_loss_sum` computes their sum."""
+    logits = head(rows).float()
+    if transform is not None:
+        logits = transform(logits)
+    return F.cross_entropy(logits, wanted, reduction="none")
+
+
 def _chunk_loss_sum(head: torch.nn.Module, transform: LogitTransform | None, rows: torch.Tensor,
                     wanted: torch.Tensor) -> torch.Tensor:
     # The head in the autocast dtype, as the model's forward would run it; the loss in fp32, as
@@ -135,5 +165,5 @@ def _chunk_loss_sum(head: torch.nn.Module, transform: LogitTransform | None, row
     return F.cross_entropy(logits, wanted, reduction="sum")
 
 
-__all__ = ["ChunkedCrossEntropy", "TargetsOnlyCrossEntropy", "chunked_head_cross_entropy_sum",
-           "targets_only_cross_entropy_sum"]
+__all__ = ["ChunkedCrossEntropy", "TargetsOnlyCrossEntropy", "chunked_head_cross_entropy_sum", "target_hidden_states",
+           "target_losses", "targets_only_cross_entropy_sum"]

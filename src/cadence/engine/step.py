@@ -24,7 +24,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -142,6 +142,9 @@ class StepResult:
     None when not measured (no ``noise_scale``, one batch size only) or not yet positive."""
     grad_noise_scale_tokens: float | None = None
     """The same in tokens (sequences x mean real tokens per sequence)."""
+    objective_metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's statistics of the window under TRL's names (a preference objective's ``rewards/chosen``,
+    ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``, ...); empty for sft."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -150,6 +153,7 @@ class StepResult:
     def as_metrics(self) -> dict[str, Any]:
         """The metrics.jsonl row of docs/ARCHITECTURE.md, "The run directory" (plus ``window``, ``targets`` and ``skip_reason``)."""
         row = asdict(self)
+        row.update(row.pop("objective_metrics"))
         row["tokens_per_s"] = self.tokens_per_s
         return row
 
@@ -190,7 +194,7 @@ class Engine:
         """What the step chain minimises: the loss, its reduction unit and the reported loss
         (cadence.engine.objective); a bare ``loss_fn`` is the sft objective computed by that function."""
         self.collective: Collective = collective or SingleProcess()
-        self.counter = counter or WindowCounter()
+        self.counter = counter or self.objective.counter()
         self.skip_nonfinite = skip_nonfinite
         self.offload_activations = offload_activations
         """Keep the tensors saved for backward in host memory (``cadence.memory.offload.activation_offload``)."""
@@ -211,6 +215,8 @@ class Engine:
         usual path for every parameter (the same sums, to rounding)."""
         self.last_metrics: dict[str, float] = {}
         """The objective's statistics of the last window that stepped (none for the default objective)."""
+        self.last_eval_metrics: dict[str, float] = {}
+        """The same of the last evaluation (``evaluate``)."""
         self.phases: PhaseRecorder | None = None
         """Set by cadence.profiling.profiler while a profile runs; None (no annotations, no cost) otherwise."""
         self.steps = 0
@@ -333,7 +339,7 @@ class Engine:
         loss_sum = self._resumed_sums(resume)
         last = len(window.micro_batches) - 1
         try:
-            statistic = self.objective.window_statistic(self.model, window, reduce=self.collective.all_reduce_sum)
+            statistic = self._window_statistic(window)
             for index, micro_batch in enumerate(window.micro_batches):
                 if resume is not None and index < resume.micro_batches_done:
                     continue  # their gradients were restored from the checkpoint
@@ -404,6 +410,13 @@ class Engine:
         ``.grad`` (cadence.memory.grad_in_place), or the shared no-op."""
         return accumulate_in_place(self.model) if self.gradients_in_place else NO_PHASE
 
+    def _window_statistic(self, window: Window) -> torch.Tensor | None:
+        """The objective's statistic of the whole window (KTO's reference point), before the first backward; None for
+        an objective without one. Its all-reduce (when there is one) is a host sync per window."""
+        return self.objective.window_statistic(
+            self.model, window, reduce=self.collective.all_reduce_sum, autocast=self.precision.autocast,
+            to_device=lambda batch: _to_device(batch, self.device))
+
     def _resumed_sums(self, resume: PartialWindow | None) -> torch.Tensor:
         """The window's loss sums and statistics so far (float64, on the device): zeros, or what the interrupted
         window had summed before it stopped."""
@@ -469,6 +482,7 @@ class Engine:
             peak_memory_bytes=peak_memory_bytes,
             grad_noise_scale=noise.sequences if noise else None,
             grad_noise_scale_tokens=noise.tokens if noise else None,
+            objective_metrics=dict(self.last_metrics) if loss is not None else {},
         )
 
     def _skip_empty_window(
@@ -537,18 +551,28 @@ class Engine:
         width = len(self.objective.units) + len(self.objective.statistic_names)
         totals = torch.zeros(width + len(self.objective.units), dtype=torch.float64)
         try:
+            statistic = None
+            if self.objective.has_window_statistic:
+                # KTO's reference point over everything evaluated, as one window (the batches held for a second pass).
+                micro_batches = list(micro_batches)
+                if micro_batches:
+                    statistic = self._window_statistic(make_window(micro_batches, counter=self.counter))
             for micro_batch in micro_batches:
                 batch = _to_device(micro_batch, self.device)
                 with self.precision.autocast():
-                    loss = self.objective.micro_batch_loss(self.model, batch)
+                    loss = self.objective.micro_batch_loss(self.model, batch, statistic)
                 totals[:width] += self.objective.detached(loss).cpu()
                 totals[width:] += torch.tensor(self.objective.batch_units(micro_batch, self.counter),
                                                dtype=torch.float64)
         finally:
             self.model.train(was_training)
         summed = self.collective.all_reduce_sum(totals).tolist()
-        units = summed[width:]
-        return self.objective.window_loss(summed[:width], units) if min(units) > 0 else None
+        units = [int(count) for count in summed[width:]]
+        if min(units) <= 0:
+            self.last_eval_metrics = {}
+            return None
+        self.last_eval_metrics = self.objective.window_metrics(summed[:width], units)
+        return self.objective.window_loss(summed[:width], units)
 
     @property
     def loss_fn(self) -> LossFn:

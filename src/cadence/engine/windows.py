@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from cadence.data.batching import IGNORE_INDEX, PAD_TOKEN_ID, Example, collate, epoch_order
+from cadence.data.preference import PreferenceExample, collate_preference
 from cadence.engine.cut import Cut, rank_bounds
 
 Batch = Mapping[str, torch.Tensor]
@@ -411,12 +413,20 @@ def _window_of_shares(source: Sequence[Example], shares: Sequence[Sequence[int]]
     # A micro-batch whose packed rows each hold one example is an unpacked micro-batch: collated as one, with no
     # position ids, it runs the plain causal attention bit for bit (text of full --seq-len sequences packs so, and a
     # run resumed with --packing added then continues exactly).
-    batches = [collate([source[mine[row[0]]] for row in rows]) if all(len(row) == 1 for row in rows)
+    batches = [collate_samples([source[mine[row[0]]] for row in rows]) if all(len(row) == 1 for row in rows)
                else collate_packed([[source[mine[k]] for k in row] for row in rows]) for rows in plans[rank]]
     window = Window(micro_batches=[], targets=0, tokens=0, samples=0, epoch=epoch, short=short)
     # Samples are examples, not packed rows.
     return _assembled(batches, most=max(len(plan) for plan in plans), samples=len(mine), window=window,
                       largest_share=largest_share, counter=counter, drawn=DrawnSamples(mine, source))
+
+
+def collate_samples(samples: Sequence[Example] | Sequence[PreferenceExample]) -> dict[str, torch.Tensor]:
+    """A micro-batch of one sample per row: examples right-padded (:func:`cadence.data.batching.collate`), or
+    preference samples as their two sequences' rows (:func:`cadence.data.preference.collate_preference`)."""
+    if samples and isinstance(samples[0], PreferenceExample):
+        return collate_preference(cast(Sequence[PreferenceExample], samples))
+    return collate(cast(Sequence[Example], samples))
 
 
 def collate_packed(rows: Sequence[Sequence[Example]]) -> dict[str, torch.Tensor]:

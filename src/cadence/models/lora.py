@@ -18,10 +18,11 @@ peft is an optional dependency (``cadence[hf]``), imported only when LoRA is ask
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,21 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s LoRA layers compute their base layer alone (peft's ``enable_adapters(False)``
+    on each): the model is the base it was built from, with no copy of it. A preference objective's reference."""
+    layers = [module for module in model.modules() if hasattr(module, "enable_adapters") and
+              hasattr(module, "base_layer")]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
 def hold_base_in_bf16(model: nn.Module) -> int:
     """Cast the frozen linear layers' weights and biases to bf16 in place (--lora-base-precision bf16); returns the
     elements cast.
@@ -256,5 +272,5 @@ def write_adapter(model: nn.Module, directory: Path, weights: Mapping[str, torch
     config.save_pretrained(str(directory))  # peft's own adapter_config.json
 
 
-__all__ = ["LoraSettings", "LoraShape", "apply_lora", "hold_base_in_bf16", "is_lora", "lora_shape",
+__all__ = ["LoraSettings", "LoraShape", "adapters_disabled", "apply_lora", "hold_base_in_bf16", "is_lora", "lora_shape",
            "parameter_counts", "peft_problem", "split_targets", "write_adapter"]

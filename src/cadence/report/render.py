@@ -149,6 +149,27 @@ def lr_figure(rows: Sequence[Row]) -> Figure:
     return fig
 
 
+def rewards_figure(rows: Sequence[Row]) -> Figure:
+    """A preference objective's window-wide rewards per step (TRL's names): chosen, rejected and their margin, with
+    the accuracy (the share of pairs whose chosen reward is the larger) on a second axis; validation's as dots."""
+    fig, ax = _axes("Rewards", "optimizer step", "reward (beta x log-ratio)")
+    for key, colour in (("rewards/chosen", "tab:green"), ("rewards/rejected", SKIPPED), ("rewards/margins", TRAIN)):
+        steps, values = _stepped(rows, key)
+        if steps:
+            ax.plot(steps, values, color=colour, lw=1.2, label=key)
+        val_steps, val_values = _stepped(rows, "val_" + key)
+        if val_steps:
+            ax.plot(val_steps, val_values, "o", color=colour, ms=4, label="validation " + key.split("/")[1])
+    steps, accuracies = _stepped(rows, "rewards/accuracies")
+    if steps:
+        share = ax.twinx()
+        share.plot(steps, accuracies, color="grey", lw=1, ls=":", label="rewards/accuracies")
+        share.set_ylim(0, 1)
+        share.set_ylabel("accuracy")
+    _legend(ax, loc="best")
+    return fig
+
+
 def throughput_figure(rows: Sequence[Row], *, average: float | None, profiled_steps: set[int]) -> Figure:
     """Tokens/s per step; steps slowed by the memory profiler are marked, the run's average is a line."""
     fig, ax = _axes("Throughput", "optimizer step", "tokens / s")

@@ -479,6 +479,11 @@ def _run_plots(rows: list[dict[str, Any]], config: dict[str, Any], summary: dict
             "report-noise-scale.png", "The gradient noise scale (sequences, its moving average after each step) "
             "against the run's effective batch: above the line the batch is below the critical batch, below it "
             "above.", plots.noise_scale_figure(rows, effective=effective if plots.finite(effective) else None)))
+    if any(plots.finite(row.get("rewards/margins")) or plots.finite(row.get("rewards/chosen")) for row in rows):
+        blocks.append(plot_block("report-rewards.png", "The preference objective's rewards over each window (beta x "
+                                 "the log-ratio to the reference): chosen, rejected and their margin; the dotted grey "
+                                 "line is the share of pairs whose chosen reward is the larger (right axis).",
+                                 plots.rewards_figure(rows)))
     if any(plots.finite(row.get("loss_scale")) for row in rows):
         blocks.append(plot_block("report-loss-scale.png", "fp16 loss scale per window (log2 scale); red x: skipped.",
                             plots.loss_scale_figure(rows)))

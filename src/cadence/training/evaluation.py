@@ -11,7 +11,7 @@ import torch
 
 from cadence.data import iterate_micro_batches
 from cadence.engine.step import Engine
-from cadence.engine.windows import padding_micro_batch
+from cadence.engine.windows import collate_samples, padding_micro_batch
 from cadence.training.prepare import Prepared
 
 PERPLEXITY_CAP = 700.0
@@ -69,6 +69,7 @@ class Evaluation:
         """Evaluate the model now into ``row`` (``val_loss``, ``val_perplexity``) and count it; True when it is the
         best so far. The engine sums over ranks: every rank calls it."""
         row["val_loss"] = engine.evaluate(self.batches)
+        row.update({f"val_{name}": value for name, value in engine.last_eval_metrics.items()})  # val_rewards/...
         row["val_perplexity"] = math.exp(min(row["val_loss"], PERPLEXITY_CAP))
         return self.best.evaluated(engine.steps, row["val_loss"])
 
@@ -114,11 +115,12 @@ def validation_batches(prep: Prepared) -> tuple[list[dict[str, torch.Tensor]], i
     if config.eval_every <= 0 or prep.data.val is None:
         return [], 0
     batches = []
-    for batch in iterate_micro_batches(prep.data.val, prep.micro_batch_size, config.seed, 0, shuffle=False):
+    for batch in iterate_micro_batches(prep.data.val, prep.micro_batch_size, config.seed, 0, shuffle=False,
+                                       collate_fn=collate_samples):  # preference samples: their two sequences
         batches.append(batch)
         if len(batches) == config.eval_batches:
             break
-    examples = sum(int(batch["input_ids"].shape[0]) for batch in batches)
+    examples = sum(prep.objective.counter().samples(batch) for batch in batches)  # a preference sample: 2 rows
     world, rank = prep.ranks.world_size, prep.ranks.rank
     per_rank = -(-len(batches) // world)
     mine = batches[rank::world]

@@ -227,6 +227,8 @@ class TrainingRun:
                  f"{config.precision}, recompute {config.activation_checkpointing}, offload {config.offload}\n"
                  + batch_words(prep, micro) + f"\ndata: {prep.data.description}\nrun directory: {prep.out}",
                  noise_scale_announcement(self.engine, prep.grad_accum_steps), self.evaluation.announcement(prep)]
+        if self.engine.objective.name != "sft":  # a preference objective: what is minimised, against what
+            lines.insert(1, f"objective: {self.engine.objective.describe()}")
         if prep.built.pending is not None:
             lines.append(f"weights: loaded once, each of the {prep.world_size} ranks reading only its own shard of "
                          f"{config.model}'s safetensors")

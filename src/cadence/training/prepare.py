@@ -32,6 +32,7 @@ from cadence.models.heads import chunking_problem
 from cadence.models.hf import save_hf_problem
 from cadence.models.spec import ModelSpec
 from cadence.optim.spec import OptimizerSpec
+from cadence.training.reference import reference_problem
 from cadence.training.run_dir import exported_before
 
 
@@ -137,6 +138,11 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
         raise UsageError.single("--micro-batch-tokens", f"{config.micro_batch_tokens} is below the sequence length "
                                                         f"{seq_len}: the longest example must fit one micro-batch")
     source, data = load_sources(config, seq_len, built.tokenizer, spec.shape.vocab_size, ranks=ranks)
+    objective = Objective.from_flags(config)
+    if (problem := objective.data_problem(data.train)) is not None:
+        raise UsageError.single("--objective", problem)
+    if (problem := reference_problem(config, spec.shape.vocab_size)) is not None:
+        raise UsageError.single("--reference-model", problem)
     micro = config.resolved_micro_batch_size(world_size)
     grad_accum_steps = config.resolved_grad_accum_steps(world_size)
     effective = micro * grad_accum_steps * world_size
@@ -161,7 +167,7 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
         config=config, device=device, seq_len=seq_len, micro_batch_size=micro,
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
         memory_budget_bytes=config.memory_budget_bytes(), spec=spec, built=built, ranks=ranks, source=source,
-        cut=Cut.from_flags(config, micro_batch_size=micro, seq_len=seq_len), objective=Objective.from_flags(config),
+        cut=Cut.from_flags(config, micro_batch_size=micro, seq_len=seq_len), objective=objective,
         optimizer=OptimizerSpec.from_flags(config),
     )
 

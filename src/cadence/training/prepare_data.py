@@ -26,6 +26,7 @@ from cadence.data import (
 from cadence.data.cache import open_or_build, write_store
 from cadence.data.choices import TOO_LONG_CHOICES
 from cadence.data.hf import ByteTokenizer, as_tokenizer
+from cadence.data.preference import preference_splits
 from cadence.data.source import Source, source_recipe
 from cadence.errors import Problem, UsageError
 from cadence.formatting import format_bytes
@@ -65,7 +66,11 @@ def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO
     def accept(store: TokenStore) -> None:
         # With --seq-len the store must be usable at it (--too-long error refuses it), and is checked before it is
         # kept: a refused store is not left in --out or the cache.
-        if config.seq_len is not None:
+        if config.seq_len is not None and store.meta.get("preference"):
+            at_seq_len.append(preference_splits(store, seq_len=config.seq_len, val_fraction=0.0, from_cache=False,
+                                                source=str(config.data), too_long=config.too_long,
+                                                lines_of=None if given_store else config.data))
+        elif config.seq_len is not None:
             at_seq_len.append(splits_from_store(store, seq_len=config.seq_len, val_fraction=0.0, from_cache=False,
                                                 lines_of=None if given_store else config.data,
                                                 too_long=config.too_long))
@@ -102,6 +107,9 @@ def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO
     if isinstance(chat, dict) and store.indexes.get("train") is not None and len(store.indexes["train"]):
         summary["chat"] = {**chat, "trained_share": chat["trained_tokens"] / max(1, chat["tokens"]),
                            "example": marked_example(store, as_tokenizer(tokenizer), colour=False)}
+    preference = store.meta.get("preference")
+    if isinstance(preference, dict) and store.indexes.get("train") is not None and len(store.indexes["train"]):
+        summary["preference"] = preference_summary(store, as_tokenizer(tokenizer))
     if options.json:
         print(json.dumps(summary, indent=1), file=stream)
     else:
@@ -119,15 +127,30 @@ TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"
 _GREEN, _RESET = "\033[32;1m", "\033[0m"
 
 
-def marked_example(store: TokenStore, tokenizer: Any, *, colour: bool) -> str:
-    """The store's first training example as text, its trained tokens marked (``[[...]]``, or green on a
-    terminal): what the loss is on, to be seen before training."""
-    offset, length = (int(v) for v in store.indexes["train"][0, :2])
+def preference_summary(store: TokenStore, tokenizer: Any) -> dict[str, Any]:
+    """A preference store's samples: how many, the pairs skipped for an identical chosen and rejected, the lengths
+    of each side (tokens per sequence), and the first sample's sequences with their trained tokens marked."""
+    meta = dict(store.meta["preference"])
+    meta.pop("labels", None)  # the bitmap: counted, not shown
+    lengths = store.indexes["train"][:, 1]
+    pairs = meta.get("format") == "pairs"
+    sides = {"chosen": lengths[0::2], "rejected": lengths[1::2]} if pairs else {"completion": lengths}
+    meta["lengths"] = {side: {"mean": round(float(values.mean()), 1), "min": int(values.min()),
+                              "max": int(values.max())} for side, values in sides.items() if len(values)}
+    meta["example"] = {side: marked_example(store, tokenizer, colour=False, index=k)
+                       for k, side in enumerate(sides) if len(lengths) > k}
+    return meta
+
+
+def marked_example(store: TokenStore, tokenizer: Any, *, colour: bool, index: int = 0) -> str:
+    """The store's first training example (or the one at ``index``) as text, its trained tokens marked (``[[...]]``,
+    or green on a terminal): what the loss is on, to be seen before training."""
+    offset, length = (int(v) for v in store.indexes["train"][index, :2])
     ids = [int(v) for v in store.tokens[offset:offset + length]]
     spans = store.spans.get("train")
-    listed = [] if spans is None else [(int(a), int(b)) for example, a, b in spans if int(example) == 0]
+    listed = [] if spans is None else [(int(a), int(b)) for example, a, b in spans if int(example) == index]
     if not listed:
-        listed = [(max(1, int(store.indexes["train"][0, 2])), length)]
+        listed = [(max(1, int(store.indexes["train"][index, 2])), length)]
     pieces, at = [], 0
     for start, end in listed:
         pieces.append(_decode(tokenizer, ids[at:start]))
@@ -176,6 +199,20 @@ def describe(summary: dict[str, Any], *, train_data: Path | None) -> str:
                      f"--train-on {chat['train_on']}), template {chat['template']}")
         lines.append(f"the first example, its trained tokens in {TRAINED_OPEN} {TRAINED_CLOSE}:")
         lines.append(chat["example"])
+    preference = summary.get("preference")
+    if preference:
+        what = "pairs" if preference["format"] == "pairs" else "unpaired rows (KTO)"
+        line = f"preference: {preference['samples']:,} {what}"
+        if preference.get("identical_skipped"):
+            line += f", {preference['identical_skipped']:,} pairs skipped (chosen equal to rejected)"
+        if "desirable" in preference:
+            line += f", {preference['desirable']:,} desirable"
+        lines.append(line + f"; {preference['trained_tokens']:,} of {preference['tokens']:,} tokens trained")
+        for side, numbers in preference["lengths"].items():
+            lines.append(f"  {side}: {numbers['mean']:,} tokens a sequence on average ({numbers['min']:,} to "
+                         f"{numbers['max']:,})")
+        lines.append(f"the first sample, its trained tokens in {TRAINED_OPEN} {TRAINED_CLOSE}:")
+        lines += [f"  {side}: {text}" for side, text in preference["example"].items()]
     at = summary.get("at_seq_len")
     if at:
         lines.append(f"at --seq-len {at['seq_len']}: {at['examples']:,} training examples, {at['targets']:,} targets"

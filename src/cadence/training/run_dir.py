@@ -133,6 +133,10 @@ class RunWriter:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     name = {"val_loss": "val/loss", "val_perplexity": "val/perplexity"}.get(key, f"train/{key}")
                     self._tb.add_scalar(name, value, step)
+            for key, value in row.items():  # a preference objective's metrics under TRL's names (rewards/margins)
+                if "/" in key and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key.replace("val_", "val/", 1) if key.startswith("val_") else f"train/{key}",
+                                        value, step)
             if row.get("peak_memory_bytes"):
                 self._tb.add_scalar("train/peak_memory_mib", row["peak_memory_bytes"] / 2**20, step)
             if row.get("skipped"):
@@ -281,7 +285,7 @@ def read_metrics(run_dir: Path, *, required: tuple[str, ...] = ROW_REQUIRED) -> 
 
     A run killed mid-write can leave a torn last line (no newline, not valid JSON): the step it was writing did not
     finish, so that line is dropped. Any other line that is not a metrics row (a JSON object with a ``step`` and the
-    ``required`` fields, each field of :data:`METRICS_FIELDS` of its type) raises :class:`MetricsUnreadable` naming
+    ``required`` fields, each field of :data:`cadence.records.METRICS_ROW` of its type) raises :class:`MetricsUnreadable` naming
     the file, the line number and the field (``records.METRICS_ROW``: the fields' types). Blank lines are skipped.
     """
     path = run_dir / METRICS_FILE

@@ -35,12 +35,14 @@ from cadence.distributed.ranks import (
 )
 from cadence.engine.chunked_loss import TargetsOnlyCrossEntropy
 from cadence.engine.cut import Cut
+from cadence.engine.objective import Objective
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.engine.windows import IGNORE_INDEX, Batch, Window, make_window
 from cadence.errors import CadenceFailure, UsageError
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.training.components import build_loss, build_optimizer
 from cadence.training.prepare import prepare
+from cadence.training.reference import build_reference, starting_copy
 from cadence.verify.equivalence import (
     GRADIENT_TOLERANCE,
     Setup,
@@ -178,6 +180,7 @@ def verify(
     max_grad_norm: float = 1.0,
     reference_in_one_pass: bool = True,
     ranks: Ranks = SINGLE,
+    objective: Objective | None = None,
 ) -> VerifyResult:
     """Verify ``setup`` on ``windows[0]`` (and, with ``steps`` K > 0, the parameters after K windows).
 
@@ -185,14 +188,16 @@ def verify(
     exact one the reference uses (next-token cross-entropy summed over labels != -100 by default). Under torchrun
     (``ranks``) the configuration runs on all ranks, each on its share of every window, through DDP or FSDP2; the
     reference is always one process. ``build_optimizer`` and ``max_grad_norm`` (clipping, 0 = off) are those of the
-    K steps.
+    K steps. ``objective``: a preference objective (its reference attached) instead of the losses: the reference then
+    computes its log-probabilities from all logits, the configuration as it computes them.
     """
     build = without_dropout(build_model)
     window = _as_window(windows[0])
-    findings = model_findings(build_model()) + data_findings(window) + loss_findings(build, window, loss_fn)
+    findings = model_findings(build_model()) + data_findings(window) + (
+        loss_findings(build, window, loss_fn) if objective is None else [])
     reference_micro = window.samples if reference_in_one_pass else 1
-    reference = _reference_gradients(build, window, reference_micro, reference_loss_fn)
-    candidate = parameter_gradients(build, window, setup, loss_fn=loss_fn, ranks=ranks)
+    reference = _reference_gradients(build, window, reference_micro, reference_loss_fn, objective)
+    candidate = parameter_gradients(build, window, setup, loss_fn=loss_fn, ranks=ranks, objective=objective)
     ref_flat, cand_flat = flat(reference), flat(candidate)
     error = float((cand_flat - ref_flat).norm() / ref_flat.norm().clamp_min(1e-30))
     per_parameter = []
@@ -214,28 +219,30 @@ def verify(
     )
     if steps > 0:
         result.parameters_after_steps = _compare_after_steps(build, windows, setup, loss_fn, reference_loss_fn, steps,
-                                                             build_optimizer, max_grad_norm, ranks)
+                                                             build_optimizer, max_grad_norm, ranks, objective)
     return result
 
 
 def _reference_gradients(build: Callable[[], torch.nn.Module], window: Window, micro: int,
-                         loss_fn: LossFn) -> dict[str, torch.Tensor]:
+                         loss_fn: LossFn, objective: Objective | None = None) -> dict[str, torch.Tensor]:
     """The whole window in fp32 in one pass; if that runs out of memory, accumulated at micro-batch 1."""
     try:
-        return parameter_gradients(build, window, Setup(cut=Cut(micro_batch_size=micro)), loss_fn=loss_fn)
+        return parameter_gradients(build, window, Setup(cut=Cut(micro_batch_size=micro)), loss_fn=loss_fn,
+                                   objective=objective)
     except torch.OutOfMemoryError:
         if micro == 1:
             raise
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return parameter_gradients(build, window, Setup(cut=Cut(micro_batch_size=1)), loss_fn=loss_fn)
+        return parameter_gradients(build, window, Setup(cut=Cut(micro_batch_size=1)), loss_fn=loss_fn,
+                                   objective=objective)
 
 
 def _compare_after_steps(build: Callable[[], torch.nn.Module], windows: Sequence[Window | Sequence[Batch]],
                          setup: Setup, loss_fn: LossFn, reference_loss_fn: LossFn, steps: int,
                          build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None,
                          max_grad_norm: float,
-                         ranks: Ranks = SINGLE) -> dict[str, Any]:
+                         ranks: Ranks = SINGLE, objective: Objective | None = None) -> dict[str, Any]:
     if len(windows) < steps:
         raise ValueError(f"--steps {steps} needs {steps} windows, got {len(windows)}")
     make_optimizer = build_optimizer or (lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -248,7 +255,7 @@ def _compare_after_steps(build: Callable[[], torch.nn.Module], windows: Sequence
         device = next(model.parameters()).device
         model = wrap_model(model, run_ranks, device, precision=run_setup.precision)
         engine = Engine(model, make_optimizer(model), precision=run_setup.precision,
-                        max_grad_norm=max_grad_norm, loss_fn=run_setup.loss_for(user_loss),
+                        max_grad_norm=max_grad_norm, **run_setup.engine_loss(user_loss, objective),
                         collective=ProcessGroupCollective(run_ranks, device) if run_ranks.launched else None)
         for window in windows[:steps]:
             engine.step(split_for(run_setup, _as_window(window), run_ranks))
@@ -293,6 +300,20 @@ def format_result(result: VerifyResult) -> str:
 
 
 
+def verified_objective(prep: Any, model_factory: Callable[[], torch.nn.Module], vocab_size: int) -> Objective | None:
+    """A preference objective as every run under test computes it, or None for sft (its losses are compared as
+    they are). Its reference is the starting weights, frozen (under LoRA the adapters start at zero, so the starting
+    weights are the base the adapters-off reference scores with), or --reference-model."""
+    objective = prep.objective
+    if objective.name == "sft":
+        return None
+    config = dataclasses.replace(prep.config, lora_rank=0)  # a frozen copy, never the run's own adapters
+    start = model_factory()
+    return objective.with_reference(build_reference(objective, config, policy=start,
+                                                    starting=starting_copy(objective, config, start),
+                                                    device=prep.device, vocab_size=vocab_size))
+
+
 class VerifyFailed(CadenceFailure):
     """The configuration does not match the big batch (the CLI exits with status 1). Every rank compared the same
     gradients, so rank 0 alone reports it."""
@@ -330,7 +351,8 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ra
                   targets_only=isinstance(loss, TargetsOnlyCrossEntropy))
     result = verify(model_factory, windows, setup, steps=options.steps,
                     build_optimizer=lambda model: build_optimizer(model, config),
-                    max_grad_norm=config.max_grad_norm, ranks=ranks)
+                    max_grad_norm=config.max_grad_norm, ranks=ranks,
+                    objective=verified_objective(prep, model_factory, vocab_size))
     if ranks.is_main:
         print(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result), flush=True)
     if not result.passed:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wra
 from cadence.engine.choices import PrecisionName
 from cadence.engine.chunked_loss import ChunkedCrossEntropy, TargetsOnlyCrossEntropy
 from cadence.engine.cut import Cut
+from cadence.engine.objective import Objective
 from cadence.engine.step import Engine, LossFn, token_cross_entropy_sum
 from cadence.engine.windows import Window, recut
 from cadence.memory.choices import CheckpointingMode, OffloadMode
@@ -79,6 +80,14 @@ class Setup:
             return TargetsOnlyCrossEntropy()
         return loss_fn
 
+    def engine_loss(self, loss_fn: LossFn, objective: Objective | None) -> dict[str, Any]:
+        """The engine's keyword for what this setup computes: ``loss_fn`` as :meth:`loss_for` makes it, or
+        ``objective`` (a preference objective, its reference attached) with its log-probabilities computed the same
+        way (chunked, on the targets only, or from all logits)."""
+        if objective is None:
+            return {"loss_fn": self.loss_for(loss_fn)}
+        return {"objective": replace(objective, token_loss=self.loss_for(token_cross_entropy_sum))}
+
 
 def split_for(setup: Setup, window: Window, ranks: Ranks = SINGLE) -> Window:
     """``window`` (a whole window) as ``setup`` runs it on this rank: its share, cut as the setup says."""
@@ -121,11 +130,12 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 def parameter_gradients(
     build_model: Callable[[], torch.nn.Module], window: Window, setup: Setup, *,
     loss_fn: LossFn = token_cross_entropy_sum, max_overflow_retries: int = 12, ranks: Ranks = SINGLE,
+    objective: Objective | None = None,
 ) -> dict[str, torch.Tensor]:
     """The gradient an optimizer would receive for ``window`` under ``setup``: parameter name -> fp32 CPU tensor.
 
     Under torchrun (``ranks``) each rank runs its share of the window through DDP or FSDP2, and the gradient is the
-    synchronised one every rank's optimizer receives."""
+    synchronised one every rank's optimizer receives. ``objective``: a preference objective instead of ``loss_fn``."""
     model = build_model()
     apply_activation_checkpointing(model, setup.activation_checkpointing)
     names = [name for name, _ in model.named_parameters()]
@@ -138,7 +148,7 @@ def parameter_gradients(
         optimizer = OffloadedOptimizer(model.parameters(), optimizer_class=_GradientRecorder)
         recorder = optimizer.inner  # type: ignore[assignment]
     engine = Engine(model, optimizer, precision=setup.precision, max_grad_norm=0.0,
-                    offload_activations=setup.offload == "activations", loss_fn=setup.loss_for(loss_fn),
+                    offload_activations=setup.offload == "activations", **setup.engine_loss(loss_fn, objective),
                     collective=ProcessGroupCollective(ranks, device) if ranks.launched else None)
     split = split_for(setup, window, ranks)
     for _ in range(max_overflow_retries + 1):
@@ -169,14 +179,16 @@ def without_dropout(build_model: Callable[[], torch.nn.Module]) -> Callable[[], 
 
 
 def compare_gradients(
-    build_model: Callable[[], torch.nn.Module], window: Window, setup: Setup, *, reference_micro_batch_size: int = 1
+    build_model: Callable[[], torch.nn.Module], window: Window, setup: Setup, *, reference_micro_batch_size: int = 1,
+    objective: Objective | None = None,
 ) -> GradientComparison:
     """``setup``'s window gradient against the exact reference: fp32 accumulation of the same window, no recompute,
-    no offload, in micro-batches of ``reference_micro_batch_size`` (1 by default: it always fits in memory)."""
+    no offload, in micro-batches of ``reference_micro_batch_size`` (1 by default: it always fits in memory);
+    ``objective``: a preference objective's (else the next-token loss)."""
     reference_setup = Setup(cut=Cut(micro_batch_size=reference_micro_batch_size))
     build = without_dropout(build_model)
-    reference = flat(parameter_gradients(build, window, reference_setup))
-    candidate = flat(parameter_gradients(build, window, setup))
+    reference = flat(parameter_gradients(build, window, reference_setup, objective=objective))
+    candidate = flat(parameter_gradients(build, window, setup, objective=objective))
     error = float((candidate - reference).norm() / reference.norm().clamp_min(1e-30))
     cosine = float(torch.nn.functional.cosine_similarity(candidate, reference, dim=0))
     tolerance = GRADIENT_TOLERANCE[setup.precision]
