@@ -107,6 +107,16 @@ CASES: list[tuple[str, Builder, str]] = [
     ("loss-chunk-tokens-not-an-int", flags("--loss-chunk-tokens", "1k"), "--loss-chunk-tokens"),
     # ---------------------------------------------------------------- optimizer state and LoRA (issue 26)
     ("optimizer-state-unknown", flags("--optimizer-state", "4bit"), "--optimizer-state: '4bit' is not one of fp32"),
+    # ---------------------------------------------------------------- optimizers (issue 51)
+    ("optimizer-unknown", flags("--optimizer", "lion"), "--optimizer: 'lion' is not one of adamw"),
+    ("adam-beta-with-sgd", flags("--optimizer", "sgd", "--adam-beta2", "0.99"),
+     "--adam-beta2: does not apply to --optimizer sgd"),
+    ("8bit-state-with-adafactor", flags("--optimizer", "adafactor", "--optimizer-state", "8bit"),
+     "--optimizer-state: 8bit does not apply to --optimizer adafactor"),
+    ("momentum-with-adamw", flags("--momentum", "0.9"), "--momentum: does not apply to --optimizer adamw"),
+    ("momentum-one", flags("--optimizer", "sgd", "--momentum", "1"), "--momentum: must be in [0, 1)"),
+    ("nesterov-without-momentum", flags("--optimizer", "sgd", "--momentum", "0", "--nesterov"),
+     "--nesterov: needs momentum"),
     ("lora-on-the-built-in-gpt", flags("--lora-rank", "8"), "--lora-rank: LoRA adapts Hugging Face models"),
     ("lora-rank-negative", flags("--model", "hf:llama", "--lora-rank", "-1"), "--lora-rank: must be at least 0"),
     ("lora-alpha-without-rank", flags("--lora-alpha", "16"), "--lora-alpha: needs --lora-rank above 0"),

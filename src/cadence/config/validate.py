@@ -115,12 +115,16 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
     finite_range("weight_decay", 0.0, 1.0)
     finite_range("adam_beta1", 0.0, 1.0, high_open=True)
     finite_range("adam_beta2", 0.0, 1.0, high_open=True)
+    if config.momentum is not None:
+        finite_range("momentum", 0.0, 1.0, high_open=True)
     problems += _lora_problems(config)
     choice("optimizer", OPTIMIZERS)
     choice("optimizer_state", OPTIMIZER_STATES)
     if config.optimizer in OPTIMIZERS and config.optimizer_state in OPTIMIZER_STATES:
         # The optimizer's own checks: options that do not apply to it, its packages, what FSDP2 cannot shard.
-        problems += OptimizerSpec.from_flags(config).problems(sharded=launched and config.strategy == "fsdp")
+        problems += OptimizerSpec.from_flags(config).problems(sharded=launched and config.strategy == "fsdp",
+                                                              lr_schedule=config.lr_schedule
+                                                              if config.lr_schedule in LR_SCHEDULES else None)
     finite_range("min_lr_ratio", 0.0, 1.0)
     if config.val_fraction is not None:  # not given: held_out_fraction decides
         finite_range("val_fraction", 0.0, 0.5)

@@ -32,7 +32,7 @@ from cadence.memory.estimate import (
 )
 from cadence.models.hf import ModelShape
 from cadence.models.lora import LoraShape
-from cadence.optim.spec import OptimizerSpec
+from cadence.optim.spec import OptimizerSpec, TrainedTensor
 
 GPT2_TYPES = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "gptj"})
 """Model types whose blocks are gpt2-style; every other decoder is treated as llama-style."""
@@ -61,6 +61,8 @@ class _Adapters:
     dropout: float
     tensors: tuple[int, ...]
     """Element counts of every lora_A and lora_B, in the optimizer's order."""
+    shapes: tuple[TrainedTensor, ...]
+    """The same tensors' shapes (lora_A: rank x in, lora_B: out x rank), in the blocks or not."""
     unmodelled: tuple[str, ...]
     """Adapted modules outside the blocks' projections (an lm_head named explicitly, ...): counted, not replayed."""
 
@@ -70,15 +72,19 @@ def _adapters(lora: LoraShape, style: str) -> _Adapters:
     targets: set[str] = set()
     unmodelled: list[str] = []
     tensors: list[int] = []
+    shapes: list[TrainedTensor] = []
     for path, width_in, width_out in lora.adapted:
         tensors += [lora.rank * width_in, width_out * lora.rank]
+        in_blocks = ".layers." in f".{path}." or ".h." in f".{path}."
+        shapes += [TrainedTensor((lora.rank, width_in), in_blocks=in_blocks),
+                   TrainedTensor((width_out, lora.rank), in_blocks=in_blocks)]
         key = path.rsplit(".", 1)[-1] if style == "llama" else ".".join(path.split(".")[-2:])
         if key in names and ".layers." in f".{path}." or key in names and ".h." in f".{path}.":
             targets.add(names[key])
         else:
             unmodelled.append(path)
     return _Adapters(rank=lora.rank, targets=frozenset(targets), dropout=lora.dropout, tensors=tuple(tensors),
-                     unmodelled=tuple(unmodelled))
+                     shapes=tuple(shapes), unmodelled=tuple(unmodelled))
 
 
 @dataclass(frozen=True)
@@ -231,6 +237,28 @@ class HFStepReplay(StepReplay):
         name = f"{p}{weight}.dq"
         self.alloc(name, numel * self.act + -(-numel // 64) * FP32_BYTES, "temporaries")
         return name
+
+    def trained_shapes(self) -> list[TrainedTensor]:
+        """As :meth:`trained_tensors` counts them: the embedding (gpt2: and the positions), each block's matrices
+        (``nn.Linear``: out x in; gpt2's ``Conv1D``: in x out) and vectors, the final norm, an untied head."""
+        if self.lora is not None:
+            return list(self.lora.shapes)
+        v, c, i = self.shape.vocab_size, self.c, self.inner
+        tensors = [TrainedTensor((v, c))] + ([TrainedTensor((self.shape.context_length, c))]
+                                             if self.style == "gpt2" else [])
+        if self.style == "gpt2":
+            matrices = [(c, 3 * c), (c, c), (c, i), (i, c)]
+            vectors = [c, c, 3 * c, c, c, c, i, c]
+        else:
+            matrices = [(self.dq, c), (self.dkv, c), (self.dkv, c), (c, self.dq), (i, c), (i, c), (c, i)]
+            vectors = [n for n in self._block_params()[len(matrices):]]
+        block = [TrainedTensor(shape, in_blocks=True) for shape in matrices]
+        block += [TrainedTensor((n,), in_blocks=True) for n in vectors]
+        tensors += block * self.shape.num_layers
+        tensors += [TrainedTensor((2 * c,))] if self.style == "gpt2" else [TrainedTensor((c,))]
+        if self.style != "gpt2" and not self.shape.tied_embeddings:
+            tensors.append(TrainedTensor((v, c)))
+        return tensors
 
     def trained_tensors(self) -> list[int]:
         if self.lora is not None:

@@ -320,6 +320,9 @@ class TrainingRun:
             f"data: {prep.data.description}\nrun directory: {prep.out}",
             file=stream, flush=True,
         )
+        # Which optimizer, and what each of its groups holds (Muon: the orthogonalised matrices and the AdamW rest).
+        print(f"optimizer: {prep.optimizer.describe()}: {prep.optimizer.describe_groups(self.parts.model)}",
+              file=stream, flush=True)
         noise_scale = noise_scale_announcement(self.engine, prep.grad_accum_steps)
         if noise_scale is not None:
             print(noise_scale, file=stream, flush=True)
