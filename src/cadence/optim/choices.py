@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-OptimizerName = Literal["adamw", "adafactor", "sgd"]
+OptimizerName = Literal["adamw", "muon", "adafactor", "sgd"]
 OPTIMIZER_MODULES: dict[OptimizerName, str] = {
     "adamw": "cadence.optim.adamw",
+    "muon": "cadence.optim.muon",
     "adafactor": "cadence.optim.adafactor",
     "sgd": "cadence.optim.sgd",
 }

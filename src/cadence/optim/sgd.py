@@ -44,19 +44,16 @@ class SGDRule(OptimizerRule):
     def state_bytes(self, spec: OptimizerSpec, tensors: list[TrainedTensor], *, on_device: bool
                     ) -> tuple[int, int | None]:
         """One fp32 momentum buffer per element (none without momentum). The step's scratch: torch's per-tensor loop
-        (CPU) makes the gradient plus the weight-decay term (a copy of a decayed tensor) and, with Nesterov, the
-        gradient plus the momentum (another), the previous tensor's still bound to the loop; the foreach kernels
-        (CUDA) make them for a whole group at once."""
+        (CPU) makes the gradient plus the weight-decay term (a decayed tensor's copy) and, with Nesterov, the gradient
+        plus the momentum (another, while the first is held); the loop variable lets go of both before the next
+        tensor. The foreach kernels (CUDA) make them for a whole group at once."""
         numels = [tensor.numel for tensor in tensors]
         state = FP32_BYTES * sum(numels) if spec.momentum_value else 0
-        decayed = [t.numel for t in tensors if len(t.shape) >= 2] if spec.weight_decay else []
-        copies = (1 if spec.weight_decay else 0) + (1 if spec.nesterov else 0)
-        if not copies:
-            return state, 0
+        copies = [(1 if spec.weight_decay and len(t.shape) >= 2 else 0) + (1 if spec.nesterov else 0) for t in tensors]
         if on_device:
-            return state, copies * FP32_BYTES * max(sum(decayed), sum(numels) if spec.nesterov else 0)
-        worst = max((copies * cur + prev for prev, cur in zip([0, *numels[:-1]], numels, strict=True)), default=0)
-        return state, worst * FP32_BYTES
+            decayed = sum(t.numel for t in tensors if len(t.shape) >= 2) if spec.weight_decay else 0
+            return state, FP32_BYTES * (decayed + (sum(numels) if spec.nesterov else 0))
+        return state, FP32_BYTES * max((n * c for n, c in zip(numels, copies, strict=True)), default=0)
 
     def check_saved(self, spec: OptimizerSpec, optimizer: Record) -> None:
         states = optimizer.record("state")

@@ -131,6 +131,8 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     # Under FSDP2 a model directory is built on the meta device and each rank reads its own shard of the weights
     # once the model is sharded (build_components).
     hf = build_run_hf(config, warn=True, shard_later=ranks.launched and ranks.strategy == "fsdp")
+    if ranks.is_main:
+        optimizer_notes(config)
     if hf is not None:
         check_chunking(config, *hf.probe)
         if config.compile:  # checked here, before the run directory is created
@@ -198,6 +200,20 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     )
 
 
+def optimizer_notes(config: TrainConfig) -> None:
+    """What the optimizer warns about, said once per run (Muon fine-tuning a whole pretrained model)."""
+    pretrained = config.model not in MODEL_NAMES and not config.model.startswith("hf:")
+    for note in OptimizerSpec.from_flags(config).notes(pretrained=pretrained, adapters=config.lora_rank > 0):
+        warnings.warn(note, stacklevel=3)
+
+
+def refuse_unfit_optimizer(config: TrainConfig, model: torch.nn.Module) -> None:
+    """An optimizer that cannot train the model is refused before anything is written (Muon on a model whose blocks
+    train no matrix)."""
+    if (problem := OptimizerSpec.from_flags(config).model_problem(model)) is not None:
+        raise UsageError.single("--optimizer", problem)
+
+
 def check_chunking(config: TrainConfig, model: torch.nn.Module, vocab_size: int) -> None:
     """--loss-chunk-tokens on a family whose logits cadence cannot make chunk by chunk is refused (``model``: what
     the probe runs, ``HFModel.probe``)."""
@@ -239,12 +255,15 @@ def build_run_hf(config: TrainConfig, *, warn: bool, shard_later: bool = False) 
         if config.lora_base_precision == "bf16":
             hold_base_in_bf16(hf.model)
         hf.lora = lora_shape(hf.model)
+        refuse_unfit_optimizer(config, hf.model)  # with the adapters in place; a refused run says its error alone
         if warn and config.model.startswith("hf:"):
             # Adapters on a base of random weights learn nothing a real model could use (issue 41); said once the
             # adapters are in place, so that a refused --lora-rank is its one line alone.
             warnings.warn(f"--lora-rank on {config.model}: the base is built from its config with random weights, so "
                           f"the adapters are trained on a random model; give a model directory (save_pretrained) for "
                           f"a real fine-tune", stacklevel=3)
+    if config.lora_rank == 0:
+        refuse_unfit_optimizer(config, hf.model)
     return hf
 
 
