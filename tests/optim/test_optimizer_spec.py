@@ -13,7 +13,7 @@ import torch
 from cadence.config import TrainConfig
 from cadence.optim.choices import OPTIMIZER_MODULES, OPTIMIZERS, OptimizerName
 from cadence.optim.offload import OffloadedOptimizer
-from cadence.optim.spec import OPTIMIZER_FLAG_DEFAULTS, OptimizerRule, OptimizerSpec
+from cadence.optim.spec import OPTIMIZER_FLAG_DEFAULTS, OptimizerRule, OptimizerSpec, TrainedTensor
 from cadence.records import Record, RecordInvalid
 
 
@@ -81,6 +81,7 @@ def test_the_spec_checks_a_saved_state_before_and_after_loading() -> None:
 
 
 def test_the_state_bytes_for_the_estimate() -> None:
-    assert OptimizerSpec().state_bytes([100, 10], on_device=False) == (880, None)  # the replay models fp32's scratch
-    state, scratch = OptimizerSpec(state="bf16").state_bytes([100, 10], on_device=False)
+    tensors = [TrainedTensor((10, 10)), TrainedTensor((10,))]
+    assert OptimizerSpec().state_bytes(tensors, on_device=False) == (880, None)  # the replay models fp32's scratch
+    state, scratch = OptimizerSpec(state="bf16").state_bytes(tensors, on_device=False)
     assert (state, scratch) == (440, 12 * 100)

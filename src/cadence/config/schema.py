@@ -203,7 +203,11 @@ class TrainConfig:
     max_grad_norm: float = setting(1.0, OPTIMIZER, changes_math=True)
     """Clip the total gradient norm to this, once per optimizer step after unscaling; 0 turns clipping off."""
     optimizer: OptimizerName = setting("adamw", OPTIMIZER, changes_math=True)
-    """The optimizer: adamw (decoupled weight decay on matrices and embeddings). A resume keeps the run's optimizer."""
+    """The optimizer: adamw (decoupled weight decay on matrices and embeddings); muon (orthogonalised momentum for
+    the blocks' 2-D weight matrices, AdamW for the rest, one --lr for both); adafactor (factored second moment, no
+    first moment: the smallest state; relative steps capped by --lr); sgd (momentum, --nesterov). Each applies
+    --weight-decay to matrices and embeddings only; an option that does not apply to it is refused. A resume keeps
+    the run's optimizer (docs/optimizers.md)."""
     lr: float = setting(1e-3, OPTIMIZER, changes_math=True)
     """Peak learning rate (AdamW)."""
     weight_decay: float = setting(0.1, OPTIMIZER, changes_math=True)
@@ -212,6 +216,10 @@ class TrainConfig:
     """AdamW beta1."""
     adam_beta2: float = setting(0.95, OPTIMIZER, changes_math=True)
     """AdamW beta2."""
+    momentum: float | None = setting(None, OPTIMIZER, changes_math=True)
+    """Momentum of --optimizer sgd (default 0.9; 0 turns it off) and of muon's matrices (default 0.95)."""
+    nesterov: bool = setting(False, OPTIMIZER, changes_math=True)
+    """Nesterov momentum for --optimizer sgd."""
     optimizer_state: OptimizerStateName = setting("fp32", OPTIMIZER, changes_math=True)
     """How AdamW stores its two moments: fp32 (8 bytes per trained parameter), bf16 (4 bytes: cadence's AdamW with
     stochastic rounding of the moments, so small updates are not lost) or 8bit (about 2 bytes: bitsandbytes'

@@ -62,7 +62,9 @@ def _optimizer_problems(config: TrainConfig, launched: bool) -> list[Problem]:
     what FSDP2 cannot shard."""
     if config.optimizer not in OPTIMIZERS or config.optimizer_state not in OPTIMIZER_STATES:
         return []  # named by _value_problems
-    return OptimizerSpec.from_flags(config).problems(sharded=launched and config.strategy == "fsdp")
+    return OptimizerSpec.from_flags(config).problems(
+        sharded=launched and config.strategy == "fsdp",
+        lr_schedule=config.lr_schedule if config.lr_schedule in LR_SCHEDULES else None)
 
 
 class _Checks:
@@ -132,6 +134,8 @@ def _value_problems(config: TrainConfig) -> list[Problem]:
     check.finite_range("weight_decay", 0.0, 1.0)
     check.finite_range("adam_beta1", 0.0, 1.0, high_open=True)
     check.finite_range("adam_beta2", 0.0, 1.0, high_open=True)
+    if config.momentum is not None:
+        check.finite_range("momentum", 0.0, 1.0, high_open=True)
     check.choice("optimizer", OPTIMIZERS)
     check.choice("optimizer_state", OPTIMIZER_STATES)
     check.finite_range("min_lr_ratio", 0.0, 1.0)

@@ -28,6 +28,7 @@ from typing import Literal
 
 from cadence.memory.estimate import FP32_BYTES, StepReplay
 from cadence.models.shape import ModelShape
+from cadence.optim.spec import TrainedTensor
 
 BlockStyle = Literal["llama", "gpt2"]
 BLOCK_STYLES: tuple[BlockStyle, ...] = ("llama", "gpt2")
@@ -102,6 +103,26 @@ class DecoderReplay(StepReplay):
         tensors += [2 * c] if self.style == "gpt2" else [c]  # the final norm
         if self.style != "gpt2" and not self.shape.tied_embeddings:
             tensors.append(v * c)
+        return tensors
+
+    def trained_shapes(self) -> list[TrainedTensor]:
+        """As :meth:`trained_tensors` counts them: the embedding (gpt2: and the positions), each block's matrices
+        (``nn.Linear``: out x in; gpt2's ``Conv1D``: in x out) and vectors, the final norm, an untied head."""
+        v, c, i = self.shape.vocab_size, self.c, self.inner
+        tensors = [TrainedTensor((v, c))] + ([TrainedTensor((self.shape.context_length, c))]
+                                             if self.style == "gpt2" else [])
+        if self.style == "gpt2":
+            matrices = [(c, 3 * c), (c, c), (c, i), (i, c)]
+            vectors = [c, c, 3 * c, c, c, c, i, c]
+        else:
+            matrices = [(self.dq, c), (self.dkv, c), (self.dkv, c), (c, self.dq), (i, c), (i, c), (c, i)]
+            vectors = list(self._block_params()[len(matrices):])
+        block = [TrainedTensor(shape, in_blocks=True) for shape in matrices]
+        block += [TrainedTensor((n,), in_blocks=True) for n in vectors]
+        tensors += block * self.shape.num_layers
+        tensors += [TrainedTensor((2 * c,))] if self.style == "gpt2" else [TrainedTensor((c,))]
+        if self.style != "gpt2" and not self.shape.tied_embeddings:
+            tensors.append(TrainedTensor((v, c)))
         return tensors
 
     def _optimizer_scratch(self) -> int:

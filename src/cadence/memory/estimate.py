@@ -26,7 +26,7 @@ from typing import Any, Literal
 from cadence.formatting import format_mib
 from cadence.memory.choices import CheckpointingMode, OffloadMode
 from cadence.models.gpt import GPTConfig
-from cadence.optim.spec import OptimizerSpec
+from cadence.optim.spec import OptimizerSpec, TrainedTensor
 
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 """cadence.engine.precision.PrecisionName, repeated here: the engine is a layer above memory."""
@@ -278,6 +278,18 @@ class StepReplay:
         """The parameters' bytes on the device (fp32; a LoRA base may hold some in bf16)."""
         return self.parameter_count() * FP32_BYTES
 
+    def trained_shapes(self) -> list[TrainedTensor]:
+        """The trained parameter tensors' shapes, as :meth:`trained_tensors` counts them (the same order): the token
+        and position embeddings, each block's qkv, projection and MLP matrices (``nn.Linear``: out x in), then the
+        norms and biases (the blocks', then the final norm's)."""
+        c, cfg = self.c, self.cfg
+        block = [(3 * c, c), (c, c), (4 * c, c), (c, 4 * c)]
+        matrices = [TrainedTensor((cfg.vocab_size, c)), TrainedTensor((cfg.context_length, c))]
+        matrices += [TrainedTensor(shape, in_blocks=True) for _ in range(cfg.n_layer) for shape in block]
+        vectors = [TrainedTensor((n,), in_blocks=True) for _ in range(cfg.n_layer)
+                   for n in (c, c, 3 * c, c, c, c, 4 * c, c)]
+        return matrices + vectors + [TrainedTensor((c,)), TrainedTensor((c,))]
+
     def trained_tensors(self) -> list[int]:
         """Element counts of the trained parameter tensors, in the optimizer's order (the decay group first)."""
         c, cfg = self.c, self.cfg
@@ -292,7 +304,7 @@ class StepReplay:
         self.alloc("params", self.parameter_bytes(), "parameters")
         trained = self.trained_tensors()
         # The optimizer's state (AdamW's exp_avg and exp_avg_sq: fp32 like the parameters, or bf16 / 8-bit).
-        state, self.step_scratch = self.optimizer.state_bytes(trained, on_device=self.on_device)
+        state, self.step_scratch = self.optimizer.state_bytes(self.trained_shapes(), on_device=self.on_device)
         if self.offload_optimizer:
             # cadence.optim.offload.OffloadedOptimizer: the state, an fp32 master copy the host step updates, and the
             # (pinned) buffers the gradients are copied into, for the trained parameters.

@@ -19,6 +19,7 @@ from cadence.memory.decoder_replay import BlockStyle, DecoderReplay, adamw_scrat
 from cadence.memory.estimate import FP32_BYTES
 from cadence.models.lora import LoraShape
 from cadence.models.shape import ModelShape
+from cadence.optim.spec import TrainedTensor
 
 _REPLAY_WEIGHTS = {
     "llama": {"q_proj": "w.q", "k_proj": "w.k", "v_proj": "w.v", "o_proj": "w.o", "gate_proj": "w.gate",
@@ -39,6 +40,8 @@ class _Adapters:
     dropout: float
     tensors: tuple[int, ...]
     """Element counts of every lora_A and lora_B, in the optimizer's order."""
+    shapes: tuple[TrainedTensor, ...]
+    """The same tensors' shapes (lora_A: rank x in, lora_B: out x rank), in the blocks or not."""
     unmodelled: tuple[str, ...]
     """Adapted modules outside the blocks' projections (an lm_head named explicitly, ...): counted, not replayed."""
 
@@ -48,15 +51,19 @@ def _adapters(lora: LoraShape, style: BlockStyle) -> _Adapters:
     targets: set[str] = set()
     unmodelled: list[str] = []
     tensors: list[int] = []
+    shapes: list[TrainedTensor] = []
     for path, width_in, width_out in lora.adapted:
         tensors += [lora.rank * width_in, width_out * lora.rank]
+        in_blocks = ".layers." in f".{path}." or ".h." in f".{path}."
+        shapes += [TrainedTensor((lora.rank, width_in), in_blocks=in_blocks),
+                   TrainedTensor((width_out, lora.rank), in_blocks=in_blocks)]
         key = path.rsplit(".", 1)[-1] if style == "llama" else ".".join(path.split(".")[-2:])
         if key in names and ".layers." in f".{path}." or key in names and ".h." in f".{path}.":
             targets.add(names[key])
         else:
             unmodelled.append(path)
     return _Adapters(rank=lora.rank, targets=frozenset(targets), dropout=lora.dropout, tensors=tuple(tensors),
-                     unmodelled=tuple(unmodelled))
+                     shapes=tuple(shapes), unmodelled=tuple(unmodelled))
 
 
 
@@ -121,6 +128,9 @@ class LoraDecoderReplay(DecoderReplay):
 
     def trained_tensors(self) -> list[int]:
         return list(self.lora.tensors)
+
+    def trained_shapes(self) -> list[TrainedTensor]:
+        return list(self.lora.shapes)
 
     def _optimizer_scratch(self) -> int:
         return adamw_scratch(list(self.lora.tensors), on_device=self.on_device)  # all matrices, one decay group

@@ -120,6 +120,10 @@ class ModelFamily(ABC):
     def claims(self, name: str) -> bool:
         """Whether --model ``name`` names one of this family's models."""
 
+    def pretrained(self, name: str) -> bool:
+        """Whether the model starts from trained weights read from files (not a random initialisation)."""
+        return False
+
     def context_length(self, name: str) -> int | None:
         """The longest sequence the model accepts when it is known from its name alone (None: once resolved)."""
         return None

@@ -177,6 +177,11 @@ class ModelSpec:
         return feature not in self._family().refuses
 
     @property
+    def pretrained(self) -> bool:
+        """Whether the model starts from trained weights read from a directory (not a random initialisation)."""
+        return self._family().pretrained(self.name)
+
+    @property
     def exports_pretrained(self) -> bool:
         """Whether a run of it can be written as a ``save_pretrained`` directory (--save-hf, ``cadence export``)."""
         return self._family().exports_pretrained

@@ -50,6 +50,9 @@ class Transformers(ModelFamily):
         # After the built-in names (the registry's order): a directory called gpt-tiny does not shadow the built-in.
         return is_hf_model(name)
 
+    def pretrained(self, name: str) -> bool:
+        return not name.startswith(HF_PREFIX)  # hf:TYPE is built from its config; a directory holds trained weights
+
     def data_tokenizer(self, name: str) -> Any | None:
         return model_tokenizer(name)
 

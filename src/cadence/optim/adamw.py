@@ -19,7 +19,7 @@ from cadence.optim.low_precision import (
     eight_bit_problem,
     state_bytes_per_parameter,
 )
-from cadence.optim.spec import OptimizerRule, OptimizerSpec, ParamGroup, trained_parameters
+from cadence.optim.spec import OptimizerRule, OptimizerSpec, ParamGroup, TrainedTensor, decay_groups
 from cadence.optim.state import MOMENT, STEP_TENSOR, check_state_shapes
 from cadence.records import COUNT, Record, tensor_kind
 
@@ -30,16 +30,6 @@ _PER_BLOCK_STATE = ("absmax1", "absmax2")
 """bitsandbytes' 8-bit state: one fp32 scale per block of its moments' elements."""
 _UNSHAPED_STATE = ("step", "qmap1", "qmap2", "unorm_vec")
 """State that has no parameter's shape: step counters, bitsandbytes' code books."""
-
-
-def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[ParamGroup]:
-    """Weight decay on matrices and embeddings only (decaying biases and norm gains only hurts): AdamW's groups, and
-    those of the optimizers that decay as AdamW does."""
-    decay, no_decay = [], []
-    for _, param in trained_parameters(model):
-        (decay if param.ndim >= 2 else no_decay).append(param)
-    return [ParamGroup("decay", decay, {"weight_decay": weight_decay}),
-            ParamGroup("no decay", no_decay, {"weight_decay": 0.0})]
 
 
 class AdamWRule(OptimizerRule):
@@ -84,7 +74,8 @@ class AdamWRule(OptimizerRule):
                 "fp32), or --strategy ddp")))
         return problems
 
-    def state_bytes(self, spec: OptimizerSpec, trained: list[int], *, on_device: bool) -> tuple[int, int | None]:
+    def state_bytes(self, spec: OptimizerSpec, tensors: list[TrainedTensor], *, on_device: bool
+                    ) -> tuple[int, int | None]:
         """- ``fp32``: two fp32 moments, 8 bytes per element (the scratch is the replay's own, model by model);
         - ``bf16``: two bf16 moments, 4 bytes; :class:`cadence.optim.low_precision.BF16StateAdamW` works on one chunk
           of one tensor at a time: fp32 copies of both moments plus the denominator (then the rounding noise), 12
@@ -93,14 +84,8 @@ class AdamWRule(OptimizerRule):
           moments), plus the two shared code books. bitsandbytes' CPU update dequantises both moments of a tensor to
           fp32, scales a copy of its gradient and takes the square root and the quotient: five fp32 copies of the
           largest 8-bit tensor (20 bytes per element); its CUDA kernel updates in place (no scratch)."""
-        state = sum(int(state_bytes_per_parameter(spec.state, numel) * numel) for numel in trained)
-        if spec.state == "8bit":
-            quantised = [numel for numel in trained if numel >= EIGHT_BIT_MIN_SIZE]
-            state += 2 * EIGHT_BIT_CODE_BOOK if quantised else 0  # held (and counted) once some tensor is quantised
-            return state, 0 if on_device or not quantised else 5 * FP32_BYTES * max(quantised)
-        if spec.state == "bf16":
-            return state, 3 * FP32_BYTES * min(max(trained, default=0), CHUNK_ELEMENTS)
-        return state, None
+        return adamw_state_bytes(spec.state, [tensor.numel for tensor in tensors], on_device=on_device)
+
 
     def check_saved(self, spec: OptimizerSpec, optimizer: Record) -> None:
         """A step that is not a count, a missing moment, or an 8-bit state without its scales or code books: torch's
@@ -127,6 +112,19 @@ class AdamWRule(OptimizerRule):
             notes.append(f"8bit optimizer state was not a candidate: it {missing}")
             return ["bf16"]
         return ["bf16", "8bit"]
+
+
+def adamw_state_bytes(state_name: str, trained: list[int], *, on_device: bool) -> tuple[int, int | None]:
+    """AdamW's (state, scratch) over tensors of ``trained`` elements (see :meth:`AdamWRule.state_bytes`); Muon's
+    AdamW groups count the same."""
+    state = sum(int(state_bytes_per_parameter(state_name, numel) * numel) for numel in trained)
+    if state_name == "8bit":
+        quantised = [numel for numel in trained if numel >= EIGHT_BIT_MIN_SIZE]
+        state += 2 * EIGHT_BIT_CODE_BOOK if quantised else 0  # held (and counted) once some tensor is quantised
+        return state, 0 if on_device or not quantised else 5 * FP32_BYTES * max(quantised)
+    if state_name == "bf16":
+        return state, 3 * FP32_BYTES * min(max(trained, default=0), CHUNK_ELEMENTS)
+    return state, None
 
 
 def _expected_shape(name: str, parameter: torch.Tensor) -> tuple[int, ...] | None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-OptimizerName = Literal["adamw"]
+OptimizerName = Literal["adamw", "muon", "adafactor", "sgd"]
 OPTIMIZER_MODULES: dict[OptimizerName, str] = {
     "adamw": "cadence.optim.adamw",
+    "muon": "cadence.optim.muon",
+    "adafactor": "cadence.optim.adafactor",
+    "sgd": "cadence.optim.sgd",
 }
 """Each optimizer's module, whose ``RULE`` says everything cadence needs to know about it."""
 OPTIMIZERS: tuple[OptimizerName, ...] = tuple(OPTIMIZER_MODULES)

@@ -17,6 +17,7 @@ scaler, the offload wrapper and both checkpoint formats see one ordinary optimiz
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -29,10 +30,27 @@ from cadence.optim.choices import OPTIMIZER_MODULES, OPTIMIZER_STATES, OPTIMIZER
 from cadence.records import Record
 
 OPTIMIZER_FLAG_DEFAULTS: dict[str, Any] = {"optimizer": "adamw", "optimizer_state": "fp32", "weight_decay": 0.1,
-                                           "adam_beta1": 0.9, "adam_beta2": 0.95}
+                                           "adam_beta1": 0.9, "adam_beta2": 0.95, "momentum": None,
+                                           "nesterov": False}
 """The optimizer's flags (beyond ``--lr``, which the schedule shares) at their defaults: a flag at another value was
 given, and must apply to the optimizer; a record without a key (an older config.json or plan.json) means its
 default."""
+
+
+@dataclass(frozen=True)
+class TrainedTensor:
+    """A trained parameter as the memory estimate knows it, before any model is built: its shape, and whether it is
+    a weight of the repeated blocks (where Muon orthogonalises)."""
+
+    shape: tuple[int, ...]
+    in_blocks: bool = False
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
 
 
 @dataclass(frozen=True)
@@ -66,6 +84,10 @@ class OptimizerRule:
     """The --optimizer-state values it can store its state in."""
     offloadable = False
     """Whether --offload optimizer can wrap it."""
+    default_momentum: float | None = None
+    """Its momentum when --momentum is not given (None: it has no momentum, and --momentum does not apply)."""
+    schedules: tuple[str, ...] = ("constant", "linear", "cosine")
+    """The --lr-schedule values it trains under."""
 
     def param_groups(self, spec: OptimizerSpec, model: torch.nn.Module) -> list[ParamGroup]:
         raise NotImplementedError
@@ -82,10 +104,11 @@ class OptimizerRule:
         """Problems of its own beyond the options that do not apply (a missing package, FSDP2)."""
         return []
 
-    def state_bytes(self, spec: OptimizerSpec, trained: list[int], *, on_device: bool) -> tuple[int, int | None]:
-        """(state bytes, the step's largest scratch) for trained tensors of ``trained`` elements, in the optimizer's
-        order; a scratch of None is the elementwise fp32 update's, which the memory replay models itself (it knows
-        torch's foreach and per-tensor loops and the order of its model's tensors)."""
+    def state_bytes(self, spec: OptimizerSpec, trained: list[TrainedTensor], *, on_device: bool
+                    ) -> tuple[int, int | None]:
+        """(state bytes, the step's largest scratch) for the trained tensors ``trained``, in the optimizer's order; a
+        scratch of None is AdamW's elementwise fp32 update's, which the memory replay models itself (it knows torch's
+        foreach and per-tensor loops and the order of its model's tensors)."""
         raise NotImplementedError
 
     def check_saved(self, spec: OptimizerSpec, optimizer: Record) -> None:
@@ -98,6 +121,20 @@ class OptimizerRule:
 
     def lossy_states(self, notes: list[str]) -> list[OptimizerStateName]:
         """The lower-precision states a plan may try on this machine (why others cannot be tried goes to ``notes``)."""
+        return []
+
+    def evaluation_weights(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[Any]:
+        """The context in which the model holds the weights to evaluate and save (most optimizers: the weights as they
+        are)."""
+        return contextlib.nullcontext()
+
+    def model_problem(self, spec: OptimizerSpec, model: torch.nn.Module) -> str | None:
+        """Why this optimizer cannot train ``model`` (its parameters do not fit its rule), or None."""
+        return None
+
+    def notes(self, spec: OptimizerSpec, *, pretrained: bool, adapters: bool) -> list[str]:
+        """What to warn about once per run (``pretrained``: the weights come from a model directory; ``adapters``:
+        LoRA adapters are trained, not the whole model)."""
         return []
 
 
@@ -117,6 +154,10 @@ class OptimizerSpec:
     """--optimizer-state: how the optimizer stores its state."""
     offload: bool = False
     """--offload optimizer: the state and the update on the host."""
+    momentum: float | None = None
+    """--momentum (SGD, Muon); None: the optimizer's own default."""
+    nesterov: bool = False
+    """--nesterov (SGD)."""
 
     def __post_init__(self) -> None:
         # Library misuse, not user input: the flags are validated (naming them) before a spec is made.
@@ -131,19 +172,28 @@ class OptimizerSpec:
         """The optimizer of train's flags (a TrainConfig, or a record's mapping with the same names)."""
         get = flags.get if isinstance(flags, Mapping) else lambda name, default: getattr(flags, name, default)
         value = {name: get(name, default) for name, default in OPTIMIZER_FLAG_DEFAULTS.items()}
+        momentum = value["momentum"]
         return cls(name=value["optimizer"], lr=float(get("lr", 1e-3)), weight_decay=float(value["weight_decay"]),
                    betas=(float(value["adam_beta1"]), float(value["adam_beta2"])), state=value["optimizer_state"],
-                   offload=get("offload", "none") == "optimizer")
+                   offload=get("offload", "none") == "optimizer",
+                   momentum=None if momentum is None else float(momentum), nesterov=bool(value["nesterov"]))
 
     def flags(self) -> dict[str, Any]:
         """The optimizer as train's flags (the run record's and plan.json's keys; ``--lr`` and ``--offload`` are the
         schedule's and the memory levers' flags, recorded with them)."""
         return {"optimizer": self.name, "optimizer_state": self.state, "weight_decay": self.weight_decay,
-                "adam_beta1": self.betas[0], "adam_beta2": self.betas[1]}
+                "adam_beta1": self.betas[0], "adam_beta2": self.betas[1], "momentum": self.momentum,
+                "nesterov": self.nesterov}
 
     def with_state(self, state: OptimizerStateName) -> OptimizerSpec:
         """The same optimizer with its state stored in ``state`` (a plan's lossy lever)."""
         return replace(self, state=state)
+
+    @property
+    def momentum_value(self) -> float:
+        """The momentum the optimizer runs with: --momentum, or its own default."""
+        default = self.rule.default_momentum
+        return self.momentum if self.momentum is not None else (0.0 if default is None else default)
 
     @property
     def rule(self) -> OptimizerRule:
@@ -156,9 +206,9 @@ class OptimizerSpec:
         where = ", state and update on the host" if self.offload else ""
         return self.rule.describe(self) + where
 
-    def problems(self, *, sharded: bool = False) -> list[Problem]:
+    def problems(self, *, sharded: bool = False, lr_schedule: str | None = None) -> list[Problem]:
         """Every option that does not apply to this optimizer, each naming its flag, and the optimizer's own problems
-        (``sharded``: the run is sharded by FSDP2)."""
+        (``sharded``: the run is sharded by FSDP2; ``lr_schedule``: --lr-schedule)."""
         rule = self.rule
         problems = []
         given = {name for name, value in self.flags().items()
@@ -178,6 +228,10 @@ class OptimizerSpec:
             problems.append(Problem(where="--offload", message=(
                 "optimizer offload with --strategy fsdp is not supported; FSDP already shards the optimizer state "
                 "over the ranks")))
+        if lr_schedule is not None and lr_schedule not in rule.schedules:
+            problems.append(Problem(where="--lr-schedule", message=(
+                f"{lr_schedule} does not apply to --optimizer {self.name}: {rule.title} trains under "
+                f"{' or '.join(rule.schedules)} (with --warmup-steps)")))
         return problems + rule.problems(self, sharded=sharded)
 
     # ------------------------------------------------------------------------------------------------ the optimizer
@@ -199,9 +253,28 @@ class OptimizerSpec:
             return OffloadedOptimizer(groups, optimizer_class=optimizer_class, **options)
         return optimizer_class(groups, **options)
 
-    def state_bytes(self, trained: list[int], *, on_device: bool) -> tuple[int, int | None]:
-        """(state bytes, the step's largest scratch; None: the elementwise update's, the replay's own) for trained
-        tensors of ``trained`` elements (the memory estimate's question)."""
+    def describe_groups(self, model: torch.nn.Module) -> str:
+        """How many tensors and parameters each group holds, for the console: "decay: 26 tensors, 1,234 parameters;
+        no decay: ..."."""
+        return "; ".join(group.describe() for group in self.param_groups(model))
+
+    def model_problem(self, model: torch.nn.Module) -> str | None:
+        """Why this optimizer cannot train ``model`` (Muon on a model with no 2-D block weights), or None."""
+        return self.rule.model_problem(self, model)
+
+    def notes(self, *, pretrained: bool, adapters: bool) -> list[str]:
+        """What to warn about once per run (Muon fine-tuning a whole pretrained model)."""
+        return self.rule.notes(self, pretrained=pretrained, adapters=adapters)
+
+    def evaluation_weights(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[Any]:
+        """The one hook for weights that are evaluated or saved: inside it the model holds the weights to evaluate,
+        save and export (a schedule-free optimizer's averaged weights), and on leaving it the training weights are
+        back exactly. Every evaluation, checkpoint, best/ and final-weights write runs inside it."""
+        return self.rule.evaluation_weights(optimizer)
+
+    def state_bytes(self, trained: list[TrainedTensor], *, on_device: bool) -> tuple[int, int | None]:
+        """(state bytes, the step's largest scratch; None: AdamW's elementwise update's, the replay's own) for the
+        trained tensors ``trained`` (the memory estimate's question)."""
         return self.rule.state_bytes(self, trained, on_device=on_device)
 
     def check_saved(self, optimizer: Record) -> None:
@@ -227,6 +300,16 @@ def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Param
         seen.add(id(param))
         found.append((name, param))
     return found
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[ParamGroup]:
+    """Weight decay on matrices and embeddings only (decaying biases and norm gains only hurts): AdamW's groups, and
+    those of the optimizers that decay as AdamW does."""
+    decay, no_decay = [], []
+    for _, param in trained_parameters(model):
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    return [ParamGroup("decay", decay, {"weight_decay": weight_decay}),
+            ParamGroup("no decay", no_decay, {"weight_decay": 0.0})]
 
 
 def _listed(options: frozenset[str]) -> str:

@@ -100,8 +100,9 @@ def _config_items(config: dict[str, Any], rows: list[dict[str, Any]] | None = No
     items = [
         f"**Model:** {get('model', '?')}" + (f", {params:,} parameters" if isinstance(params, int) else ""),
         f"**Device:** {get('resolved_device', get('device', '?'))}; **precision:** {get('precision', '?')}; "
-        f"recompute {get('activation_checkpointing', 'none')}; offload {get('offload', 'none')}; optimizer state "
-        f"{get('optimizer_state') or 'fp32'}; loss "
+        f"recompute {get('activation_checkpointing', 'none')}; offload {get('offload', 'none')}; "
+        + (f"optimizer {get('optimizer')}, " if get("optimizer") not in (None, "adamw") else "")
+        + f"optimizer state {get('optimizer_state') or 'fp32'}; loss "
         + (f"in chunks of {get('loss_chunk_tokens'):,} tokens" if isinstance(get("loss_chunk_tokens"), int)
            and get("loss_chunk_tokens") > 0 else "over whole logits"),
         f"**Effective batch:** {effective} sequences = {micro} "
@@ -362,7 +363,17 @@ def _model_and_data_flags(config: dict[str, Any]) -> list[str]:
             flags.append(f"--{name.replace('_', '-')} {shlex.quote(str(get(name)))}")
     if get("seq_len"):
         flags.append(f"--seq-len {get('seq_len')}")
-    return flags + _lora_flags(config)
+    return flags + _lora_flags(config) + _optimizer_flags(config)
+
+
+def _optimizer_flags(config: dict[str, Any]) -> list[str]:
+    """The run's optimizer beyond AdamW's defaults: part of the job (a plan or a profile of this run trains with the
+    optimizer the user chose, never another), so every suggested command carries it."""
+    get = config.get
+    flags = [f"--optimizer {get('optimizer')}"] if get("optimizer") not in (None, "adamw") else []
+    if get("momentum") is not None:
+        flags.append(f"--momentum {get('momentum')}")
+    return flags + (["--nesterov"] if get("nesterov") else [])
 
 
 def _lora_flags(config: dict[str, Any]) -> list[str]:

@@ -227,6 +227,8 @@ class TrainingRun:
                  f"{config.precision}, recompute {config.activation_checkpointing}, offload {config.offload}\n"
                  + batch_words(prep, micro) + f"\ndata: {prep.data.description}\nrun directory: {prep.out}",
                  noise_scale_announcement(self.engine, prep.grad_accum_steps), self.evaluation.announcement(prep)]
+        # Which optimizer, and what each of its groups holds (Muon: the orthogonalised matrices and the AdamW rest).
+        lines.insert(1, f"optimizer: {prep.optimizer.describe()}: {prep.optimizer.describe_groups(self.parts.model)}")
         if self.engine.objective.name != "sft":  # a preference objective: what is minimised, against what
             lines.insert(1, f"objective: {self.engine.objective.describe()}")
         if prep.built.pending is not None:

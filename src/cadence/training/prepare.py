@@ -183,6 +183,13 @@ def prepare_model(config: TrainConfig, *, ranks: Ranks = SINGLE) -> tuple[ModelS
     # once the model is sharded (build_components).
     built = spec.build(seed=config.seed, precision=config.precision, base_precision=config.lora_base_precision,
                        shard_later=sharded, warn=True)
+    # With the adapters in place: an optimizer that cannot train the model (Muon on blocks without a trained
+    # matrix) is refused before anything is written; what it warns about is said once.
+    if (problem := OptimizerSpec.from_flags(config).model_problem(built.module)) is not None:
+        raise UsageError.single("--optimizer", problem)
+    if ranks.is_main:
+        for note in OptimizerSpec.from_flags(config).notes(pretrained=spec.pretrained, adapters=config.lora_rank > 0):
+            warnings.warn(note, stacklevel=3)
     check_chunking(config, *built.probe)
     if config.packing and (config.compile or spec.supports.packing == "dense-mask"):
         why = ("its blocks are compiled (--compile), which keeps transformers' attention" if config.compile else
