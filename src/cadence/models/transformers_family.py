@@ -82,8 +82,7 @@ class Transformers(ModelFamily):
         _refuse_quantised(name)
         torch.manual_seed(seed)
         hf = build_hf_model(name, parse_model_overrides(list(overrides)), shard_later=shard_later and lora is None)
-        for note in hf.notes if warn else ():
-            warnings.warn(note, stacklevel=4)
+        notes = list(hf.notes)
         if lora is not None:
             if base_precision == "nf4":
                 # Before the adapters, so that peft wraps the 4-bit layers with its bitsandbytes LoRA layer; the
@@ -95,14 +94,16 @@ class Transformers(ModelFamily):
                 lora, base_name_or_path=None if name.startswith(HF_PREFIX) else str(Path(name).resolve())))
             if base_precision == "bf16":
                 hold_base_in_bf16(hf.model)
-            if warn and name.startswith(HF_PREFIX):
-                # Adapters on a base of random weights learn nothing a real model could use (issue 41); said once
+            if name.startswith(HF_PREFIX):
+                # Adapters on a base of random weights learn nothing a real model could use (issue 41); a note once
                 # the adapters are in place, so that a refused --lora-rank is its one line alone.
-                warnings.warn(f"--lora-rank on {name}: the base is built from its config with random weights, so the "
-                              f"adapters are trained on a random model; give a model directory (save_pretrained) for "
-                              f"a real fine-tune", stacklevel=4)
+                notes.append(f"--lora-rank on {name}: the base is built from its config with random weights, so the "
+                             f"adapters are trained on a random model; give a model directory (save_pretrained) for "
+                             f"a real fine-tune")
+        for note in notes if warn else ():
+            warnings.warn(note, stacklevel=4)
         return BuiltModel(module=hf.model, tokenizer=hf.tokenizer, vocab_size=hf.vocab_size, pending=hf.pending,
-                          twin=hf.twin, notes=hf.notes)
+                          twin=hf.twin, notes=notes)
 
 
 def _refuse_quantised(name: str) -> None:

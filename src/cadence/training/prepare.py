@@ -182,11 +182,15 @@ def prepare_model(config: TrainConfig, *, ranks: Ranks = SINGLE) -> tuple[ModelS
     # Under FSDP2 a model directory is built on the meta device and each rank reads its own shard of the weights
     # once the model is sharded (build_components).
     built = spec.build(seed=config.seed, precision=config.precision, base_precision=config.lora_base_precision,
-                       shard_later=sharded, warn=True)
+                       shard_later=sharded)
     # With the adapters in place: an optimizer that cannot train the model (Muon on blocks without a trained
     # matrix) is refused before anything is written; what it warns about is said once.
     if (problem := OptimizerSpec.from_flags(config).model_problem(built.module)) is not None:
         raise UsageError.single("--optimizer", problem)
+    # Its notes (dropout left on, adapters on a random base, ...) said once, after every refusal: a refused run
+    # says its error alone.
+    for note in built.notes:
+        warnings.warn(note, stacklevel=3)
     if ranks.is_main:
         for note in OptimizerSpec.from_flags(config).notes(pretrained=spec.pretrained, adapters=config.lora_rank > 0):
             warnings.warn(note, stacklevel=3)
