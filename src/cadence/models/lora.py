@@ -217,14 +217,15 @@ def lora_shape(model: nn.Module) -> LoraShape | None:
     """The adapters injected into ``model`` (None without LoRA), for the memory estimate."""
     if not is_lora(model):
         return None
-    config = model.peft_config["default"]  # type: ignore[index]
+    config = getattr(model, "peft_config")["default"]  # peft's attribute, which nn.Module's type does not know
     adapted = []
     adapter_parameters = 0
+    module: Any  # peft's layers: their adapters are attributes nn.Module's type does not know
     for name, module in model.named_modules():
         lora_a = getattr(module, "lora_A", None)
         base = getattr(module, "base_layer", None)
         if isinstance(lora_a, nn.ModuleDict) and "default" in lora_a and base is not None:
-            a, b = lora_a["default"].weight, module.lora_B["default"].weight  # type: ignore[index,union-attr]
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
             adapted.append((name, int(a.shape[1]), int(b.shape[0])))
             adapter_parameters += a.numel() + b.numel()
     trained, frozen = parameter_counts(model)
@@ -250,7 +251,7 @@ def write_adapter(model: nn.Module, directory: Path, weights: Mapping[str, torch
     """Write ``model``'s adapter into ``directory`` (existing, empty) as ``PeftModel.save_pretrained`` would."""
     from safetensors.torch import save_file
 
-    config = copy.deepcopy(model.peft_config["default"])  # type: ignore[index]
+    config = copy.deepcopy(getattr(model, "peft_config")["default"])  # peft's (nn.Module's type does not know it)
     save_file(adapter_weights(model, weights), str(directory / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
     config.inference_mode = True  # as PeftModel.save_pretrained records it: a loaded adapter is frozen unless asked
     config.save_pretrained(str(directory))  # peft's own adapter_config.json

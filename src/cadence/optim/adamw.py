@@ -35,7 +35,8 @@ _UNSHAPED_STATE = ("step", "qmap1", "qmap2", "unorm_vec")
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[ParamGroup]:
     """Weight decay on matrices and embeddings only (decaying biases and norm gains only hurts): AdamW's groups, and
     those of the optimizers that decay as AdamW does."""
-    decay, no_decay = [], []
+    decay: list[torch.Tensor] = []
+    no_decay: list[torch.Tensor] = []
     for _, param in trained_parameters(model):
         (decay if param.ndim >= 2 else no_decay).append(param)
     return [ParamGroup("decay", decay, {"weight_decay": weight_decay}),

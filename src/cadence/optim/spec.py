@@ -148,7 +148,7 @@ class OptimizerSpec:
     @property
     def rule(self) -> OptimizerRule:
         """The optimizer's rule, from its module (imported on first use: the registry names modules)."""
-        return importlib.import_module(OPTIMIZER_MODULES[self.name]).RULE  # type: ignore[no-any-return]
+        return importlib.import_module(OPTIMIZER_MODULES[self.name]).RULE
 
     def describe(self) -> str:
         """In words, for the console and the report: "AdamW (fp32 moments; betas 0.9, 0.95; weight decay 0.1 on
