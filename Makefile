@@ -41,11 +41,11 @@ demo: $(STAMP)
 # module fixture run on one worker (--dist loadgroup). PYTEST_WORKERS=0 runs in this process (a debugger).
 # Two tiers, so that the everyday check stays under 10 minutes on 2 cores:
 #   make test       ruff, mypy (make typecheck), every test not marked slow: the units, the step-chain rules, parity,
-#                   bad-input tables, the CLI (about 1,450 tests; CI runs this)
+#                   bad-input tables, the CLI (about 1,450 tests): the everyday check
 #   make test-slow  the tests marked slow: real multi-process runs (gloo ranks, torchrun agents, signals, kills),
 #                   long quality checks, the biggest built-in models (about 20 minutes here: run it before a merge
 #                   that touches distributed, resume, plan or memory code, and before every release)
-#   make test-all   ruff, mypy and both tiers in one run
+#   make test-all   ruff, mypy and both tiers in one run: what CI runs (.ci/run)
 # --durations: every run lists its slowest tests, where the time goes.
 PYTEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
