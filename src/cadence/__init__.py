@@ -10,7 +10,33 @@ The engine is usable from your own loop::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cadence.lazy import lazy_exports
+
+if TYPE_CHECKING:  # the type checker's view of the names below (a test keeps the two the same)
+    from cadence.data import Example
+    from cadence.engine import (
+        ChunkedCrossEntropy,
+        Cut,
+        Engine,
+        GradientNoiseScale,
+        Precision,
+        SingleProcess,
+        StepResult,
+        TargetsOnlyCrossEntropy,
+        Window,
+        build_lr_scheduler,
+        count_targets,
+        epoch_windows,
+        iter_windows,
+        lr_factor,
+        make_window,
+        prefetch,
+        shift_hf_labels,
+        token_cross_entropy_sum,
+    )
+    from cadence.errors import Problem, UsageError
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "cadence.data": ("Example",),

@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             speaker = prefix
         for line in err.lines() if speaker else []:
-            _say(speaker + line)
+            _say(f"{speaker}{line}")
         return err.exit_status
     except Exception as err:  # last: the specific failures above come first
         if rank is None or not _is_collective_failure(err):

@@ -9,13 +9,14 @@ null for missing or non-finite values, and a report shows those as "-".
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 MIB = 2**20
 
 
-def finite(value: Any) -> bool:
-    """A real, finite number (metrics write non-finite values as null; bools are not numbers here)."""
+def finite(value: Any) -> TypeGuard[float]:
+    """A real, finite number (metrics write non-finite values as null; bools are not numbers here). A type guard:
+    where it holds, the value is a number to the type checker too (an int is one)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -5,6 +5,10 @@ Why: `cadence --help` must answer without importing torch (about 2 s of the 5 s 
 ``from cadence import Engine`` and ``from cadence.engine import Engine`` stay the library's API. A package's
 ``__init__`` names what it exports and where each name lives; the module holding a name is imported the first time
 the name is used, and the value is then kept on the package (later uses cost nothing).
+
+A type checker sees ``__getattr__`` and would type every such name Any, so each package's ``__init__`` also imports
+the same names under ``if TYPE_CHECKING:`` (never at run time); tests/test_architecture.py keeps the two lists the
+same.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import importlib
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 
 class _LazyPackage(types.ModuleType):
@@ -41,7 +45,7 @@ def lazy_exports(package: str, exports: Mapping[str, Sequence[str]]) -> tuple[
 
     module_object = sys.modules[package]
     module_object.__class__ = _LazyPackage
-    module_object._exported = frozenset(where)  # type: ignore[attr-defined]
+    cast(_LazyPackage, module_object)._exported = frozenset(where)  # its class is _LazyPackage from the line above
 
     def __getattr__(name: str) -> Any:
         module = where.get(name)

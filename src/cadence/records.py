@@ -210,28 +210,28 @@ class Record:
             raise self.invalid(key, f"is {shown(value)}, not {kind.words}") from None
 
     def count(self, key: Any, default: Any = REQUIRED) -> int:
-        return self.take(key, COUNT, default)  # type: ignore[no-any-return]
+        return self.take(key, COUNT, default)
 
     def number(self, key: Any, default: Any = REQUIRED) -> float:
-        return self.take(key, NUMBER, default)  # type: ignore[no-any-return]
+        return self.take(key, NUMBER, default)
 
     def text(self, key: Any, default: Any = REQUIRED) -> str:
-        return self.take(key, TEXT, default)  # type: ignore[no-any-return]
+        return self.take(key, TEXT, default)
 
     def flag(self, key: Any, default: Any = REQUIRED) -> bool:
-        return self.take(key, FLAG, default)  # type: ignore[no-any-return]
+        return self.take(key, FLAG, default)
 
     def record(self, key: Any, default: Any = REQUIRED) -> Record:
         """A nested object as a record of its own (its fields named from here)."""
         if not self.has(key) and default is not REQUIRED:
-            return default  # type: ignore[no-any-return]
+            return default
         self.take(key, Kind("an object", lambda value: value if isinstance(value, Mapping) else _refuse()))
         return Record(self.data[key], self.source, self.name(key))
 
     def records(self, key: Any, default: Any = REQUIRED) -> list[Record]:
         """A list of objects, each a record."""
         if not self.has(key) and default is not REQUIRED:
-            return default  # type: ignore[no-any-return]
+            return default
         items = self.take(key, Kind("a list", lambda value: value if isinstance(value, list) else _refuse()))
         found = []
         for index, item in enumerate(items):

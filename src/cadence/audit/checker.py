@@ -81,6 +81,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from types import FrameType
 from typing import Any
 
 import torch
@@ -227,7 +228,7 @@ class Audit:
         """(filename, line, via) of the first frame of the user's code, ``via`` the (filename, line) of the first
         library frame below it (the call into torch) or None; when no frame is the user's (a loop run from an
         installed package), the library frame itself."""
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         kinds = self._kinds
         via = None
         while frame is not None:
@@ -268,6 +269,7 @@ class Audit:
 
         handle = optimizer_module.register_optimizer_step_post_hook(self._on_optimizer_step)
         stack.callback(handle.remove)
+        owner: Any  # a class or a module, whose attribute is patched
         for owner in (torch.Tensor, torch.autograd):
             patch(owner, "backward", self._backward_wrapper)
         for owner in (torch.optim.Optimizer, torch.nn.Module):
@@ -427,8 +429,9 @@ class Audit:
         """At a step: the weight each micro-batch of the window gave its targets, and their counts (CAD018, CAD021),
         when every backward's reduction was found. Tensors on an accelerator stay tensors until the analyzer resolves
         them in batches (no synchronisation per step)."""
-        window, self._norm = self._norm, []
-        if not window or any(probe is None or not probe.grad for probe in window):
+        found, self._norm = self._norm, []
+        window = [probe for probe in found if probe is not None and probe.grad]
+        if not window or len(window) < len(found):
             return
         weights: Any = torch.stack([probe.weight() for probe in window])
         counts: Any = None

@@ -356,7 +356,7 @@ class TrainConfig:
         if self.grad_accum_steps is not None:
             return self.grad_accum_steps
         if self.effective_batch_size is not None and not self.auto_micro_batch:
-            return self.effective_batch_size // (int(self.micro_batch_size) * world_size)
+            return int(self.effective_batch_size) // (int(self.micro_batch_size) * world_size)
         return 1
 
     def resolved_micro_batch_size(self, world_size: int = 1) -> int:

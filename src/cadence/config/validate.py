@@ -103,6 +103,7 @@ def _value_problems(config: TrainConfig) -> list[Problem]:
     """Each number and choice on its own: the precision and memory levers, the cut, the optimizer and the schedule."""
     check = _Checks(config)
     check.at_least("seq_len", 2)
+    allowed: tuple[str, ...]
     for name, allowed in (("too_long", TOO_LONG_CHOICES), ("precision", PRECISIONS),
                           ("activation_checkpointing", CHECKPOINTING_MODES), ("offload", OFFLOAD_MODES),
                           ("fp32_matmul", FP32_MATMUL_CHOICES)):

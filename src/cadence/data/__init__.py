@@ -7,7 +7,40 @@ Byte-level sources' tokens are bytes (0..255), so they work with the byte-level 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cadence.lazy import lazy_exports
+
+if TYPE_CHECKING:  # the type checker's view of the names below (a test keeps the two the same)
+    from cadence.data.batching import (
+        BYTE_EOS_ID,
+        IGNORE_INDEX,
+        PAD_TOKEN_ID,
+        Example,
+        TokenDataset,
+        collate,
+        epoch_order,
+        iterate_micro_batches,
+        make_example,
+        micro_batch_indices,
+    )
+    from cadence.data.cache import default_cache_dir
+    from cadence.data.choices import TOO_LONG_CHOICES, TooLong
+    from cadence.data.corpus import corpus_bytes, corpus_description, corpus_files, stdlib_root
+    from cadence.data.jsonl import read_jsonl
+    from cadence.data.load import (
+        byte_recipe,
+        bytes_fingerprint,
+        files_fingerprint,
+        is_store,
+        load_data,
+        open_prepared_store,
+    )
+    from cadence.data.sources import BYTES_TOKENIZER
+    from cadence.data.splits import DataSplits, split_validation, splits_from_store
+    from cadence.data.store import PackedSequences, StoredExamples, TokenStore
+    from cadence.data.text import pack_bytes, read_text_source
+    from cadence.data.too_long import LongExamples
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "cadence.data.batching": (

@@ -23,13 +23,14 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from cadence.data.cache import BuildResult, Recipe
 from cadence.data.chat import (
     ChatDataError,
     ChatTemplate,
     ChatTemplateError,
+    ChatTokenizer,
     NothingToTrain,
     TrainOn,
     parse_conversation,
@@ -131,8 +132,8 @@ class ChatCounts:
     first_skipped: int | None = None
 
 
-def write_conversations(writer: StoreWriter, split: str, rows: Iterable[tuple[int, Any]], *, tokenizer: Tokenizer,
-                        settings: ChatSettings, where: Callable[[int], str],
+def write_conversations(writer: StoreWriter, split: str, rows: Iterable[tuple[int, Any] | tuple[int, Any, int]], *,
+                        tokenizer: Tokenizer, settings: ChatSettings, where: Callable[[int], str],
                         advance: Callable[[int], None] = lambda size: None) -> ChatCounts:
     """Write each row of ``rows`` (``(number, record)``; a str record is a problem found while reading it) into
     ``split`` as the examples of its conversation, with their trained spans. A bad row is a problem named
@@ -148,7 +149,9 @@ def write_conversations(writer: StoreWriter, split: str, rows: Iterable[tuple[in
         if message is None:
             try:
                 conversation = parse_conversation(record, messages_field=settings.messages_field)
-                examples = tokenize_conversation(conversation, settings.template, tokenizer, train_on=settings.train_on)
+                # Both of cadence's tokenizers (bytes, transformers') tokenize a conversation too.
+                examples = tokenize_conversation(conversation, settings.template, cast(ChatTokenizer, tokenizer),
+                                                 train_on=settings.train_on)
             except NothingToTrain:
                 examples = []
             except ChatTemplateError as error:

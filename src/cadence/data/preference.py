@@ -105,7 +105,7 @@ class PreferenceExamples(TokenDataset):
     def __len__(self) -> int:
         return len(self._stored) if self.unpaired else len(self._stored) // 2
 
-    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+    def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             rows = range(len(self))[index]
             if self._labels is not None:
@@ -138,7 +138,7 @@ class PreferenceExamples(TokenDataset):
         return [2 * max(a, b) for a, b in zip(chosen, rejected)]
 
     @property
-    def num_targets(self) -> int:  # type: ignore[override]
+    def num_targets(self) -> int:
         """The targets of the first sequences and the rejected ones (a KTO sample's mismatched one not counted)."""
         return self._stored.num_targets
 

@@ -23,10 +23,16 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from cadence.data.cache import BuildResult, Recipe
-from cadence.data.chat import ChatDataError, ChatTemplateError, parse_conversation, tokenize_conversation
+from cadence.data.chat import (
+    ChatDataError,
+    ChatTemplateError,
+    ChatTokenizer,
+    parse_conversation,
+    tokenize_conversation,
+)
 from cadence.data.chat_store import ChatSettings, jsonl_rows
 from cadence.data.hf import Tokenizer
 from cadence.data.jsonl import MAX_REPORTED_PROBLEMS, append_example
@@ -75,9 +81,9 @@ def row_sequences(record: Any, form: PreferenceFormat, *, tokenizer: Tokenizer, 
     """A row's sequences (pairs: chosen then rejected; unpaired: one), each its ids and its trained spans, and its
     label (unpaired rows); raises :class:`RowError`."""
     if preference_format(record) != form:
-        names = ", ".join(f'"{name}"' for name in FIELDS[form])
+        fields = ", ".join(f'"{name}"' for name in FIELDS[form])
         keys = ", ".join(repr(str(key)) for key in list(record)[:6]) if isinstance(record, Mapping) else "none"
-        raise RowError(f"is not a {'preference pair' if form == 'pairs' else 'KTO row'}: the file's rows hold {names} "
+        raise RowError(f"is not a {'preference pair' if form == 'pairs' else 'KTO row'}: the file's rows hold {fields} "
                        f"(this row's keys: {keys})")
     for name in FIELDS[form]:
         if record.get(name) is None:
@@ -117,7 +123,9 @@ def _conversation(prompt: list[Any], completion: list[Any], tokenizer: Tokenizer
                   ) -> tuple[list[int], list[tuple[int, int]]]:
     try:
         conversation = parse_conversation({"prompt": prompt, "completion": completion})
-        examples = tokenize_conversation(conversation, settings.template, tokenizer, train_on="assistant")
+        # Both of cadence's tokenizers (bytes, transformers') tokenize a conversation too.
+        examples = tokenize_conversation(conversation, settings.template, cast(ChatTokenizer, tokenizer),
+                                         train_on="assistant")
     except ChatTemplateError:
         raise
     except ChatDataError as error:

@@ -83,10 +83,10 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
         tokens = store.tokens if max_stream_tokens is None else store.tokens.prefix(max_stream_tokens)
         fingerprint = store.fingerprint if max_stream_tokens is None or max_stream_tokens >= len(store.tokens) \
             else "sha256:" + hashlib.sha256(tokens[:].tobytes()).hexdigest()
-        examples = pack_tokens(tokens, seq_len)
-        description = f"{source}, {len(tokens):,} bytes, {len(examples)} sequences of " \
+        sequences = pack_tokens(tokens, seq_len)
+        description = f"{source}, {len(tokens):,} bytes, {len(sequences)} sequences of " \
                       f"{seq_len}"
-        train, val = split_validation(examples, val_fraction)
+        train, val = split_validation(sequences, val_fraction)
         if val is not None:
             description += f"; {len(train)} train / {len(val)} validation"
         return DataSplits(train=train, val=val, description=description + cache_note, truncated=0,
@@ -123,10 +123,10 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
                                  prompts_cut=prompts_cut, ends_cut=ends_cut, targets_lost=targets_lost)
     train_all = parts["train"]
     if not len(train_all):
-        rows = int(meta.get("rows", 0))
+        stored_rows = int(meta.get("rows", 0))
         if len(store.indexes["train"]):
             raise UsageError.single("--data", no_examples_message(source, len(store.indexes["train"]), seq_len))
-        why = f" (all {rows} rows were empty or had no target)" if rows else ""
+        why = f" (all {stored_rows} rows were empty or had no target)" if stored_rows else ""
         raise UsageError.single("--data", f"{source} has no examples{why}")
     description = f"{source}, {len(train_all)} examples"
     if meta.get("tokenizer_name") and meta.get("tokenizer") != "bytes":

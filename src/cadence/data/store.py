@@ -491,7 +491,7 @@ class TokenStore:
                 raise ValueError(f"dtype {meta['dtype']!r} / kind {meta['kind']!r} is not one a store is written in")
             dtype = np.dtype(meta["dtype"])
             vocab_size = int(meta["vocab_size"])
-            if not 0 < vocab_size <= np.iinfo(dtype).max + 1:
+            if not 0 < vocab_size <= np.iinfo(dtype.name).max + 1:
                 raise ValueError(f"vocab_size {vocab_size} does not fit {dtype.name}")
             splits = {str(split): int(rows) for split, rows in meta["splits"].items()}
             checksums = meta["sha256"]
@@ -652,18 +652,18 @@ class PackedSequences(TokenDataset):
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return PackedSequences(self._tokens, self._seq_len, self._chunks[index])
         start = self._chunks[index] * self._seq_len
         chunk = _as_long(self._tokens[start : start + self._seq_len + 1])
         return Example(input_ids=chunk[:-1], labels=chunk[1:])
 
-    def __iter__(self) -> Iterator[Example]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Example]:
         return (self[i] for i in range(len(self)))
 
     @property
-    def num_targets(self) -> int:  # type: ignore[override]
+    def num_targets(self) -> int:
         return len(self) * self._seq_len
 
     def lengths(self, indices: Sequence[int]) -> list[int]:
@@ -701,7 +701,7 @@ class StoredExamples(TokenDataset):
     def __len__(self) -> int:
         return len(self._rows)
 
-    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return StoredExamples(self._tokens, self._index, self._seq_len, self._rows[index], self._head, self._spans)
         row = int(self._rows[index])
@@ -730,7 +730,7 @@ class StoredExamples(TokenDataset):
         labels[: max(max(loss_start, 1) - shift - 1, 0)] = IGNORE_INDEX
         return Example(input_ids=ids[:-1], labels=labels)
 
-    def __iter__(self) -> Iterator[Example]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Example]:
         return (self[i] for i in range(len(self)))
 
     def _kept_lengths(self) -> np.ndarray:
@@ -742,7 +742,7 @@ class StoredExamples(TokenDataset):
         return (np.minimum(self._index[rows, 1], self._seq_len + 1) - 1).tolist()
 
     @property
-    def num_targets(self) -> int:  # type: ignore[override]
+    def num_targets(self) -> int:
         if not len(self):
             return 0
         index = self._index[self._rows]

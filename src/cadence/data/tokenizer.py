@@ -21,9 +21,15 @@ class Tokenizer(Protocol):
     """Text to ids. Each example gets ``bos_id`` in front and ``eos_id`` at the end, when they are not None (a
     tokenizer whose ``eos_on_text`` attribute is False, as :class:`ByteTokenizer`'s, ends only completions with it)."""
 
-    vocab_size: int  # every id is below this
-    bos_id: int | None
-    eos_id: int | None
+    # Read-only, as a frozen tokenizer's fields are.
+    @property
+    def vocab_size(self) -> int: ...  # every id is below this
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
 
     @property
     def identity(self) -> str: ...  # changes whenever the ids of some text could change (the cache key uses it)

@@ -18,10 +18,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from cadence.config import Strategy
 from cadence.distributed.torchrun import agent_store_address, torchrun_ranks
@@ -113,10 +114,10 @@ def attempt_store(address: tuple[str, int], rank: int, world_size: int,
             raise RuntimeError(f"the other ranks did not join within {timeout.total_seconds():g} s")
         for other in range(1, world_size):
             key = f"{ATTEMPT_KEYS}/ask/{other}"
-            token = store.get(key) if store.check([key]) else None
-            if token is not None and token not in answered:  # a stale token's answer is never read
-                store.set(f"{ATTEMPT_KEYS}/answer/{token.decode()}", namespace)
-                answered.add(token)
+            asked = store.get(key) if store.check([key]) else None
+            if asked is not None and asked not in answered:  # a stale token's answer is never read
+                store.set(f"{ATTEMPT_KEYS}/answer/{asked.decode()}", namespace)
+                answered.add(asked)
         time.sleep(ATTEMPT_POLL_S)
     return dist.PrefixStore(namespace, store)
 
@@ -215,7 +216,7 @@ class ProcessGroupCollective:
             yield
             return
         # DDP decides in forward whether the following backward all-reduces: no_sync must wrap the forward too.
-        with model.no_sync():  # type: ignore[operator]
+        with cast(DistributedDataParallel, model).no_sync():
             yield
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
@@ -234,7 +235,7 @@ class ProcessGroupCollective:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         # No annotations: DDP compares them with dist.GradBucket as real types, and this module's are strings.
-        def hook(state, bucket):  # type: ignore[no-untyped-def]
+        def hook(state, bucket):
             if self._armed:
                 # Before the all-reduce averages the bucket in place: this rank's gradient, one bucket at a time
                 # (queued on the stream the all-reduce then waits on; nothing is read back).
@@ -242,7 +243,7 @@ class ProcessGroupCollective:
                 self._local_sq = squared if self._local_sq is None else self._local_sq + squared
             return default_hooks.allreduce_hook(state, bucket)
 
-        model.register_comm_hook(None, hook)  # type: ignore[operator]
+        cast(DistributedDataParallel, model).register_comm_hook(None, hook)
         self._watching = True
 
     def first_gradient_problem(self, *, synced: bool) -> str | None:
@@ -344,7 +345,9 @@ def full_model_state(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Te
     if ranks.launched and ranks.strategy == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # Every value of a model's state dict is a tensor (the type's other kinds are for optimizer states).
+        return cast(dict[str, torch.Tensor],
+                    get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     return dict(unwrap(model).state_dict())
 
 
@@ -380,10 +383,12 @@ def write_full_model_state(model: torch.nn.Module, ranks: Ranks, path: Path | No
     shards. Every rank calls it; ``path`` is rank 0's (the others pass None). Without FSDP2, the state dict as it is."""
     from torch.distributed.tensor import DTensor
 
+    state: dict[str, torch.Tensor]
     if ranks.launched and ranks.strategy == "fsdp":
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = get_model_state_dict(model)  # this rank's shards (views), under full_model_state's names
+        # this rank's shards (views), under full_model_state's names; every value of a model's state is a tensor
+        state = cast(dict[str, torch.Tensor], get_model_state_dict(model))
     else:
         state = dict(unwrap(model).state_dict())
     specs = [TensorSpec(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in state.items()]

@@ -206,14 +206,15 @@ def pin_tensors(item: T) -> T:
     tensor already pinned or not on the CPU, is returned as it is. Needs CUDA."""
     if isinstance(item, torch.Tensor):
         pinned = item.pin_memory() if item.device.type == "cpu" and not item.is_pinned() else item
-        return pinned  # type: ignore[return-value]
+        return pinned  # type: ignore[return-value]  # a tensor for a tensor
     if isinstance(item, Mapping):
-        return {key: pin_tensors(value) for key, value in item.items()}  # type: ignore[return-value]
+        pinned_items = {key: pin_tensors(value) for key, value in item.items()}
+        return pinned_items  # type: ignore[return-value]  # a dict for any mapping (a batch is one)
     if isinstance(item, tuple) and hasattr(item, "_fields"):  # a NamedTuple
         return type(item)(*(pin_tensors(value) for value in item))
     if isinstance(item, (tuple, list)):
-        return type(item)(pin_tensors(value) for value in item)  # type: ignore[return-value]
+        return type(item)(pin_tensors(value) for value in item)
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
         changes = {f.name: pin_tensors(getattr(item, f.name)) for f in dataclasses.fields(item) if f.init}
-        return dataclasses.replace(item, **changes)  # type: ignore[return-value]
+        return dataclasses.replace(item, **changes)
     return item

@@ -56,8 +56,9 @@ def inference_module(model: torch.nn.Module) -> torch.nn.Module:
 class Reference(Protocol):
     """The reference model's summed log-probabilities of a micro-batch's rows."""
 
-    description: str
-    """In words, for the console and the reports."""
+    @property
+    def description(self) -> str:
+        """In words, for the console and the reports (read-only: the references are frozen values)."""
 
     def row_logps(self, batch: Batch) -> torch.Tensor:
         """[rows] fp32, without gradients."""

@@ -303,8 +303,9 @@ class Engine:
         with self._region("gradient_sync"):
             totals = self.collective.all_reduce_sum(torch.tensor(
                 [window.targets, window.tokens, window.samples, window.positions, first, *units], dtype=torch.float64))
-        summed = [int(v) for v in totals.tolist()]
-        return _WindowCounts(*summed[:5], first_targets_here=first, units=tuple(summed[5:]))
+        targets, tokens, samples, positions, first_targets, *units_summed = (int(v) for v in totals.tolist())
+        return _WindowCounts(targets, tokens, samples, positions, first_targets, first_targets_here=first,
+                             units=tuple(units_summed))
 
     def accumulate(
         self,
@@ -380,6 +381,7 @@ class Engine:
                 grad_norm = self.precision.unscale_and_clip(
                     self.optimizer, self.model.parameters(), self.max_grad_norm
                 )
+            reason: str | None  # why the optimizer did not step
             with self._region("optimizer_step"):
                 if self.skip_nonfinite and not self.precision.has_scaler and not math.isfinite(grad_norm):
                     did_step, reason = False, "non-finite gradients"

@@ -50,7 +50,7 @@ def attention_inputs(model: torch.nn.Module, batch: Batch) -> dict[str, torch.Te
     padded causal batch needs no mask for)."""
     if "attention_mask" not in batch and "position_ids" not in batch:
         return {}
-    accepted = _keyword_inputs(type(_innermost(model)))
+    accepted = _keyword_inputs(type(_innermost(model)).forward)
     mask = batch.get("attention_mask") if "attention_mask" in accepted else None
     if mask is None:
         return {key: batch[key] for key in ("position_ids",) if key in batch and key in accepted}
@@ -73,12 +73,12 @@ def _innermost(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @functools.lru_cache(maxsize=64)
-def _keyword_inputs(module_type: type) -> frozenset[str]:
-    """The keyword inputs a module class's forward takes (``attention_mask``, ``position_ids`` when it takes
-    ``**kwargs``). Cached per class: the signature does not change, and this runs for every micro-batch."""
+def _keyword_inputs(forward: Callable[..., object]) -> frozenset[str]:
+    """The keyword inputs a module class's ``forward`` takes (``attention_mask``, ``position_ids`` when it takes
+    ``**kwargs``). Cached per class's forward: the signature does not change, and this runs for every micro-batch."""
     wanted = ("attention_mask", "position_ids")
     try:
-        parameters = inspect.signature(module_type.forward).parameters.values()
+        parameters = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):
         return frozenset(wanted)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):

@@ -413,7 +413,7 @@ def _window_of_shares(source: Sequence[Example], shares: Sequence[Sequence[int]]
     # A micro-batch whose packed rows each hold one example is an unpacked micro-batch: collated as one, with no
     # position ids, it runs the plain causal attention bit for bit (text of full --seq-len sequences packs so, and a
     # run resumed with --packing added then continues exactly).
-    batches = [collate_samples([source[mine[row[0]]] for row in rows]) if all(len(row) == 1 for row in rows)
+    batches: list[Batch] = [collate_samples([source[mine[row[0]]] for row in rows]) if all(len(row) == 1 for row in rows)
                else collate_packed([[source[mine[k]] for k in row] for row in rows]) for rows in plans[rank]]
     window = Window(micro_batches=[], targets=0, tokens=0, samples=0, epoch=epoch, short=short)
     # Samples are examples, not packed rows.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from cadence.memory.estimate import FP32_BYTES, StepReplay
 from cadence.models.shape import ModelShape
@@ -44,6 +44,7 @@ class _Sizes:
     n_layer: int
     context_length: int
     n_embd: int
+    n_head: int
 
     def num_parameters(self) -> int:
         return self.params
@@ -60,10 +61,11 @@ gpt2's c_attn, c_proj, c_fc, mlp c_proj) and of attention (its output and log-su
 class DecoderReplay(StepReplay):
     """The generic replay with transformers' blocks; bookkeeping, the step and the loss are the parent's."""
 
-    def __init__(self, shape: ModelShape, style: BlockStyle, *, packed: bool = False, **kwargs: object) -> None:
+    def __init__(self, shape: ModelShape, style: BlockStyle, *, packed: bool = False, **kwargs: Any) -> None:
+        """``kwargs``: the generic replay's settings (StepReplay's keyword arguments), passed on as they are."""
         sizes = _Sizes(shape.num_parameters, shape.vocab_size, shape.num_layers, shape.context_length,
-                       shape.hidden_size)
-        super().__init__(sizes, **kwargs)  # type: ignore[arg-type]
+                       shape.hidden_size, int(shape.num_heads or 1))
+        super().__init__(sizes, **kwargs)
         self.embedding_lookup = False
         """True while the embedding lookup's gradient arrives (the last of a tied weight's two contributions)."""
         self.tied_head_held = False

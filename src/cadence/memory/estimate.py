@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from cadence.formatting import format_mib
 from cadence.memory.choices import CheckpointingMode, OffloadMode
@@ -190,11 +190,32 @@ def _dominant(by_category: dict[str, int], peak: int, phase: str, precision: str
     return f"{name}: {by_category[name] / peak:.0%} of the peak (in the {phase}) — {why}"
 
 
+class ReplaySizes(Protocol):
+    """What the replay reads of its model's sizes: a GPTConfig, or a transformers decoder's (``decoder_replay``)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def n_layer(self) -> int: ...
+
+    @property
+    def n_head(self) -> int: ...
+
+    @property
+    def n_embd(self) -> int: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    def num_parameters(self) -> int: ...
+
+
 class StepReplay:
     """Walks one step op by op, tracking live device bytes by category and remembering the highest total."""
 
     def __init__(
-        self, config: GPTConfig, *, tokens: int, seq_len: int, precision: str, checkpointing: str,
+        self, config: ReplaySizes, *, tokens: int, seq_len: int, precision: str, checkpointing: str,
         offload_activations: bool, offload_optimizer: bool, on_device: bool, loss_chunk_tokens: int = 0,
         target_tokens: int | None = None, optimizer: OptimizerSpec = ADAMW, full_logits: bool = False,
     ) -> None:
@@ -224,7 +245,8 @@ class StepReplay:
         self.offloaded: dict[str, tuple[int, str]] = {}  # saved tensors waiting in host memory
         self.held: set[str] = set()  # kept on the device even under offload (a checkpoint's own references)
         self.host_bytes = self.peak = self.activation_peak = 0
-        self.step_scratch = 0  # set by run(): the optimizer step's scratch under --optimizer-state bf16 / 8bit
+        # set by run(): the optimizer step's scratch under --optimizer-state bf16 / 8bit (None: the replay's own)
+        self.step_scratch: int | None = 0
         self.at_peak: dict[str, int] = {}
         self.peak_phase = self.phase = ""
 

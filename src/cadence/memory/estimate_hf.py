@@ -10,6 +10,8 @@ tests/memory/test_memory_estimate_hf.py). Which style a model's blocks are is th
 
 from __future__ import annotations
 
+from typing import Any
+
 from cadence.memory.decoder_replay import BLOCK_STYLES, BlockStyle, DecoderReplay
 from cadence.memory.estimate import ADAMW, MemoryEstimate, estimate_from_replay, input_problems
 from cadence.memory.lora_replay import LoraDecoderReplay
@@ -56,7 +58,7 @@ def estimate_hf_step_memory(
     if problems:
         raise ValueError("; ".join(problems))
     on_device = device_type != "cpu"
-    settings = dict(
+    settings: dict[str, Any] = dict(
         tokens=micro_batch_size * seq_len, seq_len=seq_len, precision=precision, checkpointing=checkpointing,
         offload_activations=on_device and offload == "activations",
         offload_optimizer=on_device and offload == "optimizer", on_device=on_device,

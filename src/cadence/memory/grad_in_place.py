@@ -67,7 +67,7 @@ class InPlaceModule:
 
 def _wrappers(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
     """The user's module inside DDP (``.module``) or torch.compile (``._orig_mod``) wrappers, and the wrappers."""
-    wrappers = []
+    wrappers: list[nn.Module] = []
     while True:
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):
@@ -192,7 +192,7 @@ def _head_forward(module: nn.Module) -> Callable[..., torch.Tensor]:
     return forward
 
 
-def _add_into_grad(parameter: torch.Tensor, add: Callable[[torch.Tensor], None],
+def _add_into_grad(parameter: torch.Tensor, add: Callable[[torch.Tensor], object],
                    make: Callable[[], torch.Tensor]) -> None:
     """``add(parameter.grad)`` in place, or ``parameter.grad = make()`` when it has none yet (the first
     contribution: nothing to add to, so nothing is made twice)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from cadence.memory.decoder_replay import BlockStyle, DecoderReplay, adamw_scratch
 from cadence.memory.estimate import FP32_BYTES
@@ -70,8 +71,8 @@ def _adapters(lora: LoraShape, style: BlockStyle) -> _Adapters:
 class LoraDecoderReplay(DecoderReplay):
     """The decoder replay with a frozen base and peft's adapters in its blocks."""
 
-    def __init__(self, shape: ModelShape, style: BlockStyle, *, lora: LoraShape, **kwargs: object) -> None:
-        super().__init__(shape, style, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, shape: ModelShape, style: BlockStyle, *, lora: LoraShape, **kwargs: Any) -> None:
+        super().__init__(shape, style, **kwargs)
         self.lora = _adapters(lora, style)
         self.lora_parameters = lora.adapter_parameters
         self.bf16_base = lora.bf16_base_parameters

@@ -65,7 +65,7 @@ class MeasuredMemory:
 def measure_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    run_step: Callable[[], None],
+    run_step: Callable[[], object],
     device: torch.device | str,
 ) -> MeasuredMemory:
     """Run ``run_step()`` (one full step: every micro-batch of a window, the optimizer step and ``zero_grad``) under

@@ -99,7 +99,7 @@ class BuiltModel:
         model's twin of one layer and a small vocabulary. The verdicts depend on the family's code and settings, not
         on the weights or the depth."""
         if self.twin is not None:
-            return self.twin, int(self.twin.config.vocab_size)
+            return self.twin, int(getattr(self.twin, "config").vocab_size)  # a transformers model's config
         return self.module, self.vocab_size
 
 

@@ -121,13 +121,13 @@ def forward_replaced(head: nn.Module, forward: Callable[..., torch.Tensor]) -> I
     around the call (only ``forward`` is replaced, on the instance), and the class's ``forward`` is back afterwards,
     however the block ends."""
     had_own = "forward" in head.__dict__
-    saved = head.__dict__.get("forward")
-    head.forward = forward  # type: ignore[method-assign]
+    saved = head.__dict__.get("forward", head.forward)  # the instance's own forward, when it has one
+    head.forward = forward
     try:
         yield
     finally:
         if had_own:
-            head.forward = saved  # type: ignore[method-assign]
+            head.forward = saved
         else:
             del head.forward
 

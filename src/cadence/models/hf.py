@@ -97,7 +97,7 @@ class HFModel:
         model its twin of one layer and a small vocabulary, randomly initialised. The checks' verdicts depend on the
         family's code and settings, not on the weights or the depth."""
         if self.twin is not None:
-            return self.twin, int(self.twin.config.vocab_size)
+            return self.twin, int(getattr(self.twin, "config").vocab_size)  # a transformers model's config
         return self.model, self.vocab_size
 
 
@@ -193,7 +193,7 @@ def _check_override_keys(config: PretrainedConfig, overrides: dict[str, Any], mo
         return
     key = unknown[0]
     close = difflib.get_close_matches(key, sorted(valid), n=4, cutoff=0.5)
-    common = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    common: list[str] = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                           "vocab_size", "max_position_embeddings") if k in valid]
     suggestions = list(dict.fromkeys(close + common))[:8]
     message = f"{model_type} configs have no key {key!r}; valid keys include {', '.join(suggestions)}"
@@ -267,7 +267,8 @@ def model_shape(model: nn.Module, config: PretrainedConfig) -> ModelShape:
     intermediate = _first_int(config, "intermediate_size", "n_inner", "ffn_dim", "d_ff")
     if intermediate is None and getattr(config, "model_type", "") in ("gpt2", "gpt_neo", "gptj", "gpt_bigcode"):
         intermediate = 4 * hidden  # these families store None and mean 4 x width
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    transformers_model: Any = model  # its methods are transformers', not nn.Module's
+    inputs, outputs = transformers_model.get_input_embeddings(), transformers_model.get_output_embeddings()
     tied = outputs is not None and inputs is not None and outputs.weight is inputs.weight
     context = _first_int(config, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
     return ModelShape(
@@ -360,11 +361,12 @@ def _finish(model: nn.Module, config: PretrainedConfig, tokenizer: Any | None, f
     elif len(tokenizer) > vocab:
         raise UsageError.single("--model", f"{what}: the tokenizer has {len(tokenizer)} tokens, the model {vocab}")
     # A model still on the meta device is checked on its twin (HFModel.probe).
-    _check_causal(*((twin, int(twin.config.vocab_size)) if twin is not None else (model, vocab)), flag)
+    _check_causal(*((twin, int(getattr(twin, "config").vocab_size)) if twin is not None else (model, vocab)), flag)
     # Training never generates: a KV cache would keep every layer's keys and values alive until the step ends
     # (defeating activation checkpointing) and grow again in each recompute (which breaks selective recompute). Off on
     # the model's own config too: from_pretrained(config=...) keeps a copy of it (a save_pretrained directory with
     # "use_cache": true failed selective recompute with a "not found in storage" error).
+    held: Any  # a transformers config, or None where there is none
     for held in (config, getattr(model, "config", None), getattr(twin, "config", None)):
         if getattr(held, "use_cache", None):
             held.use_cache = False
@@ -592,7 +594,7 @@ def save_hf(model: nn.Module, directory: Path, tokenizer: Any | None = None,
     export a tensor at a time under the names ``save_pretrained`` writes (each tied tensor once), in place of
     ``weights``: nothing holds the whole model.
     """
-    inner = _unwrap(model)
+    inner: Any = _unwrap(model)  # a transformers (or peft) model: its methods are not nn.Module's
     if not hasattr(inner, "save_pretrained"):
         message = "only Hugging Face models (--model hf:TYPE or a model directory) can be saved this way"
         raise UsageError.single("--save-hf", message)

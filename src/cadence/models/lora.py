@@ -22,7 +22,7 @@ import contextlib
 import copy
 import math
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,15 +176,17 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Within the block, ``model``'s LoRA layers compute their base layer alone (peft's ``enable_adapters(False)``
     on each): the model is the base it was built from, with no copy of it. A preference objective's reference."""
-    layers = [module for module in model.modules() if hasattr(module, "enable_adapters") and
-              hasattr(module, "base_layer")]
-    for layer in layers:
-        layer.enable_adapters(False)
+    # peft's LoRA layers, found by what they have (peft is optional, and untyped): their enable_adapters method.
+    switches: list[Callable[[bool], None]] = [
+        getattr(module, "enable_adapters") for module in model.modules()
+        if callable(getattr(module, "enable_adapters", None)) and hasattr(module, "base_layer")]
+    for switch in switches:
+        switch(False)
     try:
         yield
     finally:
-        for layer in layers:
-            layer.enable_adapters(True)
+        for switch in switches:
+            switch(True)
 
 
 def hold_base_in_bf16(model: nn.Module) -> int:
@@ -233,14 +235,15 @@ def lora_shape(model: nn.Module) -> LoraShape | None:
     """The adapters injected into ``model`` (None without LoRA), for the memory estimate."""
     if not is_lora(model):
         return None
-    config = model.peft_config["default"]  # type: ignore[index]
+    config = getattr(model, "peft_config")["default"]  # peft's attribute, which nn.Module's type does not know
     adapted = []
     adapter_parameters = 0
+    module: Any  # peft's layers: their adapters are attributes nn.Module's type does not know
     for name, module in model.named_modules():
         lora_a = getattr(module, "lora_A", None)
         base = getattr(module, "base_layer", None)
         if isinstance(lora_a, nn.ModuleDict) and "default" in lora_a and base is not None:
-            a, b = lora_a["default"].weight, module.lora_B["default"].weight  # type: ignore[index,union-attr]
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
             adapted.append((name, int(a.shape[1]), int(b.shape[0])))
             adapter_parameters += a.numel() + b.numel()
     trained, frozen = parameter_counts(model)
@@ -266,7 +269,7 @@ def write_adapter(model: nn.Module, directory: Path, weights: Mapping[str, torch
     """Write ``model``'s adapter into ``directory`` (existing, empty) as ``PeftModel.save_pretrained`` would."""
     from safetensors.torch import save_file
 
-    config = copy.deepcopy(model.peft_config["default"])  # type: ignore[index]
+    config = copy.deepcopy(getattr(model, "peft_config")["default"])  # peft's (nn.Module's type does not know it)
     save_file(adapter_weights(model, weights), str(directory / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
     config.inference_mode = True  # as PeftModel.save_pretrained records it: a loaded adapter is frozen unless asked
     config.save_pretrained(str(directory))  # peft's own adapter_config.json

@@ -121,8 +121,8 @@ def use_packed_attention(model: nn.Module) -> bool:
     if callable(can_set) and not can_set():
         return False  # a model family that calls SDPA itself, outside the interface
     _register()
-    model.set_attn_implementation(ATTENTION_NAME)
-    return config._attn_implementation == ATTENTION_NAME
+    getattr(model, "set_attn_implementation")(ATTENTION_NAME)  # a transformers model's method (checked above)
+    return getattr(config, "_attn_implementation", None) == ATTENTION_NAME
 
 
 def runs_packed_attention(model: nn.Module) -> bool:
@@ -137,16 +137,17 @@ def transformers_attention(model: nn.Module) -> Iterator[None]:
     """While saving: the model's config says ``sdpa`` (what anyone loading it has), then cadence's again. ``model``
     may be a peft model (--lora-rank): its base model is the transformers one."""
     get_base = getattr(model, "get_base_model", None)
-    model = get_base() if callable(get_base) else model
-    config = getattr(model, "config", None)
+    # a transformers model (its methods are not nn.Module's)
+    transformers_model: Any = get_base() if callable(get_base) else model
+    config = getattr(transformers_model, "config", None)
     ours = getattr(config, "_attn_implementation", None) == ATTENTION_NAME
     if ours:
-        model.set_attn_implementation("sdpa")  # type: ignore[operator]
+        transformers_model.set_attn_implementation("sdpa")
     try:
         yield
     finally:
         if ours:
-            model.set_attn_implementation(ATTENTION_NAME)  # type: ignore[operator]
+            transformers_model.set_attn_implementation(ATTENTION_NAME)
 
 
 __all__ = ["ATTENTION_NAME", "example_spans", "packed_sdpa_attention", "runs_packed_attention",

@@ -127,8 +127,9 @@ def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
             yield name, module
 
 
-def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's NF4 layers (peft's wrappers excluded: their base layers are listed), by name."""
+def quantized_layers(model: nn.Module) -> list[tuple[str, Any]]:
+    """The model's NF4 layers (peft's wrappers excluded: their base layers are listed), by name (bitsandbytes'
+    layers: their weights carry a quantisation state, which nn.Module's type does not know)."""
     return [(name, module) for name, module in model.named_modules() if getattr(module, "is_cadence_nf4", False)]
 
 
@@ -156,19 +157,19 @@ def quantize_base_nf4(model: nn.Module, compute_dtype: torch.dtype) -> int:
         elements += linear.weight.numel()
     # peft puts its bitsandbytes LoRA layer (lora.Linear4bit) on a Linear4bit only when the model says it is loaded
     # in 4 bits; transformers' quantised loading sets the same attribute.
-    model.is_loaded_in_4bit = True  # type: ignore[assignment]
+    setattr(model, "is_loaded_in_4bit", True)  # a flag, not a tensor or module (all nn.Module's type takes)
     return elements
 
 
-_CLASS: list[type[nn.Module]] = []
+_CLASS: list[type[Any]] = []
 
 
-def _nf4_linear_class(bnb: Any) -> type[nn.Module]:
+def _nf4_linear_class(bnb: Any) -> type[Any]:
     """:class:`NF4Linear`, defined once bitsandbytes is imported (it subclasses bitsandbytes' Linear4bit)."""
     if _CLASS:
         return _CLASS[0]
 
-    class NF4Linear(bnb.nn.Linear4bit):  # type: ignore[misc,name-defined]
+    class NF4Linear(bnb.nn.Linear4bit):
         """bitsandbytes' ``Linear4bit`` (NF4, double quantisation) whose output stays in the compute dtype.
 
         bitsandbytes' own forward casts its output back to its input's dtype: under bf16 autocast a projection fed
@@ -208,7 +209,7 @@ def _nf4_linear_class(bnb: Any) -> type[nn.Module]:
     return NF4Linear
 
 
-def _load_quantized(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+def _load_quantized(module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                     missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
     """Before torch loads an NF4 layer: take its quantisation state out of the state dict (torch does not know those
     keys) and install it, so that the packed codes torch then copies in are read with the scales they were saved

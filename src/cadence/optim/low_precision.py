@@ -69,7 +69,7 @@ def adamw_8bit_class() -> type[torch.optim.Optimizer]:
     an unrelated 4-bit matmul kernel it could not fetch; that is silenced (cadence never uses 4-bit matmuls)."""
     with quiet_bitsandbytes():
         import bitsandbytes
-    return bitsandbytes.optim.AdamW8bit  # type: ignore[no-any-return]
+    return bitsandbytes.optim.AdamW8bit
 
 
 class BF16StateAdamW(torch.optim.Optimizer):
@@ -129,7 +129,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
                     state[key] = state[key].to(self.state_dtype)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = closure_loss(closure)
         index = -1
         for group in self.param_groups:

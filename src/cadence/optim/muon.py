@@ -97,7 +97,7 @@ class Muon(torch.optim.Optimizer):
         self.__dict__.setdefault("_warned", False)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = closure_loss(closure)
         norms: list[torch.Tensor] = []
         for group in self.param_groups:
@@ -182,7 +182,9 @@ class MuonRule(OptimizerRule):
 
     def param_groups(self, spec: OptimizerSpec, model: torch.nn.Module) -> list[ParamGroup]:
         inside = _block_parameters(model)
-        orthogonalised, decay, no_decay = [], [], []
+        orthogonalised: list[torch.Tensor] = []
+        decay: list[torch.Tensor] = []
+        no_decay: list[torch.Tensor] = []
         for _, param in trained_parameters(model):
             if param.ndim == 2 and id(param) in inside:
                 orthogonalised.append(param)

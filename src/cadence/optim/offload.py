@@ -71,7 +71,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.defaults = dict(self._inner.defaults)
 
     # -------------------------------------------------------------------------------------------------- structure
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         """The inner optimizer's state (keyed by host masters); ``load_state_dict`` replaces it, so it is looked up."""
         return self._inner.state if self._inner is not None else {}
@@ -117,7 +117,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Gradients to the host, the inner optimizer's update there, updated parameters back to their devices."""
         loss = closure_loss(closure)
         self._push_hyperparameters()

@@ -198,7 +198,7 @@ class OptimizerSpec:
     @property
     def rule(self) -> OptimizerRule:
         """The optimizer's rule, from its module (imported on first use: the registry names modules)."""
-        return importlib.import_module(OPTIMIZER_MODULES[self.name]).RULE  # type: ignore[no-any-return]
+        return importlib.import_module(OPTIMIZER_MODULES[self.name]).RULE
 
     def describe(self) -> str:
         """In words, for the console and the report: "AdamW (fp32 moments; betas 0.9, 0.95; weight decay 0.1 on
@@ -305,7 +305,8 @@ def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Param
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[ParamGroup]:
     """Weight decay on matrices and embeddings only (decaying biases and norm gains only hurts): AdamW's groups, and
     those of the optimizers that decay as AdamW does."""
-    decay, no_decay = [], []
+    decay: list[torch.Tensor] = []
+    no_decay: list[torch.Tensor] = []
     for _, param in trained_parameters(model):
         (decay if param.ndim >= 2 else no_decay).append(param)
     return [ParamGroup("decay", decay, {"weight_decay": weight_decay}),

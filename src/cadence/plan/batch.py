@@ -160,10 +160,10 @@ def choose_effective_batch(prep: Prepared, model: ModelSpec, *, budget: int, win
                      f"{deadline.seconds:g} s was spent after {deadline.elapsed:.0f} s; a larger --time-budget "
                      f"measures more")
     if measurement.sequences is None:
-        if time_note is not None:
+        if time_note is not None and deadline is not None:  # a time note is a deadline's
             raise NoiseScaleUnmeasured(
                 f"the gradient noise scale could not be measured: {NOISE_SCALE_SHARE:.0%} of the --time-budget of "
-                f"{deadline.seconds:g} s allowed {measurement.windows_run:,} of the {windows:,} "  # type: ignore
+                f"{deadline.seconds:g} s allowed {measurement.windows_run:,} of the {windows:,} "
                 f"--noise-scale-windows, too few for an estimate ({measurement.unmeasured}); give a larger "
                 f"--time-budget, or --effective-batch-size N")
         raise NoiseScaleUnmeasured(

@@ -16,17 +16,19 @@ import torch
 
 from cadence.config import TrainConfig
 from cadence.config.plan_file import CUT_FLAGS
+from cadence.config.schema import LoraBasePrecision
 from cadence.data import DataSplits
 from cadence.data.text import PackedSequences
-from cadence.engine.choices import PRECISIONS
+from cadence.engine.choices import PRECISIONS, PrecisionName
 from cadence.engine.cut import Cut
 from cadence.engine.precision import precision_problem
 from cadence.formatting import format_bytes
-from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES
+from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES, CheckpointingMode, OffloadMode
 from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.estimate_for import estimate_for
 from cadence.models.quantized import bitsandbytes_problem
 from cadence.models.spec import ModelSpec
+from cadence.optim.choices import OptimizerStateName
 from cadence.optim.spec import OptimizerSpec
 from cadence.plan.measure import Rates, probe_precisions
 from cadence.plan.quality import BASE_TOLERANCE, STATE_TOLERANCE
@@ -105,17 +107,17 @@ class Levers:
     """The values of each lever a plan's candidates take."""
 
     micro_sizes: list[int]
-    precisions: list[str]
-    recomputes: list[str]
-    offloads: list[str]
+    precisions: list[PrecisionName]
+    recomputes: list[CheckpointingMode]
+    offloads: list[OffloadMode]
     chunks: list[int]
-    combinations: list[tuple[str, str, str]]
+    combinations: list[tuple[OptimizerStateName, LoraBasePrecision, PrecisionName]]
     """(optimizer state, LoRA base, precision)."""
 
 
 def _levers(config: TrainConfig, constrained: set[str], device: torch.device, rows: int, notes: list[str],
-            model: ModelSpec, states: list[str] | None, precisions: list[str] | None,
-            bases: list[str] | None) -> Levers:
+            model: ModelSpec, states: list[OptimizerStateName] | None, precisions: list[PrecisionName] | None,
+            bases: list[LoraBasePrecision] | None) -> Levers:
     effective = int(config.effective_batch_size or 0)
     micro_sizes = [int(config.micro_batch_size)] if "micro_batch_size" in constrained else divisors(effective)
     if precisions is None and "precision" in constrained:
@@ -126,6 +128,7 @@ def _levers(config: TrainConfig, constrained: set[str], device: torch.device, ro
         notes += probe.notes
     recomputes = [config.activation_checkpointing] if "activation_checkpointing" in constrained else list(
         CHECKPOINTING_MODES)
+    offloads: list[OffloadMode]
     if "offload" in constrained:
         offloads = [config.offload]
     elif device.type == "cuda":
@@ -144,9 +147,10 @@ def _levers(config: TrainConfig, constrained: set[str], device: torch.device, ro
 
 
 def build_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
-                     notes: list[str], model: ModelSpec | None = None, *, states: list[str] | None = None,
-                     first_number: int = 1, longest: int | None = None,
-                     precisions: list[str] | None = None, bases: list[str] | None = None) -> list[Candidate]:
+                     notes: list[str], model: ModelSpec | None = None, *,
+                     states: list[OptimizerStateName] | None = None, first_number: int = 1, longest: int | None = None,
+                     precisions: list[PrecisionName] | None = None,
+                     bases: list[LoraBasePrecision] | None = None) -> list[Candidate]:
     """Every combination of the levers the user left open, each with its estimated peak; ``states``: the optimizer
     states (default: the given one, else fp32), ``bases``: the --lora-base-precision values (default: the given
     one; only bf16 and fp32 compute an nf4 base), numbered from ``first_number``. ``longest``: the data's longest
@@ -213,7 +217,7 @@ def nf4_problem(config: TrainConfig, constrained: Collection[str], model: ModelS
 
 
 def lossy_bases(config: TrainConfig, constrained: Collection[str], model: ModelSpec, precisions: Collection[str],
-                notes: list[str]) -> list[str]:
+                notes: list[str]) -> list[LoraBasePrecision]:
     """["nf4"] where a 4-bit NormalFloat base can be a candidate of this plan (:func:`nf4_problem`), else [] with the
     reason in ``notes`` (the report's notes, and a failed plan's message)."""
     problem = nf4_problem(config, constrained, model, precisions)
@@ -224,7 +228,8 @@ def lossy_bases(config: TrainConfig, constrained: Collection[str], model: ModelS
 
 
 def lossy_candidates(config: TrainConfig, constrained: set[str], device: torch.device, seq_len: int,
-                     model: ModelSpec, *, longest: int, precisions: list[str], first_number: int, notes: list[str],
+                     model: ModelSpec, *, longest: int, precisions: list[PrecisionName], first_number: int,
+                     notes: list[str],
                      say: Callable[[str], None]) -> list[Candidate]:
     """The candidates of the lossy levers, for a plan where nothing exact fits (measured): lower-precision optimizer
     state (unless --optimizer-state was given) and, under LoRA, an nf4 base with the exact optimizer state (unless

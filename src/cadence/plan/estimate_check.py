@@ -7,6 +7,7 @@ both for the same configurations, for the test that asserts the table and the be
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ def estimate_against_measurement(
         apply_activation_checkpointing(model, checkpointing)
         for precision in precisions:
             engine = Engine(model, optimizer, precision=precision, max_grad_norm=1.0)
-            measured = measure_step(model, optimizer, lambda engine=engine: engine.step(window), "cpu")
+            measured = measure_step(model, optimizer, functools.partial(engine.step, window), "cpu")
             predicted = estimate_for(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision,
                                      checkpointing=checkpointing)
             rows.append((precision, checkpointing, predicted, measured))

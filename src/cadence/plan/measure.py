@@ -150,7 +150,7 @@ class PrecisionProbe:
     """The matmul probe's rounds per precision (multiply-adds per second) and the precisions worth measuring."""
 
     speeds: dict[str, list[float]]
-    kept: list[str]
+    kept: list[PrecisionName]
     notes: list[str]
 
 

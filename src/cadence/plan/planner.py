@@ -27,12 +27,13 @@ from typing import IO, Any
 from cadence.config import TrainConfig, validate
 from cadence.config.commands import PlanOptions
 from cadence.config.plan_file import CUT_FLAGS, CutRow
-from cadence.engine.choices import PRECISIONS
+from cadence.engine.choices import PRECISIONS, PrecisionName
 from cadence.errors import CadenceFailure, Problem, UsageError
 from cadence.formatting import format_bytes
 from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.estimate_for import estimate_for
 from cadence.models.spec import ModelSpec
+from cadence.optim.choices import OptimizerStateName
 from cadence.plan.batch import BatchChoice, choose_effective_batch
 from cadence.plan.candidates import (
     Candidate,
@@ -139,7 +140,7 @@ class PlanRun:
     batch_choice: BatchChoice | None = None
     candidates: list[Candidate] = field(default_factory=list)
     measured: list[Candidate] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)
+    kept: list[PrecisionName] = field(default_factory=list)
     """The precisions the matmul probe kept."""
     longest: int = 0
 
@@ -187,8 +188,8 @@ def _assemble(config: TrainConfig, options: PlanOptions, constrained: set[str], 
     store; every trial is a variant of it), with the effective batch chosen first under auto."""
     out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
     auto = config.effective_batch_size == "auto"
-    prep = prepare(dataclasses.replace(config, val_fraction=0.0, **({"effective_batch_size": 1} if auto else {})),
-                   out=out)
+    prep = prepare(dataclasses.replace(config, val_fraction=0.0,
+                                       effective_batch_size=1 if auto else config.effective_batch_size), out=out)
     model = prep.spec
     if config.out is None and out.exists():
         raise UsageError.single("--out", f"default {out} already exists; give --out")
@@ -235,7 +236,7 @@ def _search(run: PlanRun) -> dict[str, Any]:
     """The candidates estimated and measured until something fits (the lossy levers where nothing exact does);
     returns the accumulation diagnosis. Nothing fitting is a PlanFailed naming what was not measured."""
     config, constrained, prep = run.config, run.constrained, run.prep
-    states = [config.optimizer_state] if "optimizer_state" in constrained else ["fp32"]
+    states: list[OptimizerStateName] = [config.optimizer_state] if "optimizer_state" in constrained else ["fp32"]
     with run.deadline.phase("precision probe"):  # and the candidates' estimates
         run.candidates = build_candidates(config, constrained, prep.device, prep.seq_len, run.notes, run.model,
                                           states=states, longest=run.longest)

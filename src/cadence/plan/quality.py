@@ -17,6 +17,7 @@ import torch
 
 from cadence.config import TrainConfig
 from cadence.config.commands import PlanOptions
+from cadence.config.schema import LoraBasePrecision
 from cadence.models.spec import ModelSpec
 from cadence.plan.trials import TrialResult, TrialSetup, run_trial
 from cadence.training.prepare import Prepared
@@ -99,7 +100,7 @@ def state_check(prep: Prepared, setup: TrialSetup, budget: int, options: PlanOpt
             **loss_check(prep, setup, reference, budget, options, STATE_TOLERANCE)}
 
 
-def reference_base(config: TrainConfig, precision: str) -> str:
+def reference_base(config: TrainConfig, precision: str) -> LoraBasePrecision:
     """The full-precision base an nf4 base is checked against: the given one, or, where nf4 was given, bf16 under
     --precision bf16 (the same math as fp32 there, in half the memory) and fp32 otherwise."""
     if config.lora_base_precision != "nf4":

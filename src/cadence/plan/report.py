@@ -51,8 +51,8 @@ def plan_report(root: Path) -> Report:
 
 def _effective_batch(batch: dict[str, Any]) -> list[Block]:
     """--effective-batch-size auto: what was measured, the choice and its reason, and the advice on --lr."""
-    measured = batch.get("noise_scale") if isinstance(batch.get("noise_scale"), dict) else {}
-    probe = batch.get("probe") if isinstance(batch.get("probe"), dict) else {}
+    measured = batch["noise_scale"] if isinstance(batch.get("noise_scale"), dict) else {}
+    probe = batch["probe"] if isinstance(batch.get("probe"), dict) else {}
     value, error = measured.get("sequences"), measured.get("sequences_error")
     items = [
         f"**Chosen:** {batch.get('chosen', '?')} sequences per optimizer step: {batch.get('reason', '')}",

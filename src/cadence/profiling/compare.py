@@ -215,7 +215,7 @@ def memory_verdict(a: dict[str, Any], b: dict[str, Any]) -> MemoryVerdict:
 
 def _settings(profile: dict[str, Any]) -> dict[str, Any]:
     """The configuration with device, world size and effective batch filled in from the profile's top level."""
-    config = profile.get("config") if isinstance(profile.get("config"), dict) else {}
+    config = profile["config"] if isinstance(profile.get("config"), dict) else {}
     settings = {k: v for k, v in config.items() if k not in NOT_COMPARED and v is not None}
     for key in ("device", "world_size"):
         if profile.get(key) is not None:

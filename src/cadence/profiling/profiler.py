@@ -106,7 +106,7 @@ class ProfileSettings:
     warmup: int = 1
     active: int = 5
     peak_flops: float | None = None
-    tokens_per_step: int | None = None
+    tokens_per_step: float | None = None  # the median of the profiled steps: a half between two counts
     model_flops_per_token: float | None = None
     memory_limit_bytes: int | None = None
     config: dict[str, Any] | None = None

@@ -113,7 +113,7 @@ def mfu(profile: dict[str, Any]) -> float | None:
     if plots.finite(profile.get("mfu")):
         return float(profile["mfu"])
     rate, flops, peak = (profile.get(k) for k in ("tokens_per_s", "model_flops_per_token", "peak_flops"))
-    return rate * flops / peak if all(plots.finite(v) for v in (rate, flops, peak)) and peak else None
+    return rate * flops / peak if plots.finite(rate) and plots.finite(flops) and plots.finite(peak) and peak else None
 
 
 def effective_batch(profile: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ step, last rows."""
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def _cut_words(config: dict[str, Any]) -> str:
 def _config_items(config: dict[str, Any], rows: list[dict[str, Any]] | None = None) -> list[str]:
     if not config:
         return [f"**No {CONFIG_FILE}** in the run directory."]
-    get = config.get
+    get: Callable[..., Any] = config.get  # a JSON value of any type, None when absent
     micro, accum, world = get("micro_batch_size", "?"), get("grad_accum_steps", "?"), get("world_size", 1)
     if get("auto_micro_batch") or micro == "auto":
         micro = "auto"
@@ -279,7 +280,7 @@ def _skip_advice(config: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
 
 def _memory_advice(config: dict[str, Any], summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """Out-of-memory retries (start where the run settled) or a peak far below the budget (use the room)."""
-    get = config.get
+    get: Callable[..., Any] = config.get  # a JSON value of any type, None when absent
     world = get("world_size") if isinstance(get("world_size"), int) else 1
     effective = get("effective_batch_size")
     retries = summary.get("oom_retries")
@@ -379,7 +380,7 @@ def _optimizer_flags(config: dict[str, Any]) -> list[str]:
 def _lora_flags(config: dict[str, Any]) -> list[str]:
     """The LoRA adapters of this run: part of the job (which parameters train, the frozen base's precision), so every
     suggested command carries them, or it would measure another job."""
-    get = config.get
+    get: Callable[..., Any] = config.get  # a JSON value of any type, None when absent
     if not (isinstance(get("lora_rank"), int) and get("lora_rank") > 0):
         return []
     flags = [f"--lora-rank {get('lora_rank')}"]
@@ -397,7 +398,7 @@ def _lora_flags(config: dict[str, Any]) -> list[str]:
 def _lever_flags(config: dict[str, Any]) -> list[str]:
     """The memory levers of this run that are not its cut or recompute: profile measures this configuration, so it
     takes them (a plan searches them itself, so its command leaves them free)."""
-    get = config.get
+    get: Callable[..., Any] = config.get  # a JSON value of any type, None when absent
     flags = []
     if get("optimizer_state") not in (None, "fp32"):
         flags.append(f"--optimizer-state {get('optimizer_state')}")

@@ -6,6 +6,7 @@ created, so bad input never leaves anything half-written.
 
 from __future__ import annotations
 
+import io
 import itertools
 import sys
 import warnings
@@ -513,12 +514,13 @@ def _prepared_under(lock: RunDirectoryLock | None, prepare_run: Callable[[], Pre
 def _on_every_rank(check: Callable[[], T], ranks: Ranks) -> T:
     """``check()`` on every rank, then all learn whether any rank found a problem (so none goes on alone): rank 0's
     problem is raised on every rank, another rank's on that rank alone."""
+    error: UsageError | None = None
     try:
-        value, error = check(), None
+        value = check()  # returned below only when no rank failed, so only when this one did not
     except UsageError as err:
         if not ranks.launched:
             raise
-        value, error = None, err
+        error = err
     main_failed = broadcast_from_main(error is not None, ranks)
     anyone_failed = any_rank(error is not None, ranks)
     if error is not None:
@@ -526,20 +528,14 @@ def _on_every_rank(check: Callable[[], T], ranks: Ranks) -> T:
         raise UsageError(error.problems, every_rank_agrees=main_failed) from None
     if anyone_failed:
         raise UsageError.single("another rank", "found a problem with the input (its message is above)")
-    return value  # type: ignore[return-value]
+    return value
 
 
-class _Discard:
-    """The output stream of ranks other than 0: they print nothing."""
+class _Discard(io.StringIO):
+    """The output stream of ranks other than 0: they print nothing (and it keeps nothing)."""
 
     def write(self, text: str) -> int:
         return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return False
 
 
 def _count(number: int, noun: str) -> str:

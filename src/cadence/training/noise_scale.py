@@ -20,7 +20,6 @@ import torch
 from cadence.engine.noise_scale import (
     DEFAULT_EMA,
     ONE_SIZE,
-    GradientNoiseScale,
     NoiseScale,
     WindowTerms,
     ratio_estimate,
@@ -174,11 +173,11 @@ def measure_noise_scale(prep: Prepared, *, windows: int, train: bool = False,
         engine.optimizer = torch.optim.SGD(parts.model.parameters(), lr=0.0)
         engine.scheduler = None
     reason = why_not_measurable(engine, prep.grad_accum_steps)
-    if reason is not None:
+    meter = engine.noise_scale
+    if reason is not None or meter is None:  # (no meter has a reason: the noise scale is off)
         return NoiseScaleMeasurement(sequences=None, sequences_error=None, tokens=None, targets=None, windows=0,
                                      windows_run=0, fixed_weights=not train, unmeasured=reason,
                                      windows_asked=windows)
-    meter: GradientNoiseScale = engine.noise_scale  # type: ignore[assignment]
     terms: list[WindowTerms] = []
     run, stopped = 0, False
     with fp32_matmul(config.fp32_matmul):

@@ -79,14 +79,14 @@ class Prepared:
                              seed=self.config.seed, epoch=epoch, world_size=self.ranks.world_size,
                              rank=self.ranks.rank, last_window=self.config.last_window)
 
-    def variant(self, **changes: object) -> Prepared:
+    def variant(self, **changes: Any) -> Prepared:
         """This run with some of its settings changed (``changes``: TrainConfig fields; a plan's trials change the
         decision and the cut), without validating or loading the data again: the checks this run passed hold for
         the variant, whose settings the caller chose among the valid ones. The model is the same spec built afresh,
         seeded as ``prepare`` built it, so every variant starts from the same weights."""
         if changed := sorted(set(changes) & set(self.spec.flags())):
             raise ValueError(f"a variant keeps the run's model; {', '.join(changed)} would change it")
-        config = dataclasses.replace(self.config, **changes)  # type: ignore[arg-type]
+        config = dataclasses.replace(self.config, **changes)
         micro = config.resolved_micro_batch_size(self.world_size)
         accum = config.resolved_grad_accum_steps(self.world_size)
         return dataclasses.replace(

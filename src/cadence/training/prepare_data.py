@@ -75,7 +75,7 @@ def prepare_data(config: TrainConfig, options: PrepareDataOptions, *, stream: IO
                                                 lines_of=None if given_store else config.data,
                                                 too_long=config.too_long))
 
-    if given_store:
+    if given_store and config.data is not None:  # (given_store says it is not None)
         if options.out is not None:
             raise UsageError.single("--out", f"{config.data} is already a token store; --out is for building one")
         store = open_prepared_store(config.data, expected_tokenizer=as_tokenizer(tokenizer).identity)

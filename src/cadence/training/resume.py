@@ -122,7 +122,7 @@ def schedule_note(saved: dict[str, Any], current: dict[str, Any], steps_done: in
     schedule = current.get("lr_schedule")
     if schedule == "constant" or steps_done < int(current.get("warmup_steps") or 0):
         return text + "; the LR schedule is unchanged up to here"
-    shape = {"schedule": schedule, "warmup_steps": int(current["warmup_steps"]),
+    shape: dict[str, Any] = {"schedule": schedule, "warmup_steps": int(current["warmup_steps"]),
              "min_lr_ratio": float(current["min_lr_ratio"])}
     old = lr_factor(steps_done, max_steps=int(before), **shape) * float(current["lr"])
     new = lr_factor(steps_done, max_steps=int(after), **shape) * float(current["lr"])

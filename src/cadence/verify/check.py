@@ -200,7 +200,7 @@ def verify(
     candidate = parameter_gradients(build, window, setup, loss_fn=loss_fn, ranks=ranks, objective=objective)
     ref_flat, cand_flat = flat(reference), flat(candidate)
     error = float((cand_flat - ref_flat).norm() / ref_flat.norm().clamp_min(1e-30))
-    per_parameter = []
+    per_parameter: list[dict[str, float | str]] = []
     for name, ref in reference.items():
         got = candidate.get(name, torch.zeros_like(ref))
         per_parameter.append({"name": name, "relative_error": float((got - ref).norm() / ref.norm().clamp_min(1e-30)),

@@ -117,7 +117,7 @@ class _GradientRecorder(torch.optim.Optimizer):
         self.recorded: list[torch.Tensor | None] | None = None
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]  # returns no loss
         self.recorded = [None if p.grad is None else _whole(p.grad).detach().float().cpu().clone()
                          for g in self.param_groups for p in g["params"]]
 
@@ -146,7 +146,7 @@ def parameter_gradients(
     if setup.offload == "optimizer":
         # The offloaded optimizer hands its inner optimizer CPU copies of the gradients: record those.
         optimizer = OffloadedOptimizer(model.parameters(), optimizer_class=_GradientRecorder)
-        recorder = optimizer.inner  # type: ignore[assignment]
+        recorder = optimizer.inner  # type: ignore[assignment]  # made by optimizer_class above
     engine = Engine(model, optimizer, precision=setup.precision, max_grad_norm=0.0,
                     offload_activations=setup.offload == "activations", **setup.engine_loss(loss_fn, objective),
                     collective=ProcessGroupCollective(ranks, device) if ranks.launched else None)

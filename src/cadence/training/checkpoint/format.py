@@ -118,7 +118,7 @@ class CheckpointFormat(Protocol):
 
 def format_named(name: str) -> CheckpointFormat:
     """The registered format ``name`` (a KeyError for another name: ``verify_checkpoint`` refuses such a manifest)."""
-    return importlib.import_module(FORMATS[name]).FORMAT  # type: ignore[no-any-return]
+    return importlib.import_module(FORMATS[name]).FORMAT
 
 
 def run_format(ranks: Ranks) -> CheckpointFormat:

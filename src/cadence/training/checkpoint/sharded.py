@@ -24,7 +24,7 @@ import re
 import warnings
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -102,17 +102,18 @@ class SafeReader(FileSystemReader):
         if kwargs.get("rank") is not None:
             raise MetadataRefused("per-rank metadata files are not written by cadence")
         metadata = read_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id
+        metadata.storage_meta = storage
         return metadata
 
 
-def _split_optimizer_state(state: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The optimizer's per-parameter state as (tensors for DCP, everything else for the JSON state)."""
+def _split_optimizer_state(state: object) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The optimizer's per-parameter state (``get_optimizer_state_dict``'s ``state``: an entry per parameter name)
+    as (tensors for DCP, everything else for the JSON state)."""
     tensors: dict[str, Any] = {}
     scalars: dict[str, Any] = {}
-    for name, entry in state.items():
+    for name, entry in cast(dict[str, dict[str, Any]], state).items():
         for key, value in entry.items():
             (tensors if isinstance(value, torch.Tensor) else scalars).setdefault(name, {})[key] = value
     return tensors, scalars
@@ -162,7 +163,7 @@ def read_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
     set_model_state_dict(module, model_state)
     if optimizer_state is None:
         return
-    state = {name: dict(entry) for name, entry in tensors.items()}
+    state: dict[str, Any] = {name: dict(entry) for name, entry in tensors.items()}
     for name, entry in dict(saved.get("scalars") or {}).items():
         state.setdefault(name, {}).update(entry)
     set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": saved["param_groups"]})
@@ -174,7 +175,8 @@ def read_model_tensors(folder: Path) -> dict[str, torch.Tensor]:
     single-file format, by the same names."""
     metadata = read_metadata(folder)
     weights = {key.removeprefix("model."): torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-               for key, entry in metadata.state_dict_metadata.items() if key.startswith("model.")}
+               for key, entry in metadata.state_dict_metadata.items()
+               if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING)
         dcp.load({"model": weights}, storage_reader=SafeReader(str(folder)), no_dist=True)
