@@ -122,7 +122,7 @@ class PreferenceExamples(TokenDataset):
         return PreferenceExample(first=example, second=mismatched(example, partner, self._seq_len),
                                  desirable=bool(self._labels[index]))
 
-    def __iter__(self) -> Iterator[PreferenceExample]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[PreferenceExample]:  # type: ignore[override]  # its samples are pairs, not rows
         return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
