@@ -436,7 +436,8 @@ class TrainingRun:
         totals.add(result, timed=not outcome.profiled and not row.get("compile_time_s"))
         done = engine.steps >= self.config.max_steps
         if not result.skipped and self.val_batches and (done or engine.steps % self.config.eval_every == 0):
-            totals.last_val = row["val_loss"] = engine.evaluate(self.val_batches)
+            with self.prep.optimizer.evaluation_weights(self.parts.optimizer):  # schedule-free: its averaged weights
+                totals.last_val = row["val_loss"] = engine.evaluate(self.val_batches)
             # Perplexity: exp of the per-token validation loss (capped: a diverged model's would overflow).
             row["val_perplexity"] = math.exp(min(row["val_loss"], 700.0))
             if clock is not None:
@@ -480,10 +481,13 @@ class TrainingRun:
         # At a window boundary: periodically, at the end, and when a signal asked to stop.
         wanted = (periodic and not result.skipped) or (done and config.checkpoint_every) or stopping
         if wanted and self.saved_at != self.engine.windows:
-            self.checkpointer.save(self.parts,
-                                   data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch},
-                                   info={"loss": result.loss, "config": config.to_json_dict(),
-                                         "resolved_config": self.resolved})
+            # Schedule-free: the checkpoint's weights are the averaged ones, its optimizer state keeps the training
+            # weights (a resume continues from them, bitwise).
+            with self.prep.optimizer.evaluation_weights(self.parts.optimizer):
+                self.checkpointer.save(self.parts,
+                                       data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch},
+                                       info={"loss": result.loss, "config": config.to_json_dict(),
+                                             "resolved_config": self.resolved})
             self.saved_at = self.engine.windows
 
     def _checkpoint_mid_window(self, interrupted: WindowInterrupted, place: EpochWindow) -> None:
@@ -491,16 +495,18 @@ class TrainingRun:
         # Under FSDP2 (--sync-every-micro-step) each rank's shard of the window's gradient so far, in its own file.
         grads = {name: local_shard(p.grad).detach().to("cpu").clone()
                  for name, p in unwrap(self.parts.model).named_parameters() if p.grad is not None}
-        self.checkpointer.save(
-            self.parts,
-            # This window is continued: the position is the window before it.
-            data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch - 1},
-            info={"loss": None, "config": self.config.to_json_dict(), "resolved_config": self.resolved,
-                  "mid_window": True},
-            partial_window={"micro_batches_done": interrupted.partial.micro_batches_done,
-                            "loss_sum": interrupted.partial.loss_sum, "micro_batch_size": self.prep.micro_batch_size,
-                            **self.prep.cut.flags(), "grads": grads},
-        )
+        with self.prep.optimizer.evaluation_weights(self.parts.optimizer):  # as in _checkpoint_if_due
+            self.checkpointer.save(
+                self.parts,
+                # This window is continued: the position is the window before it.
+                data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch - 1},
+                info={"loss": None, "config": self.config.to_json_dict(), "resolved_config": self.resolved,
+                      "mid_window": True},
+                partial_window={"micro_batches_done": interrupted.partial.micro_batches_done,
+                                "loss_sum": interrupted.partial.loss_sum,
+                                "micro_batch_size": self.prep.micro_batch_size, **self.prep.cut.flags(),
+                                "grads": grads},
+            )
 
     def finish(self) -> dict[str, Any]:
         """Save the final weights, write summary.json, then --save-hf, and print the closing lines; the summary.
@@ -511,6 +517,8 @@ class TrainingRun:
         config, engine, prep, ranks = self.config, self.engine, self.prep, self.ranks
         self.checkpointer.wait()  # --async-checkpoint: the last checkpoint is complete before the run ends
         wall = time.perf_counter() - self.started
+        # The run ends on the weights to save (schedule-free: the averaged ones), for model.safetensors and --save-hf.
+        prep.optimizer.end_training(self.parts.optimizer)
         # Under FSDP2 nothing is gathered whole: the final weights are streamed into model.safetensors a tensor at a
         # time (_save_final) and --save-hf copies them from there.
         weights = {} if self._streams_weights else full_model_state(self.parts.model, ranks)
@@ -688,12 +696,13 @@ class TrainingRun:
         """--keep-best: this evaluation's weights into OUT/best (every rank gathers its part, rank 0 writes; under
         FSDP2 one tensor at a time)."""
         record = {"step": int(row["step"]), "val_loss": row["val_loss"], "val_perplexity": row["val_perplexity"]}
-        if self._streams_weights:
-            self.writer.save_best_streamed(
-                lambda path: write_full_model_state(self.parts.model, self.ranks, path), record)
-            return
-        weights = full_model_state(self.parts.model, self.ranks)
-        self.writer.save_best(weights, record)
+        with self.prep.optimizer.evaluation_weights(self.parts.optimizer):  # the weights evaluated (schedule-free)
+            if self._streams_weights:
+                self.writer.save_best_streamed(
+                    lambda path: write_full_model_state(self.parts.model, self.ranks, path), record)
+                return
+            weights = full_model_state(self.parts.model, self.ranks)
+            self.writer.save_best(weights, record)
 
     def _segments(self, wall: float) -> dict[str, Any]:
         """The run's segments (one per process that trained it: a resumed run has several), each with its steps,
