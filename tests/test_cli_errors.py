@@ -124,6 +124,8 @@ CASES: list[tuple[str, Builder, str]] = [
      "--optimizer: muon orthogonalises the trained 2-D weight matrices of the model's repeated blocks"),
     ("muon-with-8bit-state", flags("--optimizer", "muon", "--optimizer-state", "8bit"),
      "--optimizer-state: 8bit does not apply to --optimizer muon"),
+    ("schedule-free-under-a-decaying-schedule", flags("--optimizer", "schedule-free"),
+     "--lr-schedule: cosine does not apply to --optimizer schedule-free"),
     ("lora-on-the-built-in-gpt", flags("--lora-rank", "8"), "--lora-rank: LoRA adapts Hugging Face models"),
     ("lora-rank-negative", flags("--model", "hf:llama", "--lora-rank", "-1"), "--lora-rank: must be at least 0"),
     ("lora-alpha-without-rank", flags("--lora-alpha", "16"), "--lora-alpha: needs --lora-rank above 0"),

@@ -6,6 +6,7 @@ The SIGTERM case of one optimizer runs in make test (in this process); the rest 
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import relative_l2, sigterm_at, spawn, write_jsonl
+from helpers import relative_l2, run_cli, sigterm_at, spawn, write_jsonl
 from safetensors.torch import load_file
 
 from cadence.cli import main
@@ -23,7 +24,7 @@ from cadence.training.run_dir import read_metrics
 
 FAST = "sgd"
 """The optimizer whose mid-window resume runs in make test (the others' in make test-slow)."""
-TOLERANCE = {"adamw": 1e-5, "muon": 1e-5}
+TOLERANCE = {"adamw": 1e-5, "muon": 1e-5, "schedule-free": 1e-5}
 """Relative L2 of two ranks' weights against one process's: 1e-6; 1e-5 where AdamW steps (Muon's embeddings too), whose
 first steps turn rounding-level gradient differences of tiny gradients into update-sized ones (test_optimizers.py;
 measured here: Muon 1.1e-6, AdamW, SGD, Adafactor under 1e-6)."""
@@ -109,3 +110,24 @@ def test_a_resume_that_changes_the_optimizer_is_refused_naming_it(tmp_path: Path
                  "--resume"]) == 2
     err = capsys.readouterr().err
     assert "--optimizer: 'adafactor' differs from the checkpoint's 'sgd'" in err
+
+
+@pytest.mark.parametrize("name", every_optimizer())
+def test_verify_proves_accumulation_for_every_optimizer(name: str) -> None:
+    """`cadence verify --optimizer X`: k micro-batches give the big batch's gradient, and K steps of X the big batch's
+    parameters (verify steps at the peak LR, without a schedule)."""
+    status, out, err = run_cli(["verify", "--optimizer", name, "--micro-batch-size", "2", "--grad-accum-steps", "4",
+                                "--seq-len", "32", "--precision", "fp32", "--steps", "2", "--lr", LR[name]])
+    assert status == 0, err
+    assert "parameters after 2 steps" in out and out.rstrip().endswith("PASS")
+
+
+@pytest.mark.slow
+def test_profile_shows_the_optimizer_steps_own_time(tmp_path: Path) -> None:
+    """Muon's Newton-Schulz is part of the optimizer step: profile.json's optimizer_step phase holds it."""
+    status, _, err = run_cli(["profile", "--optimizer", "muon", "--micro-batch-size", "2", "--seq-len", "32",
+                              "--steps", "2", "--out", str(tmp_path / "profile")])
+    assert status == 0, err
+    profile = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    assert profile["config"]["optimizer"] == "muon"
+    assert len(profile["phases"]["optimizer_step"]["per_step"]) == 2 and profile["phases"]["optimizer_step"]["share"] > 0

@@ -26,7 +26,7 @@ from cadence.optim.spec import OptimizerSpec
 EFFECTIVE, STEPS = 8, 4
 LLAMA = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256,
          "vocab_size": 2000, "max_position_embeddings": 64}
-TOLERANCE = {"adamw": 1e-5, "muon": 1e-5}
+TOLERANCE = {"adamw": 1e-5, "muon": 1e-5, "schedule-free": 1e-5}
 """Relative L2 of the weights against the one-big-batch loop: 1e-6, and 1e-5 for AdamW (and Muon's AdamW groups, the
 embeddings), whose first steps divide by the square root of the gradient's own square, so that elements with tiny
 gradients turn rounding-level differences of the gradient into update-sized ones (measured: AdamW 2.6e-6, Muon

@@ -13,7 +13,9 @@ From the shell, ``cadence audit -- python train.py [args]`` calls ``run_script(a
 While the audit is active, the calls below are instrumented (and restored on exit, exceptions included): backward
 (``Tensor.backward``, ``torch.autograd.backward``), optimizer steps (torch's global step post-hook) and ``zero_grad``
 (optimizer and module), gradient clipping, ``GradScaler.scale/unscale_/step/update``, LR scheduler steps, autocast
-entry, DDP forward and ``no_sync``, and ``DataLoader`` iteration (epoch ends; the ``labels`` of each batch). Each hook
+entry, DDP forward and ``no_sync``, ``DataLoader`` iteration (epoch ends; the ``labels`` of each batch), and what the
+optimizer rules need (``cadence.audit.optimizers``: Newton-Schulz, optimizer step starts, ``Module.eval``,
+``torch.save`` and safetensors' writers). Each hook
 appends a small tuple with the place of the call: the first frame of the user's own code (outside torch, this package,
 the standard library and the installed packages: site-packages, cadence itself) with the library frame that made the
 call after it (``train.py:51 via accelerate/accelerator.py:2889``); calls that torch makes
@@ -58,6 +60,9 @@ Hugging Face models shift them), taken in order, one batch per backward.
 | CAD019 | error   | gradients not cleared after an optimizer step               | zero_grad after each step         |
 | CAD020 | info    | backwards after the last optimizer step were never stepped  | step (or drop) the last window    |
 | CAD021 | error   | short window normalised as a full one (e.g. 0.50x gradient) | divide by the window's own count  |
+| CAD022 | error   | Newton-Schulz (Muon) on an incomplete window                | orthogonalise once per step       |
+| CAD023 | error   | gradients clipped inside an optimizer's step                | clip before optimizer.step        |
+| CAD024 | error   | schedule-free model evaluated or saved in train mode        | optimizer.eval() first            |
 
 Levels: **error** when the loop's gradient, update or LR schedule differs from one big batch's (CI gates on it:
 exit status 1); **warning** for performance only (the math is right: needless communication; exit 0 unless
@@ -86,6 +91,7 @@ from typing import Any
 
 import torch
 
+from cadence.audit.optimizers import OptimizerWatch
 from cadence.audit.rules import (
     AUTOCAST,
     BACKWARD,
@@ -186,6 +192,8 @@ class Audit:
         self._norm: list[_Probe | None] = []  # the open window's backwards: where their loss was reduced
         self._norm_loc: Loc = None  # the window's first backward
         self._labels: deque[Any] = deque(maxlen=256)  # target counts of the DataLoader batches not yet backpropagated
+        # Muon's Newton-Schulz, a clip inside a step, a schedule-free optimizer's mode (CAD022-CAD024)
+        self._watch = OptimizerWatch(emit=self._events.append, loc=self._loc, active=lambda: self._active)
 
     def __enter__(self) -> Audit:
         if self._undo is not None:
@@ -293,12 +301,14 @@ class Audit:
         patch(DistributedDataParallel, "no_sync", self._no_sync_wrapper)
         patch(torch.utils.data.DataLoader, "__iter__", self._event_wrapper(EPOCH))
         patch(torch.utils.data.dataloader._BaseDataLoaderIter, "__next__", self._next_batch_wrapper)
+        self._watch.install(stack, patch)
 
     def _backward_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any, **kwargs: Any) -> Any:
             if self._active and not self._from_torch():
                 self._on_backward(args[0] if args else kwargs.get("tensors"))
-            return original(*args, **kwargs)
+            with self._watch.backward():  # gradient hooks run inside it
+                return original(*args, **kwargs)
 
         return backward
 
@@ -317,6 +327,8 @@ class Audit:
                         self._events.append((SCHEDULER, self._loc(), id(args[0]), isinstance(args[0], plateau)))
                     elif kind == EPOCH:
                         self._events.append((EPOCH,))
+                    elif kind == CLIP and self._watch.clipping():
+                        pass  # inside an optimizer's step: CAD023's, not the step chain's clip rules
                     else:
                         self._events.append((kind, self._loc()))
                         if kind == ZERO_GRAD:
@@ -452,6 +464,7 @@ class Audit:
         """torch's global step post-hook: it fires only when the optimizer really stepped."""
         if not self._active:
             return
+        self._watch.stepped(optimizer)
         if self._in_scaler_step:
             self._scaler_stepped = True  # the scaler.step wrapper records the event, with did_step
             return

@@ -204,7 +204,9 @@ class TrainConfig:
     """Clip the total gradient norm to this, once per optimizer step after unscaling; 0 turns clipping off."""
     optimizer: OptimizerName = setting("adamw", OPTIMIZER, changes_math=True)
     """The optimizer: adamw (decoupled weight decay on matrices and embeddings); muon (orthogonalised momentum for
-    the blocks' 2-D weight matrices, AdamW for the rest, one --lr for both); adafactor (factored second moment, no
+    the blocks' 2-D weight matrices, AdamW for the rest, one --lr for both); schedule-free (Schedule-Free AdamW: no
+    decaying schedule, give --lr-schedule constant; evaluated, checkpointed and saved from its averaged weights);
+    adafactor (factored second moment, no
     first moment: the smallest state; relative steps capped by --lr); sgd (momentum, --nesterov). Each applies
     --weight-decay to matrices and embeddings only; an option that does not apply to it is refused. A resume keeps
     the run's optimizer (docs/optimizers.md)."""

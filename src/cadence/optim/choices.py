@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-OptimizerName = Literal["adamw", "muon", "adafactor", "sgd"]
+OptimizerName = Literal["adamw", "muon", "schedule-free", "adafactor", "sgd"]
 OPTIMIZER_MODULES: dict[OptimizerName, str] = {
     "adamw": "cadence.optim.adamw",
     "muon": "cadence.optim.muon",
+    "schedule-free": "cadence.optim.schedule_free",
     "adafactor": "cadence.optim.adafactor",
     "sgd": "cadence.optim.sgd",
 }

@@ -128,6 +128,9 @@ class OptimizerRule:
         are)."""
         return contextlib.nullcontext()
 
+    def end_training(self, optimizer: torch.optim.Optimizer) -> None:
+        """No step follows: leave the model holding the weights to save (most optimizers: as they are)."""
+
     def model_problem(self, spec: OptimizerSpec, model: torch.nn.Module) -> str | None:
         """Why this optimizer cannot train ``model`` (its parameters do not fit its rule), or None."""
         return None
@@ -271,6 +274,11 @@ class OptimizerSpec:
         save and export (a schedule-free optimizer's averaged weights), and on leaving it the training weights are
         back exactly. Every evaluation, checkpoint, best/ and final-weights write runs inside it."""
         return self.rule.evaluation_weights(optimizer)
+
+    def end_training(self, optimizer: torch.optim.Optimizer) -> None:
+        """The run is over (no step follows): the model keeps the weights to save, export and sample from (a
+        schedule-free optimizer's averaged weights) for the final model.safetensors and --save-hf."""
+        self.rule.end_training(optimizer)
 
     def state_bytes(self, trained: list[TrainedTensor], *, on_device: bool) -> tuple[int, int | None]:
         """(state bytes, the step's largest scratch; None: AdamW's elementwise update's, the replay's own) for the

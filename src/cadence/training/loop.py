@@ -342,12 +342,14 @@ class TrainingRun:
         totals.add(result, timed=not outcome.profiled and not row.get("compile_time_s"))
         done = engine.steps >= config.max_steps
         if self.evaluation.due(engine.steps, done=done, skipped=result.skipped):
-            new_best = self.evaluation.run(engine, row)
+            with self.prep.optimizer.evaluation_weights(self.parts.optimizer):  # schedule-free: its averaged weights
+                new_best = self.evaluation.run(engine, row)
             totals.last_val = row["val_loss"]
             if clock is not None:
                 clock.lap()  # evaluation compiles a no-grad graph of its own: not the next step's compile time
             if new_best and config.keep_best:
-                self.checkpointer.save_best(self.parts, self.writer, Evaluation.best_record(row))
+                with self.prep.optimizer.evaluation_weights(self.parts.optimizer):  # the weights evaluated
+                    self.checkpointer.save_best(self.parts, self.writer, Evaluation.best_record(row))
             done = self.evaluation.stops(done=done) or done
         self.writer.log_step(row)
         self.progress.update(row)
@@ -374,26 +376,31 @@ class TrainingRun:
         # At a window boundary: periodically, at the end, and when a signal asked to stop.
         wanted = (periodic and not result.skipped) or (done and config.checkpoint_every) or stopping
         if wanted and self.checkpointer.saved_windows != self.engine.windows:
-            self.checkpointer.save(self.parts,
-                                   data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch},
-                                   info={"loss": result.loss, "config": config.to_json_dict(),
-                                         "resolved_config": self.record.resolved})
+            # Schedule-free: the checkpoint's weights are the averaged ones, its optimizer state keeps the training
+            # weights (a resume continues from them, bitwise).
+            with self.prep.optimizer.evaluation_weights(self.parts.optimizer):
+                self.checkpointer.save(self.parts,
+                                       data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch},
+                                       info={"loss": result.loss, "config": config.to_json_dict(),
+                                             "resolved_config": self.record.resolved})
 
     def _checkpoint_mid_window(self, interrupted: WindowInterrupted, place: EpochWindow) -> None:
         """A checkpoint inside a window: the state before it, plus the gradients of the micro-batches it has done."""
         # Under FSDP2 (--sync-every-micro-step) each rank's shard of the window's gradient so far, in its own file.
         grads = {name: local_shard(p.grad).detach().to("cpu").clone()
                  for name, p in unwrap(self.parts.model).named_parameters() if p.grad is not None}
-        self.checkpointer.save(
-            self.parts,
-            # This window is continued: the position is the window before it.
-            data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch - 1},
-            info={"loss": None, "config": self.prep.config.to_json_dict(), "resolved_config": self.record.resolved,
-                  "mid_window": True},
-            partial_window={"micro_batches_done": interrupted.partial.micro_batches_done,
-                            "loss_sum": interrupted.partial.loss_sum, "micro_batch_size": self.prep.micro_batch_size,
-                            **self.prep.cut.flags(), "grads": grads},
-        )
+        with self.prep.optimizer.evaluation_weights(self.parts.optimizer):  # as in _checkpoint_if_due
+            self.checkpointer.save(
+                self.parts,
+                # This window is continued: the position is the window before it.
+                data_position={"epoch": place.epoch, "window_in_epoch": place.window_in_epoch - 1},
+                info={"loss": None, "config": self.prep.config.to_json_dict(), "resolved_config": self.record.resolved,
+                      "mid_window": True},
+                partial_window={"micro_batches_done": interrupted.partial.micro_batches_done,
+                                "loss_sum": interrupted.partial.loss_sum,
+                                "micro_batch_size": self.prep.micro_batch_size, **self.prep.cut.flags(),
+                                "grads": grads},
+            )
 
     def finish(self) -> dict[str, Any]:
         """Save the final weights, write summary.json, then --save-hf, and print the closing lines; the summary.
@@ -404,6 +411,8 @@ class TrainingRun:
         config, engine, prep, ranks = self.prep.config, self.engine, self.prep, self.prep.ranks
         self.checkpointer.wait()  # --async-checkpoint: the last checkpoint is complete before the run ends
         wall = self.totals.wall()
+        # The run ends on the weights to save (schedule-free: the averaged ones), for model.safetensors and --save-hf.
+        prep.optimizer.end_training(self.parts.optimizer)
         # Under FSDP2 nothing is gathered whole: the final weights are streamed into model.safetensors a tensor at a
         # time (Checkpointer.save_final) and --save-hf copies them from there.
         weights = self.checkpointer.gathered_weights(self.parts)

@@ -331,7 +331,9 @@ def run_verify(config: Any, options: VerifyOptions, *, as_json: bool = False, ra
         raise UsageError.single("--steps", f"must be at least 0, got {options.steps}")
     if config.micro_batch_size == "auto":
         raise UsageError.single("--micro-batch-size", "verify checks one fixed micro-batch size; give a number")
-    prep = prepare(dataclasses.replace(config, out=None, val_fraction=0.0), ranks=ranks)
+    # Its K steps run at the peak LR without a schedule (verify takes no schedule flag): constant, which every
+    # optimizer trains under (schedule-free refuses a decaying one).
+    prep = prepare(dataclasses.replace(config, out=None, val_fraction=0.0, lr_schedule="constant"), ranks=ranks)
     # Whole windows of the run's samples: each configuration compared re-cuts them (the same samples, every rank).
     windows = list(itertools.islice(prep.windows(0, whole=True), max(1, options.steps)))
     if len(windows) < max(1, options.steps):
