@@ -4,7 +4,9 @@ its adapters off) against a frozen copy of the base.
 
 Gradients. One window of preference rows (uneven lengths: completions of 2 to 30 bytes) on a 2-layer llama whose
 tokenizer has no merges (a text's ids are its bytes, so TRL and cadence read the same ids), fp32 on CPU, from the
-same initial weights, clipping off. TRL's gradient is what its trainer hands its optimizer (captured in
+same initial weights, clipping off, DPO and KTO scored against a reference of other weights (a second llama, given to
+TRL as ``ref_model`` and to cadence as ``--reference-model``: at the starting weights KTO's reference point would be 0
+in every micro-batch). TRL's gradient is what its trainer hands its optimizer (captured in
 ``on_pre_optimizer_step``) when the window is cut into micro-batches, against the same trainer's gradient of the
 window in one micro-batch (its own definition of the loss over one big batch); cadence's is the engine's accumulated
 gradient of the same cut against its one-micro-batch gradient. Cases:
@@ -17,7 +19,8 @@ gradient of the same cut against its one-micro-batch gradient. Cases:
 
 Memory. `cadence train --objective dpo --lora-rank 8` on a llama of about 30M parameters, its reference the base with
 the adapters off (no copy) against the same run with ``--reference-model`` naming the same base (a frozen copy),
-peak memory from each run's summary.json (the profiler's allocation replay on CPU), and the two runs' losses.
+each run in a process of its own: the peak of its steps from summary.json (the profiler's allocation replay on
+CPU, the reference's weights counted as live), the process's peak RSS, and the two runs' losses.
 
     .venv/bin/python benchmarks/preference_accumulation.py [--quick]
 """
@@ -28,6 +31,8 @@ import argparse
 import json
 import os
 import random
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,7 +40,6 @@ from typing import Any
 import torch
 from bench_env import environment, write_results
 
-from cadence.cli import main as cadence
 from cadence.config import TrainConfig
 from cadence.data.batching import epoch_order
 from cadence.training.components import build_components
@@ -89,14 +93,15 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return float((flat(a) - flat(b)).norm() / flat(b).norm())
 
 
-def trl_gradient(model_dir: Path, objective: str, data: list[dict[str, Any]], micro: int, work: Path
-                 ) -> dict[str, torch.Tensor]:
+def trl_gradient(model_dir: Path, reference_dir: Path, objective: str, data: list[dict[str, Any]], micro: int,
+                 work: Path) -> dict[str, torch.Tensor]:
     """The gradient TRL's trainer hands its optimizer for one window of ``data`` in micro-batches of ``micro``."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32)
     captured: dict[str, torch.Tensor] = {}
 
     class Capture(TrainerCallback):
@@ -113,8 +118,9 @@ def trl_gradient(model_dir: Path, objective: str, data: list[dict[str, Any]], mi
     if objective == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        trainer: Any = DPOTrainer(model=model, args=DPOConfig(**common, loss_type=["sigmoid"], max_length=None),
-                                  train_dataset=dataset, processing_class=tokenizer, callbacks=[Capture()])
+        trainer: Any = DPOTrainer(model=model, ref_model=reference, train_dataset=dataset, processing_class=tokenizer,
+                                  args=DPOConfig(**common, loss_type=["sigmoid"], max_length=None),
+                                  callbacks=[Capture()])
     elif objective == "orpo":
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
@@ -123,19 +129,19 @@ def trl_gradient(model_dir: Path, objective: str, data: list[dict[str, Any]], mi
     else:
         from trl import KTOConfig, KTOTrainer
 
-        trainer = KTOTrainer(model=model, args=KTOConfig(**common, max_length=1024), train_dataset=dataset,
-                             processing_class=tokenizer, callbacks=[Capture()])
+        trainer = KTOTrainer(model=model, ref_model=reference, args=KTOConfig(**common, max_length=1024),
+                             train_dataset=dataset, processing_class=tokenizer, callbacks=[Capture()])
     trainer.train()
     return captured
 
 
-def cadence_gradient(model_dir: Path, objective: str, data_file: Path, count: int, micro: int, work: Path
-                     ) -> dict[str, torch.Tensor]:
+def cadence_gradient(model_dir: Path, reference_dir: Path, objective: str, data_file: Path, count: int, micro: int,
+                     work: Path) -> dict[str, torch.Tensor]:
     """The engine's accumulated gradient of the window (all ``count`` rows) in micro-batches of ``micro``."""
     config = TrainConfig(model=str(model_dir), data=data_file, data_cache=work / "cache", objective=objective,
                          micro_batch_size=micro, grad_accum_steps=-(-count // micro), micro_batch_order="drawn",
                          seq_len=128, max_steps=1, out=work / f"unused-{objective}-{micro}", max_grad_norm=0.0,
-                         noise_scale_ema=0.0)
+                         noise_scale_ema=0.0, reference_model=reference_dir if objective != "orpo" else None)
     prep = prepare(config)
     parts = build_components(prep)
     window = next(prep.windows(0))
@@ -143,14 +149,14 @@ def cadence_gradient(model_dir: Path, objective: str, data_file: Path, count: in
     return {name: p.grad.detach().clone() for name, p in parts.model.named_parameters() if p.grad is not None}
 
 
-def gradients(model_dir: Path, work: Path) -> list[dict[str, Any]]:
+def gradients(model_dir: Path, reference_dir: Path, work: Path) -> list[dict[str, Any]]:
     found = []
     for objective, count, micro, what in CASES:
         data = rows(objective, count)
         data_file = work / f"{objective}-{count}.jsonl"
         data_file.write_text("".join(json.dumps(row) + "\n" for row in data))
-        trl_split, trl_whole = (trl_gradient(model_dir, objective, data, m, work) for m in (micro, count))
-        ours_split, ours_whole = (cadence_gradient(model_dir, objective, data_file, count, m, work)
+        trl_split, trl_whole = (trl_gradient(model_dir, reference_dir, objective, data, m, work) for m in (micro, count))
+        ours_split, ours_whole = (cadence_gradient(model_dir, reference_dir, objective, data_file, count, m, work)
                                   for m in (micro, count))
         sizes = [min(micro, count - at) for at in range(0, count, micro)]
         found.append({"objective": objective, "rows": count, "micro_batches": sizes, "case": what,
@@ -168,13 +174,15 @@ def reference_memory(work: Path, *, hidden: int, layers: int) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for name, extra in (("adapters off", []), ("frozen copy", ["--reference-model", str(base)])):
         out = work / name.replace(" ", "-")
-        status = cadence(["train", "--model", str(base), "--data", str(data), "--data-cache", str(work / "cache"),
-                          "--objective", "dpo", "--lora-rank", "8", "--seq-len", "128", "--micro-batch-size", "2",
-                          "--grad-accum-steps", "2", "--max-steps", "3", "--out", str(out), *extra])
-        assert status == 0, name
+        # A process of its own: its peak RSS is this run's alone.
+        subprocess.run([sys.executable, "-m", "cadence", "train", "--model", str(base), "--data", str(data),
+                        "--data-cache", str(work / "cache"), "--objective", "dpo", "--lora-rank", "8", "--seq-len",
+                        "128", "--micro-batch-size", "2", "--grad-accum-steps", "2", "--max-steps", "3", "--out",
+                        str(out), *extra], check=True, capture_output=True)
         summary = json.loads((out / "summary.json").read_text())
         losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-        found[name] = {"peak_memory_bytes": summary["peak_memory_bytes"], "losses": losses}
+        found[name] = {"peak_memory_bytes": summary["peak_memory_bytes"], "max_rss_bytes": summary["max_rss_bytes"],
+                       "losses": losses}
     from transformers import AutoModelForCausalLM
 
     found["parameters"] = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base).parameters())
@@ -189,8 +197,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = byte_llama(work / "model", hidden=32, layers=2)
+        reference_dir = byte_llama(work / "reference", hidden=32, layers=2, seed=1)
         output = {"environment": environment(("transformers", "trl", "peft")),
-                  "gradients": gradients(model_dir, work),
+                  "gradients": gradients(model_dir, reference_dir, work),
                   "memory": reference_memory(work, hidden=64 if args.quick else 384, layers=2 if args.quick else 6)}
     write_results("preference_accumulation", output, quick=args.quick)
 

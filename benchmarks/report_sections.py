@@ -706,3 +706,37 @@ def render_load_once(data: dict) -> list[str]:
                  f"{(before['summed_hwm_mib'] - baseline) / data['fp32_model_mib']:.2f}.")
     lines.append("")
     return lines
+
+
+def render_preference_accumulation(data: dict) -> list[str]:
+    """Issue 52 items 3 and 7: TRL's preference gradients against the one-big-batch gradient where it accumulates
+    per micro-batch, cadence's on the same cuts; the LoRA reference (adapters off) against a frozen copy."""
+    env = data["environment"]["versions"]
+    lines = para(
+        f"One window of preference rows of uneven lengths (completions of 2 to 30 bytes) on a 2-layer llama whose "
+        f"tokenizer has no merges, fp32 on CPU, from the same initial weights, clipping off; DPO and KTO against a "
+        f"reference of other weights. TRL {env.get('trl')} (transformers {env.get('transformers')}): the gradient its "
+        "trainer hands the optimizer with the window cut into micro-batches, against the same trainer's gradient of "
+        "the window as one micro-batch (TRL's own one-big-batch loss). cadence: the engine's accumulated gradient of "
+        "the same cut against its one-micro-batch gradient. Distance: relative L2 of the flattened gradients.")
+    rows = [[g["objective"], " + ".join(str(n) for n in g["micro_batches"]), g["case"], f"{g['trl']:.1e}",
+             f"{g['cadence']:.1e}"] for g in data["gradients"]]
+    lines += table(["objective", "micro-batches (rows)", "case", "TRL from its one big batch",
+                    "cadence from its one big batch"], rows)
+    memory = data["memory"]
+    off, copy = memory["adapters off"], memory["frozen copy"]
+    lines += para(
+        f"The reference's memory: `cadence train --objective dpo --lora-rank 8` on a llama of "
+        f"{memory['parameters'] / 1e6:.1f}M parameters, 3 steps of 2 x 2 pairs at sequences up to 128 tokens, each "
+        "run in a process of its own: the base with the adapters turned off (the default under LoRA) against a frozen "
+        "copy of the same base (`--reference-model` naming its directory). Peak: the steps' peak from summary.json "
+        "(the profiler's allocation replay on CPU, the frozen copy's weights counted as live); RSS: the process's "
+        "peak resident memory.")
+    lines += table(["reference", "peak of the steps", "peak RSS", "losses"],
+                   [[name, f"{mib(run['peak_memory_bytes'])} MiB", f"{mib(run['max_rss_bytes'])} MiB",
+                     ", ".join(f"{loss:.6f}" for loss in run["losses"])] for name, run in (("adapters off", off),
+                                                                                   ("frozen copy", copy))])
+    lines.append(f"- the frozen copy costs {mib(copy['peak_memory_bytes'] - off['peak_memory_bytes'])} MiB more at the "
+                 f"peak ({copy['peak_memory_bytes'] / off['peak_memory_bytes']:.2f}x), the weights of the base; the "
+                 "losses are the same.")
+    return lines + [""]

@@ -114,6 +114,10 @@ SECTIONS = (
     Section("estimate_1b.json", "A 1B model on a 24 GB GPU: the estimate before and after the memory levers (issue 26)",
             ".venv/bin/python benchmarks/estimate_1b.py", lambda data: render_estimate_1b(data),
             ("transformers", "peft"), optional=True),
+    Section("preference_accumulation.json", "Preference tuning under accumulation: TRL's gradient and cadence's "
+            "against one big batch; the LoRA reference against a frozen copy (issue 52)",
+            ".venv/bin/python benchmarks/preference_accumulation.py", sections.render_preference_accumulation,
+            ("transformers", "trl", "peft"), optional=True),
     Section("checkpoint_async.json", "Checkpoints in the background: --async-checkpoint (issue 38)",
             ".venv/bin/python benchmarks/checkpoint_async.py", sections.render_checkpoint_async, optional=True),
     # Shown only once a GPU run left gpu.json: the dry run writes gpu_quick.json, which is never shown.

@@ -70,7 +70,8 @@ def test_missing_script_is_a_usage_error(capsys):
 # Each rule whose finding means the loop trains differently from one big batch (gradient, update or LR schedule),
 # or that torch itself rejects: a CI gate on `cadence audit` must fail on every one of them.
 MATH_OR_SCHEDULE = {"CAD001", "CAD002", "CAD003", "CAD004", "CAD005", "CAD006", "CAD007", "CAD008", "CAD009", "CAD010",
-                    "CAD011", "CAD013", "CAD014", "CAD017", "CAD018", "CAD019", "CAD021", "CAD022", "CAD023", "CAD024"}
+                    "CAD011", "CAD013", "CAD014", "CAD017", "CAD018", "CAD019", "CAD021", "CAD022", "CAD023", "CAD024",
+                    "CAD025", "CAD026", "CAD027"}
 PERFORMANCE_ONLY = {"CAD015", "CAD016"}  # the gradient is right; communication is wasted
 
 

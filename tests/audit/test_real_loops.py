@@ -32,6 +32,13 @@ CASES = [
     # Lightning divides every loss by accumulate_grad_batches, also in the window of 1 that ends an epoch of 9
     ("lightning_loop.py", ["--short"], ["pytorch_lightning", "transformers"], 1, {"CAD021"}, "0.50x"),
     ("cadence_loop.py", [], ["transformers"], 0, set(), None),
+    # issue 52: TRL's preference trainers, the right way and the buggy way
+    ("trl_preference.py", ["dpo"], ["trl", "datasets"], 0, set(), None),
+    ("trl_preference.py", ["dpo", "--broken"], ["trl", "datasets"], 1, {"CAD025"}, "2.00x"),
+    ("trl_preference.py", ["orpo"], ["trl", "datasets"], 0, set(), None),
+    ("trl_preference.py", ["orpo", "--broken"], ["trl", "datasets"], 1, {"CAD026"}, None),
+    ("trl_preference.py", ["kto"], ["trl", "datasets"], 0, set(), None),
+    ("trl_preference.py", ["kto", "--broken"], ["trl", "datasets"], 1, {"CAD027"}, "2 micro-batches"),
 ]
 
 

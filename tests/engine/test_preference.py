@@ -166,3 +166,33 @@ def test_evaluation_is_the_objectives_loss_over_everything_evaluated_as_one_wind
     assert engine.evaluate(batches) == pytest.approx(float(hand_loss(name, model, tiny_model(seed=1).eval(), samples)),
                                                      rel=1e-6)
     assert "rewards/chosen" in engine.last_eval_metrics
+
+
+def test_the_memory_meter_counts_a_frozen_references_weights():
+    """On CPU the profiler sees only the step's allocations: the weights of a frozen reference, live through every
+    step, are counted with the model's (the same computation with a reference that says it holds nothing peaks lower
+    by exactly those bytes)."""
+    samples = preference_samples("dpo")
+    window = next(epoch_windows(samples, cut=Cut(micro_batch_size=8), grad_accum_steps=1, seed=0, epoch=0))
+    peaks = {}
+    for counted in (True, False):
+        model = tiny_model()
+        objective = objective_for("dpo", model)
+        frozen = objective.reference
+        held = frozen.held_bytes
+        if not counted:
+            objective = objective.with_reference(Uncounted(frozen))
+        engine = Engine(model, optimizer_for(model), objective=objective)
+        peaks[counted] = engine.step(window, measure_memory=True).peak_memory_bytes
+    assert held >= sum(p.numel() for p in tiny_model().parameters()) * 4  # every weight, the tied head once
+    assert peaks[True] - peaks[False] == held
+
+
+class Uncounted:
+    """A frozen reference that claims to hold no memory of its own."""
+
+    def __init__(self, inner: FrozenReference) -> None:
+        self.inner, self.description, self.held_bytes = inner, inner.description, 0
+
+    def row_logps(self, batch):  # type: ignore[no-untyped-def]
+        return self.inner.row_logps(batch)

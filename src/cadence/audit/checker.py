@@ -63,6 +63,9 @@ Hugging Face models shift them), taken in order, one batch per backward.
 | CAD022 | error   | Newton-Schulz (Muon) on an incomplete window                | orthogonalise once per step       |
 | CAD023 | error   | gradients clipped inside an optimizer's step                | clip before optimizer.step        |
 | CAD024 | error   | schedule-free model evaluated or saved in train mode        | optimizer.eval() first            |
+| CAD025 | error   | per-micro-batch pair mean: pairs of a window weigh >10% apart | sum / window's pair count       |
+| CAD026 | error   | per-micro-batch NLL mean in a preference loss (ORPO)        | sum / window's chosen tokens      |
+| CAD027 | error   | KTO's reference point taken per micro-batch                 | z over the whole window           |
 
 Levels: **error** when the loop's gradient, update or LR schedule differs from one big batch's (CI gates on it:
 exit status 1); **warning** for performance only (the math is right: needless communication; exit 0 unless
@@ -97,6 +100,7 @@ from cadence.audit.rules import (
     BACKWARD,
     CLIP,
     EPOCH,
+    FOUND,
     NORM,
     RULES,
     SCALE,
@@ -194,6 +198,8 @@ class Audit:
         self._labels: deque[Any] = deque(maxlen=256)  # target counts of the DataLoader batches not yet backpropagated
         # Muon's Newton-Schulz, a clip inside a step, a schedule-free optimizer's mode (CAD022-CAD024)
         self._watch = OptimizerWatch(emit=self._events.append, loc=self._loc, active=lambda: self._active)
+        self._layouts: deque[str | None] = deque(maxlen=256)  # their preference layouts (pairs, kto; None: neither)
+        self._kto_backwards: list[Loc] = []  # the open window's backwards of KTO batches (CAD027)
 
     def __enter__(self) -> Audit:
         if self._undo is not None:
@@ -412,6 +418,7 @@ class Audit:
                 count = _target_count(batch)
                 if count is not None:
                     self._labels.append(count)
+                self._layouts.append(preference_kind(batch))
             return batch
 
         return next_batch
@@ -427,7 +434,10 @@ class Audit:
         loc = self._loc()
         if not self._norm:
             self._norm_loc = loc
-        self._norm.append(_probe_reduction(loss, self._labels.popleft() if self._labels else None))
+        kind = self._layouts.popleft() if self._layouts else None
+        if kind == "kto":
+            self._kto_backwards.append(loc)
+        self._norm.append(_probe_reduction(loss, self._labels.popleft() if self._labels else None, kind))
         stale = False
         probe = self._probe
         if probe is not None:
@@ -442,6 +452,10 @@ class Audit:
         when every backward's reduction was found. Tensors on an accelerator stay tensors until the analyzer resolves
         them in batches (no synchronisation per step)."""
         found, self._norm = self._norm, []
+        kto, self._kto_backwards = self._kto_backwards, []
+        if len(kto) > 1:  # each micro-batch's KL rows estimate its own z (TRL's KTOTrainer), not the window's
+            self._events.append((FOUND, kto[0], "CAD027", float(len(kto)),
+                                 f"{len(kto)} micro-batches in one window, each with its own reference point"))
         window = [probe for probe in found if probe is not None and probe.grad]
         if not window or len(window) < len(found):
             return
@@ -458,7 +472,7 @@ class Audit:
             weights = weights.tolist()
             if counts is not None and not isinstance(counts, list):
                 counts = counts.tolist()
-        self._events.append((NORM, self._norm_loc, weights, counts))
+        self._events.append((NORM, self._norm_loc, weights, counts, window[0].unit))
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """torch's global step post-hook: it fires only when the optimizer really stepped."""
@@ -493,13 +507,15 @@ class _Probe:
     during the backward), what the node divides by, the GradScaler scale above it and the micro-batch's target
     count (from the node, else from the DataLoader's labels; None when unknown)."""
 
-    __slots__ = ("grad", "divisor", "scale", "count")
+    __slots__ = ("grad", "divisor", "scale", "count", "unit")
 
-    def __init__(self, divisor: Any, scale: Any, count: Any) -> None:
+    def __init__(self, divisor: Any, scale: Any, count: Any, unit: str = "targets") -> None:
         self.grad: list[torch.Tensor] = []
         self.divisor = divisor
         self.scale = scale
         self.count = count
+        self.unit = unit
+        """What the weights are per: targets, a preference loss's pairs, or (orpo) its NLL term's chosen tokens."""
 
     def weight(self) -> torch.Tensor:
         """The gradient weight of each of this micro-batch's targets in the window's gradient."""
@@ -511,9 +527,10 @@ class _Probe:
         return weight
 
 
-def _probe_reduction(loss: Any, loader_count: Any) -> _Probe | None:
+def _probe_reduction(loss: Any, loader_count: Any, kind: str | None = None) -> _Probe | None:
     """Find the node that reduced ``loss``'s per-target losses (a few scalar ops below it) and hook its gradient;
-    None when there is no single such node (a custom autograd function, two losses of the same kind added)."""
+    None when there is no single such node (a custom autograd function, two losses of the same kind added).
+    ``kind``: the micro-batch's preference layout (pairs: the mean is over its pairs, or an NLL term's tokens)."""
     if isinstance(loss, (list, tuple)):
         loss = loss[0] if len(loss) == 1 else None
     root = getattr(loss, "grad_fn", None)
@@ -543,13 +560,26 @@ def _probe_reduction(loss: Any, loader_count: Any) -> _Probe | None:
     if name.startswith("NllLoss"):
         reduction = node._saved_reduction  # 1: mean (divides by the targets' total weight), 2: sum
         total = node._saved_total_weight
-        probe = _Probe(total if reduction == 1 else None, scale, total)
+        probe = _Probe(total if reduction == 1 else None, scale, total, "orpo" if kind == "pairs" else "targets")
     elif name == "MeanBackward0":
-        probe = _Probe(node._saved_self_sym_numel, scale, loader_count)
+        probe = _Probe(node._saved_self_sym_numel, scale, loader_count, "pairs" if kind == "pairs" else "targets")
     else:
         probe = _Probe(None, scale, loader_count)
     node.register_prehook(lambda grads: probe.grad.append(grads[0]) if not probe.grad else None)
     return probe
+
+
+def preference_kind(batch: Any) -> str | None:
+    """A DataLoader batch's preference layout, by TRL's keys: "kto" (its mismatched ``KL_`` rows), "pairs" (chosen
+    and rejected: ``chosen_input_ids``, or a ``completion_mask`` without labels, DPOTrainer's concatenated rows), or
+    None."""
+    if not isinstance(batch, Mapping):
+        return None
+    if any(isinstance(key, str) and key.startswith("KL_") for key in batch):
+        return "kto"
+    if "chosen_input_ids" in batch or ("completion_mask" in batch and "labels" not in batch and "label" not in batch):
+        return "pairs"
+    return None
 
 
 def _target_count(batch: Any) -> Any:

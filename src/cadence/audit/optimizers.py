@@ -41,7 +41,8 @@ def schedule_free(optimizer: Any) -> bool:
     """A schedule-free optimizer: train/eval methods and a train_mode flag in its groups (the schedulefree
     package's, cadence's ScheduleFreeAdamW)."""
     groups = getattr(optimizer, "param_groups", None)
-    return bool(groups) and "train_mode" in groups[0] and callable(getattr(optimizer, "eval", None))
+    return isinstance(groups, list) and bool(groups) and "train_mode" in groups[0] \
+        and callable(getattr(optimizer, "eval", None))
 
 
 class OptimizerWatch:

@@ -10,9 +10,12 @@ Event tuples (the first item is the kind; ``loc`` is ``(filename, lineno, via)``
 
     (BACKWARD, loc, ddp, stale)        ddp: None | (forward_synced, backward_in_no_sync, no_sync_loc);
                                        stale: the gradients were left untouched since the previous step
-    (NORM, loc, weights, counts)       just before a STEP: the gradient weight each micro-batch of the window gave
+    (NORM, loc, weights, counts, unit) just before a STEP: the gradient weight each micro-batch of the window gave
                                        each of its targets, and its target count (None when unknown); lists, or
-                                       tensors on an accelerator; loc is the window's first backward
+                                       tensors on an accelerator; loc is the window's first backward; unit: what
+                                       the weights are per ("targets", "pairs" of a preference loss, or "orpo": the
+                                       NLL term's targets of a preference loss)
+    (FOUND, loc, rule, severity, detail)  a finding the checker saw whole (CAD027)
     (STEP, loc, optimizer_id, did_step, via_scaler)
     (ZERO_GRAD, loc)  (CLIP, loc)  (SCALE, loc)  (UNSCALE, loc, optimizer_id)  (UPDATE, loc)
     (SCHEDULER, loc, scheduler_id, is_plateau)  (AUTOCAST, loc, is_fp16)  (EPOCH,)
@@ -35,6 +38,7 @@ from typing import Any
 
 BACKWARD, STEP, ZERO_GRAD, CLIP, SCALE, UNSCALE, UPDATE, SCHEDULER, AUTOCAST, EPOCH, NORM = range(11)
 ORTHO, ORTHO_STEP, CLIP_IN_STEP, TRAIN_MODE = range(11, 15)
+FOUND = 15
 
 Loc = tuple[str, int, tuple[str, int] | None] | None
 
@@ -129,6 +133,19 @@ _RULE_LIST = [
          "(torch.save, safetensors) while the optimizer is in train mode: the weights are the gradient point y, not "
          "the averaged weights x (schedule_free #48, accelerate #4159)",
          fix="call optimizer.eval() before evaluating or saving, and optimizer.train() before the next step"),
+    Rule(id="CAD025", level=ERROR, what="per-micro-batch pair mean: a preference loss (DPO, IPO, SimPO...) averaged "
+         "over each micro-batch's pairs gives the pairs of a window weights more than 10% apart (unequal pair counts: "
+         "a short last micro-batch, dropped pairs, padding-free batching)",
+         fix="sum the per-pair losses and divide by the window's pair count, summed over micro-batches and ranks "
+         "before the first backward (cadence train --objective dpo)"),
+    Rule(id="CAD026", level=ERROR, what="per-micro-batch NLL mean in a preference loss (ORPO, CPO, DPO's sft term): "
+         "the chosen completions' tokens of a window weigh more than 10% apart",
+         fix="sum the NLL over the chosen tokens and divide by the window's chosen-token count (cadence train "
+         "--objective orpo)"),
+    Rule(id="CAD027", level=ERROR, what="KTO's reference point (the KL estimate z) is taken per micro-batch: with "
+         "several micro-batches per optimizer step the objective itself changes with the split",
+         fix="estimate z over the whole window (every micro-batch and rank) before its first backward (cadence "
+         "train --objective kto), or train one micro-batch per optimizer step"),
 ]
 RULES: dict[str, Rule] = {rule.id: rule for rule in _RULE_LIST}
 
@@ -271,8 +288,8 @@ class Analyzer:
         self._after_skip: list[tuple[int, Loc]] = []
         # normalisation: the pending NORM of the open window; the closed windows' (index, loc, weights, counts) not
         # yet resolved; each window's total weight (NaN: unknown) and its first backward's place (an index in _locs)
-        self._norm_pending: tuple[Loc, Any, Any] | None = None
-        self._norm_windows: list[tuple[int, Loc, Any, Any]] = []
+        self._norm_pending: tuple[Loc, Any, Any, str] | None = None
+        self._norm_windows: list[tuple[int, Loc, Any, Any, str]] = []
         self._totals = array("d")
         self._norm_locs = array("l")
         self._all_unit = True  # every weight so far exactly 1: a plain summed loss (no normalisation to check)
@@ -322,7 +339,9 @@ class Analyzer:
                 self._autocast = (event[1], event[2])
                 self._precisions.add("fp16" if event[2] else "bf16")
             elif kind == NORM:
-                self._norm_pending = (event[1], event[2], event[3])
+                self._norm_pending = (event[1], event[2], event[3], event[4])
+            elif kind == FOUND:
+                self._hit_measured(event[2], event[1], event[3], event[4])
             elif kind == EPOCH:
                 if self._lengths and not self._bws:
                     self._epoch_ends.add(len(self._lengths) - 1)
@@ -467,7 +486,7 @@ class Analyzer:
     def _resolve_norm(self) -> None:
         """CAD018 per window, and each window's total weight for CAD021 (read at the end); the weights are resolved
         in batches so an accelerator is not synchronised every step."""
-        for index, loc, weights, counts in self._norm_windows:
+        for index, loc, weights, counts, unit in self._norm_windows:
             weights = weights if isinstance(weights, list) else weights.tolist()
             if counts is not None and not isinstance(counts, list):
                 counts = counts.tolist()
@@ -478,9 +497,10 @@ class Analyzer:
             self._all_unit = self._all_unit and all(w == 1.0 for w in held)
             apart = max(held) / min(held)
             if apart > _APART:
-                self._hit_measured("CAD018", loc, apart,
-                                   f"in one window the targets of one micro-batch weigh {apart:.2f}x those of "
-                                   "another (one big batch: 1.00x)")
+                rule, what = {"pairs": ("CAD025", "pairs"), "orpo": ("CAD026", "chosen tokens")}.get(
+                    unit, ("CAD018", "targets"))
+                self._hit_measured(rule, loc, apart, f"in one window the {what} of one micro-batch weigh {apart:.2f}x "
+                                                     "those of another (one big batch: 1.00x)")
             if counts is not None:
                 self._totals[index] = sum(w * n for w, n in zip(weights, counts))
                 self._norm_locs[index] = self._locs.setdefault(loc, len(self._locs))

@@ -244,6 +244,11 @@ class Objective:
         return replace(self, reference=reference)
 
     @property
+    def resident_bytes(self) -> int:
+        """The memory the objective holds besides the model: its reference's own weights (0 without one)."""
+        return self.reference.held_bytes if self.reference is not None else 0
+
+    @property
     def loss_fn(self) -> LossFn:
         """The function computing a micro-batch's summed token loss (all logits until one is chosen)."""
         return self.token_loss if self.token_loss is not None else token_cross_entropy_sum

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from cadence.engine.chunked_loss import target_losses
 from cadence.engine.token_loss import attention_inputs
 from cadence.engine.windows import IGNORE_INDEX, Batch
+from cadence.memory.meter import tensor_bytes
 from cadence.models.lora import adapters_disabled
 
 
@@ -60,6 +61,10 @@ class Reference(Protocol):
     def description(self) -> str:
         """In words, for the console and the reports (read-only: the references are frozen values)."""
 
+    @property
+    def held_bytes(self) -> int:
+        """The memory the reference holds of its own (a frozen model's weights; 0 for the policy's adapters off)."""
+
     def row_logps(self, batch: Batch) -> torch.Tensor:
         """[rows] fp32, without gradients."""
 
@@ -71,6 +76,10 @@ class FrozenReference:
     model: torch.nn.Module
     targets_only: bool
     description: str = "a frozen copy of the starting weights"
+
+    @property
+    def held_bytes(self) -> int:
+        return tensor_bytes([*self.model.parameters(), *self.model.buffers()])
 
     def row_logps(self, batch: Batch) -> torch.Tensor:
         with torch.no_grad():
@@ -84,6 +93,7 @@ class AdaptersOffReference:
     policy: torch.nn.Module
     targets_only: bool
     description: str = "the base model (the LoRA adapters turned off; no copy)"
+    held_bytes: int = 0
 
     def row_logps(self, batch: Batch) -> torch.Tensor:
         with torch.no_grad(), adapters_disabled(self.policy):

@@ -198,7 +198,8 @@ class Engine:
         self.skip_nonfinite = skip_nonfinite
         self.offload_activations = offload_activations
         """Keep the tensors saved for backward in host memory (``cadence.memory.offload.activation_offload``)."""
-        self.memory = StepMemoryMeter(self.device, budget_bytes=memory_budget_bytes)
+        self.memory = StepMemoryMeter(self.device, budget_bytes=memory_budget_bytes,
+                                      resident_bytes=self.objective.resident_bytes)
         self.agree_on_out_of_memory = agree_on_out_of_memory and self.collective.world_size > 1
         """Several processes retrying out-of-memory windows (--micro-batch-size auto): after each micro-batch's
         forward and after its backward, all ranks learn whether any ran out of memory, and all raise together."""

@@ -81,9 +81,12 @@ class StepMemoryMeter:
     checked after every micro-batch, as close to a real allocation failure as a measurement can get.
     """
 
-    def __init__(self, device: torch.device, *, budget_bytes: int | None = None) -> None:
+    def __init__(self, device: torch.device, *, budget_bytes: int | None = None, resident_bytes: int = 0) -> None:
         self.device = device
         self.budget_bytes = budget_bytes
+        self.resident_bytes = resident_bytes
+        """CPU: bytes the step keeps live besides the model and optimizer (a preference objective's frozen reference
+        model), added to every segment's baseline; CUDA's allocator counts them by itself."""
         self.peak_bytes: int | None = None
         self._active = False
         self._model: torch.nn.Module | None = None
@@ -128,7 +131,7 @@ class StepMemoryMeter:
     @contextlib.contextmanager
     def _profiled(self, *, guarded: bool) -> Iterator[None]:
         assert self._model is not None and self._optimizer is not None  # set by measure()
-        baseline = live_training_bytes(self._model, self._optimizer)
+        baseline = live_training_bytes(self._model, self._optimizer) + self.resident_bytes
         from torch.profiler import ProfilerActivity, profile
 
         with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

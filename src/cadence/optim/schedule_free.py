@@ -93,7 +93,7 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         self.train()
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = closure_loss(closure)
         if not self.training:
             raise RuntimeError("ScheduleFreeAdamW.step in eval mode: the parameters hold the averaged weights x, "
