@@ -278,7 +278,7 @@ def test_a_variant_is_the_same_model_built_afresh(tmp_path: Path) -> None:
     prep = prepare(TrainConfig(data=data, seq_len=32, micro_batch_size=2, max_steps=1, val_fraction=0.0,
                                data_cache=tmp_path / "cache", out=tmp_path / "run"))
     variant = prep.variant(micro_batch_size=1)
-    assert variant.spec is prep.spec and variant.built.module is not prep.built.module
+    assert variant.model is prep.model and variant.built.module is not prep.built.module
     assert all(torch.equal(a, b) for a, b in zip(variant.built.module.parameters(), prep.built.module.parameters(),
                                                    strict=True))
     with pytest.raises(ValueError, match="model"):

@@ -74,7 +74,7 @@ def test_the_auto_noise_scale_of_a_partly_trained_llama_is_its_exact_one(tmp_pat
                          micro_batch_size=1, val_fraction=0.0, data_cache=tmp_path / "cache", out=tmp_path / "unused",
                          lr=1e-3)
     prep = prepare(config)
-    model = prep.spec
+    model = prep.model
     lines: list[str] = []
     choice = choose_effective_batch(prep, model, budget=256 << 20, windows=96, bounds=(1, 4096), lr_reference=None,
                                     constrained=set(), say=lines.append)

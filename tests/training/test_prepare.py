@@ -73,3 +73,24 @@ def test_the_cut_is_built_once_and_again_for_a_variant(tmp_path: Path) -> None:
     variant = prep.variant(micro_batch_size=4, grad_accum_steps=1, micro_batch_order="drawn")
     assert variant.cut == Cut.from_flags(variant.config, micro_batch_size=4, seq_len=48)
     assert prep.cut.by_length and not variant.cut.by_length  # by length: the default for variable lengths
+
+
+COMMANDS = {
+    "verify": ["--micro-batch-size", "2", "--grad-accum-steps", "2", "--steps", "1"],
+    "profile": ["--micro-batch-size", "2", "--grad-accum-steps", "2", "--steps", "1"],
+    "plan": ["--effective-batch-size", "4", "--memory-budget", "512MiB", "--max-trials", "1", "--trial-steps", "3",
+             "--quality-steps", "2"],
+}
+"""Each command that prepares a run, with flags that keep it short."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_builds_its_source_once(tmp_path: Path, counted: list[object], command: str) -> None:
+    """Issue 50: the Source is built once per command and handed on (``Prepared.source``); before, ``cadence plan``
+    built it a second time for plan.json's record."""
+    data = write_jsonl(tmp_path / "d.jsonl", 16)
+    out = [] if command == "verify" else ["--out", str(tmp_path / "out")]
+    assert main([command, "--data", str(data), "--seq-len", "48", "--too-long", "truncate",
+                 "--data-cache", str(tmp_path / "cache"), *out, *COMMANDS[command]]) == 0
+    assert [getattr(flags, "data", None) for flags in counted] == [data]

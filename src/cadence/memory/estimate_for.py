@@ -10,6 +10,7 @@ auto --memory-budget SIZE`` measures it), but ``cadence plan``, which ranks its 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +52,21 @@ def _decoder(style: BlockStyle) -> Callable[..., MemoryEstimate]:
 
 ESTIMATORS: dict[str, Callable[..., MemoryEstimate]] = {"gpt": _gpt, "llama": _decoder("llama"),
                                                         "gpt2": _decoder("gpt2")}
-"""The replay of each estimator a model may name (:data:`cadence.models.family.Estimator`)."""
+"""The replays of the estimators cadence ships with, by the name a model gives
+(:data:`cadence.models.family.Estimator`). Any other name is a replay module of its own (:func:`replay_for`)."""
+REPLAY_MODULE = "cadence.memory.estimate_{}"
+"""Where the replay of an estimator named NAME outside :data:`ESTIMATORS` is: that module's ``replay`` function, called
+as :func:`estimate_for` calls a replay (the spec, then its keywords). So a new replay is one module in memory/ and
+the family naming it; nothing here changes."""
+
+
+def replay_for(estimator: str) -> Callable[..., MemoryEstimate]:
+    """The replay of ``estimator``: one of :data:`ESTIMATORS`, or its own module's (:data:`REPLAY_MODULE`)."""
+    known = ESTIMATORS.get(estimator)
+    if known is not None:
+        return known
+    replay: Callable[..., MemoryEstimate] = importlib.import_module(REPLAY_MODULE.format(estimator)).replay
+    return replay
 
 
 def estimate_for(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, precision: str, checkpointing: str,
@@ -66,11 +81,11 @@ def estimate_for(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, precis
     problem = estimate_problem(spec)
     if problem is not None:
         raise UsageError.single("--model", problem)
-    replay = ESTIMATORS[str(spec.estimator)]
+    replay = replay_for(str(spec.estimator))
     return replay(spec, packed=packed, lora_base_precision=lora_base_precision, micro_batch_size=micro_batch_size,
                   seq_len=seq_len, precision=precision, checkpointing=checkpointing, offload=offload,
                   device_type=device_type, grad_accum_steps=grad_accum_steps, loss_chunk_tokens=loss_chunk_tokens,
                   optimizer=optimizer, target_tokens=target_tokens, full_logits=full_logits)
 
 
-__all__ = ["ESTIMATORS", "WITHOUT_AN_ESTIMATE", "estimate_for", "estimate_problem"]
+__all__ = ["ESTIMATORS", "REPLAY_MODULE", "WITHOUT_AN_ESTIMATE", "estimate_for", "estimate_problem", "replay_for"]

@@ -27,9 +27,10 @@ block mask over whole rows (``dense-mask``: right, but it can be slower than by-
 (``none``: --packing is refused)."""
 
 Estimator = str
-"""The name of a memory estimator (a key of ``cadence.memory.estimate_for.ESTIMATORS``: ``gpt``, the built-in GPT's
-replay; ``llama`` and ``gpt2``, the decoder replay of those blocks). A name, not a closed list here: a new estimator
-is its replay in memory/ and the family that names it, nothing in between."""
+"""The name of a memory estimator (``gpt``, the built-in GPT's replay; ``llama`` and ``gpt2``, the decoder replay of
+those blocks: ``cadence.memory.estimate_for.ESTIMATORS``; any other NAME: the module ``cadence.memory.estimate_NAME``).
+A name, not a closed list here: a new estimator is its replay in memory/ and the family that names it, nothing in
+between."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -190,7 +190,7 @@ def _assemble(config: TrainConfig, options: PlanOptions, constrained: set[str], 
     auto = config.effective_batch_size == "auto"
     prep = prepare(dataclasses.replace(config, val_fraction=0.0,
                                        effective_batch_size=1 if auto else config.effective_batch_size), out=out)
-    model = prep.spec
+    model = prep.model
     if config.out is None and out.exists():
         raise UsageError.single("--out", f"default {out} already exists; give --out")
     # One deadline from the plan's start: the noise-scale measurement spends part of it, the trials the rest.
@@ -337,7 +337,7 @@ def _finish(run: PlanRun, chosen: Candidate, baseline: MemoryEstimate, quality: 
     batch = run.batch_choice
     effective = int(run.config.effective_batch_size or 0)
     record = plan_record(PlanOutcome(
-        config=run.config, data=run.prep.data, device=run.prep.device, seq_len=run.prep.seq_len, budget=run.budget,
+        config=run.config, data=run.prep.data, source=run.prep.source, device=run.prep.device, seq_len=run.prep.seq_len, budget=run.budget,
         baseline=baseline, model=run.model, candidates=run.candidates, chosen=chosen, quality=quality,
         notes=run.notes, cuts=cuts, diagnosis_extra={"accumulation": accumulation},
         effective_batch=batch.as_dict() if batch is not None else {"given": effective, "chosen": effective},

@@ -63,6 +63,8 @@ class PlanOutcome:
 
     config: TrainConfig
     data: DataSplits
+    source: Source
+    """What --data is (the run's ``Prepared.source``, built once per command)."""
     device: torch.device
     seq_len: int
     budget: int
@@ -92,7 +94,7 @@ def plan_record(outcome: PlanOutcome) -> PlanRecord:
               f"{config.effective_batch_size}"
               + (f"; its windows are cut ({chosen.setup.cut.describe()}) to compute less padding for the same "
                  f"gradient" if chosen.setup.cut.by_length else ""))
-    source = Source.from_flags(config).flags()
+    source = outcome.source.flags()
     return PlanRecord(
         created=datetime.now().isoformat(timespec="seconds"), duration_s=outcome.duration, model=config.model,
         model_config=list(config.model_config) if config.model_config else None,

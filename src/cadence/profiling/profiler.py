@@ -365,7 +365,7 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
     settings = ProfileSettings(
         active=options.steps, peak_flops=options.peak_flops,
         tokens_per_step=None,
-        model_flops_per_token=spec_flops_per_token(prep.spec, prep.seq_len),
+        model_flops_per_token=spec_flops_per_token(prep.model, prep.seq_len),
         memory_limit_bytes=prep.memory_budget_bytes or (
             torch.cuda.get_device_properties(prep.device).total_memory if prep.device.type == "cuda" else None),
         config={**config.to_json_dict(), "seq_len": prep.seq_len, "micro_batch_size": prep.micro_batch_size,

@@ -1,4 +1,5 @@
-"""What every report shares: the files a report is written as, reading its JSON inputs, plot blocks.
+"""What every report shares: the files a report is written as, scaled values, plot blocks. Its JSON inputs are read
+through their typed records (``cadence.records``, ``cadence.config.plan_file``).
 
 A report is one list of blocks (heading, paragraph, bullets, table, plot; see ``render``) built by whoever knows its
 subject: runs here, plans in ``cadence.plan.report``, profiles in ``cadence.profiling.report``. ``write_report`` turns
@@ -21,7 +22,6 @@ from typing import Any
 from cadence.errors import UsageError
 from cadence.formatting import finite
 from cadence.output_files import atomic_write_bytes
-from cadence.records import read_object
 from cadence.report import render as plots
 from cadence.report.render import Plot, Report, to_html, to_markdown
 
@@ -137,14 +137,7 @@ def _own_png(head: bytes, name: str, markdown: str | None) -> bool:
     return markdown is not None and f"]({name})" in markdown and not any(chunk in head for chunk in texts)
 
 
-# ----------------------------------------------------------------------------------------------------- reading
-def read_json_object(path: Path, where: str = WHERE) -> dict[str, Any]:
-    """A JSON file that must hold an object (the records' reader, ``records.read_object``); any problem is a
-    UsageError naming ``where``. Read as the user's other inputs are: a regular file only, at most 256 MiB (a named
-    pipe or a link to a device is refused, not read)."""
-    return dict(read_object(path, where=where).data)
-
-
+# ------------------------------------------------------------------------------------------------------ values
 def times(value: Any, factor: float) -> Any:
     return value * factor if finite(value) else None
 

@@ -50,10 +50,11 @@ class Prepared:
     data: DataSplits
     out: Path
     memory_budget_bytes: int | None
-    spec: ModelSpec
-    """What --model is (its family, shape, what it supports, its estimator): resolved once per command."""
+    model: ModelSpec
+    """What --model is (its family, shape, what it supports, its estimator): resolved once per command
+    (``prep.model.shape``, ``prep.model.supports``)."""
     built: BuiltModel
-    """The model built from ``spec`` with the seed's initial weights (a variant builds its own)."""
+    """The model built from ``model`` with the seed's initial weights (a variant builds its own)."""
     source: Source
     """What --data is and how its rows become examples, built once per command (``Source.from_flags``)."""
     cut: Cut
@@ -84,7 +85,7 @@ class Prepared:
         decision and the cut), without validating or loading the data again: the checks this run passed hold for
         the variant, whose settings the caller chose among the valid ones. The model is the same spec built afresh,
         seeded as ``prepare`` built it, so every variant starts from the same weights."""
-        if changed := sorted(set(changes) & set(self.spec.flags())):
+        if changed := sorted(set(changes) & set(self.model.flags())):
             raise ValueError(f"a variant keeps the run's model; {', '.join(changed)} would change it")
         config = dataclasses.replace(self.config, **changes)
         micro = config.resolved_micro_batch_size(self.world_size)
@@ -94,7 +95,7 @@ class Prepared:
             micro_batch_size=micro, grad_accum_steps=accum,
             cut=Cut.from_flags(config, micro_batch_size=micro, seq_len=self.seq_len),
             effective_batch_size=micro * accum * self.world_size, memory_budget_bytes=config.memory_budget_bytes(),
-            built=self.spec.build(seed=config.seed, precision=config.precision,
+            built=self.model.build(seed=config.seed, precision=config.precision,
                                   base_precision=config.lora_base_precision))
 
 
@@ -166,7 +167,7 @@ def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = No
     return Prepared(
         config=config, device=device, seq_len=seq_len, micro_batch_size=micro,
         grad_accum_steps=grad_accum_steps, effective_batch_size=effective, world_size=world_size, data=data, out=out,
-        memory_budget_bytes=config.memory_budget_bytes(), spec=spec, built=built, ranks=ranks, source=source,
+        memory_budget_bytes=config.memory_budget_bytes(), model=spec, built=built, ranks=ranks, source=source,
         cut=Cut.from_flags(config, micro_batch_size=micro, seq_len=seq_len), objective=objective,
         optimizer=OptimizerSpec.from_flags(config),
     )
