@@ -13,6 +13,7 @@ import json
 import math
 import os
 import tempfile
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +71,15 @@ def fsync_directory(path: Path) -> None:
 
 
 __all__ = ["atomic_write_bytes", "atomic_write_json", "finite", "fsync_directory", "fsync_file"]
+
+
+def timestamped_directory(root: Path, now: datetime) -> Path:
+    """A directory name under ``root`` for an output the user named no place for: ``root/<date>-<time>``, or with
+    ``-2``, ``-3``, ... after it when that name is taken (two commands started in the same second, as a script runs
+    them, would otherwise collide and the second be refused)."""
+    stem = now.strftime("%Y%m%d-%H%M%S")
+    candidate, suffix = root / stem, 1
+    while candidate.exists():
+        suffix += 1
+        candidate = root / f"{stem}-{suffix}"
+    return candidate

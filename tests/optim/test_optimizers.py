@@ -142,7 +142,7 @@ def measured_and_estimated(model_name: str, name: str, *, micro: int, seq: int) 
     options: dict[str, Any] = {"micro_batch_size": micro, "seq_len": seq, "precision": "fp32", "checkpointing": "none",
                                "optimizer": spec, "full_logits": True}
     if model_name == "llama":
-        estimate = estimate_hf_step_memory(hf.shape, model_type="llama", **options)
+        estimate = estimate_hf_step_memory(hf.shape, style="llama", **options)
     else:
         estimate = estimate_step_memory(MODEL_CONFIGS[model_name], **options)
     return measured, estimate, spec

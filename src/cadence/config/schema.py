@@ -305,7 +305,7 @@ class TrainConfig:
     device: DeviceName = setting("auto", DEVICE)
     """auto (CUDA when available, else CPU), cpu or cuda."""
     out: Path | None = setting(None, RUN_DIRECTORY)
-    """Run directory to create; default runs/<date>-<time>. An existing non-empty directory is refused."""
+    """Run directory to create; default runs/<date>-<time> (with -2, -3, ... when that name is taken). An existing non-empty directory is refused."""
     checkpoint_every: int = setting(0, CHECKPOINTS)
     """Save a checkpoint every N optimizer steps (and at the end) into OUT/checkpoints/step-N; 0 = none."""
     keep_checkpoints: int = setting(0, CHECKPOINTS)

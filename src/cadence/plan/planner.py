@@ -34,6 +34,7 @@ from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.estimate_for import estimate_for
 from cadence.models.spec import ModelSpec
 from cadence.optim.choices import OptimizerStateName
+from cadence.output_files import timestamped_directory
 from cadence.plan.batch import BatchChoice, choose_effective_batch
 from cadence.plan.candidates import (
     Candidate,
@@ -186,13 +187,11 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
 def _assemble(config: TrainConfig, options: PlanOptions, constrained: set[str], say: Say, started: float) -> PlanRun:
     """The run the plan is about, assembled as train assembles it (the model, its checks, the data through the token
     store; every trial is a variant of it), with the effective batch chosen first under auto."""
-    out = config.out or Path("plans") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = config.out or timestamped_directory(Path("plans"), datetime.now())
     auto = config.effective_batch_size == "auto"
     prep = prepare(dataclasses.replace(config, val_fraction=0.0,
                                        effective_batch_size=1 if auto else config.effective_batch_size), out=out)
     model = prep.model
-    if config.out is None and out.exists():
-        raise UsageError.single("--out", f"default {out} already exists; give --out")
     # One deadline from the plan's start: the noise-scale measurement spends part of it, the trials the rest.
     run = PlanRun(config=config, options=options, constrained=constrained, prep=prep, model=model,
                   budget=int(config.memory_budget_bytes() or 0), deadline=Deadline(options.time_budget,

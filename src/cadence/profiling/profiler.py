@@ -35,6 +35,7 @@ from cadence.engine.step import Engine
 from cadence.errors import Problem, UsageError
 from cadence.memory.meter import live_training_bytes, quiet_native_stderr
 from cadence.models import CompileClock
+from cadence.output_files import timestamped_directory
 from cadence.profiling.flops import measured_peak_flops, spec_flops_per_token
 from cadence.profiling.report import PROFILE_FILE, compile_line, profile_report
 from cadence.records import PROFILE
@@ -356,7 +357,7 @@ def run_profile(config: Any, options: ProfileOptions, *, stream: Any = None) -> 
     if problems:
         raise UsageError(problems)
     if config.out is None:
-        config = dataclasses.replace(config, out=Path("profiles") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+        config = dataclasses.replace(config, out=timestamped_directory(Path("profiles"), datetime.now()))
     prep = prepare(config)
     if prep.config.auto_micro_batch:
         raise UsageError.single("--micro-batch-size", "profile a fixed micro-batch size (auto changes it mid-run)")

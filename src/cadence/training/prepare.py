@@ -32,6 +32,7 @@ from cadence.models.heads import chunking_problem
 from cadence.models.hf import save_hf_problem
 from cadence.models.spec import ModelSpec
 from cadence.optim.spec import OptimizerSpec
+from cadence.output_files import timestamped_directory
 from cadence.training.reference import reference_problem
 from cadence.training.run_dir import exported_before
 
@@ -103,12 +104,9 @@ def checked_run_directory(config: TrainConfig, *, ranks: Ranks = SINGLE) -> Path
     """Validate the configuration (every problem at once) and return the run directory it names: --out, or
     ``runs/<time>`` (the same name on every rank). Reads no data and writes nothing."""
     # The default directory is named by the clock: rank 0's name for all, or ranks a second apart would disagree.
-    default_out = broadcast_from_main(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"), ranks)
+    default_out = broadcast_from_main(timestamped_directory(Path("runs"), datetime.now()), ranks)
     validate(config, world_size=ranks.world_size, launched=ranks.launched)
-    out = config.out or default_out
-    if config.out is None and out.exists():
-        raise UsageError.single("--out", f"default {out} already exists; give --out")
-    return out
+    return config.out or default_out
 
 
 def prepare(config: TrainConfig, *, ranks: Ranks = SINGLE, out: Path | None = None) -> Prepared:
