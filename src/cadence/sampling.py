@@ -30,8 +30,8 @@ from cadence.config import TrainConfig
 from cadence.config.commands import SampleOptions
 from cadence.config.sources import recorded_values
 from cadence.config.validate import is_cadence_config
-from cadence.data.chat import ROLES, ChatDataError, ChatTemplateError, parse_conversation
 from cadence.data.chat_store import chat_template_for
+from cadence.data.conversation import ROLES, ChatDataError, ChatTemplateError, parse_conversation
 from cadence.data.hf import HFTokenizer, Tokenizer, as_tokenizer
 from cadence.distributed.ranks import SINGLE
 from cadence.errors import CadenceFailure, Problem, UsageError

@@ -15,16 +15,15 @@ from typing import Any
 
 import pytest
 
-from cadence.data.chat import (
+from cadence.data.chat import ChatExample, tokenize_conversation
+from cadence.data.chat_template import ChatTemplate
+from cadence.data.conversation import (
     ROLES,
     ChatDataError,
-    ChatExample,
-    ChatTemplate,
     ChatTemplateError,
     Conversation,
     detect_chat_format,
     parse_conversation,
-    tokenize_conversation,
 )
 from cadence.data.hf import ByteTokenizer, HFTokenizer
 

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from cadence.data.batching import IGNORE_INDEX, collate
-from cadence.data.chat import ChatTemplate, parse_conversation, tokenize_conversation
+from cadence.data.chat import tokenize_conversation
+from cadence.data.chat_template import ChatTemplate
+from cadence.data.conversation import parse_conversation
 from cadence.data.hf import ByteTokenizer
 from cadence.data.splits import splits_from_store
 from cadence.data.store import StoreWriter, TokenStore

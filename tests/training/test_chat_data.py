@@ -243,7 +243,7 @@ def test_save_hf_exports_the_template_the_model_was_trained_under(model_dir, tmp
     the model directory keeps its own template (so transformers' apply_chat_template works unchanged)."""
     from transformers import AutoTokenizer
 
-    from cadence.data.chat import ChatTemplate
+    from cadence.data.chat_template import ChatTemplate
 
     llama = ["--model", "hf:llama", "--model-config", "hidden_size=32", "--model-config", "intermediate_size=64",
              "--model-config", "num_hidden_layers=2", "--model-config", "num_attention_heads=4",

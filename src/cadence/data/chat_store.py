@@ -26,16 +26,9 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from cadence.data.cache import BuildResult, Recipe
-from cadence.data.chat import (
-    ChatDataError,
-    ChatTemplate,
-    ChatTemplateError,
-    ChatTokenizer,
-    NothingToTrain,
-    TrainOn,
-    parse_conversation,
-    tokenize_conversation,
-)
+from cadence.data.chat import ChatTokenizer, TrainOn, tokenize_conversation
+from cadence.data.chat_template import ChatTemplate
+from cadence.data.conversation import ChatDataError, ChatTemplateError, NothingToTrain, parse_conversation
 from cadence.data.hf import ChatRoute, Tokenizer
 from cadence.data.jsonl import MAX_REPORTED_PROBLEMS
 from cadence.data.progress import BuildProgress

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from cadence.data.cache import BuildResult, Recipe, open_or_build
-from cadence.data.chat import detect_chat_format
 from cadence.data.choices import TooLong
+from cadence.data.conversation import detect_chat_format
 from cadence.data.jsonl import TextFields, append_example
 from cadence.data.load import files_fingerprint
 from cadence.data.progress import BuildProgress

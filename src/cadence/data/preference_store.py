@@ -26,14 +26,9 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from cadence.data.cache import BuildResult, Recipe
-from cadence.data.chat import (
-    ChatDataError,
-    ChatTemplateError,
-    ChatTokenizer,
-    parse_conversation,
-    tokenize_conversation,
-)
+from cadence.data.chat import ChatTokenizer, tokenize_conversation
 from cadence.data.chat_store import ChatSettings, jsonl_rows
+from cadence.data.conversation import ChatDataError, ChatTemplateError, parse_conversation
 from cadence.data.hf import Tokenizer
 from cadence.data.jsonl import MAX_REPORTED_PROBLEMS, append_example
 from cadence.data.preference import PreferenceFormat, pack_labels

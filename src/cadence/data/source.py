@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from cadence.data.cache import Recipe, open_or_build
-from cadence.data.chat import TRAIN_ON, TrainOn, detect_chat_format
+from cadence.data.chat import TRAIN_ON, TrainOn
 from cadence.data.chat_store import ChatSettings, chat_recipe, chat_template_for, dataset_route, first_record
 from cadence.data.choices import TooLong
+from cadence.data.conversation import detect_chat_format
 from cadence.data.hf import as_tokenizer, hf_recipe, is_hf_data
 from cadence.data.jsonl import TextFields
 from cadence.data.load import byte_recipe, is_store, open_prepared_store
