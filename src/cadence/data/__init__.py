@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # the type checker's view of the names below (a test keeps th
     )
     from cadence.data.sources import BYTES_TOKENIZER
     from cadence.data.splits import DataSplits, split_validation, splits_from_store
-    from cadence.data.store import PackedSequences, StoredExamples, TokenStore
+    from cadence.data.store import TokenStore
+    from cadence.data.store_datasets import PackedSequences, StoredExamples
     from cadence.data.text import pack_bytes, read_text_source
     from cadence.data.too_long import LongExamples
 
@@ -53,7 +54,8 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "byte_recipe", "bytes_fingerprint", "files_fingerprint", "is_store", "load_data", "open_prepared_store"),
     "cadence.data.sources": ("BYTES_TOKENIZER",),
     "cadence.data.splits": ("DataSplits", "split_validation", "splits_from_store"),
-    "cadence.data.store": ("PackedSequences", "StoredExamples", "TokenStore"),
+    "cadence.data.store": ("TokenStore",),
+    "cadence.data.store_datasets": ("PackedSequences", "StoredExamples"),
     "cadence.data.text": ("pack_bytes", "read_text_source"),
     "cadence.data.choices": ("TOO_LONG_CHOICES", "TooLong"),
     "cadence.data.too_long": ("LongExamples",),

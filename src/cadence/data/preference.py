@@ -25,7 +25,8 @@ from cadence.data.batching import IGNORE_INDEX, PAD_TOKEN_ID, Example, TokenData
 from cadence.data.choices import TOO_LONG_CHOICES, TooLong
 from cadence.data.jsonl import MAX_REPORTED_PROBLEMS
 from cadence.data.splits import DataSplits, split_validation
-from cadence.data.store import StoredExamples, TokenStore
+from cadence.data.store import TokenStore
+from cadence.data.store_datasets import StoredExamples
 from cadence.data.too_long import LongExamples, select_rows, too_long_message
 from cadence.errors import Problem, UsageError
 

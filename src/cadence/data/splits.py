@@ -9,7 +9,8 @@ from pathlib import Path
 from cadence.data.batching import TokenDataset
 from cadence.data.choices import TOO_LONG_CHOICES, TooLong
 from cadence.data.jsonl import MAX_REPORTED_PROBLEMS, no_examples_message
-from cadence.data.store import StoredExamples, TokenStore
+from cadence.data.store import TokenStore
+from cadence.data.store_datasets import StoredExamples
 from cadence.data.text import pack_tokens
 from cadence.data.too_long import LongExamples, select_rows, too_long_message
 from cadence.errors import Problem, UsageError
@@ -80,20 +81,65 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
     source = source or meta.get("description") or str(store.path)
     cache_note = "; tokens from the cache" if from_cache else ""
     if store.kind == "stream":
-        tokens = store.tokens if max_stream_tokens is None else store.tokens.prefix(max_stream_tokens)
-        fingerprint = store.fingerprint if max_stream_tokens is None or max_stream_tokens >= len(store.tokens) \
-            else "sha256:" + hashlib.sha256(tokens[:].tobytes()).hexdigest()
-        sequences = pack_tokens(tokens, seq_len)
-        description = f"{source}, {len(tokens):,} bytes, {len(sequences)} sequences of " \
-                      f"{seq_len}"
-        train, val = split_validation(sequences, val_fraction)
-        if val is not None:
-            description += f"; {len(train)} train / {len(val)} validation"
-        return DataSplits(train=train, val=val, description=description + cache_note, truncated=0,
-                          fingerprint=fingerprint, store=store.path, store_digest=store.digest,
-                          vocab_size=int(meta["vocab_size"]))
-
+        return _stream_splits(store, seq_len=seq_len, val_fraction=val_fraction, max_stream_tokens=max_stream_tokens,
+                              description=source, cache_note=cache_note)
     unit = "bytes" if meta.get("tokenizer") == "bytes" else "tokens"
+    parts, long_examples, empty_rows = _stored_parts(store, seq_len=seq_len, val_fraction=val_fraction,
+                                                     too_long=too_long, source=source, lines_of=lines_of, unit=unit)
+    train_all = parts["train"]
+    if not len(train_all):
+        stored_rows = int(meta.get("rows", 0))
+        if len(store.indexes["train"]):
+            raise UsageError.single("--data", no_examples_message(source, len(store.indexes["train"]), seq_len))
+        why = f" (all {stored_rows} rows were empty or had no target)" if stored_rows else ""
+        raise UsageError.single("--data", f"{source} has no examples{why}")
+    description = f"{source}, {len(train_all)} examples"
+    if meta.get("tokenizer_name") and meta.get("tokenizer") != "bytes":
+        description += f", {meta['tokenizer_name']} tokens"
+    train: TokenDataset
+    val: TokenDataset | None
+    if "val" in parts and val_fraction > 0:
+        train, val = train_all, parts["val"]
+        description += f"; {len(train)} train / {len(val)} validation ({meta.get('val_split', 'validation')} split)"
+    else:
+        train, val = split_validation(train_all, val_fraction)
+        if val is not None:
+            description += f"; {len(train)} train / {len(val)} validation (last {val_fraction:g})"
+    longer = long_examples.too_long
+    truncated = longer if too_long == "truncate" else 0
+    if truncated:
+        description += f"; {truncated} truncated to {seq_len + 1} {unit}"
+    if longer and too_long == "skip":
+        description += f"; {longer} longer than --seq-len skipped"
+    if empty_rows:
+        description += f"; {empty_rows} rows skipped (empty, or without a target)"
+    return DataSplits(train=train, val=val or None, description=description + cache_note, truncated=truncated,
+                      fingerprint=store.fingerprint, store=store.path,
+                      store_digest=store.digest, vocab_size=int(meta["vocab_size"]), long_examples=long_examples)
+
+
+def _stream_splits(store: TokenStore, *, seq_len: int, val_fraction: float, max_stream_tokens: int | None,
+                   description: str, cache_note: str) -> DataSplits:
+    """A stream store cut into sequences of exactly ``seq_len`` (only its first ``max_stream_tokens`` when given)."""
+    tokens = store.tokens if max_stream_tokens is None else store.tokens.prefix(max_stream_tokens)
+    fingerprint = store.fingerprint if max_stream_tokens is None or max_stream_tokens >= len(store.tokens) \
+        else "sha256:" + hashlib.sha256(tokens[:].tobytes()).hexdigest()
+    sequences = pack_tokens(tokens, seq_len)
+    description = f"{description}, {len(tokens):,} bytes, {len(sequences)} sequences of {seq_len}"
+    train, val = split_validation(sequences, val_fraction)
+    if val is not None:
+        description += f"; {len(train)} train / {len(val)} validation"
+    return DataSplits(train=train, val=val, description=description + cache_note, truncated=0,
+                      fingerprint=fingerprint, store=store.path, store_digest=store.digest,
+                      vocab_size=int(store.meta["vocab_size"]))
+
+
+def _stored_parts(store: TokenStore, *, seq_len: int, val_fraction: float, too_long: TooLong, source: str,
+                  lines_of: Path | None, unit: str) -> tuple[dict[str, StoredExamples], LongExamples, int]:
+    """Each split in use of an examples store as :class:`StoredExamples` at ``seq_len``, what ``too_long`` did to
+    the longer examples, and how many source rows the build skipped; under ``too_long="error"`` a
+    :class:`UsageError` naming each example longer than ``seq_len`` (up to the reporting limit)."""
+    meta = store.meta
     # A leading BOS (a tokenizer that adds one) stays in front of a truncated example: see cadence.data.too_long.
     head = 0 if (meta.get("options") or {}).get("bos_id") is None else 1
     in_use = [split for split in store.indexes if split == "train" or (split == "val" and val_fraction > 0)]
@@ -121,33 +167,7 @@ def splits_from_store(store: TokenStore, *, seq_len: int, val_fraction: float, f
         raise UsageError(problems)
     long_examples = LongExamples(policy=too_long, seq_len=seq_len, examples=examples, too_long=longer,
                                  prompts_cut=prompts_cut, ends_cut=ends_cut, targets_lost=targets_lost)
-    train_all = parts["train"]
-    if not len(train_all):
-        stored_rows = int(meta.get("rows", 0))
-        if len(store.indexes["train"]):
-            raise UsageError.single("--data", no_examples_message(source, len(store.indexes["train"]), seq_len))
-        why = f" (all {stored_rows} rows were empty or had no target)" if stored_rows else ""
-        raise UsageError.single("--data", f"{source} has no examples{why}")
-    description = f"{source}, {len(train_all)} examples"
-    if meta.get("tokenizer_name") and meta.get("tokenizer") != "bytes":
-        description += f", {meta['tokenizer_name']} tokens"
-    if "val" in parts and val_fraction > 0:
-        train, val = train_all, parts["val"]
-        description += f"; {len(train)} train / {len(val)} validation ({meta.get('val_split', 'validation')} split)"
-    else:
-        train, val = split_validation(train_all, val_fraction)
-        if val is not None:
-            description += f"; {len(train)} train / {len(val)} validation (last {val_fraction:g})"
-    truncated = longer if too_long == "truncate" else 0
-    if truncated:
-        description += f"; {truncated} truncated to {seq_len + 1} {unit}"
-    if longer and too_long == "skip":
-        description += f"; {longer} longer than --seq-len skipped"
-    if empty_rows:
-        description += f"; {empty_rows} rows skipped (empty, or without a target)"
-    return DataSplits(train=train, val=val or None, description=description + cache_note, truncated=truncated,
-                      fingerprint=store.fingerprint, store=store.path,
-                      store_digest=store.digest, vocab_size=int(meta["vocab_size"]), long_examples=long_examples)
+    return parts, long_examples, empty_rows
 
 
 def _where(store: TokenStore, split: str, row: int, lines_of: Path | None) -> str:

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from cadence.data.batching import TokenDataset
-from cadence.data.store import PackedSequences, TokenFile
+from cadence.data.store import TokenFile
+from cadence.data.store_datasets import PackedSequences
 from cadence.errors import Problem, UsageError
 from cadence.input_files import os_error_message, read_regular_file
 
