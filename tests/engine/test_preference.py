@@ -196,3 +196,32 @@ class Uncounted:
 
     def row_logps(self, batch):  # type: ignore[no-untyped-def]
         return self.inner.row_logps(batch)
+
+
+class Recorded:
+    """A reference that writes down when it scores, into the same log as the policy's forward hook."""
+
+    def __init__(self, inner: FrozenReference, log: list[str]) -> None:
+        self.inner, self.log, self.description, self.held_bytes = inner, log, inner.description, inner.held_bytes
+
+    def row_logps(self, batch):  # type: ignore[no-untyped-def]
+        self.log.append("reference")
+        return self.inner.row_logps(batch)
+
+
+@pytest.mark.parametrize("name", ["dpo", "ipo", "kto"])
+def test_the_reference_scores_each_micro_batch_before_the_policys_forward(name):
+    """The reference's forward runs first, so its activations are freed before the policy's graph exists (the other
+    way round they sit on top of the policy's saved activations, and the step peaks above the estimate); KTO's window
+    pass scores its mismatched rows in the same order."""
+    samples = preference_samples("kto" if name == "kto" else "dpo")
+    window = next(epoch_windows(samples, cut=Cut(micro_batch_size=2), grad_accum_steps=4, seed=0, epoch=0))
+    model = tiny_model()
+    log: list[str] = []
+    objective = objective_for(name, model)  # its probe of the model runs before the log starts
+    objective = objective.with_reference(Recorded(objective.reference, log))
+    # The first block's forward: the policy's forward however its head runs (whole logits or the targets only).
+    model.blocks[0].register_forward_pre_hook(lambda module, args: log.append("policy"))
+    Engine(model, optimizer_for(model), objective=objective).step(window)
+    passes = 8 if name == "kto" else 4  # KTO: the window's no-gradient pass, then the micro-batches
+    assert log == ["reference", "policy"] * passes
