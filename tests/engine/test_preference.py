@@ -12,10 +12,11 @@ from helpers import preference_samples, relative_l2, tiny_model
 from cadence import Engine
 from cadence.data.batching import Example
 from cadence.data.preference import PreferenceExample
+from cadence.data.reference_logps import LogpsIdentity, ReferenceLogps, row_keys
 from cadence.engine.cut import Cut
 from cadence.engine.objective import Objective
-from cadence.engine.reference import FrozenReference
-from cadence.engine.windows import epoch_windows
+from cadence.engine.reference import FrozenReference, PrecomputedReference
+from cadence.engine.windows import collate_samples, epoch_windows
 
 OBJECTIVES = ["dpo", "ipo", "simpo", "orpo", "kto"]
 EFFECTIVE = 8
@@ -58,10 +59,24 @@ def hand_loss(name: str, policy: torch.nn.Module, reference: torch.nn.Module, sa
     return torch.where(desirable, 1 - torch.sigmoid(beta * (x - z)), 1 - torch.sigmoid(beta * (z - x))).mean()
 
 
-def objective_for(name: str, model: torch.nn.Module) -> Objective:
+def objective_for(name: str, model: torch.nn.Module, precomputed: list[PreferenceExample] | None = None) -> Objective:
     # The reference has other weights than the policy's start: its log-probabilities really enter the loss.
     reference = FrozenReference(model=tiny_model(seed=1).eval(), targets_only=True)
-    return Objective(name=name).for_model(model, vocab_size=256).with_reference(reference)
+    objective = Objective(name=name).for_model(model, vocab_size=256)
+    if precomputed is not None:  # its log-probabilities of every sample's rows, scored one sample at a time
+        return objective.with_reference(PrecomputedReference(record=precomputed_record(reference, precomputed)))
+    return objective.with_reference(reference)
+
+
+def precomputed_record(reference: FrozenReference, samples: list[PreferenceExample]) -> ReferenceLogps:
+    identity = LogpsIdentity(store_digest="test", reference="seed 1", precision="fp32", head="targets")
+    logps: dict[bytes, float] = {}
+    for sample in samples:
+        batch = collate_samples([sample])
+        for key, value in zip(row_keys(batch["input_ids"], batch["labels"]), reference.row_logps(batch).tolist()):
+            if key is not None:
+                logps[key] = value
+    return ReferenceLogps(identity=identity, logps=logps)
 
 
 def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -70,10 +85,11 @@ def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.5)
 
 
-def engine_run(name: str, samples: list[PreferenceExample], cut: Cut, steps: int, seed: int = 0
-               ) -> tuple[list[float], torch.nn.Module, list[dict[str, float]]]:
+def engine_run(name: str, samples: list[PreferenceExample], cut: Cut, steps: int, seed: int = 0,
+               precomputed: bool = False) -> tuple[list[float], torch.nn.Module, list[dict[str, float]]]:
     model = tiny_model()
-    engine = Engine(model, optimizer_for(model), objective=objective_for(name, model))
+    objective = objective_for(name, model, samples if precomputed else None)
+    engine = Engine(model, optimizer_for(model), objective=objective)
     windows = epoch_windows(samples, cut=cut, grad_accum_steps=max(1, EFFECTIVE // cut.micro_batch_size), seed=seed,
                             epoch=0)
     results = [engine.step(window) for window, _ in zip(windows, range(steps))]
@@ -225,3 +241,26 @@ def test_the_reference_scores_each_micro_batch_before_the_policys_forward(name):
     Engine(model, optimizer_for(model), objective=objective).step(window)
     passes = 8 if name == "kto" else 4  # KTO: the window's no-gradient pass, then the micro-batches
     assert log == ["reference", "policy"] * passes
+
+
+@pytest.mark.parametrize("name", ["dpo", *(pytest.param(name, marks=pytest.mark.slow) for name in ("ipo", "kto"))])
+def test_precomputed_log_probabilities_give_the_live_references_losses_and_weights(name):
+    """--reference-logprobs precomputed: the reference's log-probabilities scored once, one sample at a time, then
+    looked up by each row's key in micro-batches of any split (8x1, 2x4, 1x8, a token budget; KTO's mismatched rows
+    in its window pass too): the live reference's losses and weights (1e-6), with no model in the reference."""
+    samples = preference_samples("kto" if name == "kto" else "dpo")
+    live_losses, live, _ = engine_run(name, samples, Cut(micro_batch_size=8), steps=3)
+    for cut in (Cut(micro_batch_size=8), Cut(micro_batch_size=2), Cut(micro_batch_size=1),
+                Cut(micro_batch_size=2, order="by-length", micro_batch_tokens=150)):
+        losses, model, _ = engine_run(name, samples, cut, steps=3, precomputed=True)
+        assert losses == pytest.approx(live_losses, rel=1e-6), cut
+        assert relative_l2(model.state_dict(), live.state_dict()) < 1e-6, cut
+
+
+def test_a_row_without_a_precomputed_log_probability_is_an_error_not_a_zero():
+    samples = preference_samples("dpo")
+    reference = PrecomputedReference(record=precomputed_record(FrozenReference(model=tiny_model(seed=1).eval(),
+                                                                               targets_only=True), samples[:4]))
+    with pytest.raises(RuntimeError, match="no precomputed reference"):
+        reference.row_logps(collate_samples(samples[4:6]))
+    assert reference.held_bytes == 20 * len(reference.record.logps)  # a 16-byte key and an fp32 value per row
