@@ -32,12 +32,14 @@ PLAN_LIMIT_BYTES = 64 << 20
 """A plan.json holds a few dozen candidates; anything past 64 MiB is not one (a link to a device, a wrong file)."""
 
 DECISION_FIELDS: tuple[str, ...] = ("micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing",
-                                    "offload", "loss_chunk_tokens", "optimizer_state", "lora_base_precision")
+                                    "offload", "loss_chunk_tokens", "optimizer_state", "lora_base_precision",
+                                    "reference_logprobs")
 """What a plan decides, in plan.json's order, as train's flags (TrainConfig fields): the split of the effective batch,
 then how a window is computed and the optimizer updates (``cadence.plan.trials.TrialSetup``'s fields, a test keeps
 them the same). plan.json records the cut next to them, as train's cut flags (:data:`CUT_FLAGS`)."""
 DECISION_DEFAULTS: dict[str, Any] = {"precision": "fp32", "activation_checkpointing": "none", "offload": "none",
-                                     "loss_chunk_tokens": 0, "optimizer_state": "fp32", "lora_base_precision": "fp32"}
+                                     "loss_chunk_tokens": 0, "optimizer_state": "fp32", "lora_base_precision": "fp32",
+                                     "reference_logprobs": "live"}
 """What a decision field is when a plan.json has no key for it (a lever added after the plan was made)."""
 CUT_FLAGS = tuple(CUT_FLAG_DEFAULTS)
 """Train's cut flags beyond the micro-batch size."""

@@ -22,6 +22,7 @@ import torch
 from cadence.config.plan_file import DECISION_FIELDS
 from cadence.config.schema import LoraBasePrecision
 from cadence.data.text import PackedSequences
+from cadence.engine.choices import ReferenceLogprobs
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import prefetch
 from cadence.engine.windows import (
@@ -56,10 +57,15 @@ class TrialSetup(Setup):
     other lossy lever (4-bit weights: every step's gradient differs), kept only after a loss comparison against the
     full-precision base (plan.json's quality)."""
 
+    reference_logprobs: ReferenceLogprobs = "live"
+    """``--reference-logprobs`` of a preference objective's reference in full fine-tuning: live (a frozen copy), or
+    precomputed where only that fits (``cadence.plan.objective_cost``; the same losses)."""
+
     def lever_text(self) -> str:
         state = f", {self.optimizer_state} optimizer state" if self.optimizer_state != "fp32" else ""
         base = f", {self.lora_base_precision} base" if self.lora_base_precision != "fp32" else ""
-        return super().lever_text() + state + base
+        reference = ", reference log-probabilities precomputed" if self.reference_logprobs != "live" else ""
+        return super().lever_text() + state + base + reference
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in DECISION_FIELDS}
