@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import preference_samples, relative_l2, tiny_model
+from helpers import precomputed_record, preference_samples, relative_l2, tiny_model
 
 from cadence import Engine
 from cadence.data.batching import Example
 from cadence.data.preference import PreferenceExample
-from cadence.data.reference_logps import LogpsIdentity, ReferenceLogps, row_keys
 from cadence.engine.cut import Cut
 from cadence.engine.objective import Objective
 from cadence.engine.reference import FrozenReference, PrecomputedReference
@@ -68,15 +67,6 @@ def objective_for(name: str, model: torch.nn.Module, precomputed: list[Preferenc
     return objective.with_reference(reference)
 
 
-def precomputed_record(reference: FrozenReference, samples: list[PreferenceExample]) -> ReferenceLogps:
-    identity = LogpsIdentity(store_digest="test", reference="seed 1", precision="fp32", head="targets")
-    logps: dict[bytes, float] = {}
-    for sample in samples:
-        batch = collate_samples([sample])
-        for key, value in zip(row_keys(batch["input_ids"], batch["labels"]), reference.row_logps(batch).tolist()):
-            if key is not None:
-                logps[key] = value
-    return ReferenceLogps(identity=identity, logps=logps)
 
 
 def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:

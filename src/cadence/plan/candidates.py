@@ -19,6 +19,7 @@ from cadence.config import TrainConfig
 from cadence.config.plan_file import CUT_FLAGS
 from cadence.config.schema import LoraBasePrecision
 from cadence.data import DataSplits
+from cadence.data.preference import PreferenceExamples
 from cadence.data.text import PackedSequences
 from cadence.engine.choices import PRECISIONS, PrecisionName
 from cadence.engine.cut import Cut
@@ -340,6 +341,9 @@ def longest_example(data: DataSplits, seq_len: int) -> int:
     """Positions in the training split's longest example (``seq_len`` for text cut into full sequences)."""
     train = data.train
     if isinstance(train, PackedSequences):
+        return seq_len
+    if isinstance(train, PreferenceExamples) and train.unpaired:
+        # A KTO example's mismatched row joins its prompt to another's completion: longer than either, up to seq_len.
         return seq_len
     return min(seq_len, int(getattr(train, "max_length", seq_len)) or seq_len)
 
