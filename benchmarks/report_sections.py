@@ -766,5 +766,6 @@ def render_reference_modes(data: dict) -> list[str]:
     lines.append(f"- precomputed holds {mib(live['peak_memory_bytes'] - found['peak_memory_bytes'])} MiB less at the "
                  f"peak ({live['peak_memory_bytes'] / found['peak_memory_bytes']:.2f}x less), the frozen copy's "
                  f"weights; its losses are the live reference's to {worst:.1e} relative (the pass scores the pairs in "
-                 "batches of its own width: rounding).")
+                 "batches of its own width: rounding). Wall times on a loaded machine vary from run to run by more "
+                 "than the pass costs here; they are not a comparison.")
     return lines + [""]

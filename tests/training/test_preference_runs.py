@@ -243,3 +243,14 @@ def test_verify_checks_the_objective_on_its_splits_and_ranks(tmp_path, objective
         status, out, err = run_cli(args)
     assert status == 0, err[-2000:]
     assert "PASS" in out and "gradient relative error" in out
+
+
+def test_verify_checks_precomputed_reference_logprobs_on_its_splits(tmp_path):
+    """verify with --reference-logprobs precomputed: the looked-up log-probabilities under micro-batches of one pair
+    give the whole window's gradient."""
+    data = write_preference_jsonl(tmp_path / "rows.jsonl", 8)
+    status, out, err = run_cli(["verify", "--data", str(data), "--data-cache", str(tmp_path / "cache"), "--objective",
+                                "dpo", "--reference-logprobs", "precomputed", "--seq-len", "64", "--micro-batch-size",
+                                "1", "--grad-accum-steps", "4", "--steps", "1"])
+    assert status == 0, err[-2000:]
+    assert "PASS" in out and list((tmp_path / "cache").rglob("reference-logps/*.safetensors"))
