@@ -44,3 +44,7 @@ def test_where_the_frozen_reference_does_not_fit_the_plan_precomputes_its_log_pr
     record = plan(tmp_path, "dpo", "--memory-budget", "47MiB", "--micro-batch-size", "8")
     assert record["choice"]["reference_logprobs"] == "precomputed"
     assert chosen(record)["measured"]["fits"]
+    status, _, err = run_cli(["train", "--plan", str(tmp_path / "plan" / "plan.json"), "--data-cache",
+                              str(tmp_path / "cache"), "--max-steps", "1", "--out", str(tmp_path / "run")])
+    assert status == 0, err[-3000:]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["reference_logprobs"] == "precomputed"
