@@ -254,3 +254,25 @@ def test_verify_checks_precomputed_reference_logprobs_on_its_splits(tmp_path):
                                 "1", "--grad-accum-steps", "4", "--steps", "1"])
     assert status == 0, err[-2000:]
     assert "PASS" in out and list((tmp_path / "cache").rglob("reference-logps/*.safetensors"))
+
+
+@pytest.mark.slow  # two gloo processes, twice
+def test_two_ranks_with_precomputed_reference_logprobs_give_the_live_losses(tmp_path):
+    """Each rank scores the splits before step 1 (rank 0 writes the file); KTO's window-wide reference point over both
+    ranks reads the looked-up values: the losses of the live frozen copy on two ranks (1e-6)."""
+    import os
+    import subprocess
+    import sys
+
+    data = write_preference_jsonl(tmp_path / "rows.jsonl", 24, unpaired=True)
+    losses = {}
+    for mode in ("live", "precomputed"):
+        result = subprocess.run([sys.executable, "-m", "cadence", "train", "--nproc-per-node", "2", "--data", str(data),
+                                 "--data-cache", str(tmp_path / "cache"), "--objective", "kto", "--reference-logprobs",
+                                 mode, "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum-steps", "2",
+                                 "--max-steps", "3", "--out", str(tmp_path / mode)], capture_output=True, text=True,
+                                timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[mode] = [row["loss"] for row in read_metrics(tmp_path / mode)]
+    assert len(losses["live"]) == 3 and losses["precomputed"] == pytest.approx(losses["live"], rel=1e-6)
+    assert list((tmp_path / "cache").rglob("reference-logps/*.safetensors"))
