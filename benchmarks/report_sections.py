@@ -740,3 +740,32 @@ def render_preference_accumulation(data: dict) -> list[str]:
                  f"peak ({copy['peak_memory_bytes'] / off['peak_memory_bytes']:.2f}x), the weights of the base; the "
                  "losses are the same.")
     return lines + [""]
+
+
+def render_reference_modes(data: dict) -> list[str]:
+    """Issue 52 item 3: a full fine-tuning's DPO reference as a frozen copy (live) against its log-probabilities
+    precomputed before training, with the pass and without it (found beside the token store)."""
+    runs = data["runs"]
+    load = data.get("load_average")
+    lines = para(
+        f"`cadence train --objective dpo` (full fine-tuning) of a llama of {data['parameters'] / 1e6:.1f}M parameters "
+        "(a tokenizer without merges), 16 preference pairs of uneven lengths, 3 steps of 2 x 2 pairs at sequences up "
+        "to 128 tokens, fp32 on CPU, each run in a process of its own: `--reference-logprobs live` (a frozen copy of "
+        "the starting weights scores each micro-batch), `precomputed` with an empty cache (one no-gradient pass over "
+        "the pairs before step 1, written beside the token store), and `precomputed` again on that cache (found: "
+        "nothing scored). Peak: the steps' peak from summary.json (the profiler's allocation replay on CPU, a frozen "
+        "copy's weights counted as live); RSS: the process's peak resident memory; wall: the whole command"
+        + (f", on a shared machine (load average {load[0]:.1f})" if load else "") + ". The LoRA reference (the base "
+        "with the adapters off) against a frozen copy: the section above.")
+    lines += table(["reference", "peak of the steps", "peak RSS", "wall", "losses"],
+                   [[name, f"{mib(run['peak_memory_bytes'])} MiB", f"{mib(run['max_rss_bytes'])} MiB",
+                     f"{run['wall_s']:.1f} s", ", ".join(f"{loss:.6f}" for loss in run["losses"])]
+                    for name, run in runs.items()])
+    live, found = runs["live"], runs["precomputed (found)"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(found["losses"], live["losses"]))
+    lines.append(f"- precomputed holds {mib(live['peak_memory_bytes'] - found['peak_memory_bytes'])} MiB less at the "
+                 f"peak ({live['peak_memory_bytes'] / found['peak_memory_bytes']:.2f}x less), the frozen copy's "
+                 f"weights; its losses are the live reference's to {worst:.1e} relative (the pass scores the pairs in "
+                 "batches of its own width: rounding). Wall times on a loaded machine vary from run to run by more "
+                 "than the pass costs here; they are not a comparison.")
+    return lines + [""]

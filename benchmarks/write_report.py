@@ -118,6 +118,9 @@ SECTIONS = (
             "against one big batch; the LoRA reference against a frozen copy (issue 52)",
             ".venv/bin/python benchmarks/preference_accumulation.py", sections.render_preference_accumulation,
             ("transformers", "trl", "peft"), optional=True),
+    Section("reference_modes.json", "The DPO reference in full fine-tuning: a frozen copy against precomputed "
+            "log-probabilities, --reference-logprobs (issue 52)", ".venv/bin/python benchmarks/reference_modes.py",
+            sections.render_reference_modes, ("transformers",), optional=True),
     Section("checkpoint_async.json", "Checkpoints in the background: --async-checkpoint (issue 38)",
             ".venv/bin/python benchmarks/checkpoint_async.py", sections.render_checkpoint_async, optional=True),
     # Shown only once a GPU run left gpu.json: the dry run writes gpu_quick.json, which is never shown.

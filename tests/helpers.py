@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from cadence.data import TokenDataset, collate, epoch_order, make_example
 from cadence.data.batching import Example
 from cadence.data.preference import PreferenceExample, mismatched
+from cadence.data.reference_logps import LogpsIdentity, ReferenceLogps, row_keys
 from cadence.engine.schedules import build_lr_scheduler
 from cadence.models import GPT, GPTConfig
 
@@ -152,6 +154,21 @@ def write_preference_jsonl(path: Path, count: int = 24, *, unpaired: bool = Fals
         lines.append(json.dumps(row))
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def precomputed_record(reference: Any, samples: list[PreferenceExample]) -> ReferenceLogps:
+    """``reference``'s log-probabilities of every row of ``samples``, scored one sample at a time, as the record
+    ``--reference-logprobs precomputed`` keeps (``reference``: a FrozenReference)."""
+    from cadence.engine.windows import collate_samples
+
+    identity = LogpsIdentity(store_digest="test", reference="test", precision="fp32", head="targets")
+    logps: dict[bytes, float] = {}
+    for sample in samples:
+        batch = collate_samples([sample])
+        for key, value in zip(row_keys(batch["input_ids"], batch["labels"]), reference.row_logps(batch).tolist()):
+            if key is not None:
+                logps[key] = value
+    return ReferenceLogps(identity=identity, logps=logps)
 
 
 def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

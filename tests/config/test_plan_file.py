@@ -75,3 +75,16 @@ def test_a_record_holds_what_a_plan_writes() -> None:
     """Every key plan.json has comes from the record (one writer): no field is written beside it."""
     plan = read_plan(FIXTURE_PLAN, where="RUN_DIR")
     assert set(plan.as_json()) == {f.name for f in dataclasses.fields(PlanRecord)}
+
+
+def test_a_plan_records_the_objective_it_measured_and_train_plan_reads_it_back() -> None:
+    """The objective's flags, each of its TrainConfig type (a decision field, the reference's mode, is the choice's;
+    a key that is not train's is left out)."""
+    from cadence.config.plan_file import PlanRecord
+    from cadence.records import Record
+
+    recorded = {"objective": "dpo", "beta": 0.2, "reference_model": "/models/ref", "reference_logprobs": "precomputed",
+                "not_a_flag": 1}
+    plan = PlanRecord.read(Record.parse(json.dumps({"objective": recorded}), "plan.json"))
+    assert plan.objective == {"objective": "dpo", "beta": 0.2, "reference_model": Path("/models/ref")}
+    assert PlanRecord.read(Record.parse("{}", "plan.json")).objective is None  # an older plan: sft

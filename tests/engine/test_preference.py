@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import preference_samples, relative_l2, tiny_model
+from helpers import precomputed_record, preference_samples, relative_l2, tiny_model
 
 from cadence import Engine
 from cadence.data.batching import Example
 from cadence.data.preference import PreferenceExample
 from cadence.engine.cut import Cut
 from cadence.engine.objective import Objective
-from cadence.engine.reference import FrozenReference
-from cadence.engine.windows import epoch_windows
+from cadence.engine.reference import FrozenReference, PrecomputedReference
+from cadence.engine.windows import collate_samples, epoch_windows
 
 OBJECTIVES = ["dpo", "ipo", "simpo", "orpo", "kto"]
 EFFECTIVE = 8
@@ -58,10 +58,15 @@ def hand_loss(name: str, policy: torch.nn.Module, reference: torch.nn.Module, sa
     return torch.where(desirable, 1 - torch.sigmoid(beta * (x - z)), 1 - torch.sigmoid(beta * (z - x))).mean()
 
 
-def objective_for(name: str, model: torch.nn.Module) -> Objective:
+def objective_for(name: str, model: torch.nn.Module, precomputed: list[PreferenceExample] | None = None) -> Objective:
     # The reference has other weights than the policy's start: its log-probabilities really enter the loss.
     reference = FrozenReference(model=tiny_model(seed=1).eval(), targets_only=True)
-    return Objective(name=name).for_model(model, vocab_size=256).with_reference(reference)
+    objective = Objective(name=name).for_model(model, vocab_size=256)
+    if precomputed is not None:  # its log-probabilities of every sample's rows, scored one sample at a time
+        return objective.with_reference(PrecomputedReference(record=precomputed_record(reference, precomputed)))
+    return objective.with_reference(reference)
+
+
 
 
 def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -70,10 +75,11 @@ def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.5)
 
 
-def engine_run(name: str, samples: list[PreferenceExample], cut: Cut, steps: int, seed: int = 0
-               ) -> tuple[list[float], torch.nn.Module, list[dict[str, float]]]:
+def engine_run(name: str, samples: list[PreferenceExample], cut: Cut, steps: int, seed: int = 0,
+               precomputed: bool = False) -> tuple[list[float], torch.nn.Module, list[dict[str, float]]]:
     model = tiny_model()
-    engine = Engine(model, optimizer_for(model), objective=objective_for(name, model))
+    objective = objective_for(name, model, samples if precomputed else None)
+    engine = Engine(model, optimizer_for(model), objective=objective)
     windows = epoch_windows(samples, cut=cut, grad_accum_steps=max(1, EFFECTIVE // cut.micro_batch_size), seed=seed,
                             epoch=0)
     results = [engine.step(window) for window, _ in zip(windows, range(steps))]
@@ -196,3 +202,55 @@ class Uncounted:
 
     def row_logps(self, batch):  # type: ignore[no-untyped-def]
         return self.inner.row_logps(batch)
+
+
+class Recorded:
+    """A reference that writes down when it scores, into the same log as the policy's forward hook."""
+
+    def __init__(self, inner: FrozenReference, log: list[str]) -> None:
+        self.inner, self.log, self.description, self.held_bytes = inner, log, inner.description, inner.held_bytes
+
+    def row_logps(self, batch):  # type: ignore[no-untyped-def]
+        self.log.append("reference")
+        return self.inner.row_logps(batch)
+
+
+@pytest.mark.parametrize("name", ["dpo", "ipo", "kto"])
+def test_the_reference_scores_each_micro_batch_before_the_policys_forward(name):
+    """The reference's forward runs first, so its activations are freed before the policy's graph exists (the other
+    way round they sit on top of the policy's saved activations, and the step peaks above the estimate); KTO's window
+    pass scores its mismatched rows in the same order."""
+    samples = preference_samples("kto" if name == "kto" else "dpo")
+    window = next(epoch_windows(samples, cut=Cut(micro_batch_size=2), grad_accum_steps=4, seed=0, epoch=0))
+    model = tiny_model()
+    log: list[str] = []
+    objective = objective_for(name, model)  # its probe of the model runs before the log starts
+    objective = objective.with_reference(Recorded(objective.reference, log))
+    # The first block's forward: the policy's forward however its head runs (whole logits or the targets only).
+    model.blocks[0].register_forward_pre_hook(lambda module, args: log.append("policy"))
+    Engine(model, optimizer_for(model), objective=objective).step(window)
+    passes = 8 if name == "kto" else 4  # KTO: the window's no-gradient pass, then the micro-batches
+    assert log == ["reference", "policy"] * passes
+
+
+@pytest.mark.parametrize("name", ["dpo", *(pytest.param(name, marks=pytest.mark.slow) for name in ("ipo", "kto"))])
+def test_precomputed_log_probabilities_give_the_live_references_losses_and_weights(name):
+    """--reference-logprobs precomputed: the reference's log-probabilities scored once, one sample at a time, then
+    looked up by each row's key in micro-batches of any split (8x1, 2x4, 1x8, a token budget; KTO's mismatched rows
+    in its window pass too): the live reference's losses and weights (1e-6), with no model in the reference."""
+    samples = preference_samples("kto" if name == "kto" else "dpo")
+    live_losses, live, _ = engine_run(name, samples, Cut(micro_batch_size=8), steps=3)
+    for cut in (Cut(micro_batch_size=8), Cut(micro_batch_size=2), Cut(micro_batch_size=1),
+                Cut(micro_batch_size=2, order="by-length", micro_batch_tokens=150)):
+        losses, model, _ = engine_run(name, samples, cut, steps=3, precomputed=True)
+        assert losses == pytest.approx(live_losses, rel=1e-6), cut
+        assert relative_l2(model.state_dict(), live.state_dict()) < 1e-6, cut
+
+
+def test_a_row_without_a_precomputed_log_probability_is_an_error_not_a_zero():
+    samples = preference_samples("dpo")
+    reference = PrecomputedReference(record=precomputed_record(FrozenReference(model=tiny_model(seed=1).eval(),
+                                                                               targets_only=True), samples[:4]))
+    with pytest.raises(RuntimeError, match="no precomputed reference"):
+        reference.row_logps(collate_samples(samples[4:6]))
+    assert reference.held_bytes == 20 * len(reference.record.logps)  # a 16-byte key and an fp32 value per row

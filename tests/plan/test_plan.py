@@ -148,10 +148,10 @@ def test_a_trial_setup_is_the_verify_setup_plus_its_accumulation() -> None:
     assert isinstance(setup, Setup)  # the quality check compares exactly the configuration the plan chose
     assert setup.as_dict() == {"micro_batch_size": 2, "grad_accum_steps": 4, "precision": "bf16",
                                "activation_checkpointing": "full", "offload": "none", "loss_chunk_tokens": 0,
-                               "optimizer_state": "fp32", "lora_base_precision": "fp32"}
+                               "optimizer_state": "fp32", "lora_base_precision": "fp32", "reference_logprobs": "live"}
     assert list(setup.as_dict()) == ["micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing",
                                      "offload", "loss_chunk_tokens", "optimizer_state",
-                                     "lora_base_precision"]  # plan.json's order
+                                     "lora_base_precision", "reference_logprobs"]  # plan.json's order
     assert setup.exact and not dataclasses.replace(setup, optimizer_state="bf16").exact
     assert not dataclasses.replace(setup, lora_base_precision="nf4").exact
     assert setup.describe() == "micro 2 x accum 4, bf16, recompute full, offload none"

@@ -39,6 +39,26 @@ ROWS = {
     "sft on pairs": ([{"prompt": "q:", "chosen": "yes", "rejected": "no"}], [], "--objective: sft trains on"),
     "a reference for simpo": ([{"prompt": "q:", "chosen": "yes", "rejected": "no"}],
                               ["--objective", "simpo", "--reference-model", "{tmp}"], "--reference-model: "),
+    "precomputed log-probabilities for simpo": ([{"prompt": "q:", "chosen": "yes", "rejected": "no"}],
+                                                ["--objective", "simpo", "--reference-logprobs", "precomputed"],
+                                                "--reference-logprobs: precomputed: --objective simpo has no reference"),
+    "precomputed log-probabilities for orpo": ([{"prompt": "q:", "chosen": "yes", "rejected": "no"}],
+                                               ["--objective", "orpo", "--reference-logprobs", "precomputed"],
+                                               "--reference-logprobs: precomputed: --objective orpo has no reference"),
+    "precomputed log-probabilities under LoRA": ([{"prompt": "q:", "chosen": "yes", "rejected": "no"}],
+                                                 ["--model", "hf:llama", "--objective", "dpo", "--lora-rank", "4",
+                                                  "--reference-logprobs", "precomputed"],
+                                                 "--reference-logprobs: precomputed is unnecessary with --lora-rank"),
+    "dpo on KTO rows": ([{"prompt": "q:", "completion": "yes", "label": True}], ["--objective", "dpo"],
+                        "--objective: dpo trains on preference pairs"),
+    "kto on text rows": ([{"text": "hello"}], ["--objective", "kto"], "--objective: kto trains on unpaired rows"),
+    "a label that is a number": ([{"prompt": "q:", "completion": "yes", "label": 1}], ["--objective", "kto"],
+                                 'rows.jsonl:1: "label" is 1'),
+    "an empty conversational rejected": ([{"prompt": PROMPT, "chosen": ANSWER, "rejected": []}],
+                                         ["--objective", "dpo"], 'rows.jsonl:1: "rejected" is empty'),
+    "a row of the other format": ([{"prompt": "q:", "chosen": "yes", "rejected": "no"},
+                                   {"prompt": "q:", "completion": "yes", "label": True}], ["--objective", "dpo"],
+                                  "rows.jsonl:2: is not a preference pair"),
     "a margin for dpo": ([{"prompt": "q:", "chosen": "yes", "rejected": "no"}],
                          ["--objective", "dpo", "--simpo-gamma", "1"], "--simpo-gamma: applies to --objective simpo"),
 }
@@ -150,6 +170,44 @@ def test_a_resumed_preference_run_is_bitwise_the_uninterrupted_one(tmp_path, obj
     assert all(torch.equal(cut[name], uncut[name]) for name in uncut)
 
 
+@pytest.mark.slow  # four runs of 4 steps (about 25 s for dpo)
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_precomputed_reference_logprobs_are_the_live_losses_kept_beside_the_store_and_reused(tmp_path, objective):
+    """--reference-logprobs precomputed: one pass before step 1 over the train and validation sequences, the file
+    beside the token store; the losses, the rewards and the evaluation are the live frozen copy's (1e-6); a later run
+    and a resume find every row (0 batches scored) and give the same losses again."""
+    import shutil
+
+    data = write_preference_jsonl(tmp_path / "rows.jsonl", 24, unpaired=objective == "kto")
+    common = ["--data", str(data), "--objective", objective, "--max-steps", "4", "--val-fraction", "0.25",
+              "--eval-every", "2", "--checkpoint-every", "2"]
+    live = _train(tmp_path, "live", *common)
+    runs = {}
+    for out in ("first", "again"):
+        status, said, err = run_cli(["train", "--data-cache", str(tmp_path / "cache"), "--out", str(tmp_path / out),
+                                     "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum-steps", "2",
+                                     *common, "--reference-logprobs", "precomputed"])
+        assert status == 0, err
+        runs[out] = (read_metrics(tmp_path / out), said + err)
+    [record] = list((tmp_path / "cache").rglob("reference-logps/*.safetensors"))
+    assert "0 of 3 batches found beside the token store" in runs["first"][1]  # 18 samples, 8 a batch
+    assert "3 of 3 batches found beside the token store" in runs["again"][1]
+    def values(metrics: list[dict], key: str) -> list[float]:  # type: ignore[type-arg]
+        return [row[key] for row in metrics if row.get(key) is not None]
+
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "val_loss"):
+        assert len(values(live, key)) >= (2 if key == "val_loss" else 4), key
+        for metrics, _ in runs.values():
+            assert values(metrics, key) == pytest.approx(values(live, key), rel=1e-6), key
+    shutil.rmtree(tmp_path / "again" / "checkpoints" / "step-4")  # as if killed right after step 2
+    status, said, err = run_cli(["train", "--data-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "again"),
+                                 "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum-steps", "2", *common,
+                                 "--reference-logprobs", "precomputed", "--resume"])
+    assert status == 0, err
+    assert "3 of 3 batches found" in said + err and record.exists()
+    assert [row["loss"] for row in read_metrics(tmp_path / "again")] == [row["loss"] for row in runs["first"][0]]
+
+
 def test_under_lora_the_reference_is_the_base_with_the_adapters_off(tmp_path):
     """No copy of the base: the same losses as a run scored against a frozen copy of that base (--reference-model
     naming the same directory), step after step."""
@@ -185,3 +243,36 @@ def test_verify_checks_the_objective_on_its_splits_and_ranks(tmp_path, objective
         status, out, err = run_cli(args)
     assert status == 0, err[-2000:]
     assert "PASS" in out and "gradient relative error" in out
+
+
+def test_verify_checks_precomputed_reference_logprobs_on_its_splits(tmp_path):
+    """verify with --reference-logprobs precomputed: the looked-up log-probabilities under micro-batches of one pair
+    give the whole window's gradient."""
+    data = write_preference_jsonl(tmp_path / "rows.jsonl", 8)
+    status, out, err = run_cli(["verify", "--data", str(data), "--data-cache", str(tmp_path / "cache"), "--objective",
+                                "dpo", "--reference-logprobs", "precomputed", "--seq-len", "64", "--micro-batch-size",
+                                "1", "--grad-accum-steps", "4", "--steps", "1"])
+    assert status == 0, err[-2000:]
+    assert "PASS" in out and list((tmp_path / "cache").rglob("reference-logps/*.safetensors"))
+
+
+@pytest.mark.slow  # two gloo processes, twice
+def test_two_ranks_with_precomputed_reference_logprobs_give_the_live_losses(tmp_path):
+    """Each rank scores the splits before step 1 (rank 0 writes the file); KTO's window-wide reference point over both
+    ranks reads the looked-up values: the losses of the live frozen copy on two ranks (1e-6)."""
+    import os
+    import subprocess
+    import sys
+
+    data = write_preference_jsonl(tmp_path / "rows.jsonl", 24, unpaired=True)
+    losses = {}
+    for mode in ("live", "precomputed"):
+        result = subprocess.run([sys.executable, "-m", "cadence", "train", "--nproc-per-node", "2", "--data", str(data),
+                                 "--data-cache", str(tmp_path / "cache"), "--objective", "kto", "--reference-logprobs",
+                                 mode, "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum-steps", "2",
+                                 "--max-steps", "3", "--out", str(tmp_path / mode)], capture_output=True, text=True,
+                                timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[mode] = [row["loss"] for row in read_metrics(tmp_path / mode)]
+    assert len(losses["live"]) == 3 and losses["precomputed"] == pytest.approx(losses["live"], rel=1e-6)
+    assert list((tmp_path / "cache").rglob("reference-logps/*.safetensors"))

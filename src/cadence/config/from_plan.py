@@ -37,6 +37,7 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
     if plan.model_config:  # a Hugging Face model's --model-config overrides
         decided["model_config"] = plan.model_config
     decided.update(plan.lora or {})  # plans made before LoRA was recorded trained no adapters
+    decided.update(plan.objective or {})  # plans made before the objective was recorded trained sft
     _planned_data(config, given, plan, decided)
     problems = []
     if given & set(CUT_FLAGS):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from cadence.config.schema import FIELD_NAMES, LORA, TrainConfig, section_of
+from cadence.config.schema import FIELD_NAMES, LORA, OBJECTIVE, TrainConfig, section_of
 from cadence.config.sources import field_kind
 from cadence.data.source import FIELD_DEFAULTS, TRAIN_ON
 from cadence.engine.cut import CUT_FLAG_DEFAULTS
@@ -32,12 +32,14 @@ PLAN_LIMIT_BYTES = 64 << 20
 """A plan.json holds a few dozen candidates; anything past 64 MiB is not one (a link to a device, a wrong file)."""
 
 DECISION_FIELDS: tuple[str, ...] = ("micro_batch_size", "grad_accum_steps", "precision", "activation_checkpointing",
-                                    "offload", "loss_chunk_tokens", "optimizer_state", "lora_base_precision")
+                                    "offload", "loss_chunk_tokens", "optimizer_state", "lora_base_precision",
+                                    "reference_logprobs")
 """What a plan decides, in plan.json's order, as train's flags (TrainConfig fields): the split of the effective batch,
 then how a window is computed and the optimizer updates (``cadence.plan.trials.TrialSetup``'s fields, a test keeps
 them the same). plan.json records the cut next to them, as train's cut flags (:data:`CUT_FLAGS`)."""
 DECISION_DEFAULTS: dict[str, Any] = {"precision": "fp32", "activation_checkpointing": "none", "offload": "none",
-                                     "loss_chunk_tokens": 0, "optimizer_state": "fp32", "lora_base_precision": "fp32"}
+                                     "loss_chunk_tokens": 0, "optimizer_state": "fp32", "lora_base_precision": "fp32",
+                                     "reference_logprobs": "live"}
 """What a decision field is when a plan.json has no key for it (a lever added after the plan was made)."""
 CUT_FLAGS = tuple(CUT_FLAG_DEFAULTS)
 """Train's cut flags beyond the micro-batch size."""
@@ -288,6 +290,9 @@ class PlanRecord:
     effective_batch: dict[str, Any] | None = None
     estimate_error: dict[str, Any] | None = None
     """How far the memory estimate was trusted: its measured error per model family and lever (``cadence.plan``)."""
+    objective: dict[str, Any] | None = None
+    """The objective's flags the plan measured (--objective, --beta, --reference-model ...; each of its TrainConfig
+    type; its reference's mode is the decision's): train --plan trains that objective."""
     version: int = PLAN_VERSION
 
     def as_json(self) -> dict[str, Any]:
@@ -306,13 +311,14 @@ class PlanRecord:
             "quality": self.quality, "notes": self.notes, "lora": self.lora, "training": self.training,
             "time_spent_s": self.time_spent_s, "cuts": [row.as_json() for row in self.cuts],
             "effective_batch": self.effective_batch, "estimate_error": self.estimate_error,
+            "objective": self.objective,
         }
 
     @classmethod
     def read(cls, record: Record) -> PlanRecord:
         """The plan of a record (a plan.json's object): every field checked, an absent one its default."""
         source, choice, prediction = (record.record(key, None) for key in ("source", "choice", "prediction"))
-        lora = record.record("lora", None)
+        lora, objective = record.record("lora", None), record.record("objective", None)
         return cls(
             version=record.count("version", PLAN_VERSION), created=record.text("created", "?"),
             duration_s=record.number("duration_s", None), model=_model(record),
@@ -333,7 +339,8 @@ class PlanRecord:
             time_spent_s=record.take("time_spent_s", _NUMBERS, {}),
             cuts=[CutRow.read(row) for row in record.records("cuts", [])],
             effective_batch=record.take("effective_batch", OBJECT, None),
-            estimate_error=record.take("estimate_error", OBJECT, None))
+            estimate_error=record.take("estimate_error", OBJECT, None),
+            objective=_objective(objective) if objective is not None else None)
 
     def candidate(self, candidate_id: str | None) -> CandidateRow | None:
         return next((row for row in self.candidates if row.id == candidate_id), None)
@@ -350,6 +357,13 @@ def _lora(record: Record) -> dict[str, Any]:
     """The LoRA flags a plan recorded, each of its TrainConfig type (other keys are not train's: left out)."""
     return {name: record.take(name, field_kind(_HINTS[name])) for name in record.data
             if name in FIELD_NAMES and section_of(name) is LORA and record.has(name)}
+
+
+def _objective(record: Record) -> dict[str, Any]:
+    """The objective's flags a plan recorded, each of its TrainConfig type (a decision field is the choice's)."""
+    return {name: record.take(name, field_kind(_HINTS[name])) for name in record.data
+            if name in FIELD_NAMES and section_of(name) is OBJECTIVE and name not in DECISION_FIELDS
+            and record.has(name)}
 
 
 def read_plan(path: Path, *, where: str) -> PlanRecord:

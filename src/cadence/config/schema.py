@@ -18,7 +18,14 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from cadence.data.chat import TrainOn
 from cadence.data.choices import TooLong
-from cadence.engine.choices import DEFAULT_MIN_LR_RATIO, LastWindow, LRScheduleName, ObjectiveName, PrecisionName
+from cadence.engine.choices import (
+    DEFAULT_MIN_LR_RATIO,
+    LastWindow,
+    LRScheduleName,
+    ObjectiveName,
+    PrecisionName,
+    ReferenceLogprobs,
+)
 from cadence.engine.cut import MicroBatchOrder
 from cadence.memory.choices import CheckpointingMode, OffloadMode
 from cadence.optim.choices import OptimizerName, OptimizerStateName
@@ -268,6 +275,12 @@ class TrainConfig:
     """dpo, ipo, kto: score against this model directory (save_pretrained; the same tokenizer) instead of the
     starting weights. Default: the starting weights, which under --lora-rank are the base with the adapters turned
     off (no second copy in memory) and otherwise a frozen copy made before training."""
+    reference_logprobs: ReferenceLogprobs = setting("live", OBJECTIVE)
+    """dpo, ipo, kto without --lora-rank: live (the reference, a frozen model, scores each micro-batch through
+    training: one more copy of the weights in memory) or precomputed (its log-probabilities of every train and
+    validation sequence computed in one no-gradient pass before step 1, kept beside the token store and reused by a
+    resume or a later run on the same data and reference: no reference model in memory while training; the same
+    losses)."""
     lr_schedule: LRScheduleName = setting("cosine", SCHEDULE, changes_math=True)
     """LR schedule after warmup, counted in optimizer steps: constant, linear or cosine."""
     warmup_steps: int = setting(0, SCHEDULE, changes_math=True)

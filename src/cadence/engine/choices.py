@@ -26,3 +26,8 @@ ObjectiveName = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"]
 OBJECTIVES: tuple[ObjectiveName, ...] = ("sft", "dpo", "ipo", "simpo", "orpo", "kto")
 """What the step chain minimises (cadence.engine.objective): sft, next-token cross-entropy over the targets; dpo, ipo,
 simpo and orpo on preference pairs; kto on unpaired rows with a desirable/undesirable label."""
+
+ReferenceLogprobs = Literal["live", "precomputed"]
+REFERENCE_LOGPROBS: tuple[ReferenceLogprobs, ...] = ("live", "precomputed")
+"""How a full fine-tuning's reference is scored (cadence.engine.reference): live, a frozen model in memory through
+training; precomputed, its log-probabilities computed once before training and kept beside the token store."""

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cadence.data.preference import PreferenceExamples
-from cadence.engine.choices import OBJECTIVES, ObjectiveName
+from cadence.engine.choices import OBJECTIVES, REFERENCE_LOGPROBS, ObjectiveName
 from cadence.engine.chunked_loss import ChunkedCrossEntropy, TargetsOnlyCrossEntropy
 from cadence.engine.preference import PAIR_OBJECTIVES, REFERENCE_OBJECTIVES, PreferenceLoss, preference_counter
 from cadence.engine.reference import Reference
@@ -68,6 +68,24 @@ class MicroBatchLoss(NamedTuple):
     cross-entropy summed over its targets), each a scalar with its graph."""
     statistics: tuple[torch.Tensor, ...] = ()
     """Sums the objective reports per window beside the loss, detached (none for ``sft``)."""
+
+
+def _reference_logprobs_problems(name: str, mode: str, lora_rank: int) -> list[Problem]:
+    """What is wrong with --reference-logprobs for this objective and run."""
+    where = "--reference-logprobs"
+    if mode not in REFERENCE_LOGPROBS:
+        return [Problem(where=where, message=f"{mode!r} is not one of {', '.join(REFERENCE_LOGPROBS)}")]
+    if mode != "precomputed":
+        return []
+    if name not in REFERENCE_OBJECTIVES:
+        return [Problem(where=where, message=(
+            f"precomputed: --objective {name} has no reference model to precompute (it applies to "
+            f"{', '.join(REFERENCE_OBJECTIVES)})"))]
+    if lora_rank:
+        return [Problem(where=where, message=(
+            "precomputed is unnecessary with --lora-rank: the reference is then the base with the adapters turned "
+            "off, which holds no second copy of the weights; leave it live"))]
+    return []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +209,7 @@ class Objective:
             problems.append(Problem(where="--strategy", message=(
                 f"fsdp with --objective {name} would hold a whole reference model on every rank; give --lora-rank "
                 f"(the reference is then the base, with no copy) or use ddp")))
+        problems += _reference_logprobs_problems(name, get("reference_logprobs", "live"), get("lora_rank", 0))
         reference = get("reference_model", None)
         if reference is not None and name not in REFERENCE_OBJECTIVES:
             problems.append(Problem(where="--reference-model", message=(

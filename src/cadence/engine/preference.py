@@ -116,6 +116,11 @@ class PreferenceLoss:
             return ("rewards/chosen", "desirable", "rewards/rejected", "undesirable", "kl")
         return ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
 
+    @property
+    def reference_scored(self) -> bool:
+        """Whether the loss reads a reference's log-probabilities (dpo, ipo, kto)."""
+        return self.name in REFERENCE_OBJECTIVES
+
     # ------------------------------------------------------------------------------------------------ the loss
     def window_statistic(self, model: torch.nn.Module, window: Window, *,
                          reduce: Callable[[torch.Tensor], torch.Tensor],
@@ -136,7 +141,8 @@ class PreferenceLoss:
                 pairs = pairs_in(batch)
                 mismatched = rows_of(batch, pairs, 2 * pairs) if pairs else rows_of(batch, 0, 1)
                 with autocast():
-                    gap = self._policy_logps(inference_module(model), mismatched) - self._reference_logps(mismatched)
+                    reference = self._reference_logps(mismatched)
+                    gap = self._policy_logps(inference_module(model), mismatched) - reference
                 gaps += gap[:pairs].sum().to(torch.float64)  # summed on the device: one read-back for the window
                 count += pairs
         summed, count = reduce(torch.stack([gaps.cpu(), torch.tensor(float(count), dtype=torch.float64)])).tolist()
@@ -148,6 +154,9 @@ class PreferenceLoss:
         pairs = pairs_in(batch)
         if self.name == "kto":
             return self._kto_loss(model, batch, pairs, statistic)
+        # The reference scores the rows BEFORE the policy's forward: its activations are freed before the policy's
+        # graph exists, so the step's peak is the policy's alone (scored after, they would sit on top of it).
+        reference = self._reference_logps(batch) if self.reference_scored else None
         logps = self._policy_logps(model, batch)
         lengths = (batch["labels"] != IGNORE_INDEX).sum(1).to(logps.dtype)
         chosen, rejected = logps[:pairs], logps[pairs:2 * pairs]
@@ -163,8 +172,8 @@ class PreferenceLoss:
                 log_odds = (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
                 terms = ((-self.beta * F.logsigmoid(log_odds)).sum(), -chosen.sum())
         else:
-            reference = self._reference_logps(batch)
-            chosen_ratio, rejected_ratio = chosen - reference[:pairs], rejected - reference[pairs:2 * pairs]
+            scored = reference if reference is not None else self._reference_logps(batch)  # dpo, ipo: scored above
+            chosen_ratio, rejected_ratio = chosen - scored[:pairs], rejected - scored[pairs:2 * pairs]
             chosen_reward, rejected_reward = self.beta * chosen_ratio.detach(), self.beta * rejected_ratio.detach()
             if self.name == "dpo":
                 losses = -F.logsigmoid(self.beta * (chosen_ratio - rejected_ratio))
@@ -181,7 +190,8 @@ class PreferenceLoss:
         # The completions only: the mismatched rows were scored by the window statistic. A padding micro-batch runs its
         # one row (the collectives of DDP and FSDP2 need every rank's forward and backward), and counts none.
         completions = rows_of(batch, 0, examples) if examples else rows_of(batch, 0, 1)
-        gap = (self._policy_logps(model, completions) - self._reference_logps(completions))[:examples]
+        reference = self._reference_logps(completions)  # before the policy's forward (see micro_batch_loss)
+        gap = (self._policy_logps(model, completions) - reference)[:examples]
         point = reference_point if reference_point is not None else gap.new_zeros(())
         desirable = batch[DESIRABLE_KEY][:examples].to(torch.bool) if examples else gap.new_zeros(0, dtype=torch.bool)
         losses = torch.where(desirable, self.desirable_weight * (1 - torch.sigmoid(self.beta * (gap - point))),

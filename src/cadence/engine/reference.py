@@ -7,7 +7,10 @@ A reference only ever answers one question, without gradients: the summed log-pr
 - :class:`FrozenReference`: a model of its own, frozen (the policy's starting weights copied before training, or
   ``--reference-model DIR``): one more copy of the weights;
 - :class:`AdaptersOffReference`: under LoRA, the policy itself with its adapters turned off (peft's
-  ``enable_adapters(False)`` around the forward): the base the adapters were added to, no copy at all.
+  ``enable_adapters(False)`` around the forward): the base the adapters were added to, no copy at all;
+- :class:`PrecomputedReference`: for full fine-tuning, the log-probabilities a reference computed once before
+  training (``--reference-logprobs precomputed``, :mod:`cadence.data.reference_logps`), looked up by each row's key:
+  no model at all, a key and a float per row.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from cadence.data.reference_logps import ReferenceLogps, row_keys
 from cadence.engine.chunked_loss import target_losses
 from cadence.engine.token_loss import attention_inputs
 from cadence.engine.windows import IGNORE_INDEX, Batch
@@ -100,4 +104,26 @@ class AdaptersOffReference:
             return row_logps(inference_module(self.policy), batch, targets_only=self.targets_only)
 
 
-__all__ = ["AdaptersOffReference", "FrozenReference", "Reference", "inference_module", "row_logps"]
+@dataclass(frozen=True)
+class PrecomputedReference:
+    """The reference's log-probabilities computed before training, looked up by row key (no model in memory)."""
+
+    record: ReferenceLogps
+    description: str = "the starting weights' log-probabilities, computed before training (no model in memory)"
+
+    @property
+    def held_bytes(self) -> int:
+        return self.record.held_bytes
+
+    def row_logps(self, batch: Batch) -> torch.Tensor:
+        keys = row_keys(batch["input_ids"], batch["labels"])
+        missing = self.record.missing(keys)
+        if missing:  # the pass before training scored every row of the splits: a row from elsewhere
+            raise RuntimeError(f"{len(missing)} rows of this micro-batch have no precomputed reference "
+                               f"log-probability (they are not rows of the run's splits)")
+        values = [0.0 if key is None else self.record.logps[key] for key in keys]
+        return torch.tensor(values, dtype=torch.float32, device=batch["labels"].device)
+
+
+__all__ = ["AdaptersOffReference", "FrozenReference", "PrecomputedReference", "Reference", "inference_module",
+           "row_logps"]

@@ -8,6 +8,7 @@ accumulation raises the peak on this model.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from cadence.config import TrainConfig
 from cadence.config.plan_file import CUT_FLAGS
 from cadence.config.schema import LoraBasePrecision
 from cadence.data import DataSplits
+from cadence.data.preference import PreferenceExamples
 from cadence.data.text import PackedSequences
 from cadence.engine.choices import PRECISIONS, PrecisionName
 from cadence.engine.cut import Cut
@@ -31,6 +33,7 @@ from cadence.models.spec import ModelSpec
 from cadence.optim.choices import OptimizerStateName
 from cadence.optim.spec import OptimizerSpec
 from cadence.plan.measure import Rates, probe_precisions
+from cadence.plan.objective_cost import objective_cost, reference_modes
 from cadence.plan.quality import BASE_TOLERANCE, STATE_TOLERANCE
 from cadence.plan.trials import TrialResult, TrialSetup
 
@@ -161,6 +164,8 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
     optimizer = OptimizerSpec.from_flags(config)
     rows = seq_len if config.packing and "packing" in constrained else min(seq_len, longest or seq_len)
     levers = _levers(config, constrained, device, rows, notes, model, states, precisions, bases)
+    modes = reference_modes(config, constrained)  # the preference reference: a frozen copy, or precomputed
+    budget = int(config.memory_budget_bytes() or 0)
     effective = int(config.effective_batch_size or 0)
     candidates: list[Candidate] = []
     for state, base, precision in levers.combinations:
@@ -172,13 +177,18 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
                                            grad_accum_steps=effective // micro, precision=precision,
                                            activation_checkpointing=recompute, offload=offload,
                                            loss_chunk_tokens=chunk, optimizer_state=state,
-                                           lora_base_precision=base)
+                                           lora_base_precision=base, reference_logprobs=modes[0])
                         levers_of: dict[str, Any] = {"seq_len": rows, "precision": precision, "checkpointing": recompute,
                                      "offload": offload, "device_type": device.type, "loss_chunk_tokens": chunk,
                                      "optimizer": optimizer.with_state(state), "lora_base_precision": base,
-                                     "packed": config.packing}
+                                     "packed": config.packing, "objective": objective_cost(config, model, modes[0])}
                         estimate = estimate_for(model, micro_batch_size=micro,
                                                 grad_accum_steps=setup.grad_accum_steps, **levers_of)
+                        if len(modes) > 1 and estimate.peak_bytes > budget:  # the frozen copy does not fit
+                            setup = dataclasses.replace(setup, reference_logprobs=modes[1])
+                            levers_of["objective"] = objective_cost(config, model, modes[1])
+                            estimate = estimate_for(model, micro_batch_size=micro,
+                                                    grad_accum_steps=setup.grad_accum_steps, **levers_of)
                         alone = estimate if setup.grad_accum_steps == 1 else estimate_for(
                             model, micro_batch_size=micro, grad_accum_steps=1, **levers_of)
                         candidates.append(Candidate(
@@ -277,7 +287,8 @@ def loss_chunk_options(config: TrainConfig, constrained: set[str], model: ModelS
     def peak(chunk: int) -> int:
         return estimate_for(model, micro_batch_size=1, seq_len=seq_len, precision="fp32", checkpointing="none",
                             device_type=device.type, loss_chunk_tokens=chunk, packed=config.packing,
-                            lora_base_precision=config.lora_base_precision).peak_bytes
+                            lora_base_precision=config.lora_base_precision,
+                            objective=objective_cost(config, model)).peak_bytes
     whole = peak(0)
     sizes = [size for size in LOSS_CHUNKS if size < seq_len]
     if not sizes or peak(sizes[-1]) > CHUNK_SAVING * whole:
@@ -330,6 +341,9 @@ def longest_example(data: DataSplits, seq_len: int) -> int:
     """Positions in the training split's longest example (``seq_len`` for text cut into full sequences)."""
     train = data.train
     if isinstance(train, PackedSequences):
+        return seq_len
+    if isinstance(train, PreferenceExamples) and train.unpaired:
+        # A KTO example's mismatched row joins its prompt to another's completion: longer than either, up to seq_len.
         return seq_len
     return min(seq_len, int(getattr(train, "max_length", seq_len)) or seq_len)
 

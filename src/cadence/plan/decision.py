@@ -239,7 +239,10 @@ def _cut_variants(prep: Prepared, chosen: Candidate, model: ModelSpec,
         ("token budget", {"order": "by-length", "micro_batch_tokens": micro * seq_len}),
         ("packing", {"pack_length": seq_len, "micro_batch_tokens": micro * seq_len}),
     ]
-    if model.supports.packing == "none":
+    if prep.objective.name != "sft":  # a preference sample's two sequences are rows of their own
+        variants.pop()
+        notes.append(f"packing was not measured: --objective {prep.objective.name} does not pack")
+    elif model.supports.packing == "none":
         variants.pop()
         notes.append(f"packing was not measured: {model.supports.packing_problem}")
     elif model.supports.packing == "dense-mask":

@@ -46,6 +46,7 @@ from cadence.plan.candidates import (
 )
 from cadence.plan.decision import compare_cuts, compare_nf4_base, decide
 from cadence.plan.measure import Deadline
+from cadence.plan.objective_cost import objective_cost
 from cadence.plan.quality import lossy_check, lossy_words, quality_check, unchecked_lossy_lever
 from cadence.plan.record import PlanOutcome, plan_record, write
 from cadence.plan.report import plan_report
@@ -220,7 +221,7 @@ def _diagnose(run: PlanRun) -> MemoryEstimate:
     run.longest = longest_example(prep.data, prep.seq_len)
     baseline = estimate_for(run.model, micro_batch_size=effective, seq_len=run.longest, precision="fp32",
                             checkpointing="none", device_type=prep.device.type, packed=config.packing,
-                            lora_base_precision=config.lora_base_precision)
+                            lora_base_precision=config.lora_base_precision, objective=objective_cost(config, run.model))
     run.say(f"plan: {config.model}, effective batch {effective} x {prep.seq_len} tokens, budget "
             f"{format_bytes(run.budget)} on {prep.device}\ndiagnosis: the whole batch at once in fp32 needs about "
             f"{format_bytes(baseline.peak_bytes)}: {baseline.dominant}")

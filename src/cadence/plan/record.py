@@ -16,6 +16,7 @@ import torch
 
 from cadence.config import TrainConfig
 from cadence.config.plan_file import (
+    DECISION_FIELDS,
     PLAN_FILE,
     CandidateRow,
     Choice,
@@ -27,7 +28,7 @@ from cadence.config.plan_file import (
     Rounds,
     write_plan,
 )
-from cadence.config.schema import LORA, section_of
+from cadence.config.schema import LORA, OBJECTIVE, section_of
 from cadence.data import DataSplits
 from cadence.data.source import Source
 from cadence.memory.estimate import MemoryEstimate
@@ -123,7 +124,10 @@ def plan_record(outcome: PlanOutcome) -> PlanRecord:
               "lora_base_precision": chosen.setup.lora_base_precision},
         training={key: value for key, value in config.to_json_dict().items()
                   if key in ("lr", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "seed")},
-        time_spent_s=outcome.time_spent, cuts=outcome.cuts, effective_batch=outcome.effective_batch)
+        time_spent_s=outcome.time_spent, cuts=outcome.cuts, effective_batch=outcome.effective_batch,
+        # The objective changes what is trained: train --plan trains the one the plan measured.
+        objective={name: value for name, value in config.to_json_dict().items()
+                   if section_of(name) is OBJECTIVE and name not in DECISION_FIELDS})
 
 
 def _diagnosis(config: TrainConfig, baseline: MemoryEstimate) -> dict[str, Any]:

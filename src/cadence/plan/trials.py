@@ -21,11 +21,18 @@ import torch
 
 from cadence.config.plan_file import DECISION_FIELDS
 from cadence.config.schema import LoraBasePrecision
-from cadence.data.batching import IGNORE_INDEX, collate
 from cadence.data.text import PackedSequences
+from cadence.engine.choices import ReferenceLogprobs
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import prefetch
-from cadence.engine.windows import Window, count_targets, epoch_windows, example_lengths, make_window
+from cadence.engine.windows import (
+    Window,
+    collate_samples,
+    count_targets,
+    epoch_windows,
+    example_lengths,
+    make_window,
+)
 from cadence.optim.choices import OptimizerStateName
 from cadence.training.components import build_components
 from cadence.training.prepare import Prepared
@@ -50,10 +57,15 @@ class TrialSetup(Setup):
     other lossy lever (4-bit weights: every step's gradient differs), kept only after a loss comparison against the
     full-precision base (plan.json's quality)."""
 
+    reference_logprobs: ReferenceLogprobs = "live"
+    """``--reference-logprobs`` of a preference objective's reference in full fine-tuning: live (a frozen copy), or
+    precomputed where only that fits (``cadence.plan.objective_cost``; the same losses)."""
+
     def lever_text(self) -> str:
         state = f", {self.optimizer_state} optimizer state" if self.optimizer_state != "fp32" else ""
         base = f", {self.lora_base_precision} base" if self.lora_base_precision != "fp32" else ""
-        return super().lever_text() + state + base
+        reference = ", reference log-probabilities precomputed" if self.reference_logprobs != "live" else ""
+        return super().lever_text() + state + base + reference
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in DECISION_FIELDS}
@@ -136,12 +148,13 @@ def longest_window(prep: Prepared) -> LongestWindow | None:
     lengths = example_lengths(train, range(len(train)))
     by_length = sorted(range(len(train)), key=lambda i: -lengths[i])
     read = [train[i] for i in by_length[:LONGEST_CANDIDATES * per_window]]
-    ranked = sorted(read, key=lambda e: (-len(e.input_ids), -int((e.labels != IGNORE_INDEX).sum())))
+    # A preference sample's input_ids are its two sequences' and num_targets theirs: ranked as whole samples.
+    ranked = sorted(read, key=lambda e: (-len(e.input_ids), -e.num_targets))
     cut = prep.cut
     longest = len(ranked[0].input_ids)
     if not cut.by_length:
         rows = ranked[:micro]
-        batch = collate(rows)
+        batch = collate_samples(rows)
         window = make_window([batch] * accum)
         words = (f"every micro-batch the data's {len(rows)} longest examples ({len(rows)} x {longest} positions, "
                  f"{count_targets(batch)} targets)")

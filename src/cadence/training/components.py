@@ -19,7 +19,7 @@ from cadence.models import CompileClock, compile_blocks
 from cadence.models.pretrained import load_shards
 from cadence.optim.spec import OptimizerSpec
 from cadence.training.prepare import Prepared
-from cadence.training.reference import build_reference, starting_copy
+from cadence.training.reference import build_reference, precomputed_reference, starting_copy
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -65,6 +65,9 @@ def build_components(prep: Prepared) -> Components:
     probe, vocab_size = prep.built.probe
     objective = prep.objective.for_model(probe, vocab_size=vocab_size)
     starting = starting_copy(objective, config, model)  # a preference objective's frozen reference, if it needs one
+    # --reference-logprobs precomputed: scored now, by the starting weights as they are (no copy), before training.
+    precomputed = precomputed_reference(objective, config, starting=model, data=prep.data, device=prep.device,
+                                        vocab_size=vocab_size, main=prep.ranks.is_main)
     apply_activation_checkpointing(model, config.activation_checkpointing)
     # After recompute (the checkpointed forward is what compiles), before wrapping (FSDP2's hooks stay eager around
     # each compiled block); parameter names stay the model's.
@@ -76,8 +79,8 @@ def build_components(prep: Prepared) -> Components:
     model = wrap_model(model, prep.ranks, prep.device, precision=config.precision)
     if pending is not None:
         load_shards(model, pending, prep.device)
-    objective = objective.with_reference(build_reference(objective, config, policy=model, starting=starting,
-                                                         device=prep.device, vocab_size=vocab_size))
+    objective = objective.with_reference(precomputed or build_reference(
+        objective, config, policy=model, starting=starting, device=prep.device, vocab_size=vocab_size))
     optimizer = prep.optimizer.build(model)
     scheduler = build_lr_scheduler(
         optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,

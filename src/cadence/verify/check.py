@@ -42,7 +42,7 @@ from cadence.errors import CadenceFailure, UsageError
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.training.components import build_loss, build_optimizer
 from cadence.training.prepare import prepare
-from cadence.training.reference import build_reference, starting_copy
+from cadence.training.reference import build_reference, precomputed_reference, starting_copy
 from cadence.verify.equivalence import (
     GRADIENT_TOLERANCE,
     Setup,
@@ -309,9 +309,12 @@ def verified_objective(prep: Any, model_factory: Callable[[], torch.nn.Module], 
         return None
     config = dataclasses.replace(prep.config, lora_rank=0)  # a frozen copy, never the run's own adapters
     start = model_factory()
-    return objective.with_reference(build_reference(objective, config, policy=start,
-                                                    starting=starting_copy(objective, config, start),
-                                                    device=prep.device, vocab_size=vocab_size))
+    # --reference-logprobs precomputed: the run's looked-up log-probabilities, checked under every split too.
+    precomputed = precomputed_reference(objective, config, starting=start, data=prep.data, device=prep.device,
+                                        vocab_size=vocab_size, main=prep.ranks.is_main)
+    return objective.with_reference(precomputed or build_reference(objective, config, policy=start,
+                                                                    starting=starting_copy(objective, config, start),
+                                                                    device=prep.device, vocab_size=vocab_size))
 
 
 class VerifyFailed(CadenceFailure):
