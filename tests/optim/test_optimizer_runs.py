@@ -134,4 +134,11 @@ def test_profile_shows_the_optimizer_steps_own_time(tmp_path: Path) -> None:
     assert status == 0, err
     profile = json.loads((tmp_path / "profile" / "profile.json").read_text())
     assert profile["config"]["optimizer"] == "muon"
-    assert len(profile["phases"]["optimizer_step"]["per_step"]) == 2 and profile["phases"]["optimizer_step"]["share"] > 0
+    step = profile["phases"]["optimizer_step"]
+    assert len(step["per_step"]) == 2 and step["share"] > 0
+    # Newton-Schulz's own time, inside the optimizer step: once per block matrix per step (gpt-tiny: 5 blocks x 4).
+    newton_schulz = profile["optimizer_regions"]["newton_schulz"]
+    assert newton_schulz["calls"] == 2 * 5 * 4
+    assert 0 < newton_schulz["total_time_s"] <= sum(step["per_step"])
+    report = (tmp_path / "profile" / "report.md").read_text()
+    assert "Inside the optimizer step" in report and "`newton_schulz`: 40 calls" in report

@@ -37,6 +37,8 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
     if plan.model_config:  # a Hugging Face model's --model-config overrides
         decided["model_config"] = plan.model_config
     decided.update(plan.lora or {})  # plans made before LoRA was recorded trained no adapters
+    if plan.optimizer is not None:  # every candidate ran with it; the plan never chose another (issue 51)
+        decided["optimizer"] = plan.optimizer
     _planned_data(config, given, plan, decided)
     problems = []
     if given & set(CUT_FLAGS):

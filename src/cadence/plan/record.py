@@ -33,6 +33,7 @@ from cadence.data.source import Source
 from cadence.memory.estimate import MemoryEstimate
 from cadence.models.spec import ModelSpec
 from cadence.plan.candidates import Candidate, epoch_tokens, longest_example
+from cadence.plan.optimizer_levers import optimizer_levers
 
 
 def rounds_of(candidate: Candidate) -> Rounds | None:
@@ -123,7 +124,11 @@ def plan_record(outcome: PlanOutcome) -> PlanRecord:
               "lora_base_precision": chosen.setup.lora_base_precision},
         training={key: value for key, value in config.to_json_dict().items()
                   if key in ("lr", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "seed")},
-        time_spent_s=outcome.time_spent, cuts=outcome.cuts, effective_batch=outcome.effective_batch)
+        time_spent_s=outcome.time_spent, cuts=outcome.cuts, effective_batch=outcome.effective_batch,
+        # The user's optimizer, which every candidate ran with; others with less state are listed, never tried.
+        optimizer=config.optimizer,
+        optimizer_levers=optimizer_levers(config, outcome.model, seq_len=outcome.seq_len,
+                                          chosen_state=chosen.setup.optimizer_state))
 
 
 def _diagnosis(config: TrainConfig, baseline: MemoryEstimate) -> dict[str, Any]:
