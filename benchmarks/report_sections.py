@@ -769,3 +769,79 @@ def render_reference_modes(data: dict) -> list[str]:
                  "batches of its own width: rounding). Wall times on a loaded machine vary from run to run by more "
                  "than the pass costs here; they are not a comparison.")
     return lines + [""]
+
+
+# ---------------------------------------------------------------------------------------------------- optimizers
+
+
+def render_optimizers(data: dict) -> list[str]:
+    """Issue 51 item 7: every --optimizer against AdamW (step time, state, validation loss after the same tokens,
+    3 seeds), and item 2's clipping policy measured on Muon."""
+    seeds, steps = data["seeds"], data["steps"]
+    tokens = steps * data["micro_batch_size"] * data["seq_len"]
+    before, after = data["load_average_before"][0], data["load_average_after"][0]
+    llama = data["llama"]
+    lines = para(
+        f"gpt-small ({MODEL_WIDTHS['gpt-small']}) and a transformers llama (hidden {llama['hidden_size']}, "
+        f"{llama['num_hidden_layers']} layers, intermediate {llama['intermediate_size']}, byte vocabulary), fp32 on "
+        f"CPU with {data['torch_threads']} torch thread, `Engine` with the clip at {data['max_grad_norm']:g}: "
+        f"{steps} steps of {data['micro_batch_size']} x {data['seq_len']} tokens ({tokens:,} tokens) of Python's "
+        f"standard library source, warm-up 2 steps then cosine (Schedule-Free: constant), seeds "
+        f"{', '.join(str(s) for s in seeds)} (the initial weights and the order of the same windows); validation: "
+        f"the mean loss of {data['val_batches']} held-out batches after the last step (Schedule-Free in its averaged "
+        "weights). LRs: " + ", ".join(f"{name} {lr:g}" for name, lr in data["lr"].items())
+        + " (AdamW and Muon share one LR: Muon's update is RMS-matched to AdamW's). Step time: each run's median "
+        "over its steps after the first, its ratio to AdamW's of the same seed (runs alternate optimizer by optimizer "
+        "within a seed), the median over seeds. State: the optimizer's state tensors after the run. Load average "
+        f"{before:.1f} before and {after:.1f} after on the shared 2-core machine: the step times are a loaded "
+        "machine's; the ratios are what to read.")
+    for model, rows in data["models"].items():
+        lines.append(f"**{model}**")
+        lines.append("")
+        lines += table(["optimizer", "median step", "step vs AdamW", "state", "state vs AdamW",
+                        "validation loss (median; min-max over seeds)"],
+                       [[name, f"{row['step_time_s'] * 1e3:,.0f} ms", f"{row['step_time_vs_adamw']:.2f}x",
+                         f"{row['state_bytes'] / MiB:.2f} MiB", f"{row['state_vs_adamw']:.3f}x",
+                         f"{row['val_loss_median']:.3f} ({row['val_loss_min']:.3f}-{row['val_loss_max']:.3f})"]
+                        for name, row in rows.items()])
+    clip = data.get("muon_clipping") or {}
+    if clip:
+        lines += para(
+            "Muon's clipping policy (issue 51 item 2), gpt-small, the same runs: the raw gradient clipped once over "
+            "all groups before any update (cadence's), the AdamW groups only (xtuner's `clip_grad_mode: adamw_only`), "
+            "and no clip. 'clipped steps': steps whose total gradient norm was above the clip.")
+        lines += table(["clip", "validation loss per seed", "median", "clipped steps per seed", "largest norm seen"],
+                       [[name, ", ".join(f"{v:.3f}" for v in row["val_losses"]), f"{row['val_loss_median']:.3f}",
+                         ", ".join(str(n) for n in row["clipped_steps"]), f"{row['max_grad_norm_seen']:.1f}"]
+                        for name, row in clip.items()])
+    return lines
+
+
+MODEL_WIDTHS = {"gpt-small": "6 layers, width 384, 10.9M parameters"}
+
+
+def render_memory_estimate_optimizers(data: dict) -> list[str]:
+    """Issue 51 item 5: the estimate of every optimizer's step against the measured peak, with its tolerance."""
+    llama = data["llama"]
+    lines = para(
+        f"Every --optimizer on gpt-small and a transformers llama (hidden {llama['hidden_size']}, "
+        f"{llama['num_hidden_layers']} layers, vocabulary {llama['vocab_size']}), fp32 on CPU, clipping at 1.0 (SGD "
+        "with Nesterov): the profiler's measured peak of the second step (`cadence.memory.measure.measure_step`) "
+        "against the estimate with the same `OptimizerSpec`, and the optimizer state alone. 1 x 8 tokens puts the "
+        "peak in the optimizer step (parameters, gradients, state and the step's scratch); 4 x 64 adds activations "
+        f"(the column 'peak in' is the estimate's phase of the peak). Tolerance (issue 51): the peak within {data['peak_tolerance']:.0%}, the state within "
+        f"{data['state_tolerance']:.0%}; `tests/optim/test_optimizers.py::test_the_estimate_knows_each_optimizers_"
+        "state_and_step` asserts the 1 x 8 rows.")
+    lines += table(["model", "micro x seq", "optimizer", "peak in", "measured peak", "estimate", "peak error",
+                    "state (measured)", "state error", "within tolerance"],
+                   [[row["model"], f"{row['micro_batch_size']} x {row['seq_len']}", row["optimizer"],
+                     row["estimated_peak_phase"],
+                     f"{mib(row['measured_peak_bytes'])} MiB", f"{mib(row['estimated_peak_bytes'])} MiB",
+                     f"{row['peak_error']:+.2%}", f"{row['measured_state_bytes'] / MiB:.2f} MiB",
+                     f"{row['state_error']:+.3%}", "yes" if row["within_tolerance"] else "**no**"]
+                    for row in data["rows"]])
+    worst = max(data["rows"], key=lambda row: abs(row["peak_error"]))
+    lines.append(f"- {'every row is' if data['all_within_tolerance'] else 'NOT every row is'} within the tolerance; "
+                 f"the largest peak error is {worst['peak_error']:+.2%} ({worst['model']}, {worst['optimizer']}, "
+                 f"{worst['micro_batch_size']} x {worst['seq_len']}).")
+    return lines + [""]

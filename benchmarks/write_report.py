@@ -134,6 +134,13 @@ SECTIONS = (
     Section("load_once.json", "Pretrained weights loaded once under FSDP2: summed peak host memory of 2 ranks "
                               "(issue 38)",
             ".venv/bin/python benchmarks/load_once.py", sections.render_load_once, ("transformers",), optional=True),
+    # Issue 51: the optimizers.
+    Section("optimizers.json", "Optimizers: step time, state and validation loss against AdamW; Muon's clipping "
+            "(issue 51)", ".venv/bin/python benchmarks/optimizers.py", sections.render_optimizers, ("transformers",),
+            optional=True),
+    Section("memory_estimate_optimizers.json", "Memory estimate of every optimizer against measurement (issue 51)",
+            ".venv/bin/python benchmarks/memory_estimate_optimizers.py", sections.render_memory_estimate_optimizers,
+            ("transformers",), optional=True),
 )
 VERSION_COLUMNS = ("python", "torch", "cadence", "accelerate", "lightning")
 # Shown only while some result predates machine recording: the earlier hand-written BENCHMARKS.md's description of

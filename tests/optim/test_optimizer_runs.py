@@ -106,10 +106,14 @@ def test_a_resume_that_changes_the_optimizer_is_refused_naming_it(tmp_path: Path
     short = ["--grad-accum-steps", "1", "--warmup-steps", "0"]  # later flags win: one micro-batch per step
     assert main(["train", *flags("sgd", data, steps=2), *short, "--out", str(tmp_path / "run")]) == 0
     capsys.readouterr()
-    assert main(["train", *flags("adafactor", data, steps=4), *short, "--out", str(tmp_path / "run"),
-                 "--resume"]) == 2
+    before = {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()}
+    assert main(["train", *flags("adafactor", data, steps=4), *short, "--lr", LR["sgd"], "--out",
+                 str(tmp_path / "run"), "--resume"]) == 2  # the same --lr: the optimizer is the one change
     err = capsys.readouterr().err
-    assert "--optimizer: 'adafactor' differs from the checkpoint's 'sgd'" in err
+    lines = [line for line in err.splitlines() if line.startswith("cadence: error:")]
+    assert len(lines) == 1 and "--optimizer: 'adafactor' differs from the checkpoint's 'sgd'" in lines[0], err
+    # Nothing written: the run directory is byte for byte what the first run left.
+    assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == before
 
 
 @pytest.mark.parametrize("name", every_optimizer())
@@ -130,4 +134,11 @@ def test_profile_shows_the_optimizer_steps_own_time(tmp_path: Path) -> None:
     assert status == 0, err
     profile = json.loads((tmp_path / "profile" / "profile.json").read_text())
     assert profile["config"]["optimizer"] == "muon"
-    assert len(profile["phases"]["optimizer_step"]["per_step"]) == 2 and profile["phases"]["optimizer_step"]["share"] > 0
+    step = profile["phases"]["optimizer_step"]
+    assert len(step["per_step"]) == 2 and step["share"] > 0
+    # Newton-Schulz's own time, inside the optimizer step: once per block matrix per step (gpt-tiny: 5 blocks x 4).
+    newton_schulz = profile["optimizer_regions"]["newton_schulz"]
+    assert newton_schulz["calls"] == 2 * 5 * 4
+    assert 0 < newton_schulz["total_time_s"] <= sum(step["per_step"])
+    report = (tmp_path / "profile" / "report.md").read_text()
+    assert "Inside the optimizer step" in report and "`newton_schulz`: 40 calls" in report

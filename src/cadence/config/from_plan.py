@@ -38,6 +38,8 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
         decided["model_config"] = plan.model_config
     decided.update(plan.lora or {})  # plans made before LoRA was recorded trained no adapters
     decided.update(plan.objective or {})  # plans made before the objective was recorded trained sft
+    if plan.optimizer is not None:  # every candidate ran with it; the plan never chose another (issue 51)
+        decided["optimizer"] = plan.optimizer
     _planned_data(config, given, plan, decided)
     problems = []
     if given & set(CUT_FLAGS):

@@ -254,6 +254,30 @@ class PlanSource:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OptimizerLever:
+    """Another optimizer whose state would be smaller than the user's, listed with its estimate and never tried: the
+    optimizer changes the math, so it is the user's choice, not the plan's (issue 51)."""
+
+    optimizer: str
+    """Its --optimizer name."""
+    state_bytes: int
+    """Its estimated state on this model (``OptimizerSpec.state_bytes`` through the memory estimate)."""
+    chosen_state_bytes: int
+    """The state of the user's optimizer as the chosen configuration keeps it (its --optimizer-state included)."""
+    tried: bool = False
+    """Always False: a plan never trains another optimizer than the user's."""
+
+    def as_json(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer, "state_bytes": self.state_bytes,
+                "chosen_state_bytes": self.chosen_state_bytes, "tried": self.tried}
+
+    @classmethod
+    def read(cls, record: Record) -> OptimizerLever:
+        return cls(optimizer=record.text("optimizer"), state_bytes=record.count("state_bytes"),
+                   chosen_state_bytes=record.count("chosen_state_bytes"), tried=record.flag("tried", False))
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanRecord:
     """Everything plan.json holds. Objects whose inner fields only the plan's report shows (the diagnosis, the quality
     check, the effective batch) are kept as checked JSON objects; what a reader acts on is typed."""
@@ -293,6 +317,10 @@ class PlanRecord:
     objective: dict[str, Any] | None = None
     """The objective's flags the plan measured (--objective, --beta, --reference-model ...; each of its TrainConfig
     type; its reference's mode is the decision's): train --plan trains that objective."""
+    optimizer: str | None = None
+    """The user's --optimizer: what every candidate was estimated and measured with (None: a plan.json before it)."""
+    optimizer_levers: list[OptimizerLever] = field(default_factory=list)
+    """Other optimizers with a smaller state, each with its estimate, not tried (``cadence.plan.optimizer_levers``)."""
     version: int = PLAN_VERSION
 
     def as_json(self) -> dict[str, Any]:
@@ -312,6 +340,7 @@ class PlanRecord:
             "time_spent_s": self.time_spent_s, "cuts": [row.as_json() for row in self.cuts],
             "effective_batch": self.effective_batch, "estimate_error": self.estimate_error,
             "objective": self.objective,
+            "optimizer": self.optimizer, "optimizer_levers": [lever.as_json() for lever in self.optimizer_levers],
         }
 
     @classmethod
@@ -340,7 +369,8 @@ class PlanRecord:
             cuts=[CutRow.read(row) for row in record.records("cuts", [])],
             effective_batch=record.take("effective_batch", OBJECT, None),
             estimate_error=record.take("estimate_error", OBJECT, None),
-            objective=_objective(objective) if objective is not None else None)
+            objective=_objective(objective) if objective is not None else None, optimizer=record.text("optimizer", None),
+            optimizer_levers=[OptimizerLever.read(row) for row in record.records("optimizer_levers", [])])
 
     def candidate(self, candidate_id: str | None) -> CandidateRow | None:
         return next((row for row in self.candidates if row.id == candidate_id), None)
@@ -379,4 +409,4 @@ def write_plan(path: Path, plan: PlanRecord) -> None:
 
 
 __all__ = ["CUT_FLAGS", "DECISION_DEFAULTS", "DECISION_FIELDS", "MARKS", "PLAN_FILE", "Choice", "CandidateRow",
-           "CutRow", "Measured", "PlanRecord", "PlanSource", "Prediction", "Rounds", "read_plan", "write_plan"]
+           "CutRow", "Measured", "OptimizerLever", "PlanRecord", "PlanSource", "Prediction", "Rounds", "read_plan", "write_plan"]

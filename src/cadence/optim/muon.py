@@ -37,7 +37,14 @@ from torch.optim.adamw import adamw
 from cadence.errors import Problem
 from cadence.models.blocks import repeated_blocks
 from cadence.optim.adamw import adamw_state_bytes
-from cadence.optim.spec import OptimizerRule, OptimizerSpec, ParamGroup, TrainedTensor, trained_parameters
+from cadence.optim.spec import (
+    OPTIMIZER_REGION_PREFIX,
+    OptimizerRule,
+    OptimizerSpec,
+    ParamGroup,
+    TrainedTensor,
+    trained_parameters,
+)
 from cadence.optim.state import MOMENT, STEP_TENSOR, check_state_shapes
 from cadence.optim.stepping import closure_loss
 from cadence.records import Record
@@ -46,6 +53,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic iteration's coefficients (Keller Jordan's, torch.optim.Muon's): the largest slope at zero that still
 maps every singular value into about [0.7, 1.2] in five steps."""
 NS_STEPS = 5
+NS_REGION = OPTIMIZER_REGION_PREFIX + "newton_schulz"
+"""The profiler region of each orthogonalisation (``cadence profile``'s optimizer regions)."""
 NS_EPS = 1e-7
 """Newton-Schulz divides its input by max(norm, NS_EPS): an input under it is not normalised, and its update shrinks
 by norm / NS_EPS."""
@@ -125,7 +134,9 @@ class Muon(torch.optim.Optimizer):
             buffer.mul_(momentum).add_(param.grad)
             mix = param.grad.add(buffer, alpha=momentum)  # Nesterov
             norms.append(mix.norm())
-            update = newton_schulz(mix, dtype=torch.bfloat16 if param.device.type == "cuda" else torch.float32)
+            # A named region: `cadence profile` reports Newton-Schulz's own time inside the optimizer step.
+            with torch.profiler.record_function(NS_REGION):
+                update = newton_schulz(mix, dtype=torch.bfloat16 if param.device.type == "cuda" else torch.float32)
             param.mul_(1 - lr * decay)
             param.add_(update, alpha=-lr * rms_scale(param.shape))
         return norms

@@ -36,6 +36,10 @@ OPTIMIZER_FLAG_DEFAULTS: dict[str, Any] = {"optimizer": "adamw", "optimizer_stat
 given, and must apply to the optimizer; a record without a key (an older config.json or plan.json) means its
 default."""
 
+OPTIMIZER_REGION_PREFIX = "optimizer."
+"""The prefix of the profiler regions an optimizer names inside its step (Muon's ``optimizer.newton_schulz``):
+``cadence profile`` reports each one's time (profile.json's ``optimizer_regions``)."""
+
 
 @dataclass(frozen=True)
 class TrainedTensor:

@@ -34,6 +34,7 @@ from cadence.data.source import Source
 from cadence.memory.estimate import MemoryEstimate
 from cadence.models.spec import ModelSpec
 from cadence.plan.candidates import Candidate, epoch_tokens, longest_example
+from cadence.plan.optimizer_levers import optimizer_levers
 
 
 def rounds_of(candidate: Candidate) -> Rounds | None:
@@ -127,7 +128,11 @@ def plan_record(outcome: PlanOutcome) -> PlanRecord:
         time_spent_s=outcome.time_spent, cuts=outcome.cuts, effective_batch=outcome.effective_batch,
         # The objective changes what is trained: train --plan trains the one the plan measured.
         objective={name: value for name, value in config.to_json_dict().items()
-                   if section_of(name) is OBJECTIVE and name not in DECISION_FIELDS})
+                   if section_of(name) is OBJECTIVE and name not in DECISION_FIELDS},
+        # The user's optimizer, which every candidate ran with; others with less state are listed, never tried.
+        optimizer=config.optimizer,
+        optimizer_levers=optimizer_levers(config, outcome.model, seq_len=outcome.seq_len,
+                                          chosen_state=chosen.setup.optimizer_state))
 
 
 def _diagnosis(config: TrainConfig, baseline: MemoryEstimate) -> dict[str, Any]:

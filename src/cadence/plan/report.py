@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cadence.config.plan_file import PLAN_FILE, CandidateRow, Choice, CutRow, PlanRecord, read_plan
+from cadence.config.plan_file import PLAN_FILE, CandidateRow, Choice, CutRow, OptimizerLever, PlanRecord, read_plan
 from cadence.engine.cut import Cut
 from cadence.formatting import format_bytes, format_hms, format_number
 from cadence.report import render as plots
@@ -45,8 +45,18 @@ def plan_report(root: Path) -> Report:
         blocks += [Heading(text="Cutting the windows by length"), *_cuts(plan.cuts)]
     blocks += [Heading(text="Quality check"), *_quality(plan.quality)]
     blocks += [Heading(text="Notes"), Bullets(items=plan.notes) if plan.notes else Paragraph(text="None.")]
+    if plan.optimizer_levers:  # listed with their estimates, never tried: the optimizer is the user's choice
+        blocks += [Heading(text="Other optimizers (not tried)"),
+                   Bullets(items=[_optimizer_lever(lever, plan.optimizer or "?") for lever in plan.optimizer_levers])]
     title = f"Plan report: {plan.model or '?'}" + (f" within {format_bytes(budget)}" if budget else "")
     return Report(title=title, blocks=blocks)
+
+
+def _optimizer_lever(lever: OptimizerLever, chosen: str) -> str:
+    """"adafactor would keep 264.0 KiB of optimizer state against adamw's 83.5 MiB (estimated); not tried: ..."."""
+    return (f"{lever.optimizer} would keep {format_bytes(lever.state_bytes)} of optimizer state against {chosen}'s "
+            f"{format_bytes(lever.chosen_state_bytes)} (estimated); not tried: the optimizer changes the update, so it "
+            f"is the user's choice (--optimizer {lever.optimizer})")
 
 
 def _effective_batch(batch: dict[str, Any]) -> list[Block]:

@@ -35,6 +35,7 @@ from cadence.engine.step import Engine
 from cadence.errors import Problem, UsageError
 from cadence.memory.meter import live_training_bytes, quiet_native_stderr
 from cadence.models import CompileClock
+from cadence.optim.spec import OPTIMIZER_REGION_PREFIX
 from cadence.output_files import timestamped_directory
 from cadence.profiling.flops import measured_peak_flops, spec_flops_per_token
 from cadence.profiling.report import PROFILE_FILE, compile_line, profile_report
@@ -229,6 +230,7 @@ def summarize(profiler: StepProfiler, prof: Any) -> dict[str, Any]:
         "peak_flops_source": peak_source,
         "mfu": mfu,
         "top_operators": top_operators(prof, engine.device, wall),
+        "optimizer_regions": optimizer_regions(prof, engine.device, wall),
         "trace": TRACE_FILE,
         **_compile_figures(settings.compile_clock),
         # Over every window the profile ran (the wait and warm-up ones too): a batch far above the critical one
@@ -288,6 +290,18 @@ def top_operators(prof: Any, device: torch.device, wall: float, limit: int = 15)
                      "total_time_s": total_us / 1e6, "share": self_us / 1e6 / wall if wall else 0.0})
     rows.sort(key=lambda row: -row["self_time_s"])
     return rows[:limit]
+
+
+def optimizer_regions(prof: Any, device: torch.device, wall: float) -> dict[str, dict[str, Any]]:
+    """The regions the optimizer names inside its step (Muon's newton_schulz), each with its calls and its whole time
+    (children included: the matmuls it runs) over the active steps, and its share of their wall time."""
+    regions = {}
+    for item in prof.key_averages():
+        if item.key.startswith(OPTIMIZER_REGION_PREFIX):
+            total_us = item.device_time_total if device.type == "cuda" else item.cpu_time_total
+            regions[item.key.removeprefix(OPTIMIZER_REGION_PREFIX)] = {
+                "calls": int(item.count), "total_time_s": total_us / 1e6, "share": total_us / 1e6 / wall if wall else 0.0}
+    return regions
 
 
 def verdict(result: dict[str, Any], memory_limit: int | None) -> dict[str, str]:

@@ -226,6 +226,7 @@ def profile_report(root: Path) -> Report:
     blocks += _throughput(profile)
     blocks += _noise_scale(profile)
     blocks += _operators(profile.get("top_operators"))
+    blocks += _optimizer_regions(profile)
     blocks += _trace(root, profile.get("trace"))
     if profile.get("version") not in (None, 1):
         blocks.append(Paragraph(text=f"**Note:** {PROFILE_FILE} version {profile.get('version')}; this report "
@@ -323,6 +324,16 @@ def _operators(operators: Any) -> list[Block]:
     return [Heading(text="Top operators"), Table(
         header=["operator", "calls", "self time", "total time", "self time / active wall time"], rows=rows),
         Paragraph(text="Times are summed over all active steps; self time excludes the operators each one calls.")]
+
+
+def _optimizer_regions(profile: dict[str, Any]) -> list[Block]:
+    """The regions the optimizer named inside its step (Muon's Newton-Schulz) against the optimizer step's phase."""
+    regions = _dict(profile.get("optimizer_regions"))
+    step = _dict(_dict(profile.get("phases")).get("optimizer_step"))
+    items = [f"`{name}`: {format_number(region.get('calls'), ',.0f')} calls, {format_seconds(region.get('total_time_s'))}"
+             f" in all, {format_share(region.get('share'))} of the active wall time (the whole optimizer step: "
+             f"{format_share(step.get('share'))})" for name, region in regions.items() if isinstance(region, dict)]
+    return [Heading(text="Inside the optimizer step"), Bullets(items=items)] if items else []
 
 
 def _trace(root: Path, trace: Any) -> list[Block]:
