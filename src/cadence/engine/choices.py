@@ -26,3 +26,8 @@ ObjectiveName = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"]
 OBJECTIVES: tuple[ObjectiveName, ...] = ("sft", "dpo", "ipo", "simpo", "orpo", "kto")
 """What the step chain minimises (cadence.engine.objective): sft, next-token cross-entropy over the targets; dpo, ipo,
 simpo and orpo on preference pairs; kto on unpaired rows with a desirable/undesirable label."""
+
+BatchLRScaling = Literal["sqrt", "linear", "none"]
+BATCH_LR_SCALINGS: tuple[BatchLRScaling, ...] = ("sqrt", "linear", "none")
+"""How --effective-batch-size adaptive scales the LR when the batch changes by a ratio r: by sqrt(r) (Adam-type
+optimizers), by r (SGD), or not at all."""
