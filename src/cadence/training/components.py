@@ -10,9 +10,9 @@ import torch
 
 from cadence.config import TrainConfig
 from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
+from cadence.engine.adaptive_batch import LORA_MAX_BATCH, AdaptiveBatch
 from cadence.engine.noise_scale import GradientNoiseScale
 from cadence.engine.objective import Objective
-from cadence.engine.adaptive_batch import LORA_MAX_BATCH, AdaptiveBatch
 from cadence.engine.schedules import BatchScaledLR, build_lr_scheduler
 from cadence.engine.step import Engine, LossFn
 from cadence.memory.recompute import apply_activation_checkpointing
