@@ -46,13 +46,15 @@ class BatchController:
     """The run's adaptive batch: see the module docstring. Every rank holds one and makes the same decisions."""
 
     def __init__(self, policy: AdaptiveBatch, *, scheduler: BatchScaledLR, optimizer: torch.optim.Optimizer,
-                 noise_scale: GradientNoiseScale, beta2: float | None) -> None:
-        """``beta2``: the optimizer's --adam-beta2 (its groups with ``betas`` follow the batch), None: none."""
+                 noise_scale: GradientNoiseScale, beta2: float | None, budget: int) -> None:
+        """``beta2``: the optimizer's --adam-beta2 (its groups with ``betas`` follow the batch), None: none;
+        ``budget``: --max-steps, the windows of the minimum the run consumes (the last group stops there)."""
         self.policy = policy
         self.scheduler = scheduler
         self.optimizer = optimizer
         self.noise_scale = noise_scale
         self.beta2 = beta2
+        self.budget = budget
         self.state = BatchState()
         self.switches: list[dict[str, Any]] = []
         """Each grow and shrink: the step after which it happened, the batches and the reason (summary.json)."""
@@ -65,7 +67,8 @@ class BatchController:
         while True:
             group = [pending] if pending is not None else []
             pending = None
-            while len(group) < self.state.multiple:
+            # Never past the budget: the run's last window may be smaller than the batch, as an epoch's last may.
+            while len(group) < min(self.state.multiple, max(1, self.budget - self.clock)):
                 place = next(places, None)
                 if place is None:
                     break

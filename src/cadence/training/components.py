@@ -112,6 +112,6 @@ def build_components(prep: Prepared) -> Components:
     if policy is not None and isinstance(scheduler, BatchScaledLR) and engine.noise_scale is not None:
         beta2 = prep.optimizer.betas[1] if "adam_beta2" in prep.optimizer.rule.options else None
         batch = BatchController(policy, scheduler=scheduler, optimizer=optimizer, noise_scale=engine.noise_scale,
-                                beta2=beta2)
+                                beta2=beta2, budget=config.max_steps)
     return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, ranks=prep.ranks,
                       compile_clock=compile_clock, batch=batch)

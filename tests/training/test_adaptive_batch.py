@@ -1,0 +1,91 @@
+"""--effective-batch-size adaptive in a run: the same examples in the same order grouped into larger windows, each
+window the one-big-batch gradient of its examples (through a switch), the LR and beta2 that follow the batch, the
+schedule counted in windows of the minimum, and the controller's state through a resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import relative_l2, sample_text
+from safetensors.torch import load_file
+
+from cadence.cli import main
+from cadence.config import TrainConfig
+from cadence.data.batching import collate, epoch_order
+from cadence.engine.schedules import lr_factor
+from cadence.training.prepare import prepare
+from cadence.training.run_dir import read_metrics
+
+MIN, MAX, BUDGET = 4, 16, 30
+"""Seq-len 8 text at --noise-scale-ema 0.8: this run grows 4 -> 8 at step 21 (measured), inside 30 windows of 4."""
+
+
+def adaptive_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--data", str(data), "--seq-len", "8", "--micro-batch-size", "2", "--effective-batch-size",
+            "adaptive", "--min-effective-batch-size", str(MIN), "--max-effective-batch-size", str(MAX),
+            "--max-steps", str(BUDGET), "--noise-scale-ema", "0.8", "--val-fraction", "0", "--lr", "3e-3",
+            "--out", str(out), "--device", "cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("adaptive") / "text.txt"
+    path.write_bytes(sample_text(16000))
+    return path
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(text: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("adaptive") / "run"
+    assert main(adaptive_args(text, out)) == 0
+    return out
+
+
+@pytest.mark.slow  # a 26-step run and its reference: about 10 s
+def test_a_run_grows_and_equals_one_big_batch_per_step(adaptive_run: Path, text: Path, tmp_path: Path) -> None:
+    """The run's losses and final weights against a hand-written loop that takes, step by step, the next
+    ``effective_batch`` examples of the epoch's order as one batch (mean loss over its targets, clip, AdamW with the
+    LR of the schedule counted in windows of the minimum times sqrt(batch / minimum), beta2 = 0.95 ** ratio)."""
+    rows = read_metrics(adaptive_run)
+    batches = [row["effective_batch"] for row in rows]
+    assert MIN * 2 in batches, f"the run did not switch: {batches}"
+    assert sum(batches) == BUDGET * MIN  # --max-steps counts windows of the minimum
+    # each window holds the batch decided after the one before (the last stops at the budget)
+    assert all(batches[i + 1] == row["next_effective_batch"] for i, row in enumerate(rows[:-2]))
+    switches = json.loads((adaptive_run / "summary.json").read_text())["adaptive_batch"]["switches"]
+    assert switches and switches[0]["decision"] == "grow" and switches[0]["from"] == MIN
+
+    config = TrainConfig(data=text, seq_len=8, micro_batch_size=2, effective_batch_size="adaptive",
+                         min_effective_batch_size=MIN, max_effective_batch_size=MAX, max_steps=BUDGET,
+                         noise_scale_ema=0.8, val_fraction=0.0, lr=3e-3, device="cpu",
+                         out=tmp_path / "reference")
+    prep = prepare(config)
+    model = prep.built.module
+    optimizer = prep.optimizer.build(model)
+    order = epoch_order(len(prep.data.train), config.seed, 0).tolist()
+    position = clock = 0
+    ratio = 1  # the batch decided before this step, in windows of the minimum (the last window may hold fewer)
+    for row in rows:
+        lr = 3e-3 * lr_factor(clock, schedule=config.lr_schedule, warmup_steps=0, max_steps=BUDGET) * math.sqrt(ratio)
+        assert row["lr"] == pytest.approx(lr, rel=1e-9), f"step {row['step']}"
+        assert row["lr_batch_scale"] == pytest.approx(math.sqrt(ratio))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+            group["betas"] = (0.9, max(0.9, 0.95 ** ratio) if ratio > 1 else 0.95)
+        batch = collate([prep.data.train[i] for i in order[position:position + row["effective_batch"]]])
+        loss = F.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert abs(row["loss"] - loss.item()) <= 1e-5 * loss.item(), f"step {row['step']}"
+        position += row["effective_batch"]
+        clock += row["effective_batch"] // MIN
+        ratio = row["next_effective_batch"] // MIN
+    weights = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    assert relative_l2(load_file(str(adaptive_run / "model.safetensors")), weights) < 1e-4
