@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,49 @@ def test_a_run_grows_and_equals_one_big_batch_per_step(adaptive_run: Path, text:
         ratio = row["next_effective_batch"] // MIN
     weights = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     assert relative_l2(load_file(str(adaptive_run / "model.safetensors")), weights) < 1e-4
+
+
+def _same_run(a: Path, b: Path) -> None:
+    """Bitwise: every metrics row's loss, LR and batch, and the final weights."""
+    fields = ("step", "loss", "lr", "effective_batch", "batch_decision", "next_effective_batch")
+    assert [[row[name] for name in fields] for row in read_metrics(a)] == \
+        [[row[name] for name in fields] for row in read_metrics(b)]
+    weights_a, weights_b = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)
+    summary_a, summary_b = (json.loads((run / "summary.json").read_text()) for run in (a, b))
+    assert summary_a["adaptive_batch"] == summary_b["adaptive_batch"]
+
+
+@pytest.mark.slow  # a run with a checkpoint per step, resumed twice: about 30 s
+def test_resume_right_after_and_across_a_switch_is_bitwise(adaptive_run: Path, text: Path, tmp_path: Path) -> None:
+    """The controller's state (its multiple and streaks), the LR scale and beta2 are in the checkpoint: a run resumed
+    from the checkpoint of the step that decided a switch, or from two steps before it, is the uninterrupted run."""
+    from cadence.training.checkpoint import checkpoint_dirs
+
+    switch = json.loads((adaptive_run / "summary.json").read_text())["adaptive_batch"]["switches"][0]["step"]
+    out = tmp_path / "cut"
+    assert main(adaptive_args(text, out, "--checkpoint-every", "1")) == 0
+    saved = {path: path.name for path in checkpoint_dirs(out)}
+    for at in (switch, switch - 2):  # right after the switch; before it, so the resumed run makes it again
+        for path in checkpoint_dirs(out):
+            if int(path.name.split("-")[1]) > at:
+                shutil.rmtree(path)
+        assert main(adaptive_args(text, out, "--checkpoint-every", "1", "--resume")) == 0
+        _same_run(out, adaptive_run)
+    assert saved
+
+
+def test_adaptive_resume_of_a_fixed_batch_run_is_refused(text: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A fixed-batch run continued with --effective-batch-size adaptive changes the math: refused, one line."""
+    out = tmp_path / "fixed"
+    assert main(["train", "--data", str(text), "--seq-len", "8", "--micro-batch-size", "2", "--effective-batch-size",
+                 "4", "--max-steps", "2", "--checkpoint-every", "1", "--val-fraction", "0", "--lr", "3e-3", "--noise-scale-ema",
+                 "0.8", "--out", str(out)]) == 0
+    capsys.readouterr()
+    status = main(adaptive_args(text, out, "--resume"))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("cadence: error: --effective-batch-size: adaptive cannot continue "
+                                                   "a run trained at a fixed batch"), err
