@@ -5,21 +5,16 @@ schedule counted in windows of the minimum, and the controller's state through a
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import relative_l2, sample_text
+from helpers import one_big_batch_replay, relative_l2, sample_text
 from safetensors.torch import load_file
 
 from cadence.cli import main
 from cadence.config import TrainConfig
-from cadence.data.batching import collate, epoch_order
-from cadence.engine.schedules import lr_factor
-from cadence.training.prepare import prepare
 from cadence.training.run_dir import read_metrics
 
 MIN, MAX, BUDGET = 4, 16, 30
@@ -65,30 +60,7 @@ def test_a_run_grows_and_equals_one_big_batch_per_step(adaptive_run: Path, text:
                          min_effective_batch_size=MIN, max_effective_batch_size=MAX, max_steps=BUDGET,
                          noise_scale_ema=0.8, val_fraction=0.0, lr=3e-3, device="cpu",
                          out=tmp_path / "reference")
-    prep = prepare(config)
-    model = prep.built.module
-    optimizer = prep.optimizer.build(model)
-    order = epoch_order(len(prep.data.train), config.seed, 0).tolist()
-    position = clock = 0
-    ratio = 1  # the batch decided before this step, in windows of the minimum (the last window may hold fewer)
-    for row in rows:
-        lr = 3e-3 * lr_factor(clock, schedule=config.lr_schedule, warmup_steps=0, max_steps=BUDGET) * math.sqrt(ratio)
-        assert row["lr"] == pytest.approx(lr, rel=1e-9), f"step {row['step']}"
-        assert row["lr_batch_scale"] == pytest.approx(math.sqrt(ratio))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-            group["betas"] = (0.9, max(0.9, 0.95 ** ratio) if ratio > 1 else 0.95)
-        batch = collate([prep.data.train[i] for i in order[position:position + row["effective_batch"]]])
-        loss = F.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        assert abs(row["loss"] - loss.item()) <= 1e-5 * loss.item(), f"step {row['step']}"
-        position += row["effective_batch"]
-        clock += row["effective_batch"] // MIN
-        ratio = row["next_effective_batch"] // MIN
-    weights = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    weights = one_big_batch_replay(rows, config)
     assert relative_l2(load_file(str(adaptive_run / "model.safetensors")), weights) < 1e-4
 
 
