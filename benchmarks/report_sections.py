@@ -740,3 +740,61 @@ def render_preference_accumulation(data: dict) -> list[str]:
                  f"peak ({copy['peak_memory_bytes'] / off['peak_memory_bytes']:.2f}x), the weights of the base; the "
                  "losses are the same.")
     return lines + [""]
+
+
+def _adaptive_reach(seed: dict, eval_sequences: int) -> dict:
+    """benchmarks/adaptive_batch.py's ``reach``, from a seed's recorded evaluations: the loss the fixed small batch
+    ends at (the median of its last 4 evaluations) and each run's first evaluation at or below it (None: never)."""
+    def grid(run: dict) -> list[dict]:
+        return [point for point in run["evaluations"] if point["samples"] % eval_sequences == 0]
+
+    small = next(run for run in seed["runs"] if run["kind"] == "small")
+    target = statistics.median(point["val_loss"] for point in grid(small)[-4:])
+    reached = {}
+    for run in seed["runs"]:
+        first = next((point for point in grid(run) if point["val_loss"] <= target), None)
+        reached[run["kind"]] = None if first is None else {"step": first["step"], "tokens": first["tokens"]}
+    return {"target": target, "reached": reached}
+
+
+def render_adaptive_batch(data: dict) -> list[str]:
+    """Issue 53 item 7: --effective-batch-size adaptive against a fixed small and a fixed large batch."""
+    settings = data["settings"]
+    small, large = settings["small"], settings["large"]
+    load = data.get("load_average") or []
+    lines = para(
+        f"{settings['model']} on the built-in corpus (sequences of {settings['seq_len']} bytes), CPU, fp32, "
+        f"micro-batch {settings['micro']}; every run sees the same {settings['budget_windows'] * small:,} sequences in "
+        f"the same order: a fixed batch of {small} at --lr {settings['lr']:g}, a fixed batch of {large} at --lr x "
+        f"sqrt({large // small}), and adaptive from {small} to {large} (--noise-scale-ema 0.9). The validation loss "
+        f"is read every {settings['eval_sequences']} training sequences (8 held-out micro-batches); a seed's target "
+        f"is the loss the fixed {small} ends at (the median of its last 4 evaluations), and each run's figures are "
+        f"those of its first evaluation at or below it (-: not reached within the budget). No preset ramp is run "
+        f"(cadence has none)."
+        + (f" Load average {load[0][0]:.1f} at the start and {load[-1][0]:.1f} at the end (2 shared cores): the "
+           "figures are steps and tokens, not time." if load else ""))
+
+    def cell(point: dict | None) -> str:
+        return "-" if point is None else f"{point['step']} / {point['tokens']:,}"
+
+    rows, reaches = [], []
+    for seed in data["seeds"]:
+        found = _adaptive_reach(seed, settings["eval_sequences"])
+        reaches.append(found)
+        adaptive = next(run for run in seed["runs"] if run["kind"] == "adaptive")
+        rows.append([str(seed["seed"]), f"{found['target']:.4f}",
+                     *(cell(found["reached"][kind]) for kind in ("small", "large", "adaptive")),
+                     f"{len(adaptive['switches'])} ({max(adaptive['batches'])})", str(adaptive["steps"])])
+    lines += table(["seed", "target val loss", f"fixed {small}: steps / tokens", f"fixed {large}: steps / tokens",
+                    "adaptive: steps / tokens", "adaptive switches (largest batch)", "adaptive steps in all"], rows)
+    both = [found["reached"] for found in reaches if found["reached"]["adaptive"] is not None]
+    if both:
+        steps = statistics.median(r["adaptive"]["step"] / r["small"]["step"] for r in both)
+        tokens = statistics.median(r["adaptive"]["tokens"] / r["small"]["tokens"] for r in both)
+        lines.append(f"- median over the seeds adaptive reached the target in: {steps:.2f}x the optimizer steps of "
+                     f"the fixed {small} (target: at most 0.75x) with {tokens:.2f}x its tokens (target: at most 1.10x): "
+                     f"{verdict(steps <= 0.75 and tokens <= 1.10)}.")
+    large_ok = [r["large"] is None or r["adaptive"]["tokens"] < r["large"]["tokens"] for r in both]
+    lines.append(f"- adaptive in fewer tokens than the fixed {large} (or the fixed {large} never reached it): "
+                 f"{sum(large_ok)} of {len(reaches)} seeds: {verdict(len(large_ok) == len(reaches) and all(large_ok))}.")
+    return lines + [""]

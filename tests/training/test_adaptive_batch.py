@@ -108,3 +108,25 @@ def test_adaptive_resume_of_a_fixed_batch_run_is_refused(text: Path, tmp_path: P
     assert status == 2 and "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("cadence: error: --effective-batch-size: adaptive cannot continue "
                                                    "a run trained at a fixed batch"), err
+
+
+def test_a_short_adaptive_run_states_its_batch_everywhere(text: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The fast tier's adaptive run (4 windows, too few to decide): the policy at the start, the batch on the progress
+    line, the metrics fields, summary.json's adaptive_batch, and the report's plot of batch, noise scale and LR."""
+    from cadence.rebuild import build_report
+
+    out = tmp_path / "run"
+    assert main([*adaptive_args(text, out, "--log-every", "1")[:-2], "--max-steps", "4", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "batch: adaptive effective batch from 4 to 16 sequences" in err and "| batch 4 |" in err
+    rows = read_metrics(out)
+    assert [row["effective_batch"] for row in rows] == [4, 4, 4, 4]
+    assert {row["batch_decision"] for row in rows} == {"hold"}
+    assert rows[0]["batch_reason"].startswith("1 of 8 windows measured") or "no noise-scale" in rows[0]["batch_reason"]
+    assert all(row["lr_batch_scale"] == 1.0 and row["next_effective_batch"] == 4 for row in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["adaptive_batch"] == {"effective_batch_size": "adaptive", "min_effective_batch_size": 4,
+                                         "max_effective_batch_size": 16, "batch_lr_scaling": "sqrt",
+                                         "final_effective_batch": 4, "switches": []}
+    assert out / "report-adaptive-batch.png" in build_report(out)
