@@ -130,3 +130,23 @@ def test_a_short_adaptive_run_states_its_batch_everywhere(text: Path, tmp_path: 
                                          "max_effective_batch_size": 16, "batch_lr_scaling": "sqrt",
                                          "final_effective_batch": 4, "switches": []}
     assert out / "report-adaptive-batch.png" in build_report(out)
+
+
+def test_a_lora_run_defaults_to_a_maximum_of_32_and_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    """"LoRA Without Regret": a LoRA run's adaptive batch is at most 32 sequences unless --max-effective-batch-size is
+    given, and the run says so at the start."""
+    pytest.importorskip("peft")
+    sizes = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+             "vocab_size": 256, "max_position_embeddings": 64}
+    llama = ["--model", "hf:llama", *[item for key, value in sizes.items() for item in ("--model-config",
+                                                                                         f"{key}={value}")]]
+    out = tmp_path / "lora"
+    assert main(["train", *llama, "--lora-rank", "4", "--seq-len", "16", "--micro-batch-size", "2",
+                 "--effective-batch-size", "adaptive", "--min-effective-batch-size", "4", "--max-steps", "2",
+                 "--val-fraction", "0", "--out", str(out), "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "adaptive effective batch from 4 to 32 sequences" in err
+    assert "LoRA: at most 32 unless --max-effective-batch-size is given" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["adaptive_batch"]["max_effective_batch_size"] == 32
