@@ -845,3 +845,71 @@ def render_memory_estimate_optimizers(data: dict) -> list[str]:
                  f"the largest peak error is {worst['peak_error']:+.2%} ({worst['model']}, {worst['optimizer']}, "
                  f"{worst['micro_batch_size']} x {worst['seq_len']}).")
     return lines + [""]
+
+
+def _adaptive_reach(seed: dict, eval_sequences: int) -> dict:
+    """benchmarks/adaptive_batch.py's ``reach``, from a seed's recorded evaluations: the loss the fixed small batch
+    ends at (the median of its last 4 evaluations) and each run's first evaluation at or below it (None: never)."""
+    def grid(run: dict) -> list[dict]:
+        return [point for point in run["evaluations"] if point["samples"] % eval_sequences == 0]
+
+    small = next(run for run in seed["runs"] if run["kind"] == "small")
+    target = statistics.median(point["val_loss"] for point in grid(small)[-4:])
+    reached = {}
+    for run in seed["runs"]:
+        first = next((point for point in grid(run) if point["val_loss"] <= target), None)
+        reached[run["kind"]] = None if first is None else {"step": first["step"], "tokens": first["tokens"]}
+    return {"target": target, "reached": reached}
+
+
+def render_adaptive_batch(data: dict) -> list[str]:
+    """Issue 53 item 7: --effective-batch-size adaptive against a fixed small and a fixed large batch."""
+    settings = data["settings"]
+    small, large = settings["small"], settings["large"]
+    load = data.get("load_average") or []
+    kinds = [run["kind"] for run in data["seeds"][0]["runs"]]
+    adaptive_kinds = [kind for kind in kinds if kind.startswith("adaptive")]
+    emas = {kind: settings.get("adaptive_ema", {}).get(kind, 0.9) for kind in adaptive_kinds}
+    lines = para(
+        f"{settings['model']} on the built-in corpus (sequences of {settings['seq_len']} bytes), CPU, fp32, "
+        f"micro-batch {settings['micro']}; every run sees the same {settings['budget_windows'] * small:,} sequences in "
+        f"the same order: a fixed batch of {small} at --lr {settings['lr']:g}, a fixed batch of {large} at --lr x "
+        f"sqrt({large // small}), and adaptive from {small} to {large} ("
+        + ", ".join(f"{kind}: --noise-scale-ema {ema:g}" for kind, ema in emas.items())
+        + f"). The validation loss is read every {settings['eval_sequences']} training sequences (8 held-out "
+        f"micro-batches); a seed's target is the loss the fixed {small} ends at (the median of its last 4 "
+        f"evaluations), and each run's figures are those of its first evaluation at or below it (-: not reached "
+        f"within the budget). No preset ramp is run (cadence has none)."
+        + (f" Load average {load[0][0]:.1f} at the start and {load[-1][0]:.1f} at the end (2 shared cores): the "
+           "figures are steps and tokens, not time." if load else ""))
+
+    def cell(point: dict | None) -> str:
+        return "-" if point is None else f"{point['step']} / {point['tokens']:,}"
+
+    rows, finals, reaches = [], [], []
+    for seed in data["seeds"]:
+        found = _adaptive_reach(seed, settings["eval_sequences"])
+        reaches.append(found)
+        rows.append([str(seed["seed"]), f"{found['target']:.4f}", *(cell(found["reached"][kind]) for kind in kinds)])
+        for run in seed["runs"]:
+            switches = run.get("switches") or []
+            finals.append([str(seed["seed"]), run["kind"], str(run["steps"]), f"{run['tokens']:,}",
+                           f"{run['evaluations'][-1]['val_loss']:.4f}",
+                           f"{len(switches)} (largest batch {max(run['batches'])})" if run["kind"] in emas else ""])
+    lines += table(["seed", "target val loss", *(f"{kind}: steps / tokens to it" for kind in kinds)], rows)
+    lines += para("Each run at the end of the budget: its optimizer steps, tokens, last validation loss, and the "
+                  "adaptive runs' switches (each with its step and reason in the JSON).")
+    lines += table(["seed", "run", "optimizer steps", "tokens", "last val loss", "switches"], finals)
+    for kind in adaptive_kinds:
+        both = [found["reached"] for found in reaches if found["reached"][kind] is not None]
+        if both:
+            steps = statistics.median(r[kind]["step"] / r["small"]["step"] for r in both)
+            tokens = statistics.median(r[kind]["tokens"] / r["small"]["tokens"] for r in both)
+            lines.append(f"- {kind} reached the target in {len(both)} of {len(reaches)} seeds; there, median "
+                         f"{steps:.2f}x the optimizer steps of the fixed {small} (target: at most 0.75x) with "
+                         f"{tokens:.2f}x its tokens (target: at most 1.10x): "
+                         f"{verdict(len(both) == len(reaches) and steps <= 0.75 and tokens <= 1.10)}.")
+        else:
+            lines.append(f"- {kind} did not reach the target in any seed: the targets (at most 0.75x the steps, "
+                         f"1.10x the tokens of the fixed {small}; fewer tokens than the fixed {large}) are NOT met.")
+    return lines + [""]

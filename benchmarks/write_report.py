@@ -121,6 +121,9 @@ SECTIONS = (
     Section("reference_modes.json", "The DPO reference in full fine-tuning: a frozen copy against precomputed "
             "log-probabilities, --reference-logprobs (issue 52)", ".venv/bin/python benchmarks/reference_modes.py",
             sections.render_reference_modes, ("transformers",), optional=True),
+    Section("adaptive_batch.json", "The adaptive effective batch: steps and tokens to a validation loss against "
+            "fixed batches (issue 53)", ".venv/bin/python benchmarks/adaptive_batch.py",
+            sections.render_adaptive_batch, optional=True),
     Section("checkpoint_async.json", "Checkpoints in the background: --async-checkpoint (issue 38)",
             ".venv/bin/python benchmarks/checkpoint_async.py", sections.render_checkpoint_async, optional=True),
     # Shown only once a GPU run left gpu.json: the dry run writes gpu_quick.json, which is never shown.

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -275,3 +276,42 @@ def ranks_counting(flags: list[str], out: Path, data: Path, run: Path, *, stop: 
     found = [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(2)]
     assert [rank["status"] for rank in found] == [0, 0], result.stderr[-3000:]
     return found
+
+
+def one_big_batch_replay(rows: list[dict], config: Any) -> dict[str, torch.Tensor]:
+    """The textbook loop an --effective-batch-size adaptive run is held to, replaying its metrics ``rows``: each step
+    one big batch of the next ``effective_batch`` examples of the epoch's order (mean loss over its targets, clip,
+    the run's AdamW groups), at the LR of the schedule counted in windows of the minimum times sqrt(batch ratio) and
+    beta2 = max(0.9, beta2 ** ratio), the ratio being the batch decided before the step. Asserts each row's LR
+    (1e-9) and loss (1e-5); returns the final weights."""
+    import math
+
+    from cadence.engine.schedules import lr_factor
+    from cadence.training.prepare import prepare
+
+    prep = prepare(config)
+    model = prep.built.module
+    optimizer = prep.optimizer.build(model)
+    order = epoch_order(len(prep.data.train), config.seed, 0).tolist()
+    minimum, beta2 = config.min_effective_batch_size, config.adam_beta2
+    position = clock = 0
+    ratio = 1  # the batch decided before this step, in windows of the minimum (the last window may hold fewer)
+    for row in rows:
+        lr = config.lr * math.sqrt(ratio) * lr_factor(clock, schedule=config.lr_schedule,
+                                                      warmup_steps=config.warmup_steps, max_steps=config.max_steps)
+        assert row["lr"] == pytest.approx(lr, rel=1e-9), f"step {row['step']}"
+        assert row["lr_batch_scale"] == pytest.approx(math.sqrt(ratio))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+            group["betas"] = (config.adam_beta1, max(0.9, beta2 ** ratio) if ratio > 1 else beta2)
+        batch = collate([prep.data.train[i] for i in order[position:position + row["effective_batch"]]])
+        loss = F.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert abs(row["loss"] - loss.item()) <= 1e-5 * loss.item(), f"step {row['step']}"
+        position += row["effective_batch"]
+        clock += row["effective_batch"] // minimum
+        ratio = row["next_effective_batch"] // minimum
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()}

@@ -99,21 +99,23 @@ def app() -> None:
     """Training with a big batch on a small accelerator: micro-batches, accumulation, precision, exactly right."""
 
 
-class _WholeNumberOrAuto(click.ParamType):
-    """--micro-batch-size: a whole number, or the word auto."""
+class _WholeNumberOrWords(click.ParamType):
+    """--micro-batch-size: a whole number, or the word auto; --effective-batch-size: also adaptive."""
 
-    name = "N|auto"
+    def __init__(self, words: tuple[str, ...] = ("auto",)) -> None:
+        self.words = words
+        self.name = "|".join(("N", *words))
 
     def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
-        if isinstance(value, int) or value == "auto":
+        if isinstance(value, int) or value in self.words:
             return value
         try:
             return int(value)
         except ValueError:
-            self.fail(f"{value!r} is neither a whole number nor auto", param, ctx)
+            self.fail(f"{value!r} is neither a whole number nor {' nor '.join(self.words)}", param, ctx)
 
 
-MICRO_BATCH_SIZE = _WholeNumberOrAuto()
+MICRO_BATCH_SIZE = _WholeNumberOrWords()
 
 
 class _Path(click.Path):
@@ -134,7 +136,8 @@ def _click_type(hint: Any) -> click.ParamType:
     "not given")."""
     args = hint_types(hint)
     if int in args and str in args:
-        return MICRO_BATCH_SIZE
+        words = _choices(hint)
+        return MICRO_BATCH_SIZE if words == ("auto",) else _WholeNumberOrWords(words)
     if Path in args:
         return PATH
     if int in args:
@@ -157,8 +160,8 @@ def _metavar(hint: Any, name: str) -> str:
     kind = _click_type(hint)
     if isinstance(kind, click.Path):
         return "PATH"
-    if kind is MICRO_BATCH_SIZE:
-        return "N|auto"
+    if isinstance(kind, _WholeNumberOrWords):
+        return kind.name
     return {"INTEGER": "N", "FLOAT": "X"}.get(kind.name.upper(), name.upper().split("_")[-1])
 
 

@@ -58,3 +58,33 @@ def test_scheduler_object_follows_factor():
 def test_unknown_schedule():
     with pytest.raises(ValueError):
         lr_factor(3, schedule="step", warmup_steps=0, max_steps=5)  # type: ignore[arg-type]
+
+
+def test_batch_scaled_lr_is_the_step_schedule_at_one_window_and_counts_windows_of_the_minimum():
+    """--effective-batch-size adaptive's schedule: with one window of the minimum per step it is the ordinary one;
+    a step over 2 windows moves it by 2 (warm-up and decay follow the examples), times the batch's LR scale."""
+    from cadence.engine.schedules import BatchScaledLR, build_lr_scheduler, lr_factor
+
+    def optimizer() -> torch.optim.Optimizer:
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+
+    plain_opt, scaled_opt = optimizer(), optimizer()
+    plain = build_lr_scheduler(plain_opt, schedule="cosine", warmup_steps=3, max_steps=10)
+    scaled = BatchScaledLR(scaled_opt, schedule="cosine", warmup_steps=3, max_steps=10)
+    for _ in range(5):
+        assert plain_opt.param_groups[0]["lr"] == scaled_opt.param_groups[0]["lr"]
+        plain_opt.step(), scaled_opt.step()
+        plain.step(), scaled.step()
+    scaled.advance = 2
+    scaled.rescale(2 ** 0.5)
+    assert scaled_opt.param_groups[0]["lr"] == pytest.approx(2 ** 0.5 * lr_factor(5, schedule="cosine",
+                                                                                   warmup_steps=3, max_steps=10))
+    scaled_opt.step()
+    scaled.step()
+    assert scaled.clock == 7
+    assert scaled_opt.param_groups[0]["lr"] == pytest.approx(2 ** 0.5 * lr_factor(7, schedule="cosine",
+                                                                                   warmup_steps=3, max_steps=10))
+    state = scaled.state_dict()
+    again = BatchScaledLR(optimizer(), schedule="cosine", warmup_steps=3, max_steps=10)
+    again.load_state_dict(state)
+    assert (again.clock, again.advance, again.scale) == (7, 2, 2 ** 0.5)

@@ -150,3 +150,42 @@ def test_a_share_of_a_whole_window_is_what_epoch_windows_gives_that_rank(variabl
             assert (got.targets, got.samples, got.padding, len(got.micro_batches)) == (
                 expected.targets, expected.samples, expected.padding, len(expected.micro_batches))
             assert sorted(_ids(got)) == sorted(_ids(expected))
+
+
+def test_merged_windows_keep_the_order_and_give_the_one_big_batch_gradient(variable_dataset):
+    """An adaptive batch's larger window is the minimum's windows grouped: the same samples in the same order, and
+    one step over it is the gradient of one big batch of them (fp32, 1e-6), at a switch as anywhere."""
+    import torch.nn.functional as F
+
+    from cadence.data.batching import collate, epoch_order
+    from cadence.engine.step import Engine
+    from cadence.engine.windows import epoch_windows, merge_windows
+    from tests.helpers import tiny_model
+
+    small = list(epoch_windows(variable_dataset, cut=Cut(micro_batch_size=2), grad_accum_steps=2, seed=5, epoch=0))
+    merged = merge_windows(small[1:3])  # the second and third windows of 4 samples: one of 8
+    assert _ids(merged) == _ids(small[1]) + _ids(small[2])
+    assert (merged.targets, merged.samples, len(merged)) == (small[1].targets + small[2].targets, 8, 4)
+    order = epoch_order(len(variable_dataset), 5, 0).tolist()
+    big = collate([variable_dataset[i] for i in order[4:12]])
+    assert sorted(_ids(merged)) == sorted(_ids([big]))
+
+    model = tiny_model()
+    reference = tiny_model()
+    loss = F.cross_entropy(reference(big["input_ids"]).flatten(0, 1), big["labels"].flatten(), ignore_index=-100)
+    loss.backward()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    result = engine.step(merged)
+    assert result.loss == pytest.approx(loss.item(), rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach() - q.grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_merge_windows_refuses_windows_of_two_epochs(variable_dataset):
+    from cadence.engine.windows import epoch_windows, merge_windows
+
+    first = next(epoch_windows(variable_dataset, cut=Cut(micro_batch_size=2), grad_accum_steps=2, seed=5, epoch=0))
+    second = next(epoch_windows(variable_dataset, cut=Cut(micro_batch_size=2), grad_accum_steps=2, seed=5, epoch=1))
+    with pytest.raises(ValueError, match="epochs"):
+        merge_windows([first, second])
+    assert merge_windows([first]) is first

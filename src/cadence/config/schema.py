@@ -20,6 +20,7 @@ from cadence.data.chat import TrainOn
 from cadence.data.choices import TooLong
 from cadence.engine.choices import (
     DEFAULT_MIN_LR_RATIO,
+    BatchLRScaling,
     LastWindow,
     LRScheduleName,
     ObjectiveName,
@@ -89,13 +90,14 @@ RUN_DIRECTORY = _section("Output", "plan", "profile")
 FROM_PLAN = _section("From a file or a plan", "profile")
 # A training run's own course.
 LENGTH = _section("Training length and auto micro-batch")
+ADAPTIVE = _section("Adaptive effective batch")
 VALIDATION = _section("Validation")
 # What a run measures about its own batch (profile reports it too).
 NOISE_SCALE = _section("Gradient noise scale", "profile")
 CHECKPOINTS = _section("Checkpoints, resume and export")
 
 SECTIONS: tuple[Section, ...] = (MODEL, DATA, BATCH, CUT, PRECISION, MEMORY, SPEED, OPTIMIZER, LORA, OBJECTIVE, SCHEDULE,
-                                 LENGTH,
+                                 LENGTH, ADAPTIVE,
                                  VALIDATION, NOISE_SCALE, DEVICE, DISTRIBUTED, RUN_DIRECTORY, CHECKPOINTS, FROM_PLAN)
 """In --help order."""
 
@@ -160,9 +162,11 @@ class TrainConfig:
     memory, and try growing back after --auto-grow-after good steps."""
     grad_accum_steps: int | None = setting(None, BATCH)
     """Micro-batches accumulated per optimizer step; default 1, or derived from --effective-batch-size."""
-    effective_batch_size: int | Literal["auto"] | None = setting(None, BATCH, changes_math=True)
+    effective_batch_size: int | Literal["auto", "adaptive"] | None = setting(None, BATCH, changes_math=True)
     """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps. auto
-    (cadence plan only): chosen from the gradient noise scale measured at the start of training."""
+    (cadence plan only): chosen from the gradient noise scale measured at the start of training. adaptive (cadence
+    train only): starts at --min-effective-batch-size and doubles or halves the accumulation at window boundaries
+    as the measured gradient noise scale says (docs/adaptive_batch.md)."""
     micro_batch_order: MicroBatchOrder = setting("by-length", CUT)
     """How a window's samples are cut into micro-batches: by-length (longest first, so each micro-batch pads little)
     or drawn (in the epoch's order). The window's samples and its gradient are the same either way; only the
@@ -338,6 +342,17 @@ class TrainConfig:
     """Write checkpoints in the background: the state is copied (under FSDP2 each rank its shard) and training goes
     on while a thread writes it. A checkpoint counts only once complete (its manifest is written last); the next
     save, the end of the run and a stop wait for the write in flight."""
+    min_effective_batch_size: int | None = setting(None, ADAPTIVE, changes_math=True)
+    """With --effective-batch-size adaptive: the starting and smallest effective batch (a multiple of
+    --micro-batch-size x processes). --max-steps and --warmup-steps then count windows of this batch, so that the
+    schedule follows the examples seen, not the optimizer steps (a grown batch does not shorten it)."""
+    max_effective_batch_size: int | None = setting(None, ADAPTIVE, changes_math=True)
+    """With --effective-batch-size adaptive: the largest effective batch (a multiple of the minimum); default for a
+    LoRA run 32 ("LoRA Without Regret": LoRA loses above about 32 sequences per step), required otherwise."""
+    batch_lr_scaling: BatchLRScaling | None = setting(None, ADAPTIVE, changes_math=True)
+    """With --effective-batch-size adaptive: the LR multiplier when the batch is r times the minimum: sqrt (sqrt(r),
+    the default for Adam-type optimizers), linear (r, the default for SGD) or none. AdamW's beta2 also follows the
+    batch (beta2 ** r, at least 0.9), keeping its averaging half-life in examples."""
     max_skipped_steps: int = setting(50, LENGTH)
     """Stop (exit status 1) after this many optimizer steps in a row were skipped (fp16 overflow or non-finite
     gradients): the run has diverged."""
@@ -370,6 +385,8 @@ class TrainConfig:
         """The accumulation actually used at the start (call after ``validate``)."""
         if self.grad_accum_steps is not None:
             return self.grad_accum_steps
+        if self.effective_batch_size == "adaptive":  # windows of the minimum; the controller groups them
+            return int(self.min_effective_batch_size or 0) // (int(self.micro_batch_size) * world_size)
         if self.effective_batch_size is not None and not self.auto_micro_batch:
             return int(self.effective_batch_size) // (int(self.micro_batch_size) * world_size)
         return 1

@@ -21,7 +21,8 @@ from cadence.config.schema import (
 )
 from cadence.data.choices import TOO_LONG_CHOICES
 from cadence.data.hf import HF_DATA_PREFIX
-from cadence.engine.choices import LAST_WINDOW_CHOICES, LR_SCHEDULES, PRECISIONS
+from cadence.engine.adaptive_batch import LORA_MAX_BATCH, AdaptiveBatch
+from cadence.engine.choices import BATCH_LR_SCALINGS, LAST_WINDOW_CHOICES, LR_SCHEDULES, PRECISIONS
 from cadence.engine.cut import MICRO_BATCH_ORDER_CHOICES
 from cadence.engine.objective import Objective
 from cadence.engine.precision import precision_problem
@@ -49,7 +50,8 @@ def validate(config: TrainConfig, *, world_size: int = 1, launched: bool = False
                 if (problem := path_length_problem(getattr(config, name))) is not None]
     if too_long:
         raise UsageError(too_long)
-    problems = [*_batch_shape_problems(config, world_size), *_value_problems(config), *_model_problems(config),
+    problems = [*_batch_shape_problems(config, world_size), *_adaptive_problems(config, world_size),
+                *_value_problems(config), *_model_problems(config),
                 *_run_problems(config), *_optimizer_problems(config, launched),
                 *distributed_problems(config, world_size, launched),
                 *_device_problems(config, cuda_available)]
@@ -225,6 +227,8 @@ def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]
     elif isinstance(micro, int) and micro < 1:
         bad("micro_batch_size", f"must be at least 1 (or auto), got {micro}")
     accum, effective = config.grad_accum_steps, config.effective_batch_size
+    if effective == "adaptive":
+        return problems  # its bounds and what does not combine with it: _adaptive_problems
     if isinstance(effective, str):
         bad("effective_batch_size", f"{effective!r} is measured only by cadence plan (--effective-batch-size auto "
                                     f"chooses it from the gradient noise scale); give a whole number here"
@@ -252,6 +256,59 @@ def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]
             bad("effective_batch_size", f"{effective} contradicts --grad-accum-steps {accum} x --micro-batch-size "
                                         f"{micro} x {world_size} process(es); give one of the two")
     return problems
+
+
+def _adaptive_problems(config: TrainConfig, world_size: int) -> list[Problem]:
+    """--effective-batch-size adaptive: its bounds, its LR scaling, and what it does not combine with (its flags
+    without it are refused too)."""
+    check = _Checks(config)
+    own = ("min_effective_batch_size", "max_effective_batch_size", "batch_lr_scaling")
+    if config.effective_batch_size != "adaptive":
+        for name in own:
+            if getattr(config, name) is not None:
+                check.bad(name, "applies only with --effective-batch-size adaptive")
+        return check.problems
+    low, high = config.min_effective_batch_size, config.max_effective_batch_size
+    if low is None:
+        if high is None:
+            check.bad("effective_batch_size", (
+                "adaptive is trained by cadence train between --min-effective-batch-size and "
+                "--max-effective-batch-size (give them); cadence plan, profile and verify take a fixed batch (a whole "
+                "number; auto for plan)"))
+        else:
+            check.bad("min_effective_batch_size", "is required with --effective-batch-size adaptive: the starting "
+                                                  "and smallest batch")
+        return check.problems
+    if high is None and not config.lora_rank:
+        check.bad("max_effective_batch_size", "is required with --effective-batch-size adaptive (a LoRA run "
+                                              f"defaults to {LORA_MAX_BATCH})")
+    if config.grad_accum_steps is not None:
+        check.bad("grad_accum_steps", "contradicts --effective-batch-size adaptive, which sets the accumulation "
+                                      "itself; leave it out")
+    micro = config.micro_batch_size
+    if micro == "auto":
+        check.bad("micro_batch_size", "auto does not combine with --effective-batch-size adaptive (which changes the "
+                                      "accumulation, never the micro-batch): give a whole number")
+    elif isinstance(micro, int) and micro >= 1 and low >= 1:
+        per_window = micro * world_size
+        if low % per_window != 0:
+            check.bad("min_effective_batch_size", f"{low} is not a multiple of --micro-batch-size x processes = "
+                                                  f"{per_window}")
+        elif low == per_window and world_size == 1:
+            check.bad("min_effective_batch_size", (
+                f"{low} is one micro-batch per window on one process, and the noise scale adaptive decides from "
+                f"needs two sizes: give at least {2 * per_window} (2 x --micro-batch-size)"))
+    if config.noise_scale_ema == 0:
+        check.bad("noise_scale_ema", "0 turns off the gradient noise scale that --effective-batch-size adaptive "
+                                     "decides from")
+    if config.checkpoint_mid_window:
+        check.bad("checkpoint_mid_window", "does not combine with --effective-batch-size adaptive (a window it would "
+                                           "continue may be regrouped)")
+    if config.batch_lr_scaling is not None and config.batch_lr_scaling not in BATCH_LR_SCALINGS:
+        check.choice("batch_lr_scaling", BATCH_LR_SCALINGS)
+    elif high is not None:
+        check.problems += AdaptiveBatch(minimum=low, maximum=high).problems()
+    return check.problems
 
 
 MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600

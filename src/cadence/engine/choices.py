@@ -31,3 +31,8 @@ ReferenceLogprobs = Literal["live", "precomputed"]
 REFERENCE_LOGPROBS: tuple[ReferenceLogprobs, ...] = ("live", "precomputed")
 """How a full fine-tuning's reference is scored (cadence.engine.reference): live, a frozen model in memory through
 training; precomputed, its log-probabilities computed once before training and kept beside the token store."""
+
+BatchLRScaling = Literal["sqrt", "linear", "none"]
+BATCH_LR_SCALINGS: tuple[BatchLRScaling, ...] = ("sqrt", "linear", "none")
+"""How --effective-batch-size adaptive scales the LR when the batch changes by a ratio r: by sqrt(r) (Adam-type
+optimizers), by r (SGD), or not at all."""

@@ -257,6 +257,26 @@ def _assembled(batches: list[Batch], *, most: int, samples: int, window: Window,
                   padding=len(padding), largest_share=largest_share, drawn=drawn)
 
 
+def merge_windows(windows: Sequence[Window]) -> Window:
+    """One window of ``windows``' micro-batches, in their order (the same examples in the same order, grouped into a
+    larger window: an adaptive batch's accumulation grows, the micro-batch does not). Its counts are their sums, so
+    the engine divides every micro-batch's loss by the whole group's targets: the one-big-batch gradient of all their
+    examples. All of one epoch (windows never span epochs); trailing padding is the last window's."""
+    if not windows:
+        raise ValueError("merge_windows needs at least one window")
+    if len({window.epoch for window in windows}) != 1:
+        raise ValueError("windows of different epochs cannot be merged: a window never spans epochs")
+    if len(windows) == 1:
+        return windows[0]
+    shares = [window.largest_share for window in windows]
+    return Window(micro_batches=[batch for window in windows for batch in window.micro_batches],
+                  targets=sum(window.targets for window in windows), tokens=sum(window.tokens for window in windows),
+                  samples=sum(window.samples for window in windows), epoch=windows[0].epoch,
+                  short=any(window.short for window in windows), padding=windows[-1].padding,
+                  largest_share=None if None in shares else sum(share or 0 for share in shares),
+                  positions=sum(window.positions for window in windows), drawn=None)
+
+
 def pad_to_micro_batches(window: Window, count: int) -> Window:
     """``window`` with padding micro-batches appended up to ``count`` micro-batches (what the rank with the most
     needs: DDP and FSDP2 pair their collectives by order). The real ones are kept; nothing is counted twice."""

@@ -23,6 +23,7 @@ class SGDRule(OptimizerRule):
     options = frozenset({"weight_decay", "momentum", "nesterov"})
     offloadable = True
     default_momentum = 0.9
+    batch_lr_scaling = "linear"
 
     def param_groups(self, spec: OptimizerSpec, model: torch.nn.Module) -> list[ParamGroup]:
         return decay_groups(model, spec.weight_decay)

@@ -21,7 +21,7 @@ import contextlib
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -92,6 +92,10 @@ class OptimizerRule:
     """Its momentum when --momentum is not given (None: it has no momentum, and --momentum does not apply)."""
     schedules: tuple[str, ...] = ("constant", "linear", "cosine")
     """The --lr-schedule values it trains under."""
+    batch_lr_scaling: Literal["sqrt", "linear"] = "sqrt"
+    """How its LR follows a batch r times larger when --batch-lr-scaling is not given (--effective-batch-size
+    adaptive): sqrt(r) for Adam-type updates (Malladi et al. 2022, the square-root rule), r for SGD (Goyal et al.
+    2017, the linear rule)."""
 
     def param_groups(self, spec: OptimizerSpec, model: torch.nn.Module) -> list[ParamGroup]:
         raise NotImplementedError
@@ -201,6 +205,11 @@ class OptimizerSpec:
         """The momentum the optimizer runs with: --momentum, or its own default."""
         default = self.rule.default_momentum
         return self.momentum if self.momentum is not None else (0.0 if default is None else default)
+
+    @property
+    def batch_lr_scaling(self) -> Literal["sqrt", "linear"]:
+        """The LR's default rule when the batch changes (:attr:`OptimizerRule.batch_lr_scaling`)."""
+        return self.rule.batch_lr_scaling
 
     @property
     def rule(self) -> OptimizerRule:

@@ -219,6 +219,33 @@ def noise_scale_figure(rows: Sequence[Row], *, effective: float | None) -> Figur
     return fig
 
 
+def adaptive_batch_figure(rows: Sequence[Row]) -> Figure:
+    """--effective-batch-size adaptive: the batch of each step and the noise scale (sequences, log scale) and the LR
+    (right axis) against the tokens seen, each switch a vertical line with its decision."""
+    fig, ax = _axes("Adaptive batch against tokens", "tokens seen", "sequences")
+    tokens, seen = [], 0
+    for row in rows:
+        seen += int(row.get("tokens") or 0)
+        tokens.append(seen)
+    ax.step(tokens, [row.get("effective_batch") or 0 for row in rows], where="pre", color="black", lw=1.6,
+            label="effective batch")
+    noise = [(x, row["grad_noise_scale"]) for x, row in zip(tokens, rows)
+             if finite(row.get("grad_noise_scale")) and row["grad_noise_scale"] > 0]
+    ax.plot([x for x, _ in noise], [v for _, v in noise], color=TRAIN, lw=1.2, label="gradient noise scale")
+    ax.set_yscale("log")
+    for x, row in zip(tokens, rows):
+        if row.get("batch_decision") in ("grow", "shrink"):
+            ax.axvline(x, color=VALIDATION, ls="--", lw=1, alpha=0.6)
+            ax.annotate(f"{row['batch_decision']} -> {row.get('next_effective_batch')}", (x, 1), xycoords=(
+                "data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7)
+    lr_axis = ax.twinx()
+    lr_axis.plot(tokens, [float(row.get("lr") or 0.0) for row in rows], color="grey", lw=1, ls=":", label="learning rate")
+    lr_axis.set_ylabel("learning rate")
+    lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    _legend(ax, loc="upper left")
+    return fig
+
+
 def loss_scale_figure(rows: Sequence[Row]) -> Figure:
     """fp16's loss scale per window: it halves on every skipped window, so windows (not steps) are the x axis."""
     fig, ax = _axes("fp16 loss scale", "window (optimizer step attempts, skipped ones included)", "loss scale")

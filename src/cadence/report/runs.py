@@ -491,6 +491,11 @@ def _run_plots(rows: list[dict[str, Any]], config: dict[str, Any], summary: dict
             "report-noise-scale.png", "The gradient noise scale (sequences, its moving average after each step) "
             "against the run's effective batch: above the line the batch is below the critical batch, below it "
             "above.", plots.noise_scale_figure(rows, effective=effective if plots.finite(effective) else None)))
+    if any(row.get("effective_batch") is not None for row in rows):  # --effective-batch-size adaptive
+        blocks.append(plot_block("report-adaptive-batch.png", "The adaptive batch of each step, the gradient noise "
+                                 "scale it decides from (sequences, log scale) and the LR (dotted, right axis) "
+                                 "against the tokens seen; each dashed line a switch, with its decision (the reasons "
+                                 "are metrics.jsonl's batch_reason).", plots.adaptive_batch_figure(rows)))
     if any(plots.finite(row.get("rewards/margins")) or plots.finite(row.get("rewards/chosen")) for row in rows):
         blocks.append(plot_block("report-rewards.png", "The preference objective's rewards over each window (beta x "
                                  "the log-ratio to the reference): chosen, rejected and their margin; the dotted grey "

@@ -10,14 +10,16 @@ import torch
 
 from cadence.config import TrainConfig
 from cadence.distributed.ranks import SINGLE, ProcessGroupCollective, Ranks, wrap_model
+from cadence.engine.adaptive_batch import LORA_MAX_BATCH, AdaptiveBatch
 from cadence.engine.noise_scale import GradientNoiseScale
 from cadence.engine.objective import Objective
-from cadence.engine.schedules import build_lr_scheduler
+from cadence.engine.schedules import BatchScaledLR, build_lr_scheduler
 from cadence.engine.step import Engine, LossFn
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models import CompileClock, compile_blocks
 from cadence.models.pretrained import load_shards
 from cadence.optim.spec import OptimizerSpec
+from cadence.training.adaptive_batch import BatchController
 from cadence.training.prepare import Prepared
 from cadence.training.reference import build_reference, precomputed_reference, starting_copy
 
@@ -48,6 +50,8 @@ class Components:
     ranks: Ranks = SINGLE
     compile_clock: CompileClock | None = None
     """With --compile: torch.compile's cost since the blocks were compiled (None without --compile)."""
+    batch: BatchController | None = None
+    """With --effective-batch-size adaptive: the controller that groups windows and grows or shrinks the batch."""
 
 
 def build_components(prep: Prepared) -> Components:
@@ -82,7 +86,10 @@ def build_components(prep: Prepared) -> Components:
     objective = objective.with_reference(precomputed or build_reference(
         objective, config, policy=model, starting=starting, device=prep.device, vocab_size=vocab_size))
     optimizer = prep.optimizer.build(model)
-    scheduler = build_lr_scheduler(
+    policy = AdaptiveBatch.from_flags(config, lr_scaling=prep.optimizer.batch_lr_scaling,
+                                      maximum=LORA_MAX_BATCH if config.lora_rank else None)
+    # Adaptive: the schedule counts windows of the minimum batch (examples), times the batch's LR multiplier.
+    scheduler = (BatchScaledLR if policy is not None else build_lr_scheduler)(
         optimizer, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
         max_steps=config.max_steps, min_lr_ratio=config.min_lr_ratio,
     )
@@ -104,5 +111,10 @@ def build_components(prep: Prepared) -> Components:
         agree_on_out_of_memory=config.auto_micro_batch,
         noise_scale=GradientNoiseScale(ema=config.noise_scale_ema) if measured else None,
     )
+    batch = None
+    if policy is not None and isinstance(scheduler, BatchScaledLR) and engine.noise_scale is not None:
+        beta2 = prep.optimizer.betas[1] if "adam_beta2" in prep.optimizer.rule.options else None
+        batch = BatchController(policy, scheduler=scheduler, optimizer=optimizer, noise_scale=engine.noise_scale,
+                                beta2=beta2, budget=config.max_steps)
     return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, ranks=prep.ranks,
-                      compile_clock=compile_clock)
+                      compile_clock=compile_clock, batch=batch)

@@ -30,6 +30,7 @@ from cadence.distributed.ranks import (
     max_over_ranks,
     unwrap,
 )
+from cadence.engine.adaptive_batch import LORA_MAX_BATCH
 from cadence.engine.precision import fp32_matmul
 from cadence.engine.prefetch import Prefetcher, prefetch
 from cadence.engine.step import Engine, PartialWindow, StepResult, WindowInterrupted
@@ -182,7 +183,7 @@ class TrainingRun:
             self.checkpointer.resumed_from(self.start.checkpoint, windows=self.engine.windows)
         kept_rows = self.start.kept_rows if self.start else []
         self.evaluation = Evaluation(prep, kept_rows, resumed=self.start is not None)
-        ended = self.start is not None and (self.engine.steps >= config.max_steps or self.evaluation.early_stopped)
+        ended = self.start is not None and (self.reached_max_steps() or self.evaluation.early_stopped)
         # Every check has passed: only now is anything in the run directory written (nothing new for a run that had
         # already ended: no TensorBoard file, its config.json as it is).
         if prep.ranks.is_main:
@@ -202,6 +203,12 @@ class TrainingRun:
     @property
     def engine(self) -> Engine:
         return self.parts.engine
+
+    def reached_max_steps(self) -> bool:
+        """--max-steps optimizer steps done; with an adaptive batch, --max-steps windows of the minimum batch
+        consumed (the examples of that many minimum steps, whatever the batch grew to)."""
+        batch = self.parts.batch
+        return (batch.clock if batch is not None else self.engine.steps) >= self.prep.config.max_steps
 
     def close_metrics(self) -> None:
         """Close metrics.jsonl and TensorBoard (once)."""
@@ -230,6 +237,10 @@ class TrainingRun:
                  noise_scale_announcement(self.engine, prep.grad_accum_steps), self.evaluation.announcement(prep)]
         # Which optimizer, and what each of its groups holds (Muon: the orthogonalised matrices and the AdamW rest).
         lines.insert(1, f"optimizer: {prep.optimizer.describe()}: {prep.optimizer.describe_groups(self.parts.model)}")
+        if self.parts.batch is not None:
+            lines.insert(1, f"batch: {self.parts.batch.describe()}" + (
+                f" (LoRA: at most {LORA_MAX_BATCH} unless --max-effective-batch-size is given, as LoRA loses above "
+                f"it)" if config.lora_rank and config.max_effective_batch_size is None else ""))
         if self.engine.objective.name != "sft":  # a preference objective: what is minimised, against what
             lines.insert(1, f"objective: {self.engine.objective.describe()}")
         if prep.built.pending is not None:
@@ -255,13 +266,16 @@ class TrainingRun:
     def windows_across_epochs(self) -> Iterator[EpochWindow]:
         """This rank's windows, epoch after epoch, while fewer than --max-steps optimizer steps are done (the loop
         stops at --max-steps; this only refuses to start past it), prepared --prefetch-windows ahead in a thread."""
-        if self.engine.steps >= self.prep.config.max_steps or self.evaluation.early_stopped:
+        if self.reached_max_steps() or self.evaluation.early_stopped:
             return
         # Pinned on CUDA, so that the engine's non_blocking copy of each micro-batch is really asynchronous.
         self.prefetcher = prefetch(self._cut_windows(), depth=self.prep.config.prefetch_windows,
                                    pin_memory=self.prep.device.type == "cuda")
+        places: Iterator[EpochWindow] = iter(self.prefetcher)
+        if self.parts.batch is not None:  # the minimum's windows, grouped as the adaptive batch says
+            places = self.parts.batch.group(places)
         try:
-            for place in self.prefetcher:
+            for place in places:
                 # The producer may already be in the next epoch: the epoch is the window's, taken as it is run.
                 self.totals.epoch = place.epoch
                 yield place
@@ -340,7 +354,9 @@ class TrainingRun:
         caught.clear()
         # Steps slowed by the profiler or by compiling are not steady state: they do not count towards tokens/s.
         totals.add(result, timed=not outcome.profiled and not row.get("compile_time_s"))
-        done = engine.steps >= config.max_steps
+        if self.parts.batch is not None:  # grow, hold or shrink from the next window on (before the checkpoint)
+            row.update(self.parts.batch.after_step(result, engine.steps))
+        done = self.reached_max_steps()
         if self.evaluation.due(engine.steps, done=done, skipped=result.skipped):
             with self.prep.optimizer.evaluation_weights(self.parts.optimizer):  # schedule-free: its averaged weights
                 new_best = self.evaluation.run(engine, row)
@@ -466,6 +482,12 @@ class TrainingRun:
                   f"--resume", file=self.stream, flush=True)
 
     def _summary(self, wall: float, peak_memory: int | None) -> dict[str, Any]:
+        summary = self._run_summary(wall, peak_memory)
+        if self.parts.batch is not None:
+            summary.update(self.parts.batch.summary())
+        return summary
+
+    def _run_summary(self, wall: float, peak_memory: int | None) -> dict[str, Any]:
         return run_summary(prep=self.prep, parts=self.parts, totals=self.totals, evaluation=self.evaluation,
                            controller=self.controller, parameters=(self.record.trained, self.record.frozen),
                            stopped_by=self.evaluation.stopped_by() or self.stops.stopped_by(), wall=wall,

@@ -147,6 +147,9 @@ class TrainProgress:
             f"{self.rate or float(row.get('tokens_per_s') or 0.0):,.0f} tok/s",
             f"mem {format_bytes(self.peak_memory)}",
         ]
+        if row.get("effective_batch") is not None:  # --effective-batch-size adaptive: the batch of this step
+            parts.insert(1, f"batch {row['effective_batch']}" + (
+                f" -> {row['next_effective_batch']}" if row.get("batch_decision") in ("grow", "shrink") else ""))
         if row.get("val_loss") is not None:
             parts.append(f"val {row['val_loss']:.4f}")
         if row.get("skipped"):

@@ -53,6 +53,9 @@ elsewhere, an absolute path, a link) resumes; other content under the same name 
 
 _FLAG_OF = {"data_fingerprint": "--data", "data_store_digest": "--data"}
 
+ADAPTIVE_FIELDS = ("min_effective_batch_size", "max_effective_batch_size", "batch_lr_scaling")
+"""--effective-batch-size adaptive's own flags (None in a fixed-batch run's record)."""
+
 BEFORE_THE_FLAG: dict[str, Any] = {"too_long": "truncate"}
 """What a run recorded before a math-changing flag existed did as that flag says: every example longer than
 --seq-len was truncated then, so a resume of such a run with --too-long skip (now the default) is refused, not run on
@@ -76,7 +79,19 @@ class ResumePoint:
 def incompatibilities(saved: dict[str, Any], current: dict[str, Any]) -> list[Problem]:
     """The math-changing fields that differ, each named by its flag."""
     problems = []
+    skipped: tuple[str, ...] = ()
+    # An adaptive batch against a fixed one (either way round): one line, not one per adaptive flag.
+    was, now = (record.get("min_effective_batch_size") is not None for record in (saved, current))
+    if was != now:
+        problems.append(Problem(where="--effective-batch-size", message=(
+            "adaptive cannot continue a run trained at a fixed batch" if now else
+            "a fixed batch cannot continue a run trained with --effective-batch-size adaptive")
+            + " (the checkpoint's schedule counts other steps, and an adaptive run's state is its batch "
+              "controller's); start a new --out"))
+        skipped = ADAPTIVE_FIELDS
     for name in RESUME_CHECKED:
+        if name in skipped:
+            continue
         if name not in saved and name in BEFORE_THE_FLAG:
             saved = {**saved, name: BEFORE_THE_FLAG[name]}
         if name not in saved or _same(name, saved.get(name), current.get(name)):

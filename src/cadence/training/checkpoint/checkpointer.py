@@ -125,6 +125,8 @@ class Checkpointer:
         capture = self._capture(parts, copy=in_background, shared={
             "scheduler": None if parts.scheduler is None else parts.scheduler.state_dict(),
             "engine": parts.engine.state_dict(),
+            # --effective-batch-size adaptive: the controller's multiple, streaks and switches
+            "batch": None if parts.batch is None else parts.batch.state_dict(),
             "data_position": data_position,
             "rng": rng_state(),
             # --checkpoint-mid-window: the gradients of the micro-batches already done in the interrupted window
@@ -227,6 +229,8 @@ class Checkpointer:
         if state["scheduler"] is not None:
             parts.scheduler.load_state_dict(state["scheduler"])
         parts.engine.load_state_dict(state["engine"])
+        if parts.batch is not None and state.get("batch") is not None:
+            parts.batch.load_state_dict(state["batch"])
         own = self._rank_state(path)
         restore_rng_state(own["rng"] if own is not None else state["rng"])
         partial = state.get("partial_window")

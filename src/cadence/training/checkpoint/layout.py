@@ -268,6 +268,12 @@ def check_contents(path: Path, info: Record, state: Any) -> None:
     optimizer.record("state")
     optimizer.records("param_groups")
     record.record("scheduler", default=None)
+    batch = record.record("batch", default=None)
+    if batch is not None:  # --effective-batch-size adaptive
+        saved = batch.record("state")
+        for name in ("multiple", "grow_streak", "shrink_streak", "switches"):
+            saved.count(name)
+        batch.records("switches")
     engine = record.record("engine")
     for name in ("steps", "skipped_steps", "windows"):
         engine.count(name)

@@ -1,0 +1,187 @@
+"""The adaptive effective batch (``--effective-batch-size adaptive``): when to grow, hold or shrink the batch.
+
+The rule is a pure function, :func:`decide`, of a frozen policy (:class:`AdaptiveBatch`), the controller's state
+(:class:`BatchState`) and one window's measurement: the critical batch ``B_crit`` (the gradient noise scale in
+sequences, :mod:`cadence.engine.noise_scale`, the same value on every rank). With ``r = B_crit / B`` for the current
+effective batch ``B``:
+
+- grow (``B -> 2B``, at most the maximum) once ``r >= grow_at`` (2: the doubled batch is still at or below the
+  critical one) for ``patience`` measured windows in a row;
+- shrink (``B -> B/2``, at least the minimum) once ``r < shrink_at`` (1/2: the batch is more than twice the critical
+  one) for ``patience`` windows in a row;
+- hold otherwise. A window without an estimate (not measured yet, a skipped step, fewer than ``min_windows`` windows
+  in the moving average) holds and resets both streaks: the estimate has not said anything.
+
+Why these constants: at ``B = B_crit`` a step costs twice the fewest steps and twice the fewest examples
+(McCandlish et al. 2018: ``steps ~ 1 + B_crit / B``, ``examples ~ 1 + B / B_crit``), the usual compromise; doubling
+only while ``2B <= B_crit`` keeps every batch at or below the critical one (at most 2x the fewest examples), and the
+factor 4 between the two thresholds (hysteresis) means a switch is never undone by the next window's noise. The
+batch is always the minimum times a whole number of windows (``multiple``), so the data order stays the minimum
+batch's windows, grouped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cadence.engine.choices import BATCH_LR_SCALINGS, BatchLRScaling
+from cadence.errors import Problem
+
+Decision = Literal["grow", "hold", "shrink"]
+
+LORA_MAX_BATCH = 32
+"""LoRA trains best at small batches ("LoRA Without Regret", Thinking Machines 2025: the loss is worse above about 32
+sequences): a LoRA run's --max-effective-batch-size unless given."""
+GROW_AT = 2.0
+SHRINK_AT = 0.5
+PATIENCE = 4
+"""Windows in a row that must agree: the per-window noise-scale estimate is noisy; the moving average still lags."""
+MIN_WINDOWS = 8
+"""Measured windows in the moving average before any decision (its first windows are a handful of noisy terms)."""
+BETA2_FLOOR = 0.9
+"""The lowest AdamW beta2 a rescale gives (its second moment would otherwise average over too few steps to be a
+scale at all: 0.95 ** 8 = 0.66)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveBatch:
+    """The adaptive-batch policy of a run: its bounds (sequences), how the LR follows the batch, and the rule's
+    constants."""
+
+    minimum: int
+    """--min-effective-batch-size: the starting batch and the smallest; one window of the data order."""
+    maximum: int
+    """--max-effective-batch-size: the largest (a multiple of the minimum)."""
+    lr_scaling: BatchLRScaling = "sqrt"
+    """--batch-lr-scaling: the LR multiplier for a batch ``r`` times the minimum (sqrt(r), r or 1)."""
+    grow_at: float = GROW_AT
+    shrink_at: float = SHRINK_AT
+    patience: int = PATIENCE
+    min_windows: int = MIN_WINDOWS
+    beta2_floor: float = BETA2_FLOOR
+
+    @classmethod
+    def from_flags(cls, flags: Any, *, lr_scaling: BatchLRScaling, maximum: int | None = None) -> AdaptiveBatch | None:
+        """The policy of train's flags (a TrainConfig or a mapping), None unless --effective-batch-size adaptive.
+        ``lr_scaling``: the optimizer's default when --batch-lr-scaling is not given; ``maximum``: the default
+        maximum (a LoRA run's :data:`LORA_MAX_BATCH`) when --max-effective-batch-size is not given."""
+        get = flags.get if isinstance(flags, dict) else lambda name, default=None: getattr(flags, name, default)
+        if get("effective_batch_size", None) != "adaptive":
+            return None
+        minimum = int(get("min_effective_batch_size", None) or 0)
+        given_max = get("max_effective_batch_size", None)
+        top = int(given_max) if given_max is not None else max(minimum, int(maximum or minimum))
+        return cls(minimum=minimum, maximum=top, lr_scaling=get("batch_lr_scaling", None) or lr_scaling)
+
+    def flags(self) -> dict[str, Any]:
+        return {"effective_batch_size": "adaptive", "min_effective_batch_size": self.minimum,
+                "max_effective_batch_size": self.maximum, "batch_lr_scaling": self.lr_scaling}
+
+    def describe(self) -> str:
+        return (f"adaptive effective batch from {self.minimum} to {self.maximum} sequences, x2 / /2 at window "
+                f"boundaries after {self.patience} windows in a row with the critical batch >= {self.grow_at:g}x / < "
+                f"{self.shrink_at:g}x the batch; LR x {_scaling_words(self.lr_scaling)}")
+
+    def problems(self) -> list[Problem]:
+        problems = []
+        if self.minimum < 1:
+            problems.append(Problem(where="--min-effective-batch-size",
+                                    message=f"must be at least 1, got {self.minimum}"))
+        elif self.maximum < self.minimum:
+            problems.append(Problem(where="--max-effective-batch-size",
+                                    message=f"{self.maximum} is below --min-effective-batch-size {self.minimum}"))
+        elif self.maximum % self.minimum != 0:
+            problems.append(Problem(where="--max-effective-batch-size", message=(
+                f"{self.maximum} is not a multiple of --min-effective-batch-size {self.minimum} (the batch grows by "
+                f"whole windows of the minimum); use {self.maximum // self.minimum * self.minimum}")))
+        if self.lr_scaling not in BATCH_LR_SCALINGS:
+            problems.append(Problem(where="--batch-lr-scaling",
+                                    message=f"{self.lr_scaling!r} is not one of {', '.join(BATCH_LR_SCALINGS)}"))
+        return problems
+
+    @property
+    def most_windows(self) -> int:
+        """The largest batch in windows of the minimum."""
+        return max(1, self.maximum // self.minimum)
+
+    def lr_scale(self, multiple: int) -> float:
+        """The LR multiplier for a batch of ``multiple`` windows of the minimum."""
+        if self.lr_scaling == "sqrt":
+            return math.sqrt(multiple)
+        return float(multiple) if self.lr_scaling == "linear" else 1.0
+
+    def beta2(self, base: float, multiple: int) -> float:
+        """AdamW's beta2 for a batch of ``multiple`` windows, keeping its half-life in examples (Marek et al.): a step
+        of r times the examples is r steps of the minimum, so ``base ** r``; never below ``beta2_floor`` (nor above
+        ``base``)."""
+        return min(base, max(self.beta2_floor, base ** multiple))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchState:
+    """The controller's state: what the next window holds and the streaks so far (in the checkpoint)."""
+
+    multiple: int = 1
+    """The effective batch in windows of the minimum (the batch is ``minimum x multiple``)."""
+    grow_streak: int = 0
+    shrink_streak: int = 0
+    switches: int = 0
+    """Grows and shrinks so far."""
+
+    def effective(self, policy: AdaptiveBatch) -> int:
+        return policy.minimum * self.multiple
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> BatchState:
+        return cls(**{field.name: int(state[field.name]) for field in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchMeasurement:
+    """What one window said: the critical batch in sequences (None: no estimate) over ``windows`` measured windows."""
+
+    critical: float | None
+    windows: int = 0
+
+
+def decide(policy: AdaptiveBatch, state: BatchState, measured: BatchMeasurement
+           ) -> tuple[BatchState, Decision, str]:
+    """The rule of the module docstring: the state for the next window, the decision and its reason in words."""
+    batch = state.effective(policy)
+    if measured.critical is None or measured.windows < policy.min_windows:
+        why = ("no noise-scale estimate yet" if measured.critical is None
+               else f"{measured.windows} of {policy.min_windows} windows measured")
+        return dataclasses.replace(state, grow_streak=0, shrink_streak=0), "hold", why
+    ratio = measured.critical / batch
+    said = f"critical batch {measured.critical:.1f} = {ratio:.2f}x the batch {batch}"
+    if ratio >= policy.grow_at:
+        if state.multiple >= policy.most_windows:
+            return dataclasses.replace(state, grow_streak=0, shrink_streak=0), "hold", f"{said}; at the maximum"
+        streak = state.grow_streak + 1
+        if streak < policy.patience:
+            return (dataclasses.replace(state, grow_streak=streak, shrink_streak=0), "hold",
+                    f"{said}; grow after {policy.patience - streak} more")
+        multiple = min(policy.most_windows, state.multiple * 2)
+        return (BatchState(multiple=multiple, switches=state.switches + 1), "grow",
+                f"{said} for {streak} windows: {batch} -> {policy.minimum * multiple}")
+    if ratio < policy.shrink_at:
+        if state.multiple <= 1:
+            return dataclasses.replace(state, grow_streak=0, shrink_streak=0), "hold", f"{said}; at the minimum"
+        streak = state.shrink_streak + 1
+        if streak < policy.patience:
+            return (dataclasses.replace(state, grow_streak=0, shrink_streak=streak), "hold",
+                    f"{said}; shrink after {policy.patience - streak} more")
+        multiple = max(1, state.multiple // 2)
+        return (BatchState(multiple=multiple, switches=state.switches + 1), "shrink",
+                f"{said} for {streak} windows: {batch} -> {policy.minimum * multiple}")
+    return dataclasses.replace(state, grow_streak=0, shrink_streak=0), "hold", f"{said}; within the band"
+
+
+def _scaling_words(scaling: str) -> str:
+    return {"sqrt": "sqrt(batch ratio)", "linear": "batch ratio", "none": "1"}.get(scaling, scaling)

@@ -1,0 +1,131 @@
+"""The adaptive batch's rule (``cadence.engine.adaptive_batch.decide``) on given noise-scale series: grow, hold,
+shrink, the bounds, the streaks, and the LR and beta2 that follow the batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cadence.engine.adaptive_batch import (
+    LORA_MAX_BATCH,
+    AdaptiveBatch,
+    BatchMeasurement,
+    BatchState,
+    Decision,
+    decide,
+)
+from cadence.engine.choices import BatchLRScaling
+
+POLICY = AdaptiveBatch(minimum=8, maximum=64, patience=3, min_windows=2)
+
+
+def run(series: list[float | None], *, state: BatchState | None = None, windows: int = 10
+        ) -> tuple[list[int], list[Decision], BatchState]:
+    """The batch after each window and the decisions, for a series of critical-batch estimates."""
+    state = state or BatchState()
+    batches: list[int] = []
+    decisions: list[Decision] = []
+    for critical in series:
+        state, decision, _ = decide(POLICY, state, BatchMeasurement(critical=critical, windows=windows))
+        batches.append(state.effective(POLICY))
+        decisions.append(decision)
+    return batches, decisions, state
+
+
+@pytest.mark.parametrize(("series", "batches", "start"), [
+    # grow: three windows in a row with the critical batch at >= 2x the batch (16 >= 2 x 8)
+    ([16, 16, 16], [8, 8, 16], 1),
+    ([100, 100, 100, 100, 100, 100], [8, 8, 16, 16, 16, 32], 1),
+    # hold: inside the band [0.5x, 2x)
+    ([15.9, 15.9, 15.9, 15.9], [8, 8, 8, 8], 1),
+    ([8, 8, 8, 4, 4, 4], [8, 8, 8, 8, 8, 8], 1),
+    # a streak broken by a window in the band starts again
+    ([16, 16, 10, 16, 16, 16], [8, 8, 8, 8, 8, 16], 1),
+    # a streak broken by a window without an estimate starts again
+    ([16, 16, None, 16, 16, 16], [8, 8, 8, 8, 8, 16], 1),
+    # a grow streak switching to a shrink streak starts that one afresh
+    ([200, 200, 3, 3, 3], [32, 32, 32, 32, 16], 4),
+    # shrink: the critical batch below half the batch (32 at 4 windows of 8: below 16)
+    ([15, 15, 15], [32, 32, 16], 4),
+    ([1, 1, 1, 1, 1, 1, 1, 1, 1], [32, 32, 16, 16, 16, 8, 8, 8, 8], 4),
+    # the bounds: never above the maximum, never below the minimum
+    ([1000] * 9, [64] * 9, 8),
+    ([1] * 6, [8] * 6, 1),
+    ([1000] * 12, [8, 8, 16, 16, 16, 32, 32, 32, 64, 64, 64, 64], 1),
+    # no estimate: hold
+    ([None, None, None], [8, 8, 8], 1),
+    ([None, None, None], [32, 32, 32], 4),
+])
+def test_series(series: list[float | None], batches: list[int], start: int) -> None:
+    got, _, _ = run(series, state=BatchState(multiple=start))
+    assert got == batches
+
+
+def test_too_few_windows_holds_and_resets() -> None:
+    state = BatchState(grow_streak=2)
+    state, decision, reason = decide(POLICY, state, BatchMeasurement(critical=1000, windows=1))
+    assert (decision, state.grow_streak, state.multiple) == ("hold", 0, 1)
+    assert "1 of 2 windows" in reason
+
+
+def test_decision_words_and_switch_count() -> None:
+    _, decisions, state = run([16, 16, 16, 100, 100, 100])
+    assert decisions == ["hold", "hold", "grow", "hold", "hold", "grow"]
+    assert state.switches == 2 and state.grow_streak == 0
+    _, decision, reason = decide(POLICY, BatchState(multiple=8), BatchMeasurement(critical=1000, windows=10))
+    assert decision == "hold" and "at the maximum" in reason
+    _, decision, reason = decide(POLICY, BatchState(grow_streak=2), BatchMeasurement(critical=16, windows=10))
+    assert decision == "grow" and "8 -> 16" in reason
+
+
+def test_maximum_not_a_power_of_two_caps_growth() -> None:
+    policy = AdaptiveBatch(minimum=8, maximum=24, patience=1, min_windows=0)
+    state = BatchState(multiple=2)
+    state, decision, _ = decide(policy, state, BatchMeasurement(critical=1000, windows=5))
+    assert decision == "grow" and state.effective(policy) == 24
+
+
+def test_state_round_trips() -> None:
+    state = BatchState(multiple=4, grow_streak=1, shrink_streak=0, switches=3)
+    assert BatchState.from_state_dict(state.state_dict()) == state
+
+
+@pytest.mark.parametrize(("scaling", "multiple", "scale"), [
+    ("sqrt", 4, 2.0), ("sqrt", 2, math.sqrt(2)), ("linear", 4, 4.0), ("none", 8, 1.0), ("sqrt", 1, 1.0)])
+def test_lr_scale(scaling: BatchLRScaling, multiple: int, scale: float) -> None:
+    policy = AdaptiveBatch(minimum=8, maximum=64, lr_scaling=scaling)
+    assert policy.lr_scale(multiple) == pytest.approx(scale)
+
+
+def test_beta2_keeps_its_half_life_in_examples_with_a_floor() -> None:
+    policy = AdaptiveBatch(minimum=8, maximum=64)
+    assert policy.beta2(0.99, 1) == 0.99
+    assert policy.beta2(0.99, 2) == pytest.approx(0.99 ** 2)
+    # half-life in steps halves when a step holds twice the examples: the same in examples
+    half_life = math.log(0.5) / math.log(0.99)
+    assert math.log(0.5) / math.log(policy.beta2(0.99, 4)) == pytest.approx(half_life / 4)
+    assert policy.beta2(0.95, 8) == 0.9  # 0.95 ** 8 = 0.66: floored
+
+
+def test_from_flags() -> None:
+    flags = {"effective_batch_size": "adaptive", "min_effective_batch_size": 8, "max_effective_batch_size": None,
+             "batch_lr_scaling": None}
+    policy = AdaptiveBatch.from_flags(flags, lr_scaling="sqrt", maximum=LORA_MAX_BATCH)
+    assert policy is not None and (policy.minimum, policy.maximum, policy.lr_scaling) == (8, 32, "sqrt")
+    assert AdaptiveBatch.from_flags({**flags, "effective_batch_size": 16}, lr_scaling="sqrt") is None
+    policy = AdaptiveBatch.from_flags({**flags, "max_effective_batch_size": 128, "batch_lr_scaling": "linear"},
+                                      lr_scaling="sqrt", maximum=LORA_MAX_BATCH)
+    assert policy is not None and (policy.maximum, policy.lr_scaling) == (128, "linear")
+    assert policy.flags()["max_effective_batch_size"] == 128
+    assert "8 to 128" in policy.describe()
+
+
+@pytest.mark.parametrize(("minimum", "maximum", "where", "words"), [
+    (16, 8, "--max-effective-batch-size", "below"),
+    (8, 20, "--max-effective-batch-size", "not a multiple"),
+    (0, 8, "--min-effective-batch-size", "at least 1"),
+])
+def test_problems(minimum: int, maximum: int, where: str, words: str) -> None:
+    problems = AdaptiveBatch(minimum=minimum, maximum=maximum).problems()
+    assert len(problems) == 1 and problems[0].where == where and words in problems[0].message
