@@ -1,7 +1,7 @@
 """The decision: which feasible candidate to train with, and whether a cut by length or an nf4 base beats it.
 
-The front-runners are timed again in alternating rounds (``cadence.plan.measure``); each one's throughput is the
-median of its rounds, and candidates tied with the fastest within their noise go to the lower measured peak, then the
+The contenders are timed in alternating rounds from the start (``cadence.plan.rounds``); each one's throughput is
+the median of its rounds, and candidates tied with the fastest within their noise go to the lower measured peak, then the
 simpler configuration. The cuts by length and an nf4 base replace the choice only when clearly faster, measured the
 same way; a lossy lever is kept only after its loss check (``cadence.plan.quality``).
 """
@@ -22,19 +22,13 @@ from cadence.models.spec import ModelSpec
 from cadence.plan.candidates import NF4_PRECISIONS, Candidate, build_candidates
 from cadence.plan.measure import DISAGREE, Deadline, Rates, agree, alternate, ranked_with_ties, tied
 from cadence.plan.quality import BASE_TOLERANCE
+from cadence.plan.rounds import MAX_CONTENDERS, Races, race
 from cadence.plan.search import OFFLOAD_COST, RECOMPUTE_COST, measure_candidate, measuring_cost, quality_reserve
 from cadence.plan.trials import TrialSetup, timed_round
 from cadence.training.prepare import Prepared
 
 Say = Callable[[str], None]
 
-CONFIRM_TOP = 4
-"""Front-runners timed again in alternating rounds before the decision."""
-FRONT_RUNNER_SHARE = 0.2
-"""Candidates whose first measurement is at least this share of the best one's are front-runners. A busy machine
-slows one trial by several times (measured: 109 against 714 tokens/s for two gpt-tiny candidates with another
-process on the cores, in the order opposite to the quiet machine's), so a first measurement only rules out a
-candidate that is behind by more than such noise."""
 CUT_GAIN = 1.03
 """A cut by length replaces drawn order only when its measured throughput is more than 3% higher: the same
 gradient either way, so only a clear, measured gain is worth a different configuration."""
@@ -60,25 +54,32 @@ def simplicity(candidate: Candidate) -> tuple[int, ...]:
 
 
 def decide(feasible: list[Candidate], prep: Prepared, options: PlanOptions, deadline: Deadline, say: Say,
-           notes: list[str]) -> Candidate:
-    """The feasible candidate to train with. The front-runners (first measurements within FRONT_RUNNER_SHARE of the
-    best, at most CONFIRM_TOP) are timed again in alternating rounds; the fastest median wins, and candidates tied
-    with it within their noise go to the lowest measured peak, then the simplest configuration."""
-    best = max(c.rate for c in feasible)
-    front = sorted((c for c in feasible if c.rate >= FRONT_RUNNER_SHARE * best), key=lambda c: -c.rate)[:CONFIRM_TOP]
-    for candidate in front:
-        candidate.rates = Rates(rounds=[candidate.rate])
-    if len(front) > 1 and options.max_trials:
-        say(f"front-runners {', '.join(c.id for c in front)}: timing them again in up to {options.rounds} "
-            f"alternating rounds")
-        alternate_rounds(front, prep, options, deadline, say, notes)
-    return ranked(front, notes, "front-runners")
+           notes: list[str], races: Races) -> Candidate:
+    """The feasible candidate to train with. The contenders (at most MAX_CONTENDERS, the cheapest by the prior cost)
+    are timed in alternating rounds from the start with the stopping rule (``cadence.plan.rounds``); the fastest
+    median wins, and candidates tied with it within their noise go to the lowest peak, then the simplest
+    configuration. Contenders timed already (a second decision after a lossy lever was refused) are ranked on their
+    rounds."""
+    contenders = sorted(feasible, key=lambda c: measuring_cost(c, prep.device))[:MAX_CONTENDERS]
+    left_out = [c for c in feasible if c not in contenders]
+    if left_out:
+        notes.append(f"{len(left_out)} fitting candidates were not timed ({', '.join(c.id for c in left_out)}): "
+                     f"at most {MAX_CONTENDERS} contenders are timed, the cheapest by the prior cost per token")
+    if any(not c.timing.rounds for c in contenders):
+        if len(contenders) > 1:
+            say(f"contenders {', '.join(c.id for c in contenders)}: timing them in up to {options.rounds} "
+                f"alternating rounds (stopping when one is clear)")
+        race(contenders, races, options, deadline, say, notes, lambda: quality_reserve(contenders, options))
+    timed = [c for c in contenders if c.timing.rounds]
+    if not timed:
+        raise RuntimeError("no contender could be timed")  # each fits its budget: a bug of the plan, not the input
+    return ranked(timed, notes, "contenders")
 
 
 def alternate_rounds(items: list[Candidate], prep: Prepared, options: PlanOptions, deadline: Deadline, say: Say,
                      notes: list[str]) -> None:
-    """Time ``items`` in up to --rounds alternating rounds (another set where their rounds disagree), within the
-    --time-budget; each round's rate joins the candidate's rates."""
+    """Time ``items`` (the cuts, an nf4 base against the choice) in up to --rounds alternating rounds (another set
+    where their rounds disagree), within the --time-budget; each round's rate joins the candidate's rates."""
     def time_one(candidate: Candidate) -> float | None:
         rates = candidate.timing
         candidate.rates = rates
