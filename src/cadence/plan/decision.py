@@ -21,9 +21,16 @@ from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES
 from cadence.models.spec import ModelSpec
 from cadence.plan.candidates import NF4_PRECISIONS, Candidate, build_candidates
 from cadence.plan.measure import DISAGREE, Deadline, Rates, agree, alternate, ranked_with_ties, tied
-from cadence.plan.quality import BASE_TOLERANCE
+from cadence.plan.quality import BASE_TOLERANCE, quality_steps
 from cadence.plan.rounds import MAX_CONTENDERS, Races, race
-from cadence.plan.search import OFFLOAD_COST, RECOMPUTE_COST, measure_candidate, measuring_cost, quality_reserve
+from cadence.plan.search import (
+    OFFLOAD_COST,
+    RECOMPUTE_COST,
+    REPORT_STEPS,
+    measure_candidate,
+    measuring_cost,
+    quality_reserve,
+)
 from cadence.plan.trials import TrialSetup, timed_round
 from cadence.training.prepare import Prepared
 
@@ -60,8 +67,13 @@ def decide(feasible: list[Candidate], prep: Prepared, options: PlanOptions, dead
     median wins, and candidates tied with it within their noise go to the lowest peak, then the simplest
     configuration. Contenders timed already (a second decision after a lossy lever was refused) are ranked on their
     rounds."""
-    contenders = sorted(feasible, key=lambda c: measuring_cost(c, prep.device))[:MAX_CONTENDERS]
-    left_out = [c for c in feasible if c not in contenders]
+    open_ = [c for c in feasible if not any(dominates(other, c) for other in feasible)]
+    for candidate in feasible:
+        if candidate not in open_ and not candidate.timing.rounds and "not timed" not in candidate.status:
+            better = next(other for other in feasible if dominates(other, candidate))
+            candidate.status += f"; not timed: {better.id} fits with as large a micro-batch and fewer costly levers"
+    contenders = sorted(open_, key=lambda c: measuring_cost(c, prep.device))[:MAX_CONTENDERS]
+    left_out = [c for c in open_ if c not in contenders]
     if left_out:
         notes.append(f"{len(left_out)} fitting candidates were not timed ({', '.join(c.id for c in left_out)}): "
                      f"at most {MAX_CONTENDERS} contenders are timed, the cheapest by the prior cost per token")
@@ -69,11 +81,43 @@ def decide(feasible: list[Candidate], prep: Prepared, options: PlanOptions, dead
         if len(contenders) > 1:
             say(f"contenders {', '.join(c.id for c in contenders)}: timing them in up to {options.rounds} "
                 f"alternating rounds (stopping when one is clear)")
-        race(contenders, races, options, deadline, say, notes, lambda: quality_reserve(contenders, options))
+        race(contenders, races, options, deadline, say, notes, lambda: check_reserve(contenders, races, options))
     timed = [c for c in contenders if c.timing.rounds]
     if not timed:
         raise RuntimeError("no contender could be timed")  # each fits its budget: a bug of the plan, not the input
     return ranked(timed, notes, "contenders")
+
+
+def dominates(better: Candidate, worse: Candidate) -> bool:
+    """Whether ``better`` is faster than ``worse`` without a measurement: the same precision, optimizer state, base
+    and cut order, a micro-batch at least as large, and no costlier recompute, offload or loss chunking (each of
+    which only adds work to the same micro-batch), one of them cheaper or the micro-batch larger."""
+    a, b = better.setup, worse.setup
+    same = (a.precision == b.precision and a.optimizer_state == b.optimizer_state
+            and a.lora_base_precision == b.lora_base_precision and a.cut.by_length == b.cut.by_length)
+    costs = [(RECOMPUTE_COST[a.activation_checkpointing], RECOMPUTE_COST[b.activation_checkpointing]),
+             (OFFLOAD_COST[a.offload], OFFLOAD_COST[b.offload]), (int(a.loss_chunk_tokens > 0), int(b.loss_chunk_tokens > 0))]
+    no_costlier = all(mine <= theirs for mine, theirs in costs)
+    return (same and no_costlier and a.micro_batch_size >= b.micro_batch_size
+            and (a.micro_batch_size > b.micro_batch_size or any(mine < theirs for mine, theirs in costs)))
+
+
+def check_reserve(contenders: list[Candidate], races: Races, options: PlanOptions) -> float:
+    """Seconds to keep, while the rounds run, for the quality check (the gradient of one window, then the loss
+    windows the rounds' runs have not trained yet: the leader's and its fp32 twin's) and the report, at the leader's
+    time per window."""
+    timed = [c for c in contenders if c.timing.rounds]
+    if not timed:
+        return 0.0
+    leader = max(timed, key=lambda c: c.timing.median or 0.0)
+    steps = quality_steps(options)
+    def untrained(candidate: Candidate | None) -> int:
+        run = races.runs.get(candidate.id) if candidate is not None else None
+        return steps - min(steps, len(run.losses)) if run is not None and run.parts is not None else steps
+    twin = None if leader.setup.precision == "fp32" else next(
+        (c for c in contenders if c.setup.precision == "fp32" and c.setup.exact == leader.setup.exact), None)
+    windows = 2 + untrained(leader) + (untrained(twin) if leader.setup.precision != "fp32" else 0) + REPORT_STEPS
+    return windows * (leader.seconds_per_step or 0.0)
 
 
 def alternate_rounds(items: list[Candidate], prep: Prepared, options: PlanOptions, deadline: Deadline, say: Say,

@@ -83,9 +83,9 @@ def _run_losses(races: Races, key: str, setup: TrialSetup, steps: int) -> tuple[
     """The first ``steps`` losses of ``setup``: the rounds' run of candidate ``key`` where it has one (said in the
     second value: which run, how many of the windows it had trained there) or else a run started for the check
     (None)."""
-    had = races.losses(key, setup, 0)
-    trained = len(had) if had is not None else 0
-    losses = races.losses(key, setup, steps) if had is not None else None
+    run = races.runs.get(key)
+    trained = len(run.losses) if run is not None else 0
+    losses = races.losses(key, setup, steps) if run is not None else None
     if losses is not None:
         return losses, f"{key}'s rounds ({min(trained, steps)} of {steps} windows trained there)"
     run = start_run(races.prep, setup)
