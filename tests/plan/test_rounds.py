@@ -12,9 +12,9 @@ import torch
 from cadence.config import TrainConfig
 from cadence.config.commands import PlanOptions
 from cadence.plan.candidates import Candidate, build_candidates
-from cadence.plan.decision import dominates
 from cadence.plan.measure import Deadline, Rates
 from cadence.plan.rounds import MIN_NOISE, Races, behind, race
+from cadence.plan.search import dominates
 
 
 @pytest.mark.parametrize("rounds, leader, dropped", [
@@ -79,7 +79,7 @@ def test_rounds_that_disagree_get_more_rounds_and_the_time_budget_stops_them():
     assert len(order) == 12 and any("disagreed" in note for note in notes)
     assert all(len(c.timing.rounds) == 6 for c in contenders)
     _, order, notes = _race(noisy, rounds=3, budget=0.0)
-    assert order == ["a", "b"] and any("allowed 1 alternating rounds" in note for note in notes)
+    assert order == ["a"] and any("1 contender was not timed (b)" in note for note in notes)
 
 
 def test_a_contender_with_costlier_levers_at_no_larger_micro_batch_is_not_timed():
@@ -96,3 +96,9 @@ def test_a_contender_with_costlier_levers_at_no_larger_micro_batch_is_not_timed(
     assert not dominates(find("bf16", "none", 4), find("bf16", "full", 8))  # recompute buys a larger micro-batch
     assert not dominates(find("fp32", "none", 8), find("bf16", "full", 8))  # another precision: only rounds tell
     assert not dominates(find("bf16", "none", 8), find("bf16", "none", 8))
+
+
+def test_a_spent_time_budget_times_only_the_first_contender_and_says_which_were_not_timed():
+    contenders, order, notes = _race({"a": [1000.0], "b": [2000.0], "c": [1500.0]}, budget=0.0)
+    assert order == ["a"] and [c.status for c in contenders[1:]] == ["not timed: --time-budget spent"] * 2
+    assert any("2 contenders were not timed (b, c)" in note for note in notes)

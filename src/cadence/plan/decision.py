@@ -27,6 +27,7 @@ from cadence.plan.search import (
     OFFLOAD_COST,
     RECOMPUTE_COST,
     REPORT_STEPS,
+    dominates,
     measure_candidate,
     measuring_cost,
     quality_reserve,
@@ -86,20 +87,6 @@ def decide(feasible: list[Candidate], prep: Prepared, options: PlanOptions, dead
     if not timed:
         raise RuntimeError("no contender could be timed")  # each fits its budget: a bug of the plan, not the input
     return ranked(timed, notes, "contenders")
-
-
-def dominates(better: Candidate, worse: Candidate) -> bool:
-    """Whether ``better`` is faster than ``worse`` without a measurement: the same precision, optimizer state, base
-    and cut order, a micro-batch at least as large, and no costlier recompute, offload or loss chunking (each of
-    which only adds work to the same micro-batch), one of them cheaper or the micro-batch larger."""
-    a, b = better.setup, worse.setup
-    same = (a.precision == b.precision and a.optimizer_state == b.optimizer_state
-            and a.lora_base_precision == b.lora_base_precision and a.cut.by_length == b.cut.by_length)
-    costs = [(RECOMPUTE_COST[a.activation_checkpointing], RECOMPUTE_COST[b.activation_checkpointing]),
-             (OFFLOAD_COST[a.offload], OFFLOAD_COST[b.offload]), (int(a.loss_chunk_tokens > 0), int(b.loss_chunk_tokens > 0))]
-    no_costlier = all(mine <= theirs for mine, theirs in costs)
-    return (same and no_costlier and a.micro_batch_size >= b.micro_batch_size
-            and (a.micro_batch_size > b.micro_batch_size or any(mine < theirs for mine, theirs in costs)))
 
 
 def check_reserve(contenders: list[Candidate], races: Races, options: PlanOptions) -> float:

@@ -136,6 +136,12 @@ def run_trials(pool: list[Candidate], candidates: list[Candidate], measured: lis
         if verdict == "under":
             measured.append(candidate)
         elif verdict == "measure":
+            better = next((c for c in measured if c.feasible and dominates(c, candidate)), None)
+            if better is not None:
+                # It cannot be faster than what fits already: its memory would decide nothing.
+                candidate.status = (f"not measured: {better.id} fits with as large a micro-batch and no costlier "
+                                    f"levers")
+                continue
             if measured and deadline.passed(quality_reserve(measured, options) if fits else 0.0):
                 out_of_time([candidate, *queue], deadline, notes, "trials")
                 break
@@ -186,6 +192,20 @@ def measure_candidate(candidate: Candidate, prep: Prepared, budget: int, options
     say(f"  {label} {candidate.id} {candidate.setup.describe()}: peak {format_bytes(result.peak_bytes)} "
         f"(estimate {format_bytes(candidate.estimate.peak_bytes)}){rate}, {'fits' if result.fits else 'DOES NOT FIT'}")
     return result
+
+
+def dominates(better: Candidate, worse: Candidate) -> bool:
+    """Whether ``better`` is faster than ``worse`` without a measurement: the same precision, optimizer state, base
+    and cut order, a micro-batch at least as large, and no costlier recompute, offload or loss chunking (each of
+    which only adds work to the same micro-batch), one of them cheaper or the micro-batch larger."""
+    a, b = better.setup, worse.setup
+    same = (a.precision == b.precision and a.optimizer_state == b.optimizer_state
+            and a.lora_base_precision == b.lora_base_precision and a.cut.by_length == b.cut.by_length)
+    costs = [(RECOMPUTE_COST[a.activation_checkpointing], RECOMPUTE_COST[b.activation_checkpointing]),
+             (OFFLOAD_COST[a.offload], OFFLOAD_COST[b.offload]), (int(a.loss_chunk_tokens > 0), int(b.loss_chunk_tokens > 0))]
+    no_costlier = all(mine <= theirs for mine, theirs in costs)
+    return (same and no_costlier and a.micro_batch_size >= b.micro_batch_size
+            and (a.micro_batch_size > b.micro_batch_size or any(mine < theirs for mine, theirs in costs)))
 
 
 def next_smaller(candidates: list[Candidate], candidate: Candidate) -> Candidate | None:
