@@ -20,6 +20,7 @@ so its losses over its windows are what the quality check's loss comparison need
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -74,6 +75,9 @@ class Run:
     losses: list[float | None] = field(default_factory=list)
     seconds: float = 0.0
     """Wall time spent in this run (building included)."""
+    tokens: int = 0
+    positions: int = 0
+    """Real tokens, and positions computed (padding included), over the run's windows."""
 
     def step(self) -> tuple[int, float]:
         """One window: (tokens, step seconds)."""
@@ -83,6 +87,8 @@ class Run:
         window = next(self.windows)
         result = self.parts.engine.step(window)
         self.losses.append(result.loss)
+        self.tokens, self.positions = self.tokens + result.tokens, self.positions + result.tokens + \
+            result.padded_positions
         self.seconds += time.perf_counter() - began
         return result.tokens, result.step_time_s
 
@@ -147,6 +153,8 @@ class Races:
             self.close(candidate.id)
             return None
         candidate.seconds_per_step = run.seconds / max(1, len(run.losses))
+        if candidate.measured is not None and run.positions:  # the share of real tokens: the cuts' comparison
+            candidate.measured = dataclasses.replace(candidate.measured, real_share=run.tokens / run.positions)
         if not self.keep:
             self.close(candidate.id, keep_losses=True)
         return tokens / seconds if seconds > 0 else None
