@@ -102,3 +102,18 @@ def test_a_spent_time_budget_times_only_the_first_contender_and_says_which_were_
     contenders, order, notes = _race({"a": [1000.0], "b": [2000.0], "c": [1500.0]}, budget=0.0)
     assert order == ["a"] and [c.status for c in contenders[1:]] == ["not timed: --time-budget spent"] * 2
     assert any("2 contenders were not timed (b, c)" in note for note in notes)
+
+
+def test_the_precisions_take_turns_in_the_first_round():
+    """Issue 54: the CPU prior put every fp32 contender first, so a round cut short by the budget never timed bf16
+    (on a CPU with bf16 matrix units, the faster one)."""
+    from types import SimpleNamespace
+
+    from cadence.plan.decision import interleaved
+
+    config = TrainConfig(model="gpt-tiny", effective_batch_size=8, memory_budget="64MiB")
+    pool = build_candidates(config, set(), torch.device("cpu"), 64, [], precisions=["fp32", "bf16"])
+    leaders = [c for c in pool if c.setup.micro_batch_size == 8]
+    order = interleaved(leaders, SimpleNamespace(device=torch.device("cpu")))  # type: ignore[arg-type]
+    assert [c.setup.precision for c in order[:4]] == ["fp32", "bf16", "fp32", "bf16"]
+    assert [c.setup.activation_checkpointing for c in order[:2]] == ["none", "none"]

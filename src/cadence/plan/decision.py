@@ -73,11 +73,12 @@ def decide(feasible: list[Candidate], prep: Prepared, options: PlanOptions, dead
         if candidate not in open_ and not candidate.timing.rounds and "not timed" not in candidate.status:
             better = next(other for other in feasible if dominates(other, candidate))
             candidate.status += f"; not timed: {better.id} fits with as large a micro-batch and fewer costly levers"
-    contenders = sorted(open_, key=lambda c: measuring_cost(c, prep.device))[:MAX_CONTENDERS]
+    contenders = interleaved(open_, prep)[:MAX_CONTENDERS]
     left_out = [c for c in open_ if c not in contenders]
     if left_out:
         notes.append(f"{len(left_out)} fitting candidates were not timed ({', '.join(c.id for c in left_out)}): "
-                     f"at most {MAX_CONTENDERS} contenders are timed, the cheapest by the prior cost per token")
+                     f"at most {MAX_CONTENDERS} contenders are timed, each precision's cheapest by the prior cost per "
+                     f"token")
     if any(not c.timing.rounds for c in contenders):
         if len(contenders) > 1:
             say(f"contenders {', '.join(c.id for c in contenders)}: timing them in up to {options.rounds} "
@@ -87,6 +88,20 @@ def decide(feasible: list[Candidate], prep: Prepared, options: PlanOptions, dead
     if not timed:
         raise RuntimeError("no contender could be timed")  # each fits its budget: a bug of the plan, not the input
     return ranked(timed, notes, "contenders")
+
+
+def interleaved(candidates: list[Candidate], prep: Prepared) -> list[Candidate]:
+    """``candidates`` in the order to time them: each precision's cheapest first (by the prior cost), the precisions
+    taking turns. The prior orders only within a precision: across precisions it is a guess (fp32 first on a CPU,
+    where a CPU with bf16 matrix units runs bf16 several times faster), and a round cut short by the --time-budget
+    keeps every precision in it."""
+    ranks: dict[str, int] = {}
+    keyed = []
+    for candidate in sorted(candidates, key=lambda c: measuring_cost(c, prep.device)):
+        rank = ranks.get(candidate.setup.precision, 0)
+        ranks[candidate.setup.precision] = rank + 1
+        keyed.append((rank, measuring_cost(candidate, prep.device), candidate))
+    return [candidate for _, _, candidate in sorted(keyed, key=lambda item: item[:2])]
 
 
 def check_reserve(contenders: list[Candidate], races: Races, options: PlanOptions) -> float:
