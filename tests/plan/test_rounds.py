@@ -117,3 +117,25 @@ def test_the_precisions_take_turns_in_the_first_round():
     order = interleaved(leaders, SimpleNamespace(device=torch.device("cpu")))  # type: ignore[arg-type]
     assert [c.setup.precision for c in order[:4]] == ["fp32", "bf16", "fp32", "bf16"]
     assert [c.setup.activation_checkpointing for c in order[:2]] == ["none", "none"]
+
+
+@pytest.mark.slow  # a whole plan with its rounds and quality check
+def test_the_quality_check_reuses_the_rounds_losses_and_says_which(tmp_path) -> None:
+    import json
+
+    from test_plan import run_plan
+
+    code, out = run_plan(tmp_path, "--activation-checkpointing", "none", "--rounds", "2")
+    assert code == 0
+    plan = json.loads((out / "plan.json").read_text())
+    choice, loss = plan["choice"], plan["quality"]["loss"]
+    reused = loss["reused"]
+    assert reused["chosen"].startswith(f"{choice['id']}'s rounds (")  # the choice was a contender: its own run
+    steps = len(loss["reference"])
+    assert steps >= 3 and all(value is not None for value in loss["reference"])
+    if choice["precision"] == "fp32":
+        assert reused["reference"] == reused["chosen"]  # an fp32 choice is its own reference
+    elif reused["reference"] is not None:  # an fp32 contender's run, trained on the same windows from the same weights
+        twin = reused["reference"].split("'")[0]
+        assert next(c for c in plan["candidates"] if c["id"] == twin)["precision"] == "fp32"
+    assert loss["passed"]

@@ -60,8 +60,11 @@ def quality_check(prep: Prepared, chosen: Candidate, budget: int, options: PlanO
     if reference_setup == setup:
         reference, reused_reference = losses, reused_chosen
     else:
-        twin = next((c for c in timed if _same_math(c.setup, reference_setup)
-                     and races.losses(c.id, c.setup, steps) is not None), None)
+        # The fp32 contender whose run trained furthest (still kept, or with its windows' losses already).
+        twins = [c for c in timed if _same_math(c.setup, reference_setup) and c.id in races.runs
+                 and races.runs[c.id].setup == c.setup
+                 and (races.runs[c.id].parts is not None or len(races.runs[c.id].losses) >= steps)]
+        twin = max(twins, key=lambda c: len(races.runs[c.id].losses), default=None)
         reference, reused_reference = (_run_losses(races, twin.id, twin.setup, steps) if twin is not None
                                        else _run_losses(races, "reference", reference_setup, steps))
     loss = compare_losses(losses, reference, setup.precision)
