@@ -748,7 +748,10 @@ def render_plan_time(data: dict) -> list[str]:
     seen = [name for name in phases if any(name in row["time_spent_s"] for row in data["runs"])]
     lines = [f"`cadence plan {data['case']}` on this machine, shared with other work (the 1-minute load average "
              f"before and after each run is beside it; on 2 cores a load of 8 leaves a process about a quarter of a "
-             f"core). CPU s = the user + system time the plan got: what it would take on a quiet machine, about.", "",
+             f"core). CPU s = the user + system time the plan got, all threads: a quiet 2-core machine would take between half "
+             f"of it and all of it (torch's two threads are not always both busy), plus the waits a quiet machine "
+             f"also has. Phases in seconds from plan.json's time_spent_s; tokens/s is the choice's median round "
+             f"(before: its trial), on the loaded machine.", "",
              "| run | commit | load before / after | wall s | CPU s | " + " | ".join(seen)
              + " | choice | tokens/s | peak MiB (how) | memory trials | timed | quality losses reused |",
              "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in seen) + " | --- | --- | --- | --- | --- | --- |"]

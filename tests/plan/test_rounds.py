@@ -79,7 +79,7 @@ def test_rounds_that_disagree_get_more_rounds_and_the_time_budget_stops_them():
     assert len(order) == 12 and any("disagreed" in note for note in notes)
     assert all(len(c.timing.rounds) == 6 for c in contenders)
     _, order, notes = _race(noisy, rounds=3, budget=0.0)
-    assert order == ["a"] and any("1 contender was not timed (b)" in note for note in notes)
+    assert order == ["a", "b"] and any("allowed 1 alternating rounds" in note for note in notes)
 
 
 def test_a_contender_with_costlier_levers_at_no_larger_micro_batch_is_not_timed():
@@ -98,10 +98,12 @@ def test_a_contender_with_costlier_levers_at_no_larger_micro_batch_is_not_timed(
     assert not dominates(find("bf16", "none", 8), find("bf16", "none", 8))
 
 
-def test_a_spent_time_budget_times_only_the_first_contender_and_says_which_were_not_timed():
+def test_a_spent_time_budget_still_times_every_contender_once():
+    """The first round runs whole whatever the budget: on a loaded machine a round cut short chose the first
+    contender (issue 54's case chose fp32 at 283 tokens/s, bf16 untimed); the budget stops the later rounds."""
     contenders, order, notes = _race({"a": [1000.0], "b": [2000.0], "c": [1500.0]}, budget=0.0)
-    assert order == ["a"] and [c.status for c in contenders[1:]] == ["not timed: --time-budget spent"] * 2
-    assert any("2 contenders were not timed (b, c)" in note for note in notes)
+    assert order == ["a", "b", "c"] and all(len(c.timing.rounds) == 1 for c in contenders)
+    assert any("allowed 1 alternating rounds of a, b, c" in note for note in notes)
 
 
 def test_the_precisions_take_turns_in_the_first_round():

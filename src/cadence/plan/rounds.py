@@ -211,16 +211,6 @@ def race(contenders: list[Candidate], races: Races, options: PlanOptions, deadli
                          f"{', '.join(c.id for c in alive)}")
             break
         for candidate in list(alive):
-            if not done and candidate is not alive[0] and deadline.passed(reserve()):
-                # A plan times at least one contender; the budget decides how many more the first round takes.
-                late = alive[alive.index(candidate):]
-                for left in late:
-                    left.status = "not timed: --time-budget spent"
-                alive = alive[:alive.index(candidate)]
-                notes.append(f"the --time-budget of {deadline.seconds:g} s was spent after {deadline.elapsed:.0f} s: "
-                             f"{len(late)} contender{'s were' if len(late) > 1 else ' was'} not timed "
-                             f"({', '.join(c.id for c in late)}); a larger --time-budget times them")
-                break
             rate = races.time_round(candidate)
             say(f"  round {done} {candidate.id}: " + (f"{rate:,.0f} tokens/s" if rate else "out of memory"))
             if rate is None:
