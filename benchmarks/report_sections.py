@@ -237,6 +237,9 @@ def render_plan_vs_sweep(data: dict) -> list[str]:
                    [[f"{data['plan_seconds']:.0f} s", f"{data['plan_trials']} of {data['candidates']} candidates",
                      chosen, f"{mib(data['plan_choice_peak_bytes'])} / {data['budget_bytes'] / MiB:.0f} MiB ({fits})",
                      ratio, f"{data['sweep_seconds']:.0f} s"]])
+    if "plan_timed" in data:
+        spent = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in data["plan_time_spent_s"].items())
+        lines += para(f"The plan timed {data['plan_timed']} contenders in its rounds; its time went to {spent}.")
     lines += para("Noted by hand on the development machine when this benchmark was first run (not recorded in the "
                   "JSON): fp16 is left out on that CPU by the plan's matmul probe (fp16 matmuls ran at ~1% of bf16's "
                   "there); bf16 beats fp32 (AMX-less but avx512_bf16: bf16 matmuls ~3x fp32's, the whole model ~1.4x).")
