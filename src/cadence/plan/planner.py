@@ -404,14 +404,14 @@ TIME_OVER = 1.1
 
 def time_over_budget(deadline: Deadline, duration: float) -> str | None:
     """The note of a plan that ran past its --time-budget (by more than :data:`TIME_OVER`): where its time went. A
-    plan always measures one candidate and checks the one it chooses, so the start-up, the first trial and the quality
-    check are spent whatever the budget, and on a busy machine each takes several times its quiet time."""
+    plan always times every contender once and checks the one it chooses, so the start-up, the first round and the
+    quality check are spent whatever the budget, and on a busy machine each takes several times its quiet time."""
     if duration <= deadline.seconds * TIME_OVER:
         return None
     spent = sorted(((name, seconds) for name, seconds in deadline.spent.items() if seconds >= 0.5),
                    key=lambda item: -item[1])
     return (f"the plan took {duration:.0f} s against its --time-budget of {deadline.seconds:g} s: "
             + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in spent)
-            + ". The start-up, the first trial and the quality check run whatever the budget (a plan measures at least "
-              "one candidate and checks the one it chooses); on a busy machine each takes several times its quiet "
+            + ". The start-up, the first round and the quality check run whatever the budget (a plan times every "
+              "contender once and checks the one it chooses); on a busy machine each takes several times its quiet "
               "time: a larger --time-budget, or planning on a quieter machine, keeps the plan within it")
