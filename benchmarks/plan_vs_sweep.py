@@ -53,7 +53,11 @@ def main() -> int:
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "model": args.model, "budget_bytes": plan["memory_budget_bytes"],
         "effective_batch_size": args.effective_batch_size,
-        "plan_seconds": plan_seconds, "plan_trials": sum(1 for c in plan["candidates"] if c["measured"]),
+        # Trials run (a candidate that fits by its trusted estimate ran none: issue 54), and contenders timed.
+        "plan_seconds": plan_seconds, "plan_trials": sum(1 for c in plan["candidates"] if c["measured"] and (
+            c.get("memory") or {}).get("decided_by") != "estimate"),
+        "plan_timed": sum(1 for c in plan["candidates"] if c["rounds"] and c["rounds"]["rounds"]),
+        "plan_time_spent_s": plan["time_spent_s"],
         "candidates": len(sweep["candidates"]),
         "plan_choice": dict(zip(key, pick)), "plan_choice_peak_bytes": chosen_in_plan["measured"]["peak_bytes"],
         "sweep_best": {k: best[k] for k in key}, "sweep_best_tokens_per_s": best["measured"]["tokens_per_s"],

@@ -237,6 +237,9 @@ def render_plan_vs_sweep(data: dict) -> list[str]:
                    [[f"{data['plan_seconds']:.0f} s", f"{data['plan_trials']} of {data['candidates']} candidates",
                      chosen, f"{mib(data['plan_choice_peak_bytes'])} / {data['budget_bytes'] / MiB:.0f} MiB ({fits})",
                      ratio, f"{data['sweep_seconds']:.0f} s"]])
+    if "plan_timed" in data:
+        spent = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in data["plan_time_spent_s"].items())
+        lines += para(f"The plan timed {data['plan_timed']} contenders in its rounds; its time went to {spent}.")
     lines += para("Noted by hand on the development machine when this benchmark was first run (not recorded in the "
                   "JSON): fp16 is left out on that CPU by the plan's matmul probe (fp16 matmuls ran at ~1% of bf16's "
                   "there); bf16 beats fp32 (AMX-less but avx512_bf16: bf16 matmuls ~3x fp32's, the whole model ~1.4x).")
@@ -913,3 +916,31 @@ def render_adaptive_batch(data: dict) -> list[str]:
             lines.append(f"- {kind} did not reach the target in any seed: the targets (at most 0.75x the steps, "
                          f"1.10x the tokens of the fixed {small}; fewer tokens than the fixed {large}) are NOT met.")
     return lines + [""]
+
+
+def render_plan_time(data: dict) -> list[str]:
+    """Issue 54: the plan's time on its case, before and after, with each phase and the load beside it."""
+    phases = ["start-up", "precision probe", "probe", "trials", "memory", "rounds", "cuts", "quality check", "quality"]
+    seen = [name for name in phases if any(name in row["time_spent_s"] for row in data["runs"])]
+    lines = [f"`cadence plan {data['case']}` on this machine, shared with other work (the 1-minute load average "
+             f"before and after each run is beside it; on 2 cores a load of 8 leaves a process about a quarter of a "
+             f"core). CPU s = the user + system time the plan got, all threads: a quiet 2-core machine would take between half "
+             f"of it and all of it (torch's two threads are not always both busy), plus the waits a quiet machine "
+             f"also has. Phases in seconds from plan.json's time_spent_s; tokens/s is the choice's median round "
+             f"(before: its trial), on the loaded machine.", "",
+             "| run | commit | load before / after | wall s | CPU s | " + " | ".join(seen)
+             + " | choice | tokens/s | peak MiB (how) | memory trials | timed | quality losses reused |",
+             "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in seen) + " | --- | --- | --- | --- | --- | --- |"]
+    for row in data["runs"]:
+        choice = row["choice"]
+        chosen = (f"{choice['id']}: micro {choice['micro_batch_size']} x {choice['grad_accum_steps']}, "
+                  f"{choice['precision']}, recompute {choice['activation_checkpointing']}")
+        spent = " | ".join(f"{row['time_spent_s'][name]:.0f}" if name in row["time_spent_s"] else "-" for name in seen)
+        peak = row["chosen_peak_bytes"]
+        reused = row["quality_reused"]
+        reused_words = ", ".join(f"{key}: {value}" for key, value in reused.items() if value) if reused else "-"
+        lines.append(f"| {row['label']} | {row['commit'] or '-'} | {row['load_average_before']:.1f} / "
+                     f"{row['load_average_after']:.1f} | {row['wall_s']:.0f} | {row['cpu_s']:.0f} | {spent} | {chosen} "
+                     f"| {row['chosen_tokens_per_s'] or 0:,.0f} | {peak / 2**20 if peak else 0:.1f} "
+                     f"({row['peak_decided_by']}) | {row['memory_trials']} | {row['timed']} | {reused_words or '-'} |")
+    return lines

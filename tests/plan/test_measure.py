@@ -122,12 +122,13 @@ def _plan(tmp_path: Path, out: str, *extra: str) -> dict:
 @pytest.mark.slow
 def test_a_time_budget_stops_the_trials_and_says_what_was_not_measured(tmp_path: Path) -> None:
     plan = _plan(tmp_path, "quick", "--time-budget", "0.001")
-    unmeasured = [c for c in plan["candidates"] if c["status"] == "not measured: --time-budget spent"]
-    assert unmeasured and any("--time-budget of 0.001 s was spent" in note for note in plan["notes"])
+    # Every candidate fits by its trusted estimate here (issue 54): what the budget stops is the rounds after the
+    # first (which times every contender once, whatever the budget).
+    assert any("--time-budget of 0.001 s allowed 1 alternating rounds" in note for note in plan["notes"])
     assert plan["quality"]["gradient"]["passed"]  # the quality check always runs
     assert plan["prediction"]["tokens_per_s"] > 0 and plan["time_budget_s"] == 0.001
-    # The budget cannot hold the first trial and the quality check: the plan says so, and where its time went.
-    assert plan["time_spent_s"]["trials"] > 0 and plan["time_spent_s"]["quality check"] > 0
+    # The budget cannot hold the first round and the quality check: the plan says so, and where its time went.
+    assert plan["time_spent_s"]["rounds"] > 0 and plan["time_spent_s"]["quality"] > 0
     assert any(note.startswith("the plan took ") and "--time-budget of 0.001 s" in note for note in plan["notes"])
 
 

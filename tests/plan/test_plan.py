@@ -70,7 +70,9 @@ def test_plan_end_to_end_and_train_with_it(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     chosen = next(c for c in plan["candidates"] if c["id"] == plan["choice"]["id"])
     assert chosen["measured"]["fits"] and chosen["measured"]["peak_bytes"] <= plan["memory_budget_bytes"]
-    measured = [c for c in plan["candidates"] if c["measured"] and c["measured"]["fits"]]
+    # The timed ones (issue 54: a candidate may fit by its trusted estimate and not be timed, when another with as
+    # large a micro-batch and no costlier levers fits too).
+    measured = [c for c in plan["candidates"] if c["measured"] and c["measured"]["fits"] and c["measured"]["tokens_per_s"]]
     fastest = max(measured, key=lambda c: c["measured"]["tokens_per_s"])
     if fastest["id"] != chosen["id"]:  # only a tie within the measured noise, which goes to the lower peak
         assert any("tied within their measured noise" in note and fastest["id"] in note and chosen["id"] in note

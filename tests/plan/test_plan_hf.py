@@ -61,7 +61,8 @@ def test_hf_plan_end_to_end_and_train_with_it(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     assert plan["model"] == "hf:llama" and plan["model_config"] == MODEL_CONFIG
     statuses = {c["status"] for c in plan["candidates"]}
-    assert "over budget (estimate)" in statuses  # the budget fits some candidates but not all
+    # The budget fits some candidates but not all: those clearly over by their estimate are not run (issue 54).
+    assert any(status.startswith("estimated ") and "over: not measured" in status for status in statuses)
     chosen = next(c for c in plan["candidates"] if c["id"] == plan["choice"]["id"])
     assert chosen["measured"]["fits"] and chosen["measured"]["peak_bytes"] <= plan["memory_budget_bytes"]
     for candidate in plan["candidates"]:

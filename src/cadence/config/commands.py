@@ -78,11 +78,12 @@ class PlanOptions:
     rounds: int = 3
     """Alternating rounds (A B C A B C ...) in which the front-runners, and the cuts, are timed again; each one's
     median decides, and two within the rounds' noise band are a tie, decided by the lower peak memory."""
-    time_budget: float = 300.0
-    """Seconds the plan may take, counted from the command's start. Trials are ordered by what they can teach (the
-    fastest groups first) and stop when it is spent, keeping time for the quality check and the report; the first
-    trial and the quality check always run. The plan says what it did not measure, and plan.json's time_spent_s
-    where the time went."""
+    time_budget: float = 120.0
+    """Seconds the plan may take, counted from the command's start. Memory is measured only where the estimate's
+    measured error cannot decide it, and the contenders' alternating rounds stop when one is clear or the budget is
+    spent, keeping time for the quality check and the report; the first round and the quality check always run. The
+    plan says what it did not measure, and plan.json's time_spent_s where the time went (start-up, probe, memory,
+    rounds, cuts, quality)."""
     noise_scale_windows: int = 8
     """With --effective-batch-size auto: windows over which the gradient noise scale is measured at the start of
     training (more: a smaller standard error, recorded in plan.json)."""

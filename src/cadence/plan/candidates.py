@@ -34,7 +34,7 @@ from cadence.optim.choices import OptimizerStateName
 from cadence.optim.spec import OptimizerSpec
 from cadence.plan.measure import Rates, probe_precisions
 from cadence.plan.objective_cost import objective_cost, reference_modes
-from cadence.plan.quality import BASE_TOLERANCE, STATE_TOLERANCE
+from cadence.plan.tolerances import BASE_TOLERANCE, STATE_TOLERANCE
 from cadence.plan.trials import TrialResult, TrialSetup
 
 Group = tuple[str, str, str, int, str, str]
@@ -74,8 +74,8 @@ class Candidate:
 
     @property
     def feasible(self) -> bool:
-        """Measured within the budget, with a throughput."""
-        return bool(self.measured and self.measured.fits and self.measured.tokens_per_s)
+        """Within the budget: measured, or by an estimate trusted within its measured error (``plan.trust``)."""
+        return bool(self.measured and self.measured.fits)
 
     @property
     def rate(self) -> float:

@@ -1,7 +1,7 @@
 """The decision: which feasible candidate to train with, and whether a cut by length or an nf4 base beats it.
 
-The front-runners are timed again in alternating rounds (``cadence.plan.measure``); each one's throughput is the
-median of its rounds, and candidates tied with the fastest within their noise go to the lower measured peak, then the
+The contenders are timed in alternating rounds from the start (``cadence.plan.rounds``); each one's throughput is
+the median of its rounds, and candidates tied with the fastest within their noise go to the lower measured peak, then the
 simpler configuration. The cuts by length and an nf4 base replace the choice only when clearly faster, measured the
 same way; a lossy lever is kept only after its loss check (``cadence.plan.quality``).
 """
@@ -21,20 +21,22 @@ from cadence.memory.choices import CHECKPOINTING_MODES, OFFLOAD_MODES
 from cadence.models.spec import ModelSpec
 from cadence.plan.candidates import NF4_PRECISIONS, Candidate, build_candidates
 from cadence.plan.measure import DISAGREE, Deadline, Rates, agree, alternate, ranked_with_ties, tied
-from cadence.plan.quality import BASE_TOLERANCE
-from cadence.plan.search import OFFLOAD_COST, RECOMPUTE_COST, measure_candidate, measuring_cost, quality_reserve
+from cadence.plan.quality import BASE_TOLERANCE, quality_steps
+from cadence.plan.rounds import MAX_CONTENDERS, Races, race
+from cadence.plan.search import (
+    OFFLOAD_COST,
+    RECOMPUTE_COST,
+    REPORT_STEPS,
+    dominates,
+    measure_candidate,
+    measuring_cost,
+    quality_reserve,
+)
 from cadence.plan.trials import TrialSetup, timed_round
 from cadence.training.prepare import Prepared
 
 Say = Callable[[str], None]
 
-CONFIRM_TOP = 4
-"""Front-runners timed again in alternating rounds before the decision."""
-FRONT_RUNNER_SHARE = 0.2
-"""Candidates whose first measurement is at least this share of the best one's are front-runners. A busy machine
-slows one trial by several times (measured: 109 against 714 tokens/s for two gpt-tiny candidates with another
-process on the cores, in the order opposite to the quiet machine's), so a first measurement only rules out a
-candidate that is behind by more than such noise."""
 CUT_GAIN = 1.03
 """A cut by length replaces drawn order only when its measured throughput is more than 3% higher: the same
 gradient either way, so only a clear, measured gain is worth a different configuration."""
@@ -60,25 +62,70 @@ def simplicity(candidate: Candidate) -> tuple[int, ...]:
 
 
 def decide(feasible: list[Candidate], prep: Prepared, options: PlanOptions, deadline: Deadline, say: Say,
-           notes: list[str]) -> Candidate:
-    """The feasible candidate to train with. The front-runners (first measurements within FRONT_RUNNER_SHARE of the
-    best, at most CONFIRM_TOP) are timed again in alternating rounds; the fastest median wins, and candidates tied
-    with it within their noise go to the lowest measured peak, then the simplest configuration."""
-    best = max(c.rate for c in feasible)
-    front = sorted((c for c in feasible if c.rate >= FRONT_RUNNER_SHARE * best), key=lambda c: -c.rate)[:CONFIRM_TOP]
-    for candidate in front:
-        candidate.rates = Rates(rounds=[candidate.rate])
-    if len(front) > 1 and options.max_trials:
-        say(f"front-runners {', '.join(c.id for c in front)}: timing them again in up to {options.rounds} "
-            f"alternating rounds")
-        alternate_rounds(front, prep, options, deadline, say, notes)
-    return ranked(front, notes, "front-runners")
+           notes: list[str], races: Races) -> Candidate:
+    """The feasible candidate to train with. The contenders (at most MAX_CONTENDERS, the cheapest by the prior cost)
+    are timed in alternating rounds from the start with the stopping rule (``cadence.plan.rounds``); the fastest
+    median wins, and candidates tied with it within their noise go to the lowest peak, then the simplest
+    configuration. Contenders timed already (a second decision after a lossy lever was refused) are ranked on their
+    rounds."""
+    open_ = [c for c in feasible if not any(dominates(other, c) for other in feasible)]
+    for candidate in feasible:
+        if candidate not in open_ and not candidate.timing.rounds and "not timed" not in candidate.status:
+            better = next(other for other in feasible if dominates(other, candidate))
+            candidate.status += f"; not timed: {better.id} fits with as large a micro-batch and fewer costly levers"
+    contenders = interleaved(open_, prep)[:MAX_CONTENDERS]
+    left_out = [c for c in open_ if c not in contenders]
+    if left_out:
+        notes.append(f"{len(left_out)} fitting candidates were not timed ({', '.join(c.id for c in left_out)}): "
+                     f"at most {MAX_CONTENDERS} contenders are timed, each precision's cheapest by the prior cost per "
+                     f"token")
+    if any(not c.timing.rounds for c in contenders):
+        if len(contenders) > 1:
+            say(f"contenders {', '.join(c.id for c in contenders)}: timing them in up to {options.rounds} "
+                f"alternating rounds (stopping when one is clear)")
+        race(contenders, races, options, deadline, say, notes, lambda: check_reserve(contenders, races, options))
+    timed = [c for c in contenders if c.timing.rounds]
+    if not timed:
+        raise RuntimeError("no contender could be timed")  # each fits its budget: a bug of the plan, not the input
+    return ranked(timed, notes, "contenders")
+
+
+def interleaved(candidates: list[Candidate], prep: Prepared) -> list[Candidate]:
+    """``candidates`` in the order to time them: each precision's cheapest first (by the prior cost), the precisions
+    taking turns. The prior orders only within a precision: across precisions it is a guess (fp32 first on a CPU,
+    where a CPU with bf16 matrix units runs bf16 several times faster), and a round cut short by the --time-budget
+    keeps every precision in it."""
+    ranks: dict[str, int] = {}
+    keyed = []
+    for candidate in sorted(candidates, key=lambda c: measuring_cost(c, prep.device)):
+        rank = ranks.get(candidate.setup.precision, 0)
+        ranks[candidate.setup.precision] = rank + 1
+        keyed.append((rank, measuring_cost(candidate, prep.device), candidate))
+    return [candidate for _, _, candidate in sorted(keyed, key=lambda item: item[:2])]
+
+
+def check_reserve(contenders: list[Candidate], races: Races, options: PlanOptions) -> float:
+    """Seconds to keep, while the rounds run, for the quality check (the gradient of one window, then the loss
+    windows the rounds' runs have not trained yet: the leader's and its fp32 twin's) and the report, at the leader's
+    time per window."""
+    timed = [c for c in contenders if c.timing.rounds]
+    if not timed:
+        return 0.0
+    leader = max(timed, key=lambda c: c.timing.median or 0.0)
+    steps = quality_steps(options)
+    def untrained(candidate: Candidate | None) -> int:
+        run = races.runs.get(candidate.id) if candidate is not None else None
+        return steps - min(steps, len(run.losses)) if run is not None and run.parts is not None else steps
+    twin = None if leader.setup.precision == "fp32" else next(
+        (c for c in contenders if c.setup.precision == "fp32" and c.setup.exact == leader.setup.exact), None)
+    windows = 2 + untrained(leader) + (untrained(twin) if leader.setup.precision != "fp32" else 0) + REPORT_STEPS
+    return windows * (leader.seconds_per_step or 0.0)
 
 
 def alternate_rounds(items: list[Candidate], prep: Prepared, options: PlanOptions, deadline: Deadline, say: Say,
                      notes: list[str]) -> None:
-    """Time ``items`` in up to --rounds alternating rounds (another set where their rounds disagree), within the
-    --time-budget; each round's rate joins the candidate's rates."""
+    """Time ``items`` (the cuts, an nf4 base against the choice) in up to --rounds alternating rounds (another set
+    where their rounds disagree), within the --time-budget; each round's rate joins the candidate's rates."""
     def time_one(candidate: Candidate) -> float | None:
         rates = candidate.timing
         candidate.rates = rates

@@ -40,6 +40,7 @@ from cadence.plan.candidates import (
     Candidate,
     accumulation_diagnosis,
     build_candidates,
+    lever_words,
     longest_example,
     lossy_candidates,
     nf4_problem,
@@ -50,7 +51,9 @@ from cadence.plan.objective_cost import objective_cost
 from cadence.plan.quality import lossy_check, lossy_words, quality_check, unchecked_lossy_lever
 from cadence.plan.record import PlanOutcome, plan_record, write
 from cadence.plan.report import plan_report
-from cadence.plan.search import run_trials, untried_levers
+from cadence.plan.rounds import Races, can_keep
+from cadence.plan.search import measure_candidate, run_trials, untried_levers
+from cadence.plan.trust import Trust
 from cadence.report.document import write_report
 from cadence.training.prepare import Prepared, prepare
 
@@ -145,6 +148,12 @@ class PlanRun:
     kept: list[PrecisionName] = field(default_factory=list)
     """The precisions the matmul probe kept."""
     longest: int = 0
+    trust: Trust | None = None
+    """The estimate's measured error (``plan.trust``): the shipped figures, then this plan's trials."""
+    reach_confirmed: Candidate | None = None
+    """Where no estimate was within reach of the budget: the closest candidate, measured to confirm."""
+    races: Races | None = None
+    """The contenders' runs, kept across rounds and for the quality check's losses."""
 
     @property
     def feasible(self) -> list[Candidate]:
@@ -167,17 +176,21 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     run = _assemble(config, options, constrained, say, time.perf_counter() if started is None else started)
     baseline = _diagnose(run)
     accumulation = _search(run)
-    with run.deadline.phase("rounds"):
-        chosen = decide(run.feasible, run.prep, options, run.deadline, say, run.notes)
-    chosen = _compare_nf4(run, chosen)
-    chosen, lossy_checks = _check_lossy_levers(run, chosen)
-    with run.deadline.phase("cuts"):
-        chosen, cuts = (compare_cuts(run.prep, chosen, run.budget, options, say, run.model, run.notes, run.deadline)
-                        if not constrained & set(CUT_FLAGS) else (chosen, []))
-    say(f"choice: {chosen.id} {chosen.setup.describe()} at {chosen.rate:,.0f} tokens/s, peak "
-        f"{format_bytes(chosen.peak)}")
-    with run.deadline.phase("quality check"):
-        quality = quality_check(run.prep, chosen.setup, run.budget, options, run.model)
+    run.races = races = Races(prep=run.prep, keep=can_keep(run.feasible, run.prep.device))
+    try:
+        with run.deadline.phase("rounds"):
+            chosen = decide(run.feasible, run.prep, options, run.deadline, say, run.notes, races)
+        chosen = _compare_nf4(run, chosen)
+        chosen, lossy_checks = _check_lossy_levers(run, chosen)
+        with run.deadline.phase("cuts"):
+            chosen, cuts = (compare_cuts(run.prep, chosen, run.budget, options, say, run.model, run.notes,
+                                         run.deadline) if not constrained & set(CUT_FLAGS) else (chosen, []))
+        say(f"choice: {chosen.id} {chosen.setup.describe()} at {chosen.rate:,.0f} tokens/s, peak "
+            f"{format_bytes(chosen.peak)}" + (" (estimated)" if chosen.result.estimated else ""))
+        with run.deadline.phase("quality"):
+            quality = quality_check(run.prep, chosen, run.budget, options, run.model, races, run.feasible)
+    finally:
+        races.close_all()
     quality.update(lossy_checks)
     say(f"quality: gradient relative error {quality['gradient']['relative_error']:.2e} "
         f"({'pass' if quality['gradient']['passed'] else 'FAIL'}), loss within "
@@ -237,16 +250,17 @@ def _search(run: PlanRun) -> dict[str, Any]:
     returns the accumulation diagnosis. Nothing fitting is a PlanFailed naming what was not measured."""
     config, constrained, prep = run.config, run.constrained, run.prep
     states: list[OptimizerStateName] = [config.optimizer_state] if "optimizer_state" in constrained else ["fp32"]
-    with run.deadline.phase("precision probe"):  # and the candidates' estimates
+    run.trust = Trust.of(run.model, enabled=run.options.max_trials != 0)
+    with run.deadline.phase("probe"):  # and the candidates' estimates
         run.candidates = build_candidates(config, constrained, prep.device, prep.seq_len, run.notes, run.model,
                                           states=states, longest=run.longest)
     run.kept = sorted({c.setup.precision for c in run.candidates}, key=PRECISIONS.index)
     accumulation = accumulation_diagnosis(run.candidates, run.model)
     if accumulation["raises_peak"]:
         run.say(f"diagnosis: {accumulation['explanation']}")
-    with run.deadline.phase("trials"):
+    with run.deadline.phase("memory"):
         run_trials(run.candidates, run.candidates, run.measured, prep, run.budget, run.options, run.deadline,
-                   run.say, run.notes,
+                   run.say, run.notes, trust=run.trust,
                    defer_over_estimate="optimizer_state" not in constrained or run.nf4_problem is None)
     if not run.feasible:
         # Only where no exact configuration fits (measured, not estimated: the estimate may be optimistic) does the
@@ -256,12 +270,33 @@ def _search(run: PlanRun) -> dict[str, Any]:
                                 precisions=run.kept, first_number=len(run.candidates) + 1, notes=run.notes,
                                 say=run.say)
         run.candidates += more
-        with run.deadline.phase("trials"):
+        with run.deadline.phase("memory"):
             run_trials(more, run.candidates, run.measured, prep, run.budget, run.options, run.deadline, run.say,
-                       run.notes)
+                       run.notes, trust=run.trust)
+    if not run.feasible and not run.measured:
+        with run.deadline.phase("memory"):
+            _confirm_out_of_reach(run)
     if not run.feasible:
         raise _nothing_fits(run)
     return accumulation
+
+
+def _confirm_out_of_reach(run: PlanRun) -> None:
+    """No candidate's estimate is within reach of the budget (each clearly over by its measured error): the plan
+    says so at once, measuring only the candidate closest to fitting to confirm it."""
+    closest = min(run.candidates, key=lambda c: c.estimate.peak_bytes)
+    over = closest.estimate.peak_bytes / run.budget - 1
+    run.say(f"no estimate is within reach of the budget: the smallest is {closest.id}'s "
+            f"{format_bytes(closest.estimate.peak_bytes)} ({lever_words(closest)}), {over:.0%} over; measuring it "
+            f"alone to confirm")
+    measure_candidate(closest, run.prep, run.budget, run.options, run.say, memory_only=True)
+    run.measured.append(closest)
+    run.reach_confirmed = closest
+    if not closest.feasible:
+        run.notes.append(f"no candidate's estimate was within reach of the budget (each over it by more than its "
+                         f"measured error); the closest, {closest.id} ({closest.setup.describe()}), estimated "
+                         f"{format_bytes(closest.estimate.peak_bytes)}, measured "
+                         f"{format_bytes(closest.peak)}: the others were not measured")
 
 
 def _nothing_fits(run: PlanRun) -> PlanFailed:
@@ -271,6 +306,17 @@ def _nothing_fits(run: PlanRun) -> PlanFailed:
     detail = (f"; the smallest measured peak was {format_bytes(smallest.peak)} ({smallest.setup.describe()})"
               if smallest else "")
     why_not_nf4 = run.nf4_problem
+    if run.reach_confirmed is not None:
+        closest = run.reach_confirmed
+        return PlanFailed(
+            f"no configuration fits in {format_bytes(run.budget)}: no candidate's estimate is within reach (each is "
+            f"over the budget by more than the estimate's measured error); the smallest, {closest.id} "
+            f"({closest.setup.describe()}), is estimated at {format_bytes(closest.estimate.peak_bytes)} and measured "
+            f"{format_bytes(closest.peak)} to confirm. To close the gap: --memory-budget "
+            f"{format_bytes(closest.estimate.peak_bytes)} or more, a smaller --seq-len or a smaller model"
+            + (", or --lora-rank (train adapters only)" if run.model.lora is None else "")
+            + (f". An nf4 base (--lora-base-precision nf4) was not a candidate: it {why_not_nf4}."
+               if why_not_nf4 is not None else "."))
     return PlanFailed(f"no configuration fits in {format_bytes(run.budget)}{detail}."
                       + untried_levers(run.candidates, run.budget, run.deadline, run.constrained)
                       + (f" An nf4 base (--lora-base-precision nf4) was not a candidate: it {why_not_nf4}."
@@ -322,7 +368,8 @@ def _check_lossy_levers(run: PlanRun, chosen: Candidate) -> tuple[Candidate, dic
             raise PlanFailed(f"no configuration fits in {format_bytes(run.budget)} with {what}. Try a larger "
                              f"--memory-budget, a smaller --seq-len or a smaller model (or {anyway}).")
         with run.deadline.phase("rounds"):
-            chosen = decide(feasible, run.prep, run.options, run.deadline, run.say, run.notes)
+            chosen = decide(feasible, run.prep, run.options, run.deadline, run.say, run.notes, run.races or Races(
+                prep=run.prep, keep=False))
     return chosen, checks
 
 
@@ -342,7 +389,8 @@ def _finish(run: PlanRun, chosen: Candidate, baseline: MemoryEstimate, quality: 
         notes=run.notes, cuts=cuts, diagnosis_extra={"accumulation": accumulation},
         effective_batch=batch.as_dict() if batch is not None else {"given": effective, "chosen": effective},
         time_budget=run.options.time_budget, duration=duration,
-        time_spent={name: round(seconds, 3) for name, seconds in run.deadline.spent.items() if seconds > 0}))
+        time_spent={name: round(seconds, 3) for name, seconds in run.deadline.spent.items() if seconds > 0},
+        trust=run.trust))
     path = write(run.out, record)
     for written in write_report(plan_report(run.out), run.out):
         if written.suffix == ".html":
@@ -357,14 +405,14 @@ TIME_OVER = 1.1
 
 def time_over_budget(deadline: Deadline, duration: float) -> str | None:
     """The note of a plan that ran past its --time-budget (by more than :data:`TIME_OVER`): where its time went. A
-    plan always measures one candidate and checks the one it chooses, so the start-up, the first trial and the quality
-    check are spent whatever the budget, and on a busy machine each takes several times its quiet time."""
+    plan always times every contender once and checks the one it chooses, so the start-up, the first round and the
+    quality check are spent whatever the budget, and on a busy machine each takes several times its quiet time."""
     if duration <= deadline.seconds * TIME_OVER:
         return None
     spent = sorted(((name, seconds) for name, seconds in deadline.spent.items() if seconds >= 0.5),
                    key=lambda item: -item[1])
     return (f"the plan took {duration:.0f} s against its --time-budget of {deadline.seconds:g} s: "
             + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in spent)
-            + ". The start-up, the first trial and the quality check run whatever the budget (a plan measures at least "
-              "one candidate and checks the one it chooses); on a busy machine each takes several times its quiet "
+            + ". The start-up, the first round and the quality check run whatever the budget (a plan times every "
+              "contender once and checks the one it chooses); on a busy machine each takes several times its quiet "
               "time: a larger --time-budget, or planning on a quieter machine, keeps the plan within it")

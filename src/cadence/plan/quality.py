@@ -19,18 +19,13 @@ from cadence.config import TrainConfig
 from cadence.config.commands import PlanOptions
 from cadence.config.schema import LoraBasePrecision
 from cadence.models.spec import ModelSpec
+from cadence.plan.candidates import Candidate
+from cadence.plan.rounds import Races, start_run
+from cadence.plan.tolerances import BASE_TOLERANCE, STATE_TOLERANCE
 from cadence.plan.trials import TrialResult, TrialSetup, run_trial
 from cadence.training.prepare import Prepared
 from cadence.verify.equivalence import compare_gradients, compare_losses
 
-STATE_TOLERANCE = 0.01
-"""A lower-precision optimizer state is kept only when, over the quality check's steps, every loss is within 1%
-(relative) of the same configuration's with fp32 state. Measured: gpt-small over 200 steps keeps the mean loss of its
-last 20 steps within 0.1% (bf16) and 0.1% (8bit) of fp32's (BENCHMARKS.md); a slow test checks the same on gpt-tiny at 1%."""
-BASE_TOLERANCE = 0.01
-"""An nf4 base is kept only when, over the quality check's steps, every loss is within 1% (relative) of the same
-configuration's with the full-precision base (as QLoRA's paper finds 4-bit NormalFloat matching 16-bit LoRA).
-Measured: the 49.9M-parameter llama of BENCHMARKS.md ends 20 steps 0.17% from the fp32 base's loss."""
 LOSSY_LEVERS = ("optimizer_state", "lora_base_precision")
 """The setup's lossy levers, in the order a decision's are checked."""
 
@@ -40,10 +35,14 @@ def quality_steps(options: PlanOptions) -> int:
     return max(3, options.quality_steps)
 
 
-def quality_check(prep: Prepared, setup: TrialSetup, budget: int, options: PlanOptions,
-                  model: ModelSpec) -> dict[str, Any]:
-    """``setup``'s window gradient against fp32 accumulation of the same window, and its losses over the quality
-    check's steps against the same setup in fp32."""
+def quality_check(prep: Prepared, chosen: Candidate, budget: int, options: PlanOptions, model: ModelSpec,
+                  races: Races, timed: list[Candidate]) -> dict[str, Any]:
+    """The choice's window gradient against fp32 accumulation of the same window, and its losses over the quality
+    check's steps against the same windows trained in fp32. The losses are the rounds' where the choice, and an fp32
+    candidate (every exact lever gives fp32 accumulation's gradient: any fp32 split is the reference), trained on
+    those windows already (``timed``: the candidates the rounds may have trained); plan.json's
+    ``quality.loss.reused`` says which."""
+    setup = chosen.setup
     device = prep.device
     window = next(prep.windows(0, whole=True))  # the first window of the trials' samples, re-cut as ``setup`` cuts it
 
@@ -54,15 +53,51 @@ def quality_check(prep: Prepared, setup: TrialSetup, budget: int, options: PlanO
 
     gradient = compare_gradients(model_factory, window, setup)
     steps = quality_steps(options)
-    chosen_run = run_trial(prep, setup, steps=steps, budget_bytes=budget)
     reference_setup = dataclasses.replace(setup, precision="fp32")
-    # An fp32 choice is its own reference (the same windows, weights and computation): running it again would only
-    # repeat its losses, at a third of the quality check's time (the gradient check above is what tests its levers).
-    reference_run = chosen_run if reference_setup == setup else run_trial(prep, reference_setup, steps=steps,
-                                                                          budget_bytes=budget)
-    loss = compare_losses(chosen_run.losses, reference_run.losses, setup.precision)
-    return {"gradient": gradient.as_dict(), "loss": {**loss.as_dict(), "reference": reference_run.losses,
-                                                     "reference_setup": reference_setup.describe()}}
+    losses, reused_chosen = _run_losses(races, chosen.id, setup, steps)
+    # An fp32 choice is its own reference (the same windows, weights and computation): training it again would only
+    # repeat its losses (the gradient check above is what tests its levers).
+    if reference_setup == setup:
+        reference, reused_reference = losses, reused_chosen
+    else:
+        # The fp32 contender whose run trained furthest (still kept, or with its windows' losses already).
+        twins = [c for c in timed if _same_math(c.setup, reference_setup) and c.id in races.runs
+                 and races.runs[c.id].setup == c.setup
+                 and (races.runs[c.id].parts is not None or len(races.runs[c.id].losses) >= steps)]
+        twin = max(twins, key=lambda c: len(races.runs[c.id].losses), default=None)
+        reference, reused_reference = (_run_losses(races, twin.id, twin.setup, steps) if twin is not None
+                                       else _run_losses(races, "reference", reference_setup, steps))
+    loss = compare_losses(losses, reference, setup.precision)
+    return {"gradient": gradient.as_dict(), "loss": {**loss.as_dict(), "reference": reference,
+                                                     "reference_setup": reference_setup.describe(),
+                                                     "reused": {"chosen": reused_chosen,
+                                                                "reference": reused_reference}}}
+
+
+def _same_math(setup: TrialSetup, reference: TrialSetup) -> bool:
+    """Whether ``setup`` trains as ``reference`` does up to fp32 rounding: the same precision, optimizer state,
+    base and cut order, any split, recompute, offload or loss chunking (the exact levers)."""
+    return (setup.precision == reference.precision and setup.optimizer_state == reference.optimizer_state
+            and setup.lora_base_precision == reference.lora_base_precision
+            and setup.cut == reference.cut.resized(setup.micro_batch_size))
+
+
+def _run_losses(races: Races, key: str, setup: TrialSetup, steps: int) -> tuple[list[float | None], str | None]:
+    """The first ``steps`` losses of ``setup``: the rounds' run of candidate ``key`` where it has one (said in the
+    second value: which run, how many of the windows it had trained there) or else a run started for the check
+    (None)."""
+    run = races.runs.get(key)
+    trained = len(run.losses) if run is not None else 0
+    losses = races.losses(key, setup, steps) if run is not None else None
+    if losses is not None:
+        return losses, f"{key}'s rounds ({min(trained, steps)} of {steps} windows trained there)"
+    run = start_run(races.prep, setup)
+    try:
+        for _ in range(steps):
+            run.step()
+    finally:
+        run.close()
+    return run.losses, None
 
 
 def unchecked_lossy_lever(setup: TrialSetup, checks: dict[str, list[dict[str, Any]]]) -> str | None:

@@ -35,13 +35,14 @@ from cadence.memory.estimate import MemoryEstimate
 from cadence.models.spec import ModelSpec
 from cadence.plan.candidates import Candidate, epoch_tokens, longest_example
 from cadence.plan.optimizer_levers import optimizer_levers
+from cadence.plan.trust import Trust
 
 
 def rounds_of(candidate: Candidate) -> Rounds | None:
     return Rounds(**candidate.rates.as_dict()) if candidate.rates is not None else None
 
 
-def candidate_row(candidate: Candidate, budget: int, tokens_per_epoch: int) -> CandidateRow:
+def candidate_row(candidate: Candidate, budget: int, tokens_per_epoch: int, trust: Trust | None = None) -> CandidateRow:
     """One candidate as plan.json records it: its decision, estimate, status, trial and rounds."""
     result = candidate.measured
     measured = None
@@ -56,7 +57,18 @@ def candidate_row(candidate: Candidate, budget: int, tokens_per_epoch: int) -> C
                         estimated_by_category=dict(candidate.estimate.by_category),
                         fits_estimate=candidate.estimate.peak_bytes <= budget, status=candidate.status,
                         accumulation_bytes=candidate.accumulation_bytes, measured=measured,
-                        rounds=rounds_of(candidate))
+                        rounds=rounds_of(candidate), memory=memory_of(candidate, budget, trust))
+
+
+def memory_of(candidate: Candidate, budget: int, trust: Trust | None) -> dict[str, Any] | None:
+    """How ``candidate``'s memory was decided: by its estimate (within the margin of its measured error) or measured,
+    with the margin it was judged by."""
+    if trust is None:
+        return None
+    result = candidate.measured
+    decided_by = ("estimate" if result is not None and result.estimated else "measured" if result is not None
+                  else "estimate" if trust.verdict(candidate, budget) == "over" else None)
+    return {"decided_by": decided_by, "margin": trust.margin(candidate), "error": trust.error(candidate)}
 
 
 @dataclass(kw_only=True)
@@ -82,6 +94,8 @@ class PlanOutcome:
     time_budget: float
     time_spent: dict[str, float]
     duration: float
+    trust: Trust | None = None
+    """The estimate's measured error the plan judged memory by (``cadence.plan.trust``)."""
 
 
 def plan_record(outcome: PlanOutcome) -> PlanRecord:
@@ -111,7 +125,7 @@ def plan_record(outcome: PlanOutcome) -> PlanRecord:
         tokens_per_epoch=tokens_per_epoch, device=str(outcome.device),
         effective_batch_size=int(config.effective_batch_size or 0), world_size=1, memory_budget_bytes=outcome.budget,
         diagnosis={**_diagnosis(config, baseline), **outcome.diagnosis_extra},
-        candidates=[candidate_row(c, outcome.budget, tokens_per_epoch) for c in outcome.candidates],
+        candidates=[candidate_row(c, outcome.budget, tokens_per_epoch, outcome.trust) for c in outcome.candidates],
         # What train --plan should see: the decision's throughput (the median of its rounds) and the time per epoch
         # it implies; `cadence report` of the run puts the run's own figures beside them.
         prediction=Prediction(tokens_per_s=rate, tokens_per_s_band=chosen.rates.band if chosen.rates else None,
@@ -132,7 +146,8 @@ def plan_record(outcome: PlanOutcome) -> PlanRecord:
         # The user's optimizer, which every candidate ran with; others with less state are listed, never tried.
         optimizer=config.optimizer,
         optimizer_levers=optimizer_levers(config, outcome.model, seq_len=outcome.seq_len,
-                                          chosen_state=chosen.setup.optimizer_state))
+                                          chosen_state=chosen.setup.optimizer_state),
+        estimate_error=outcome.trust.as_dict() if outcome.trust is not None else None)
 
 
 def _diagnosis(config: TrainConfig, baseline: MemoryEstimate) -> dict[str, Any]:

@@ -24,7 +24,7 @@ def plan_report(root: Path) -> Report:
     choice, chosen = plan.choice, plan.candidate(plan.choice.id if plan.choice else None)
     chosen_id = choice.id if choice else None
     budget = plan.memory_budget_bytes or None
-    rows = [row.as_json() for row in candidates]  # the plots take plan.json's rows
+    rows = [_plotted(row.as_json()) for row in candidates]  # the plots take plan.json's rows
     blocks: list[Block] = [Heading(text="Decision"), *_decision(root, plan, chosen, budget)]
     blocks += [Heading(text="Setup"), Bullets(items=_plan_setup(plan))]
     batch = plan.effective_batch
@@ -183,6 +183,14 @@ def _lever_check(quality: Any, lever: str, value: str, name: str, reference: str
     return f"{name}: lossy, not checked"
 
 
+def _plotted(row: dict[str, Any]) -> dict[str, Any]:
+    """A candidate's row for the plots: a peak that is the trusted estimate (no trial ran) is not drawn as a
+    measurement."""
+    if (row.get("memory") or {}).get("decided_by") == "estimate" and row.get("measured"):
+        row = {**row, "measured": {**row["measured"], "peak_bytes": None}}
+    return row
+
+
 def _verdict(fits: bool | None, how: str) -> str:
     return "?" if fits is None else f"{'yes' if fits else 'no'} ({how})"
 
@@ -195,7 +203,10 @@ def _candidate_table(candidates: list[CandidateRow], chosen_id: str | None,
     rows, marked = [], None
     for index, cand in enumerate(candidates):
         measured = cand.measured
-        if measured is not None:
+        by_estimate = (cand.memory or {}).get("decided_by") == "estimate"
+        if measured is not None and by_estimate:  # fits by its estimate, within the margin of its measured error
+            fits = _verdict(measured.fits, f"estimate, margin {(cand.memory or {}).get('margin') or 0:.1%}")
+        elif measured is not None:
             # Measured on the longest window the data can produce (plan.json's measured_on), or, in a plan made
             # before that, on the epoch's second window.
             how = "measured on the longest window" if measured.measured_on else "measured"
@@ -214,7 +225,7 @@ def _candidate_table(candidates: list[CandidateRow], chosen_id: str | None,
                      str(decision["precision"]), str(decision["activation_checkpointing"]),
                      str(decision["offload"]), levers, format_bytes(cand.estimated_peak_bytes),
                      format_bytes(cand.accumulation_bytes) if cand.accumulation_bytes is not None else "-",
-                     format_bytes(measured.peak_bytes if measured else None), fits,
+                     format_bytes(measured.peak_bytes if measured and not by_estimate else None), fits,
                      format_number(measured.tokens_per_s if measured else None, ",.0f"),
                      format_hms(measured.seconds_per_epoch if measured else None),
                      format_hms(times(measured.hours_per_billion_tokens if measured else None, 3600)),

@@ -19,6 +19,7 @@ from cadence.plan.candidates import Candidate, Group, lever_flags, lever_words
 from cadence.plan.measure import Deadline
 from cadence.plan.quality import quality_steps
 from cadence.plan.trials import MIN_TRIAL_STEPS, TrialResult, run_trial
+from cadence.plan.trust import Trust, Verdict, distance_words
 from cadence.training.prepare import Prepared
 
 ESTIMATE_MARGIN = 1.15
@@ -108,57 +109,103 @@ def speed_first(queue: list[Candidate], device: torch.device) -> list[Candidate]
 
 def run_trials(pool: list[Candidate], candidates: list[Candidate], measured: list[Candidate], prep: Prepared,
                budget: int, options: PlanOptions, deadline: Deadline, say: Callable[[str], None],
-               notes: list[str], *, defer_over_estimate: bool = False) -> None:
-    """Measure the candidates of ``pool`` that choose_trials picks (adding each to ``measured``), stepping down to
-    the next smaller micro-batch of a group whose measured peak is over the budget, until the trials or the time run
-    out. ``defer_over_estimate``: while nothing fits, stop at the first candidate whose estimate is over the budget
-    (the lossy levers, whose estimates fit, come before it)."""
+               notes: list[str], *, trust: Trust, defer_over_estimate: bool = False) -> None:
+    """Settle which candidates of ``pool`` fit, per lever group the largest micro-batch that does: by the estimate
+    where its measured error decides (``cadence.plan.trust``: clearly over is not run, clearly under fits by the
+    estimate), else by a memory trial (adding each to ``measured``), stepping down to the next smaller micro-batch
+    of a group that does not fit, until the trials or the time run out. ``defer_over_estimate``: while nothing
+    fits, stop at the first candidate whose estimate is over the budget (the lossy levers, whose estimates fit, come
+    before it)."""
+    reach = []
     for candidate in pool:
-        if candidate.estimate.peak_bytes > budget * ESTIMATE_MARGIN:
-            candidate.status = "over budget (estimate)"
-    queue = choose_trials(pool, budget, options.max_trials, prep.device,
+        if trust.verdict(candidate, budget) == "over":
+            _settle_by_estimate(candidate, trust, budget)
+        else:
+            reach.append(candidate)
+    queue = choose_trials(reach, budget, options.max_trials, prep.device,
                           fitting_known=any(c.feasible for c in measured))
     trials_left = len(pool) if options.max_trials == 0 else options.max_trials
     while queue and trials_left > 0:
         fits = any(c.feasible for c in measured)
-        # Nothing fits yet: measure what can fit first; something fits: what can be faster. Either way the
+        # Nothing fits yet: settle what can fit first; something fits: what can be faster. Either way the
         # --time-budget bounds the search (with nothing that fits, no quality check is left to keep time for), once
         # one trial has run: a plan always measures the candidate most likely to fit, so it has a decision to give.
         queue = speed_first(queue, prep.device) if fits else fit_first(queue, budget, prep.device)
-        if measured and deadline.passed(quality_reserve(measured, options) if fits else 0.0):
-            out_of_time(queue, deadline, notes, "trials")
-            break
-        if defer_over_estimate and not fits and queue[0].estimate.peak_bytes > budget:
-            for candidate in queue:
-                candidate.status = "not measured: its estimate is over the budget (lower-precision state first)"
-            break
         candidate = queue.pop(0)
-        trials_left -= 1
-        result = measure_candidate(candidate, prep, budget, options, say)
-        measured.append(candidate)
-        if result.fits and not fits:
+        verdict = _settle_by_estimate(candidate, trust, budget)
+        if verdict == "under":
+            measured.append(candidate)
+        elif verdict == "measure":
+            better = next((c for c in measured if c.feasible and dominates(c, candidate)), None)
+            if better is not None:
+                # It cannot be faster than what fits already: its memory would decide nothing.
+                candidate.status = (f"not measured: {better.id} fits with as large a micro-batch and no costlier "
+                                    f"levers")
+                continue
+            if measured and deadline.passed(quality_reserve(measured, options) if fits else 0.0):
+                out_of_time([candidate, *queue], deadline, notes, "trials")
+                break
+            if defer_over_estimate and not fits and candidate.estimate.peak_bytes > budget:
+                for left in [candidate, *queue]:
+                    left.status = "not measured: its estimate is over the budget (lower-precision state first)"
+                break
+            trials_left -= 1
+            measure_candidate(candidate, prep, budget, options, say, memory_only=options.max_trials != 0)
+            trust.learn(candidate)
+            measured.append(candidate)
+        if candidate.feasible and not fits:
             # The first fit: from here the search ranks, so each group's largest micro-batch within the estimate's
-            # margin (passed over while fitting came first) is worth measuring too.
-            queue += [c for c in choose_trials(pool, budget, len(pool), prep.device)
-                      if c.measured is None and c not in queue]
-        if options.max_trials and not result.fits:
-            smaller = next_smaller(candidates, candidate)  # the estimate was optimistic: step down in this group
+            # reach (passed over while fitting came first) is worth settling too.
+            queue += [c for c in choose_trials(reach, budget, len(pool), prep.device)
+                      if c.measured is None and c not in queue and c is not candidate]
+        if options.max_trials and not candidate.feasible:
+            smaller = next_smaller(candidates, candidate)  # over the budget: step down in this group
             if smaller is not None and smaller.measured is None and smaller not in queue:
                 queue.insert(0, smaller)
 
 
+def _settle_by_estimate(candidate: Candidate, trust: Trust, budget: int) -> Verdict:
+    """The estimate's verdict on ``candidate`` (``cadence.plan.trust``), recorded where it decides: clearly over is
+    not measured, clearly under fits by the estimate (its peak the estimate, marked as such)."""
+    verdict = trust.verdict(candidate, budget)
+    peak = candidate.estimate.peak_bytes
+    if verdict == "over":
+        candidate.status = f"{distance_words(peak, budget)}: not measured ({trust.words(candidate)})"
+    elif verdict == "under":
+        candidate.status = f"fits by estimate: {distance_words(peak, budget)} ({trust.words(candidate)})"
+        candidate.measured = TrialResult(peak_bytes=peak, fits=True, tokens_per_s=None, step_time_s=None, losses=[],
+                                         measured_on="the estimate (not measured)", estimated=True)
+    return verdict
+
+
 def measure_candidate(candidate: Candidate, prep: Prepared, budget: int, options: PlanOptions,
-                      say: Callable[[str], None], label: str = "trial") -> TrialResult:
-    """Run ``candidate``'s trial, record it on the candidate and say it; returns the trial."""
+                      say: Callable[[str], None], label: str = "trial", *, memory_only: bool = False) -> TrialResult:
+    """Run ``candidate``'s trial, record it on the candidate and say it; returns the trial. ``memory_only``: its
+    peak alone (the rounds time it)."""
     started = time.perf_counter()
-    result = run_trial(prep, candidate.setup, steps=options.trial_steps, budget_bytes=budget)
-    candidate.seconds_per_step = (time.perf_counter() - started) / max(options.trial_steps, MIN_TRIAL_STEPS)
+    result = run_trial(prep, candidate.setup, steps=options.trial_steps, budget_bytes=budget, timed=not memory_only)
+    candidate.seconds_per_step = (time.perf_counter() - started) / (2 if memory_only else
+                                                                      max(options.trial_steps, MIN_TRIAL_STEPS))
     candidate.measured = result
     candidate.status = "measured" if result.error is None else f"measured: {result.error}"
-    rate = f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s else "-"
+    rate = f", {result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s else ""
     say(f"  {label} {candidate.id} {candidate.setup.describe()}: peak {format_bytes(result.peak_bytes)} "
-        f"(estimate {format_bytes(candidate.estimate.peak_bytes)}), {rate}, {'fits' if result.fits else 'DOES NOT FIT'}")
+        f"(estimate {format_bytes(candidate.estimate.peak_bytes)}){rate}, {'fits' if result.fits else 'DOES NOT FIT'}")
     return result
+
+
+def dominates(better: Candidate, worse: Candidate) -> bool:
+    """Whether ``better`` is faster than ``worse`` without a measurement: the same precision, optimizer state, base
+    and cut order, a micro-batch at least as large, and no costlier recompute, offload or loss chunking (each of
+    which only adds work to the same micro-batch), one of them cheaper or the micro-batch larger."""
+    a, b = better.setup, worse.setup
+    same = (a.precision == b.precision and a.optimizer_state == b.optimizer_state
+            and a.lora_base_precision == b.lora_base_precision and a.cut.by_length == b.cut.by_length)
+    costs = [(RECOMPUTE_COST[a.activation_checkpointing], RECOMPUTE_COST[b.activation_checkpointing]),
+             (OFFLOAD_COST[a.offload], OFFLOAD_COST[b.offload]), (int(a.loss_chunk_tokens > 0), int(b.loss_chunk_tokens > 0))]
+    no_costlier = all(mine <= theirs for mine, theirs in costs)
+    return (same and no_costlier and a.micro_batch_size >= b.micro_batch_size
+            and (a.micro_batch_size > b.micro_batch_size or any(mine < theirs for mine, theirs in costs)))
 
 
 def next_smaller(candidates: list[Candidate], candidate: Candidate) -> Candidate | None:

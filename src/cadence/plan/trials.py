@@ -104,6 +104,8 @@ class TrialResult:
     measured_on: str | None = None
     """What the memory step ran: the longest window the data can produce (in words), or the epoch's second window
     where every window is as long as any (text cut into full sequences)."""
+    estimated: bool = False
+    """The peak is the estimate, trusted within its measured error (``cadence.plan.trust``): no trial ran."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -166,10 +168,12 @@ def longest_window(prep: Prepared) -> LongestWindow | None:
     return LongestWindow(window=window, longest_example=longest, description=words)
 
 
-def run_trial(prep: Prepared, setup: TrialSetup, *, steps: int, budget_bytes: int) -> TrialResult:
+def run_trial(prep: Prepared, setup: TrialSetup, *, steps: int, budget_bytes: int, timed: bool = True) -> TrialResult:
     """Run ``steps`` windows of ``setup`` and measure them; out-of-memory is a result (fits False), not an error.
-    The memory step (the second) runs the longest window the data can produce (:func:`longest_window`)."""
-    steps = max(steps, MIN_TRIAL_STEPS)
+    The memory step (the second) runs the longest window the data can produce (:func:`longest_window`). ``timed``
+    False: the warm-up and the memory step only (the plan times its candidates in alternating rounds instead), with
+    no throughput."""
+    steps = max(steps, MIN_TRIAL_STEPS) if timed else 2
     trial = trial_run(prep, setup, steps=steps)
     device = trial.device
     parts = build_components(trial)
@@ -211,8 +215,9 @@ def run_trial(prep: Prepared, setup: TrialSetup, *, steps: int, budget_bytes: in
         return TrialResult(peak_bytes=peak, fits=False, tokens_per_s=None, step_time_s=None, losses=losses,
                            error=f"the training split has fewer than {steps} windows for a trial")
     return TrialResult(
-        peak_bytes=peak, fits=peak is not None and peak <= budget_bytes, tokens_per_s=statistics.median(rates),
-        step_time_s=statistics.median(times), losses=losses, real_share=tokens / positions if positions else None,
+        peak_bytes=peak, fits=peak is not None and peak <= budget_bytes,
+        tokens_per_s=statistics.median(rates) if rates else None,
+        step_time_s=statistics.median(times) if times else None, losses=losses, real_share=tokens / positions if positions else None,
         measured_on=longest.description if longest is not None else "a window of full sequences (all as long)",
     )
 
