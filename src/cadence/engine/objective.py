@@ -208,7 +208,8 @@ class Objective:
         if name in REFERENCE_OBJECTIVES and get("strategy", "ddp") == "fsdp" and not get("lora_rank", 0):
             problems.append(Problem(where="--strategy", message=(
                 f"fsdp with --objective {name} would hold a whole reference model on every rank; give --lora-rank "
-                f"(the reference is then the base, with no copy) or use ddp")))
+                f"(the reference is then the base, with no copy) or use ddp (with --reference-logprobs precomputed "
+                f"for no reference model in memory; not with fsdp yet: its pass scores the unsharded weights)")))
         problems += _reference_logprobs_problems(name, get("reference_logprobs", "live"), get("lora_rank", 0))
         reference = get("reference_model", None)
         if reference is not None and name not in REFERENCE_OBJECTIVES:
