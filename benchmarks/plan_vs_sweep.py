@@ -38,8 +38,9 @@ def main() -> int:
         started = time.perf_counter()
         plan = make_plan(TrainConfig(**{**base.__dict__, "out": Path(tmp) / "plan"}), PlanOptions(), constrained=set())
         plan_seconds = time.perf_counter() - started
-        sweep = make_plan(TrainConfig(**{**base.__dict__, "out": Path(tmp) / "sweep"}), PlanOptions(max_trials=0),
-                          constrained=set())
+        # Exhaustive: every candidate measured (no estimate trusted, none skipped), whatever the time it takes.
+        sweep = make_plan(TrainConfig(**{**base.__dict__, "out": Path(tmp) / "sweep"}),
+                          PlanOptions(max_trials=0, time_budget=7200.0), constrained=set())
     key = ("micro_batch_size", "precision", "activation_checkpointing", "offload")
     pick = tuple(plan["choice"][k] for k in key)
     chosen_in_plan = next(c for c in plan["candidates"] if c["id"] == plan["choice"]["id"])

@@ -941,25 +941,24 @@ def render_plan_time(data: dict) -> list[str]:
     """Issue 54: the plan's time on its case, before and after, with each phase and the load beside it."""
     phases = ["start-up", "precision probe", "probe", "trials", "memory", "rounds", "cuts", "quality check", "quality"]
     seen = [name for name in phases if any(name in row["time_spent_s"] for row in data["runs"])]
-    lines = [f"`cadence plan {data['case']}` on this machine, shared with other work (the 1-minute load average "
-             f"before and after each run is beside it; on 2 cores a load of 8 leaves a process about a quarter of a "
-             f"core). CPU s = the user + system time the plan got, all threads: a quiet 2-core machine would take between half "
-             f"of it and all of it (torch's two threads are not always both busy), plus the waits a quiet machine "
-             f"also has. Phases in seconds from plan.json's time_spent_s; tokens/s is the choice's median round "
-             f"(before: its trial), on the loaded machine.", "",
-             "| run | commit | load before / after | wall s | CPU s | " + " | ".join(seen)
-             + " | choice | tokens/s | peak MiB (how) | memory trials | timed | quality losses reused |",
-             "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in seen) + " | --- | --- | --- | --- | --- | --- |"]
+    lines = para(f"`cadence plan {data['case']}` on this machine, shared with other work (the 1-minute load average "
+                 f"before and after each run is beside it; on 2 cores a load of 8 leaves a process about a quarter of "
+                 f"a core). CPU s = the user + system time the plan got, all threads: a quiet 2-core machine would "
+                 f"take between half of it and all of it (torch's two threads are not always both busy), plus the "
+                 f"waits a quiet machine also has. Phases in seconds from plan.json's time_spent_s (before: the old "
+                 f"phase names); tokens/s is the choice's median round (before: its trial), on the loaded machine.")
+    rows = []
     for row in data["runs"]:
         choice = row["choice"]
         chosen = (f"{choice['id']}: micro {choice['micro_batch_size']} x {choice['grad_accum_steps']}, "
                   f"{choice['precision']}, recompute {choice['activation_checkpointing']}")
-        spent = " | ".join(f"{row['time_spent_s'][name]:.0f}" if name in row["time_spent_s"] else "-" for name in seen)
         peak = row["chosen_peak_bytes"]
-        reused = row["quality_reused"]
-        reused_words = ", ".join(f"{key}: {value}" for key, value in reused.items() if value) if reused else "-"
-        lines.append(f"| {row['label']} | {row['commit'] or '-'} | {row['load_average_before']:.1f} / "
-                     f"{row['load_average_after']:.1f} | {row['wall_s']:.0f} | {row['cpu_s']:.0f} | {spent} | {chosen} "
-                     f"| {row['chosen_tokens_per_s'] or 0:,.0f} | {peak / 2**20 if peak else 0:.1f} "
-                     f"({row['peak_decided_by']}) | {row['memory_trials']} | {row['timed']} | {reused_words or '-'} |")
-    return lines
+        reused = row["quality_reused"] or {}
+        rows.append([row["label"], row["commit"] or "-", f"{row['load_average_before']:.1f} / "
+                     f"{row['load_average_after']:.1f}", f"{row['wall_s']:.0f}", f"{row['cpu_s']:.0f}",
+                     *[f"{row['time_spent_s'][name]:.0f}" if name in row["time_spent_s"] else "-" for name in seen],
+                     chosen, f"{row['chosen_tokens_per_s'] or 0:,.0f}",
+                     f"{peak / 2**20 if peak else 0:.1f} ({row['peak_decided_by']})", str(row["memory_trials"]),
+                     str(row["timed"]), "; ".join(f"{key}: {value}" for key, value in reused.items() if value) or "-"])
+    return lines + table(["run", "commit", "load before / after", "wall s", "CPU s", *seen, "choice", "tokens/s",
+                          "peak MiB (how)", "memory trials", "timed", "quality losses reused"], rows)

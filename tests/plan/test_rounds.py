@@ -141,3 +141,25 @@ def test_the_quality_check_reuses_the_rounds_losses_and_says_which(tmp_path) -> 
         twin = reused["reference"].split("'")[0]
         assert next(c for c in plan["candidates"] if c["id"] == twin)["precision"] == "fp32"
     assert loss["passed"]
+
+
+def test_a_dropped_contender_is_out_of_the_decision_even_where_the_tie_rule_would_take_it():
+    """The leader's rounds disagree (a busy machine), so every contender whose rounds overlap its own ties and the
+    tie goes to the lowest peak: a contender the stopping rule dropped must not come back that way."""
+    from cadence.plan.decision import decide
+    from cadence.plan.trials import TrialResult
+
+    script = {"a": [2600.0, 2700.0], "b": [4000.0, 9000.0, 2500.0] * 2, "c": [3500.0, 8000.0, 4000.0] * 2}
+    config = TrainConfig(model="gpt-tiny", effective_batch_size=8, memory_budget="64MiB")
+    pool = build_candidates(config, {"activation_checkpointing"}, torch.device("cpu"), 64, [],
+                            precisions=["fp32", "bf16", "fp16"])
+    contenders = [c for c in pool if c.setup.micro_batch_size == 8]  # one per precision: none dominates another
+    for candidate, key in zip(contenders, script):
+        candidate.id = key
+        candidate.measured = TrialResult(peak_bytes=100 if key == "a" else 200, fits=True, tokens_per_s=None,
+                                         step_time_s=None, losses=[], estimated=True)
+    races = ScriptedRaces(script)
+    from types import SimpleNamespace
+    chosen = decide(contenders, SimpleNamespace(device=torch.device("cpu")), PlanOptions(rounds=3),  # type: ignore[arg-type]
+                    Deadline(1e9), lambda _: None, [], races)
+    assert "a" in races.dropped and chosen.id != "a"

@@ -84,7 +84,10 @@ def decide(feasible: list[Candidate], prep: Prepared, options: PlanOptions, dead
             say(f"contenders {', '.join(c.id for c in contenders)}: timing them in up to {options.rounds} "
                 f"alternating rounds (stopping when one is clear)")
         race(contenders, races, options, deadline, say, notes, lambda: check_reserve(contenders, races, options))
-    timed = [c for c in contenders if c.timing.rounds]
+    # The stopping rule's verdict stands: a contender dropped as clearly behind is out, even where the leader's
+    # rounds disagree and the tie rule would otherwise take every overlapping contender (a gpt-tiny plan chose a
+    # dropped fp32 full-recompute contender for its lower peak: 0.33x the sweep's best).
+    timed = [c for c in contenders if c.timing.rounds and c.id not in races.dropped]
     if not timed:
         raise RuntimeError("no contender could be timed")  # each fits its budget: a bug of the plan, not the input
     return ranked(timed, notes, "contenders")
@@ -108,7 +111,10 @@ def check_reserve(contenders: list[Candidate], races: Races, options: PlanOption
     """Seconds to keep, while the rounds run, for the quality check (the gradient of one window, then the loss
     windows the rounds' runs have not trained yet: the leader's and its fp32 twin's) and the report, at the leader's
     time per window."""
-    timed = [c for c in contenders if c.timing.rounds]
+    # The stopping rule's verdict stands: a contender dropped as clearly behind is out, even where the leader's
+    # rounds disagree and the tie rule would otherwise take every overlapping contender (a gpt-tiny plan chose a
+    # dropped fp32 full-recompute contender for its lower peak: 0.33x the sweep's best).
+    timed = [c for c in contenders if c.timing.rounds and c.id not in races.dropped]
     if not timed:
         return 0.0
     leader = max(timed, key=lambda c: c.timing.median or 0.0)

@@ -133,6 +133,8 @@ class Races:
     """Whether runs are kept between rounds (host memory allows it; on a GPU each would hold device memory while
     another is timed, so there a round starts its contender again from its initial weights)."""
     runs: dict[str, Run] = field(default_factory=dict)
+    dropped: set[str] = field(default_factory=set)
+    """Contenders the stopping rule dropped: out of the decision, whatever a tie rule would say of their rounds."""
 
     def run(self, candidate: Candidate) -> Run:
         run = self.runs.get(candidate.id)
@@ -220,7 +222,9 @@ def race(contenders: list[Candidate], races: Races, options: PlanOptions, deadli
             candidate.timing.rounds.append(rate)
         done += 1
         if done >= MIN_ROUNDS and len(alive) > 1:
-            alive = _drop_behind(alive, done, say)
+            kept = _drop_behind(alive, done, say)
+            races.dropped |= {c.id for c in alive if c not in kept}
+            alive = kept
         if done == limit and limit == options.rounds and len(alive) > 1 and limit > 1 \
                 and not all(agree(c.timing) for c in alive):
             limit = 2 * options.rounds  # a busy machine: the medians rest on more rounds

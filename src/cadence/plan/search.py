@@ -136,7 +136,8 @@ def run_trials(pool: list[Candidate], candidates: list[Candidate], measured: lis
         if verdict == "under":
             measured.append(candidate)
         elif verdict == "measure":
-            better = next((c for c in measured if c.feasible and dominates(c, candidate)), None)
+            better = next((c for c in measured if c.feasible and dominates(c, candidate)), None) \
+                if options.max_trials else None  # an exhaustive sweep measures every candidate
             if better is not None:
                 # It cannot be faster than what fits already: its memory would decide nothing.
                 candidate.status = (f"not measured: {better.id} fits with as large a micro-batch and no costlier "
