@@ -135,7 +135,7 @@ class BatchController:
             self.switches.append({"step": step, "decision": decision, "from": before, "to": after,
                                   "reason": reason})
         return {"effective_batch": result.samples, "batch_decision": decision, "batch_reason": reason,
-                "next_effective_batch": after, "lr_batch_scale": scale}
+                "next_effective_batch": after, "lr_batch_scale": scale, "minimum_windows": self.clock}
 
     def _branch_test(self, earlier: BatchState, step: int, reason: str) -> tuple[Any, str]:
         """The rule asked to grow from ``earlier``: keep the grow (the state as decided) or roll it back to
