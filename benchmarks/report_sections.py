@@ -937,6 +937,41 @@ def render_adaptive_batch(data: dict) -> list[str]:
     return lines + [""]
 
 
+def render_noise_geometry(data: dict) -> list[str]:
+    """Issue 53 item 1: the plain against Adam's preconditioned noise scale as predictors of the measured critical
+    batch."""
+    settings, load = data["settings"], data.get("load_average") or []
+    batches = settings["batches"]
+    lines = para(
+        f"{settings['model']} on the built-in corpus (sequences of {settings['seq_len']} bytes), CPU, fp32, AdamW at "
+        f"--lr {settings['lr']:g} and a batch of {settings['batch']}, stopped after {', '.join(map(str, settings['points']))} "
+        f"optimizer steps. At each point, from the same weights and optimizer state: the noise scale B_simple in the "
+        f"plain geometry (the gradient's Euclidean norm, what cadence measures) and in Adam's (each gradient divided "
+        f"by sqrt(v_hat) + eps), from {settings['estimate_micro_batches']} micro-batches of {settings['micro']} against "
+        f"their mean; and the critical batch measured by branching (Merrill et al.): the same next "
+        f"{settings['branch_sequences']} sequences trained at batches {', '.join(map(str, batches))} (LR x "
+        f"sqrt(batch / {settings['batch']})), each scored on the same 8 validation micro-batches, the critical batch "
+        f"the largest whose loss is within {settings['tolerance']:.0%} of the batch {settings['batch']}'s. Error: "
+        f"|log2(predicted / measured)|, 1 = a factor of 2."
+        + (f" Load average {load[0][0]:.1f} at the start and {load[-1][0]:.1f} at the end (2 shared cores)."
+           if load else ""))
+
+    def num(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    rows = [[str(row["seed"]), str(row["step"]), num(row["plain_noise_scale"]), num(row["adam_noise_scale"]),
+             str(row["measured_critical"]),
+             " / ".join(f"{row['branch_val_losses'][str(b)]:.4f}" for b in batches)] for row in data["rows"]]
+    lines += table(["seed", "step", "plain B_simple", "Adam B_simple", "measured critical batch",
+                    f"val loss at {' / '.join(map(str, batches))}"], rows)
+    for name, words in (("plain", "plain geometry"), ("adam", "Adam-preconditioned geometry")):
+        found = data["summary"][name]
+        error = found["median_log2_error"]
+        lines.append(f"- {words}: median error {'-' if error is None else f'{error:.2f}'} (log2), "
+                     f"{found['unresolved']} unresolved estimates.")
+    return lines + [""]
+
+
 def render_plan_time(data: dict) -> list[str]:
     """Issue 54: the plan's time on its case, before and after, with each phase and the load beside it."""
     phases = ["start-up", "precision probe", "probe", "trials", "memory", "rounds", "cuts", "quality check", "quality"]

@@ -127,6 +127,9 @@ SECTIONS = (
     Section("adaptive_batch.json", "The adaptive effective batch: steps and tokens to a validation loss against "
             "fixed batches (issue 53)", ".venv/bin/python benchmarks/adaptive_batch.py",
             sections.render_adaptive_batch, optional=True),
+    Section("noise_geometry.json", "The noise scale's geometry for AdamW: plain against preconditioned, as "
+            "predictors of the critical batch measured by branching (issue 53)",
+            ".venv/bin/python benchmarks/noise_geometry.py", sections.render_noise_geometry, optional=True),
     Section("checkpoint_async.json", "Checkpoints in the background: --async-checkpoint (issue 38)",
             ".venv/bin/python benchmarks/checkpoint_async.py", sections.render_checkpoint_async, optional=True),
     # Shown only once a GPU run left gpu.json: the dry run writes gpu_quick.json, which is never shown.

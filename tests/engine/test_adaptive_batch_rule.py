@@ -129,3 +129,32 @@ def test_from_flags() -> None:
 def test_problems(minimum: int, maximum: int, where: str, words: str) -> None:
     problems = AdaptiveBatch(minimum=minimum, maximum=maximum).problems()
     assert len(problems) == 1 and problems[0].where == where and words in problems[0].message
+
+
+def test_a_lost_branch_test_holds_growth_for_its_hold_off_then_grows_again() -> None:
+    """After a lost branch test (the controller sets ``hold_off``) the rule holds however strongly the estimate asks
+    to grow, counting the hold-off down with every window; a shrink is still possible."""
+    batches, decisions, state = run([100] * 5, state=BatchState(multiple=1, hold_off=3))
+    assert batches == [8, 8, 8, 8, 16] and decisions == ["hold"] * 4 + ["grow"]
+    assert state.hold_off == 0
+    _, decision, why = decide(POLICY, BatchState(hold_off=5), BatchMeasurement(critical=100, windows=10))
+    assert decision == "hold" and "the last branch test lost: grow again after 4 more" in why
+    shrunk, _, _ = run([1, 1, 1], state=BatchState(multiple=4, hold_off=10))
+    assert shrunk == [32, 32, 16]
+
+
+@pytest.mark.parametrize(("larger", "current", "tolerance", "kept"), [
+    (2.0, 2.0, 0.01, True), (2.02, 2.0, 0.01, True), (2.03, 2.0, 0.01, False), (1.5, 2.0, 0.0, True),
+    (2.0001, 2.0, 0.0, False), (1.9, 2.0, -0.1, False)])
+def test_branch_verdict(larger: float, current: float, tolerance: float, kept: bool) -> None:
+    """Kept unless the larger batch's probe loss is above the current one's x (1 + tolerance)."""
+    policy = AdaptiveBatch(minimum=8, maximum=64, branch_windows=2, branch_tolerance=tolerance)
+    verdict, why = policy.branch_verdict(larger, current)
+    assert verdict is kept
+    assert why.startswith("branch test kept: " if kept else "branch test lost: ")
+
+
+def test_an_old_checkpoint_state_has_no_hold_off() -> None:
+    """A controller state saved before the branch test existed loads with no hold-off."""
+    assert BatchState.from_state_dict({"multiple": 2, "grow_streak": 1, "shrink_streak": 0, "switches": 1}) == \
+        BatchState(multiple=2, grow_streak=1, switches=1)

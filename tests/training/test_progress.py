@@ -25,6 +25,35 @@ def test_plain_lines_every_log_every_steps():
     assert "SKIPPED (fp16 overflow)" in lines[-1] and "1.0 MiB" in lines[0] and "\r" not in stream.getvalue()
 
 
+def test_adaptive_progress_counts_windows_of_the_minimum_and_ends_at_the_total():
+    """--effective-batch-size adaptive: --max-steps counts windows of the minimum batch, so the line does too (the
+    optimizer step beside it), and the last line is 10/10 though only 6 optimizer steps ran; the ETA is the windows
+    left at the steps per window so far."""
+    stream = io.StringIO()
+    ticks = iter(range(100))
+    windows = [1, 2, 3, 4, 6, 8, 10]  # the batch doubled after step 3, and again after step 5 (the last stops at 10)
+    with TrainProgress(total_steps=10, grad_accum_steps=2, log_every=2, stream=stream, live=False, unit="window",
+                       clock=lambda: float(next(ticks))) as progress:
+        for step, done in enumerate(windows, start=1):
+            progress.update(row(step, minimum_windows=done, step_time_s=1.0))
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" |")[0] for line in lines] == [
+        "window 1/10 (step 1)", "window 2/10 (step 2)", "window 4/10 (step 4)", "window 8/10 (step 6)",
+        "window 10/10 (step 7)"]
+    assert lines[-1].endswith("eta 0:00")
+    assert lines[-2].endswith(f"eta {format_duration(2 * 6 / 8)}")  # 2 windows left at 6/8 steps a window, 1 s each
+
+
+def test_adaptive_live_bar_ends_at_the_total():
+    stream = io.StringIO()
+    with TrainProgress(total_steps=8, grad_accum_steps=2, log_every=1, stream=stream, live=True,
+                       unit="window") as progress:
+        progress.update(row(1, minimum_windows=4))
+        progress.update(row(2, minimum_windows=8))
+    text = stream.getvalue()
+    assert "window" in text and "8/8" in text
+
+
 def test_live_bar_shows_step_micro_step_loss_and_memory():
     stream = io.StringIO()
     with TrainProgress(total_steps=2, grad_accum_steps=4, log_every=1, stream=stream, live=True) as progress:

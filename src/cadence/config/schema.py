@@ -353,6 +353,17 @@ class TrainConfig:
     """With --effective-batch-size adaptive: the LR multiplier when the batch is r times the minimum: sqrt (sqrt(r),
     the default for Adam-type optimizers), linear (r, the default for SGD) or none. AdamW's beta2 also follows the
     batch (beta2 ** r, at least 0.9), keeping its averaging half-life in examples."""
+    batch_branch_test: int | None = setting(None, ADAPTIVE, changes_math=True)
+    """With --effective-batch-size adaptive: before a grow is kept, branch from an in-memory snapshot and train the
+    next K grown windows' examples at the larger batch and, from the same snapshot, at the current batch (the same
+    tokens), then compare their loss on the first 4 validation micro-batches (needs --eval-every); the grow is kept
+    only when the larger batch is not worse by more than --batch-branch-tolerance, otherwise the run goes on at the
+    current batch and does not try to grow for 16 windows. The run continues from the snapshot either way (so it is
+    the run that made that choice without a branch); the branches' extra tokens and time are in summary.json. One
+    process only."""
+    batch_branch_tolerance: float | None = setting(None, ADAPTIVE, changes_math=True)
+    """With --batch-branch-test: how much worse the larger batch's probe loss may be, relative to the current batch's,
+    and the grow still be kept (default 0.01: 1%; 0: it must not be worse at all)."""
     max_skipped_steps: int = setting(50, LENGTH)
     """Stop (exit status 1) after this many optimizer steps in a row were skipped (fp16 overflow or non-finite
     gradients): the run has diverged."""

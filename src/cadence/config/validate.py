@@ -262,7 +262,8 @@ def _adaptive_problems(config: TrainConfig, world_size: int) -> list[Problem]:
     """--effective-batch-size adaptive: its bounds, its LR scaling, and what it does not combine with (its flags
     without it are refused too)."""
     check = _Checks(config)
-    own = ("min_effective_batch_size", "max_effective_batch_size", "batch_lr_scaling")
+    own = ("min_effective_batch_size", "max_effective_batch_size", "batch_lr_scaling", "batch_branch_test",
+           "batch_branch_tolerance")
     if config.effective_batch_size != "adaptive":
         for name in own:
             if getattr(config, name) is not None:
@@ -304,10 +305,32 @@ def _adaptive_problems(config: TrainConfig, world_size: int) -> list[Problem]:
     if config.checkpoint_mid_window:
         check.bad("checkpoint_mid_window", "does not combine with --effective-batch-size adaptive (a window it would "
                                            "continue may be regrouped)")
+    check.problems += _branch_test_problems(config, world_size)
     if config.batch_lr_scaling is not None and config.batch_lr_scaling not in BATCH_LR_SCALINGS:
         check.choice("batch_lr_scaling", BATCH_LR_SCALINGS)
     elif high is not None:
         check.problems += AdaptiveBatch(minimum=low, maximum=high).problems()
+    return check.problems
+
+
+def _branch_test_problems(config: TrainConfig, world_size: int) -> list[Problem]:
+    """--batch-branch-test and its tolerance (with --effective-batch-size adaptive)."""
+    check = _Checks(config)
+    windows, tolerance = config.batch_branch_test, config.batch_branch_tolerance
+    if windows is None:
+        if tolerance is not None:
+            check.bad("batch_branch_tolerance", "applies only with --batch-branch-test")
+        return check.problems
+    if windows < 1:
+        check.bad("batch_branch_test", f"must be at least 1 window, got {windows}")
+    if tolerance is not None and not math.isfinite(tolerance):
+        check.bad("batch_branch_tolerance", f"must be a finite number, got {tolerance}")
+    if world_size > 1:
+        check.bad("batch_branch_test", f"runs on one process only (got {world_size}): its branches are not "
+                                       f"all-reduced across ranks yet")
+    if config.eval_every <= 0:
+        check.bad("batch_branch_test", "compares the branches on validation micro-batches: give --eval-every (and "
+                                       "a validation split)")
     return check.problems
 
 

@@ -44,6 +44,12 @@ MIN_WINDOWS = 8
 BETA2_FLOOR = 0.9
 """The lowest AdamW beta2 a rescale gives (its second moment would otherwise average over too few steps to be a
 scale at all: 0.95 ** 8 = 0.66)."""
+BRANCH_TOLERANCE = 0.01
+"""--batch-branch-tolerance's default: the larger batch's probe loss may be 1% above the current batch's and the grow
+still be kept (a grow buys fewer optimizer steps; a loss within the probe's own noise is not a loss)."""
+BRANCH_HOLD_OFF = 16
+"""Windows a lost branch test keeps the controller from growing again (4 x the patience: the estimate that asked for
+the grow has to be renewed by windows the branch did not see)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +68,11 @@ class AdaptiveBatch:
     patience: int = PATIENCE
     min_windows: int = MIN_WINDOWS
     beta2_floor: float = BETA2_FLOOR
+    branch_windows: int | None = None
+    """--batch-branch-test: the grown windows each branch trains before a grow is kept (None: no branch test)."""
+    branch_tolerance: float = BRANCH_TOLERANCE
+    """--batch-branch-tolerance: how much worse (relative) the larger batch's probe loss may be."""
+    branch_hold_off: int = BRANCH_HOLD_OFF
 
     @classmethod
     def from_flags(cls, flags: Any, *, lr_scaling: BatchLRScaling, maximum: int | None = None) -> AdaptiveBatch | None:
@@ -74,16 +85,26 @@ class AdaptiveBatch:
         minimum = int(get("min_effective_batch_size", None) or 0)
         given_max = get("max_effective_batch_size", None)
         top = int(given_max) if given_max is not None else max(minimum, int(maximum or minimum))
-        return cls(minimum=minimum, maximum=top, lr_scaling=get("batch_lr_scaling", None) or lr_scaling)
+        branch = get("batch_branch_test", None)
+        tolerance = get("batch_branch_tolerance", None)
+        return cls(minimum=minimum, maximum=top, lr_scaling=get("batch_lr_scaling", None) or lr_scaling,
+                   branch_windows=None if branch is None else int(branch),
+                   branch_tolerance=BRANCH_TOLERANCE if tolerance is None else float(tolerance))
 
     def flags(self) -> dict[str, Any]:
-        return {"effective_batch_size": "adaptive", "min_effective_batch_size": self.minimum,
-                "max_effective_batch_size": self.maximum, "batch_lr_scaling": self.lr_scaling}
+        flags: dict[str, Any] = {"effective_batch_size": "adaptive", "min_effective_batch_size": self.minimum,
+                                 "max_effective_batch_size": self.maximum, "batch_lr_scaling": self.lr_scaling}
+        if self.branch_windows is not None:
+            flags.update(batch_branch_test=self.branch_windows, batch_branch_tolerance=self.branch_tolerance)
+        return flags
 
     def describe(self) -> str:
         return (f"adaptive effective batch from {self.minimum} to {self.maximum} sequences, x2 / /2 at window "
                 f"boundaries after {self.patience} windows in a row with the critical batch >= {self.grow_at:g}x / < "
-                f"{self.shrink_at:g}x the batch; LR x {_scaling_words(self.lr_scaling)}")
+                f"{self.shrink_at:g}x the batch; LR x {_scaling_words(self.lr_scaling)}"
+                + ("" if self.branch_windows is None else
+                   f"; each grow branch-tested over {self.branch_windows} grown windows (kept unless the larger "
+                   f"batch's probe loss is more than {self.branch_tolerance:.1%} worse)"))
 
     def problems(self) -> list[Problem]:
         problems = []
@@ -113,6 +134,15 @@ class AdaptiveBatch:
             return math.sqrt(multiple)
         return float(multiple) if self.lr_scaling == "linear" else 1.0
 
+    def branch_verdict(self, larger: float, current: float) -> tuple[bool, str]:
+        """Whether a branch-tested grow is kept, from the two branches' probe losses, and why in words: kept unless
+        ``larger > current x (1 + tolerance)``."""
+        limit = current * (1.0 + self.branch_tolerance)
+        said = f"probe loss {larger:.4f} at the larger batch against {current:.4f} at the current one"
+        if larger <= limit:
+            return True, f"branch test kept: {said} (at most {limit:.4f} allowed)"
+        return False, f"branch test lost: {said} (above {limit:.4f} allowed)"
+
     def beta2(self, base: float, multiple: int) -> float:
         """AdamW's beta2 for a batch of ``multiple`` windows, keeping its half-life in examples (Marek et al.): a step
         of r times the examples is r steps of the minimum, so ``base ** r``; never below ``beta2_floor`` (nor above
@@ -130,6 +160,8 @@ class BatchState:
     shrink_streak: int = 0
     switches: int = 0
     """Grows and shrinks so far."""
+    hold_off: int = 0
+    """Windows left before a grow may be tried again after a lost branch test (--batch-branch-test)."""
 
     def effective(self, policy: AdaptiveBatch) -> int:
         return policy.minimum * self.multiple
@@ -139,7 +171,8 @@ class BatchState:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> BatchState:
-        return cls(**{field.name: int(state[field.name]) for field in dataclasses.fields(cls)})
+        # A checkpoint from before the branch test has no hold_off: 0.
+        return cls(**{field.name: int(state.get(field.name, 0)) for field in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +187,8 @@ def decide(policy: AdaptiveBatch, state: BatchState, measured: BatchMeasurement
            ) -> tuple[BatchState, Decision, str]:
     """The rule of the module docstring: the state for the next window, the decision and its reason in words."""
     batch = state.effective(policy)
+    # A lost branch test's hold-off counts down with every window, whatever the window said.
+    state = dataclasses.replace(state, hold_off=max(0, state.hold_off - 1))
     if measured.critical is None or measured.windows < policy.min_windows:
         why = ("no noise-scale estimate yet" if measured.critical is None
                else f"{measured.windows} of {policy.min_windows} windows measured")
@@ -163,6 +198,9 @@ def decide(policy: AdaptiveBatch, state: BatchState, measured: BatchMeasurement
     if ratio >= policy.grow_at:
         if state.multiple >= policy.most_windows:
             return dataclasses.replace(state, grow_streak=0, shrink_streak=0), "hold", f"{said}; at the maximum"
+        if state.hold_off > 0:
+            return (dataclasses.replace(state, grow_streak=0, shrink_streak=0), "hold",
+                    f"{said}; the last branch test lost: grow again after {state.hold_off} more")
         streak = state.grow_streak + 1
         if streak < policy.patience:
             return (dataclasses.replace(state, grow_streak=streak, shrink_streak=0), "hold",

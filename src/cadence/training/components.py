@@ -20,6 +20,8 @@ from cadence.models import CompileClock, compile_blocks
 from cadence.models.pretrained import load_shards
 from cadence.optim.spec import OptimizerSpec
 from cadence.training.adaptive_batch import BatchController
+from cadence.training.branch_test import BranchTest
+from cadence.training.evaluation import validation_batches
 from cadence.training.prepare import Prepared
 from cadence.training.reference import build_reference, precomputed_reference, starting_copy
 
@@ -114,7 +116,9 @@ def build_components(prep: Prepared) -> Components:
     batch = None
     if policy is not None and isinstance(scheduler, BatchScaledLR) and engine.noise_scale is not None:
         beta2 = prep.optimizer.betas[1] if "adam_beta2" in prep.optimizer.rule.options else None
+        # --batch-branch-test: scored on the evaluation's first validation micro-batches.
+        branch = BranchTest(engine, validation_batches(prep)[0]) if policy.branch_windows is not None else None
         batch = BatchController(policy, scheduler=scheduler, optimizer=optimizer, noise_scale=engine.noise_scale,
-                                beta2=beta2, budget=config.max_steps)
+                                beta2=beta2, budget=config.max_steps, branch=branch)
     return Components(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, ranks=prep.ranks,
                       compile_clock=compile_clock, batch=batch)

@@ -193,7 +193,9 @@ class TrainingRun:
         self.totals = Totals.of_run(prep.out, self.start, self.engine.windows)
         self.stops = Stopping(prep.ranks)
         self.progress = TrainProgress(total_steps=config.max_steps, grad_accum_steps=prep.grad_accum_steps,
-                                      log_every=config.log_every, stream=self.stream, live=live)
+                                      log_every=config.log_every, stream=self.stream, live=live,
+                                      # adaptive: --max-steps counts windows of the minimum batch, and so does this
+                                      unit="window" if self.parts.batch is not None else "step")
         self.progress.resumed(kept_rows)
         # With a token budget, auto halves the budget (positions per micro-batch) rather than the rows.
         self.controller = MicroBatchController(

@@ -22,7 +22,11 @@ class TrainProgress:
     """
 
     def __init__(self, *, total_steps: int, grad_accum_steps: int, log_every: int, stream: IO[str] | None = None,
-                 live: bool | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 live: bool | None = None, clock: Callable[[], float] = time.perf_counter, unit: str = "step") -> None:
+        """``unit``: what ``total_steps`` counts: optimizer steps, or (``"window"``, --effective-batch-size adaptive)
+        windows of the minimum batch, read from each row's ``minimum_windows``, so that the count ends at the total
+        whatever the batch grew to."""
+        self.unit = unit
         self.stream = stream or sys.stderr
         self.clock = clock
         self.total_steps = total_steps
@@ -66,7 +70,7 @@ class TrainProgress:
             # figures are fitted (see _fit); the ETA is among them, so no time column is repeated.
             narrow = console.width < WIDE
             self._bar = Progress(
-                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=NARROW_BAR if narrow else 30),
+                TextColumn(f"[bold]{self.unit}"), MofNCompleteColumn(), BarColumn(bar_width=NARROW_BAR if narrow else 30),
                 TextColumn("{task.fields[info]}"), console=console, transient=False,
             )
             self._bar.__enter__()
@@ -109,21 +113,30 @@ class TrainProgress:
         self.rate = step_rate if self.rate is None else 0.8 * self.rate + 0.2 * step_rate
         self._time_step(row)
         step = int(row["step"])
+        done = int(row.get("minimum_windows") or step) if self.unit == "window" else step
         parts = self._figures(row)
         if self.step_seconds is not None:
             per_step = self.step_seconds + self.overhead_seconds / self._steps_seen
-            parts.append(f"eta {format_duration(per_step * max(0, self.total_steps - step))}")
+            # Adaptive: the steps left are the windows left at the steps per window so far.
+            steps_left = max(0, self.total_steps - done) * step / max(1, done)
+            parts.append(f"eta {format_duration(per_step * steps_left)}")
         else:
             parts.append("eta -")  # one warm-up step says nothing about the steady pace
         self._last_step = " | ".join(parts)
         evaluated = row.get("val_loss") is not None
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=self._fit(parts))
+            self._bar.update(self._task, completed=done, info=self._fit(parts))
             if evaluated:  # kept in the scrollback: the bar's field is overwritten by the next micro-batch
-                self._bar.console.print(f"step {step}/{self.total_steps}: val loss {row['val_loss']:.4f}")
+                self._bar.console.print(f"{self._counter(step, done)}: val loss {row['val_loss']:.4f}")
             return
-        if row.get("skipped") or evaluated or step % self.log_every == 0 or step == self.total_steps or step == 1:
-            print(f"step {step}/{self.total_steps} | {self._last_step}", file=self.stream, flush=True)
+        if row.get("skipped") or evaluated or step % self.log_every == 0 or done >= self.total_steps or step == 1:
+            print(f"{self._counter(step, done)} | {self._last_step}", file=self.stream, flush=True)
+
+    def _counter(self, step: int, done: int) -> str:
+        """``step 3/10``; adaptive: ``window 12/40 (step 5)``, the budget in the unit --max-steps counts."""
+        if self.unit == "step":
+            return f"step {step}/{self.total_steps}"
+        return f"{self.unit} {done}/{self.total_steps} (step {step})"
 
     def _time_step(self, row: dict[str, Any]) -> None:
         """Fold the wall time since the last row into ``step_seconds`` (the training step) and ``overhead_seconds``
