@@ -48,9 +48,11 @@ MIN_ROUNDS = 2
 """Rounds before the stopping rule may drop a contender: one round has no noise band."""
 MIN_NOISE = 0.03
 """The noise the stopping rule assumes at least (of the leader's median): two or three rounds can agree by chance."""
-MAX_CONTENDERS = 6
-"""Contenders timed at most (the cheapest by the prior cost, ``cadence.plan.search``): on a CPU fp32 and bf16 x the
-three recompute modes; a GPU's offload groups would otherwise multiply them."""
+MAX_CONTENDERS = 9
+"""Contenders timed at most (the cheapest by the prior cost, ``cadence.plan.search``): every precision a CPU keeps
+(fp32, bf16, fp16 where its matrix units run it) x the three recompute modes; a GPU's offload groups would otherwise
+multiply them. Six left out gpt-tiny's fastest (bf16 full recompute at micro-batch 16, whose prior cost per token
+ranked it last: the plan chose 0.78x the sweep's best without timing it)."""
 HORIZON = 64
 """Optimizer steps every round run is built for (its LR schedule's length): the same for every run, so runs of
 different contenders, and the quality check's reference, follow the same schedule over the same windows."""
