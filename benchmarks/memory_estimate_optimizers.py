@@ -25,14 +25,9 @@ from typing import Any
 import torch
 from bench_env import environment, write_results
 
-from cadence import Engine, iter_windows
-from cadence.memory.estimate import estimate_step_memory
-from cadence.memory.estimate_hf import estimate_hf_step_memory
-from cadence.memory.measure import measure_step
-from cadence.models import GPT, MODEL_CONFIGS
-from cadence.models.hf import build_hf_model
 from cadence.optim.choices import OPTIMIZERS
 from cadence.optim.spec import OptimizerSpec
+from cadence.plan.estimate_check import optimizer_step_against_estimate
 
 LLAMA = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256,
          "vocab_size": 2000, "max_position_embeddings": 64}
@@ -43,23 +38,8 @@ PEAK_TOLERANCE, STATE_TOLERANCE = 0.02, 0.01
 
 
 def one(model_name: str, name: str, *, micro: int, seq: int) -> dict[str, Any]:
-    torch.manual_seed(0)
     spec = dataclasses.replace(OptimizerSpec(name=name, lr=LR[name]), nesterov=name == "sgd")  # type: ignore[arg-type]
-    if model_name == "llama":
-        hf = build_hf_model("hf:llama", dict(LLAMA))
-        model, vocab = hf.model, LLAMA["vocab_size"]
-    else:
-        model, vocab = GPT(MODEL_CONFIGS[model_name]), MODEL_CONFIGS[model_name].vocab_size
-    optimizer = spec.build(model)
-    engine = Engine(model, optimizer, precision="fp32", max_grad_norm=1.0)
-    tokens = torch.randint(0, vocab, (micro, seq + 1), generator=torch.Generator().manual_seed(0))
-    window = next(iter(iter_windows([{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}], 1)))
-    engine.step(window)
-    measured = measure_step(model, optimizer, lambda: engine.step(window), "cpu")
-    options: dict[str, Any] = {"micro_batch_size": micro, "seq_len": seq, "precision": "fp32", "checkpointing": "none",
-                               "optimizer": spec, "full_logits": True}
-    estimate = (estimate_hf_step_memory(hf.shape, style="llama", **options) if model_name == "llama"
-                else estimate_step_memory(MODEL_CONFIGS[model_name], **options))
+    measured, estimate = optimizer_step_against_estimate(model_name, spec, micro=micro, seq=seq, llama=LLAMA)
     state_measured = measured.peak_by_category["optimizer_state"]
     state_estimated = estimate.by_category["optimizer_state"]
     peak_error = (estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes

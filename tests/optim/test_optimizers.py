@@ -15,13 +15,9 @@ from helpers import prompt_completion_dataset, tiny_model
 from cadence import Engine, iter_windows
 from cadence.data import TokenDataset, collate, epoch_order, iterate_micro_batches
 from cadence.engine.schedules import build_lr_scheduler
-from cadence.memory.estimate import estimate_step_memory
-from cadence.memory.estimate_hf import estimate_hf_step_memory
-from cadence.memory.measure import measure_step
-from cadence.models import GPT, MODEL_CONFIGS
-from cadence.models.hf import build_hf_model
 from cadence.optim.choices import OPTIMIZERS
 from cadence.optim.spec import OptimizerSpec
+from cadence.plan.estimate_check import optimizer_step_against_estimate
 
 EFFECTIVE, STEPS = 8, 4
 LLAMA = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256,
@@ -126,25 +122,8 @@ def test_the_state_round_trips_and_continues_bitwise(name: str) -> None:
 def measured_and_estimated(model_name: str, name: str, *, micro: int, seq: int) -> tuple[Any, Any, OptimizerSpec]:
     """One fp32 step of a built-in model or a small transformers llama trained by ``name``: the profiler's measurement
     and the estimate (its second step: the first allocates the state)."""
-    torch.manual_seed(0)
     spec = dataclasses.replace(spec_of(name), nesterov=name == "sgd")  # SGD's Nesterov copy counted too
-    if model_name == "llama":
-        hf = build_hf_model("hf:llama", dict(LLAMA))
-        model, vocab = hf.model, LLAMA["vocab_size"]
-    else:
-        model, vocab = GPT(MODEL_CONFIGS[model_name]), MODEL_CONFIGS[model_name].vocab_size
-    optimizer = spec.build(model)
-    engine = Engine(model, optimizer, precision="fp32", max_grad_norm=1.0)
-    tokens = torch.randint(0, vocab, (micro, seq + 1), generator=torch.Generator().manual_seed(0))
-    window = next(iter(iter_windows([{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}], 1)))
-    engine.step(window)
-    measured = measure_step(model, optimizer, lambda: engine.step(window), "cpu")
-    options: dict[str, Any] = {"micro_batch_size": micro, "seq_len": seq, "precision": "fp32", "checkpointing": "none",
-                               "optimizer": spec, "full_logits": True}
-    if model_name == "llama":
-        estimate = estimate_hf_step_memory(hf.shape, style="llama", **options)
-    else:
-        estimate = estimate_step_memory(MODEL_CONFIGS[model_name], **options)
+    measured, estimate = optimizer_step_against_estimate(model_name, spec, micro=micro, seq=seq, llama=LLAMA)
     return measured, estimate, spec
 
 

@@ -15,11 +15,14 @@ import torch
 from cadence.config import TrainConfig
 from cadence.engine.choices import PrecisionName
 from cadence.engine.step import Engine
+from cadence.engine.windows import iter_windows
 from cadence.memory.choices import CheckpointingMode
+from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.estimate_for import estimate_for
 from cadence.memory.measure import MeasuredMemory, measure_step
 from cadence.memory.recompute import apply_activation_checkpointing
 from cadence.models.spec import ModelSpec
+from cadence.optim.spec import OptimizerSpec
 from cadence.training.components import build_optimizer
 
 
@@ -52,3 +55,25 @@ def estimate_against_measurement(
                                      checkpointing=checkpointing)
             rows.append((precision, checkpointing, predicted, measured))
     return rows
+
+
+def optimizer_step_against_estimate(model_name: str, spec: OptimizerSpec, *, micro: int, seq: int,
+                                    llama: dict[str, Any]) -> tuple[MeasuredMemory, MemoryEstimate]:
+    """One fp32 step of a built-in model (or, for ``"llama"``, a transformers llama of the config ``llama``) trained
+    by ``spec``: the profiler's measurement of its second step (the first allocates the optimizer state) and the
+    estimate of that step. What tests/optim's estimate test asserts and benchmarks/memory_estimate_optimizers.py
+    records, per optimizer."""
+    flags: dict[str, Any] = {"model": model_name}
+    if model_name == "llama":
+        flags = {"model": "hf:llama", "model_config": [f"{key}={value}" for key, value in llama.items()]}
+    model_spec = ModelSpec.from_flags(flags)
+    model = model_spec.build(seed=0).module
+    optimizer = spec.build(model)
+    engine = Engine(model, optimizer, precision="fp32", max_grad_norm=1.0)
+    tokens = torch.randint(0, model_spec.shape.vocab_size, (micro, seq + 1), generator=torch.Generator().manual_seed(0))
+    window = next(iter(iter_windows([{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}], 1)))
+    engine.step(window)
+    measured = measure_step(model, optimizer, lambda: engine.step(window), "cpu")
+    estimate = estimate_for(model_spec, micro_batch_size=micro, seq_len=seq, precision="fp32", checkpointing="none",
+                            optimizer=spec, full_logits=True)
+    return measured, estimate
