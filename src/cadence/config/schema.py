@@ -90,7 +90,7 @@ RUN_DIRECTORY = _section("Output", "plan", "profile")
 FROM_PLAN = _section("From a file or a plan", "profile")
 # A training run's own course.
 LENGTH = _section("Training length and auto micro-batch")
-ADAPTIVE = _section("Adaptive effective batch")
+ADAPTIVE = _section("Adaptive effective batch", "plan")
 VALIDATION = _section("Validation")
 # What a run measures about its own batch (profile reports it too).
 NOISE_SCALE = _section("Gradient noise scale", "profile")
@@ -345,10 +345,13 @@ class TrainConfig:
     min_effective_batch_size: int | None = setting(None, ADAPTIVE, changes_math=True)
     """With --effective-batch-size adaptive: the starting and smallest effective batch (a multiple of
     --micro-batch-size x processes). --max-steps and --warmup-steps then count windows of this batch, so that the
-    schedule follows the examples seen, not the optimizer steps (a grown batch does not shorten it)."""
+    schedule follows the examples seen, not the optimizer steps (a grown batch does not shorten it). cadence plan:
+    with adaptive, the micro-batch it chooses serves this batch (at least two micro-batches per window); with auto,
+    the smallest batch it may choose (default 1)."""
     max_effective_batch_size: int | None = setting(None, ADAPTIVE, changes_math=True)
     """With --effective-batch-size adaptive: the largest effective batch (a multiple of the minimum); default for a
-    LoRA run 32 ("LoRA Without Regret": LoRA loses above about 32 sequences per step), required otherwise."""
+    LoRA run 32 ("LoRA Without Regret": LoRA loses above about 32 sequences per step), required otherwise. cadence
+    plan with auto: the largest batch it may choose (default 4096, and at most the training split's sequences)."""
     batch_lr_scaling: BatchLRScaling | None = setting(None, ADAPTIVE, changes_math=True)
     """With --effective-batch-size adaptive: the LR multiplier when the batch is r times the minimum: sqrt (sqrt(r),
     the default for Adam-type optimizers), linear (r, the default for SGD) or none. AdamW's beta2 also follows the

@@ -273,9 +273,8 @@ def _adaptive_problems(config: TrainConfig, world_size: int) -> list[Problem]:
     if low is None:
         if high is None:
             check.bad("effective_batch_size", (
-                "adaptive is trained by cadence train between --min-effective-batch-size and "
-                "--max-effective-batch-size (give them); cadence plan, profile and verify take a fixed batch (a whole "
-                "number; auto for plan)"))
+                "adaptive runs between --min-effective-batch-size and --max-effective-batch-size (give them: cadence "
+                "train and cadence plan take them); cadence profile and verify take a fixed batch (a whole number)"))
         else:
             check.bad("min_effective_batch_size", "is required with --effective-batch-size adaptive: the starting "
                                                   "and smallest batch")
