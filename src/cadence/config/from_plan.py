@@ -21,13 +21,20 @@ from cadence.errors import Problem, UsageError
 from cadence.records import RecordInvalid
 
 
-def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
-    """The configuration with the plan's decision; a given flag that contradicts the plan is a usage error."""
+def apply_plan(config: TrainConfig, given: set[str], *, command: str = "train") -> TrainConfig:
+    """The configuration with the plan's decision; a given flag that contradicts the plan is a usage error. An
+    adaptive plan is trained by ``cadence train`` only (``command``: the one applying it)."""
     path = config.plan
     if path is None:
         raise ValueError("apply_plan needs config.plan")  # library misuse: the CLI calls it only with --plan
     plan = read_plan(path, where="--plan")  # every field it gives the run has the type of the flag it sets
     source = f"--plan {path}"
+    if plan.adaptive_batch is not None and command != "train":
+        raise UsageError.single("--plan", (
+            f"{path} plans an adaptive effective batch, which only cadence train runs; cadence {command} takes a "
+            f"fixed batch: give the plan's minimum instead (--micro-batch-size "
+            f"{plan.choice.flags.get('micro_batch_size') if plan.choice else '?'} --effective-batch-size "
+            f"{plan.effective_batch_size} with the plan's levers)"))
     if plan.choice is None:
         raise RecordInvalid(source, "choice", "is missing")
     if plan.model is None:
