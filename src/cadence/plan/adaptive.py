@@ -92,7 +92,9 @@ def snapshot_bytes(model: ModelSpec, config: TrainConfig, *, optimizer: Optimize
     alone = estimate_for(model, micro_batch_size=1, seq_len=1, precision="fp32", checkpointing="none",
                          offload=offload, device_type=device_type, optimizer=optimizer,
                          lora_base_precision=lora_base_precision, packed=config.packing)
-    return int(alone.by_category.get("parameters", 0) + alone.by_category.get("optimizer_state", 0))
+    # The snapshot clones every state-dict entry: a head tied to the embedding is an entry of its own, cloned again.
+    tied = model.shape.embedding_bytes if model.shape.tied_embeddings else 0
+    return int(alone.by_category.get("parameters", 0) + alone.by_category.get("optimizer_state", 0) + tied)
 
 
 def with_snapshot(estimate: MemoryEstimate, snapshot: int) -> MemoryEstimate:
