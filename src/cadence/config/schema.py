@@ -165,8 +165,9 @@ class TrainConfig:
     effective_batch_size: int | Literal["auto", "adaptive"] | None = setting(None, BATCH, changes_math=True)
     """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps. auto
     (cadence plan only): chosen from the gradient noise scale measured at the start of training. adaptive (cadence
-    train only): starts at --min-effective-batch-size and doubles or halves the accumulation at window boundaries
-    as the measured gradient noise scale says (docs/adaptive_batch.md)."""
+    train; cadence plan plans one micro-batch and set of levers for its whole range): starts at
+    --min-effective-batch-size and doubles or halves the accumulation at window boundaries as the measured gradient
+    noise scale says (docs/adaptive_batch.md)."""
     micro_batch_order: MicroBatchOrder = setting("by-length", CUT)
     """How a window's samples are cut into micro-batches: by-length (longest first, so each micro-batch pads little)
     or drawn (in the epoch's order). The window's samples and its gradient are the same either way; only the
