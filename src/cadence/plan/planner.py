@@ -253,7 +253,7 @@ def _assemble(config: TrainConfig, options: PlanOptions, constrained: set[str], 
                 lr_reference=options.lr_reference_batch, constrained=constrained, say=say, deadline=run.deadline,
                 training=options.noise_scale_training)
         run.batch_choice = choice
-        run.config = dataclasses.replace(config, effective_batch_size=choice.effective_batch_size)
+        run.config = as_fixed(config, choice.effective_batch_size)  # auto's bounds are its choice's, not a range
         run.prep = prep.variant(effective_batch_size=choice.effective_batch_size)
         run.notes.append(f"effective batch {choice.effective_batch_size}: {choice.reason}. {choice.lr_advice}")
         if choice.time_note is not None:
