@@ -24,7 +24,7 @@ from cadence.config.from_plan import apply_plan
 from cadence.config.plan_file import PlanAdaptive, read_plan, write_plan
 from cadence.engine.adaptive_batch import AdaptiveBatch
 from cadence.errors import UsageError
-from cadence.plan.adaptive import SNAPSHOT, RangeThroughput, StepSplit, as_fixed
+from cadence.plan.adaptive import SNAPSHOT, RangeThroughput, StepSplit, as_fixed, policy
 from cadence.plan.candidates import Candidate, build_candidates
 from cadence.plan.search import choose_trials, measure_candidate
 from cadence.training.branch_test import BranchTest
@@ -83,6 +83,17 @@ def test_the_micro_batch_serves_the_whole_range(text: Path, low: int, high: int,
     assert (trial.setup.micro_batch_size == max(serving)) is largest, trial.setup.describe()
     fixed = candidates_of(as_fixed(config, low))
     assert low in {c.setup.micro_batch_size for c in fixed}  # what the range rules out: one micro-batch per window
+
+
+def test_a_ramp_serves_its_range_with_any_divisor_of_the_minimum(text: Path) -> None:
+    """A preset ramp grows the accumulation the same way but measures nothing: one micro-batch per window serves it,
+    and its token counts go into plan.json's policy."""
+    config = adaptive_config(text, 8, 32, "1GiB", batch_ramp_tokens=["4096,8192"])
+    config = dataclasses.replace(config, effective_batch_size="ramp")
+    assert sorted(c.setup.micro_batch_size for c in candidates_of(config)) == [1, 2, 4, 8]
+    ramp = policy(config)
+    assert ramp is not None and ramp.flags()["effective_batch_size"] == "ramp"
+    assert ramp.flags()["batch_ramp_tokens"] == ["4096,8192"]
 
 
 def test_a_minimum_no_micro_batch_serves_is_refused_naming_the_flag(tmp_path: Path,

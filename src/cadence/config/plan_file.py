@@ -278,7 +278,8 @@ class OptimizerLever:
 
 
 ADAPTIVE_FLAGS: tuple[str, ...] = ("effective_batch_size", "min_effective_batch_size", "max_effective_batch_size",
-                                   "batch_lr_scaling", "batch_branch_test", "batch_branch_tolerance")
+                                   "batch_lr_scaling", "batch_ramp_tokens", "batch_branch_test",
+                                   "batch_branch_tolerance")
 """Train's flags of an adaptive batch, as plan.json's ``adaptive_batch`` records them."""
 
 
@@ -289,8 +290,8 @@ class PlanAdaptive:
     the throughput at both ends of the range."""
 
     flags: dict[str, Any]
-    """:data:`ADAPTIVE_FLAGS` as train's flags (``effective_batch_size`` is ``adaptive``; the branch test's two only
-    when it is on)."""
+    """:data:`ADAPTIVE_FLAGS` as train's flags (``effective_batch_size`` is ``adaptive``, or ``ramp`` with its token
+    counts; the branch test's two only when it is on)."""
     snapshot_bytes: int = 0
     """The chosen configuration's branch-test snapshot (weights and optimizer state), counted in its peak; 0 without
     --batch-branch-test."""
@@ -304,8 +305,8 @@ class PlanAdaptive:
     @classmethod
     def read(cls, record: Record) -> PlanAdaptive:
         flags = {name: record.take(name, field_kind(_HINTS[name])) for name in ADAPTIVE_FLAGS if record.has(name)}
-        if flags.get("effective_batch_size") != "adaptive":
-            raise record.invalid("effective_batch_size", "is not adaptive")
+        if flags.get("effective_batch_size") not in ("adaptive", "ramp"):
+            raise record.invalid("effective_batch_size", "is neither adaptive nor ramp")
         for name in ("min_effective_batch_size", "max_effective_batch_size"):
             if flags.get(name) is None:
                 raise record.invalid(name, "is missing")

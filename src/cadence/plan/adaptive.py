@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadence.config import TrainConfig
-from cadence.engine.adaptive_batch import LORA_MAX_BATCH, AdaptiveBatch
+from cadence.engine.adaptive_batch import BATCH_MODES, LORA_MAX_BATCH, AdaptiveBatch
 from cadence.engine.prefetch import prefetch
 from cadence.memory.estimate import MemoryEstimate
 from cadence.memory.estimate_for import estimate_for
@@ -45,9 +45,9 @@ SPLIT_STEPS = 3
 
 
 def policy(config: TrainConfig) -> AdaptiveBatch | None:
-    """The adaptive policy the plan's run asks for (its LR scaling the optimizer's default unless given; a LoRA run's
-    maximum :data:`LORA_MAX_BATCH` unless given), None for a fixed batch."""
-    if config.effective_batch_size != "adaptive":
+    """The adaptive (or ramp) policy the plan's run asks for (its LR scaling the optimizer's default unless given; a
+    LoRA run's maximum :data:`LORA_MAX_BATCH` unless given), None for a fixed batch."""
+    if config.effective_batch_size not in BATCH_MODES:
         return None
     return AdaptiveBatch.from_flags(config, lr_scaling=OptimizerSpec.from_flags(config).batch_lr_scaling,
                                     maximum=LORA_MAX_BATCH if config.lora_rank else None)
@@ -55,8 +55,8 @@ def policy(config: TrainConfig) -> AdaptiveBatch | None:
 
 def planned_batch(config: TrainConfig) -> int:
     """The effective batch every candidate computes: the given one, or under adaptive the minimum (the batch its
-    windows are made of; a larger batch is several of them in one optimizer step)."""
-    if config.effective_batch_size == "adaptive":
+    windows are made of; a larger batch is several of them in one optimizer step; a ramp's too)."""
+    if config.effective_batch_size in BATCH_MODES:
         return int(config.min_effective_batch_size or 0)
     return int(config.effective_batch_size or 0)
 
@@ -71,7 +71,7 @@ def as_fixed(config: TrainConfig, batch: int, **changes: Any) -> TrainConfig:
 
 def fewest_micro_batches(config: TrainConfig) -> int:
     """Micro-batches a window of the planned batch must hold: 2 under adaptive (the noise scale needs two batch
-    sizes; a plan is one process), else 1."""
+    sizes; a plan is one process), else 1 (a ramp measures nothing)."""
     return 2 if config.effective_batch_size == "adaptive" else 1
 
 

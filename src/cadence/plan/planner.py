@@ -241,10 +241,11 @@ def _assemble(config: TrainConfig, options: PlanOptions, constrained: set[str], 
                                                                                   started=started),
                   say=say, out=out, adaptive=policy(config))
     if run.adaptive is not None:
+        fewest = "at least two per window" if run.adaptive.mode == "adaptive" else "one per window or more: a ramp measures nothing"
         run.notes.append(f"{run.adaptive.describe()}: every candidate was timed at the minimum's accumulation, and only "
-                         f"micro-batches that divide the minimum with at least two per window were candidates (the "
-                         f"batch grows the accumulation, never the micro-batch, so a candidate's memory is the same "
-                         f"at every batch of the range)")
+                         f"micro-batches that divide the minimum ({fewest}) were candidates (the batch grows the "
+                         f"accumulation, never the micro-batch, so a candidate's memory is the same at every batch of "
+                         f"the range)")
     if auto:
         with run.deadline.phase("noise scale"):
             choice = choose_effective_batch(
@@ -431,16 +432,16 @@ def _finish(run: PlanRun, chosen: Candidate, baseline: MemoryEstimate, quality: 
         run.say(f"time: {over}")
     batch = run.batch_choice
     effective = planned_batch(run.config)
-    adaptive = None
+    adaptive, given = None, dict[str, Any](given=effective, chosen=effective)
     if run.adaptive is not None:
+        given = {"given": run.adaptive.mode, "chosen": effective}
         adaptive = PlanAdaptive(flags=run.adaptive.flags(), snapshot_bytes=chosen.snapshot_bytes,
                                 throughput=run.throughput.as_dict() if run.throughput is not None else None)
     record = plan_record(PlanOutcome(
         config=run.config, data=run.prep.data, source=run.prep.source, device=run.prep.device, seq_len=run.prep.seq_len, budget=run.budget,
         baseline=baseline, model=run.model, candidates=run.candidates, chosen=chosen, quality=quality,
         notes=run.notes, cuts=cuts, diagnosis_extra={"accumulation": accumulation},
-        effective_batch=(batch.as_dict() if batch is not None else {"given": "adaptive", "chosen": effective}
-                         if adaptive is not None else {"given": effective, "chosen": effective}),
+        effective_batch=batch.as_dict() if batch is not None else given,
         adaptive=adaptive,
         time_budget=run.options.time_budget, duration=duration,
         time_spent={name: round(seconds, 3) for name, seconds in run.deadline.spent.items() if seconds > 0},
