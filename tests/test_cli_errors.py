@@ -7,6 +7,7 @@ name them. ``<tmp_path>/run`` is the ``--out`` of every row and must not exist a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -68,8 +69,31 @@ def link_to_dev_zero(flag: str, name: str) -> Builder:
     return build
 
 
+def adaptive_plan(*args: str, branch_test: bool = True, fast: list[str] = FAST) -> Builder:
+    """A plan.json of an adaptive plan (gpt-tiny at --seq-len 16, micro 4 over [8, 32]), as cadence plan writes it,
+    given to --plan with ``args``."""
+    def build(tmp: Path) -> list[str]:
+        policy = {"effective_batch_size": "adaptive", "min_effective_batch_size": 8, "max_effective_batch_size": 32,
+                  "batch_lr_scaling": "sqrt", **({"batch_branch_test": 2, "batch_branch_tolerance": 0.01}
+                                                 if branch_test else {}), "snapshot_bytes": 0, "throughput": None}
+        plan = {"version": 1, "created": "2026-12-06T20:00:00", "model": "gpt-tiny", "seq_len": 16, "diagnosis": {},
+                "candidates": [], "effective_batch_size": 8,
+                "choice": {"id": "c03", "micro_batch_size": 4, "grad_accum_steps": 2, "reason": "test"},
+                "adaptive_batch": policy}
+        return ["--plan", str(_write(tmp, "plan.json", json.dumps(plan))), *args, *fast]
+    return build
+
+
 # (id, builder, substring that names the flag or file in stderr; "{tmp}" is replaced by tmp_path)
 CASES: list[tuple[str, Builder, str]] = [
+    # ---------------------------------------------------------------- train --plan of an adaptive plan
+    ("plan-adaptive-contradicted-maximum", adaptive_plan("--max-effective-batch-size", "64"),
+     "--max-effective-batch-size: 64 contradicts the plan's 32"),
+    ("plan-adaptive-contradicted-batch", adaptive_plan("--effective-batch-size", "16"),
+     "--effective-batch-size: 16 contradicts the plan's 'adaptive'"),
+    ("plan-adaptive-branch-test-not-counted",
+     adaptive_plan("--batch-branch-test", "2", "--eval-every", "1", branch_test=False),
+     "--batch-branch-test: the plan"),
     # ---------------------------------------------------------------- batch geometry
     ("grad-accum-0", flags("--grad-accum-steps", "0"), "--grad-accum-steps"),
     ("micro-batch-0", flags("--micro-batch-size", "0"), "--micro-batch-size"),
@@ -285,6 +309,51 @@ def test_bad_input_is_one_line_per_problem_exit_2_nothing_written(
     assert status == 2, captured.err
     _check_error_output(captured.err, captured.out, expected.replace("{tmp}", str(tmp_path)))
     assert not out.exists(), "the run directory was created for bad input"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "bad input wrote something next to the inputs"
+
+
+PLAN = ["--model", "gpt-tiny", "--seq-len", "16", "--memory-budget", "1GiB"]
+# (id, command, builder, substring naming the flag): other commands' bad input, run as `COMMAND --out <tmp>/run ...`.
+COMMAND_CASES: list[tuple[str, str, Builder, str]] = [
+    ("plan-adaptive-without-range", "plan", flags(*PLAN, "--effective-batch-size", "adaptive", fast=False),
+     "--effective-batch-size: adaptive runs between --min-effective-batch-size and --max-effective-batch-size"),
+    ("plan-adaptive-without-maximum", "plan",
+     flags(*PLAN, "--effective-batch-size", "adaptive", "--min-effective-batch-size", "8", fast=False),
+     "--max-effective-batch-size: is required"),
+    # No micro-batch serves a minimum of 1: a window of one micro-batch has no noise scale on one process.
+    ("plan-adaptive-minimum-no-micro-batch-serves", "plan",
+     flags(*PLAN, "--effective-batch-size", "adaptive", "--min-effective-batch-size", "1",
+           "--max-effective-batch-size", "8", fast=False), "--min-effective-batch-size: 1 is one micro-batch"),
+    ("plan-adaptive-minimum-not-a-multiple-of-the-micro-batch", "plan",
+     flags(*PLAN, "--effective-batch-size", "adaptive", "--min-effective-batch-size", "8",
+           "--max-effective-batch-size", "32", "--micro-batch-size", "3", fast=False),
+     "--min-effective-batch-size: 8 is not a multiple of --micro-batch-size"),
+    ("plan-branch-test-with-a-fixed-batch", "plan",
+     flags(*PLAN, "--effective-batch-size", "8", "--batch-branch-test", "2", fast=False),
+     "--batch-branch-test: applies only with --effective-batch-size adaptive"),
+    ("plan-noise-scale-windows-with-adaptive", "plan",
+     flags(*PLAN, "--effective-batch-size", "adaptive", "--min-effective-batch-size", "8",
+           "--max-effective-batch-size", "32", "--noise-scale-windows", "4", fast=False),
+     "--noise-scale-windows: is for --effective-batch-size auto"),
+    ("profile-adaptive-plan", "profile", adaptive_plan("--steps", "3", fast=[]),
+     "plans an adaptive effective batch, which only cadence train runs"),
+]
+
+
+@pytest.mark.parametrize(("command", "builder", "expected"), [pytest.param(c, b, e, id=i)
+                                                              for i, c, b, e in COMMAND_CASES])
+def test_other_commands_bad_input_is_one_line_exit_2_nothing_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, builder: Builder, expected: str
+) -> None:
+    out = tmp_path / "run"
+    args = builder(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    status = main([command, "--out", str(out), *args])
+    captured = capsys.readouterr()
+    assert status == 2, captured.err
+    lines = _check_error_output(captured.err, captured.out, expected)
+    assert len(lines) == 1, lines
+    assert not out.exists(), "the output directory was created for bad input"
     assert sorted(p.name for p in tmp_path.iterdir()) == before, "bad input wrote something next to the inputs"
 
 

@@ -205,15 +205,15 @@ def _own_options(cls: type, options: dict[str, Any]) -> tuple[Any, dict[str, Any
             {k: v for k, v in options.items() if k not in own})
 
 
-def _train_config(config_file: Path | None, flags: dict[str, Any]) -> TrainConfig:
+def _train_config(config_file: Path | None, flags: dict[str, Any], *, command: str = "train") -> TrainConfig:
     """Flags over the --config file over the defaults, and then --plan's decision (where the command takes --plan:
-    a flag that contradicts the plan is an error)."""
+    a flag that contradicts the plan is an error; only train runs an adaptive plan)."""
     from cadence.config.from_plan import apply_plan
     from cadence.config.sources import build_config, given_keys
 
     config = build_config(toml_path=config_file, flags=flags)
     if config.plan is not None:
-        config = apply_plan(config, given_keys(toml_path=config_file, flags=flags))
+        config = apply_plan(config, given_keys(toml_path=config_file, flags=flags), command=command)
     return config
 
 
@@ -331,7 +331,7 @@ def profile_command(config_file: Path | None, compare: tuple[Path, Path] | None,
         return
 
     profile_options, flags = _own_options(ProfileOptions, options)
-    run_profile(_train_config(config_file, flags), profile_options)
+    run_profile(_train_config(config_file, flags, command="profile"), profile_options)
 
 
 @app.command("verify", cls=GroupedCommand)

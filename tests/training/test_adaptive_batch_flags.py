@@ -91,11 +91,12 @@ def test_bad_adaptive_input(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     assert not out.exists()
 
 
-def test_plan_refuses_adaptive_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """cadence plan plans a fixed batch: adaptive is refused by the config's validation, one line."""
+def test_plan_adaptive_needs_its_range_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """cadence plan plans adaptive over a range: without the range it is refused by the config's validation, one
+    line."""
     status = main(["plan", "--out", str(tmp_path / "plan"), "--seq-len", "16", "--memory-budget", "1GiB",
                    "--effective-batch-size", "adaptive"])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert status == 2 and len(lines) == 1, err
-    assert "--effective-batch-size" in lines[0] and "cadence plan, profile and verify take a fixed batch" in lines[0]
+    assert "--effective-batch-size" in lines[0] and "--min-effective-batch-size" in lines[0], lines[0]

@@ -92,11 +92,6 @@ class PlanOptions:
     (--lr, --warmup-steps: as the run would) instead of at the weights the run starts from (the default: the whole
     step chain at learning rate 0, no optimizer step, so a loaded model is measured as loaded, not after the jolt of
     its first updates)."""
-    min_effective_batch_size: int = 1
-    """With --effective-batch-size auto: the smallest effective batch the plan may choose."""
-    max_effective_batch_size: int = 4096
-    """With --effective-batch-size auto: the largest effective batch the plan may choose (also at most the training
-    split's sequences)."""
     lr_reference_batch: int | None = None
     """With --effective-batch-size auto: the effective batch --lr was tuned at, for the plan's advice on scaling it
     (advice only: the plan never changes --lr)."""

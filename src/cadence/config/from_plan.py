@@ -21,13 +21,20 @@ from cadence.errors import Problem, UsageError
 from cadence.records import RecordInvalid
 
 
-def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
-    """The configuration with the plan's decision; a given flag that contradicts the plan is a usage error."""
+def apply_plan(config: TrainConfig, given: set[str], *, command: str = "train") -> TrainConfig:
+    """The configuration with the plan's decision; a given flag that contradicts the plan is a usage error. An
+    adaptive plan is trained by ``cadence train`` only (``command``: the one applying it)."""
     path = config.plan
     if path is None:
         raise ValueError("apply_plan needs config.plan")  # library misuse: the CLI calls it only with --plan
     plan = read_plan(path, where="--plan")  # every field it gives the run has the type of the flag it sets
     source = f"--plan {path}"
+    if plan.adaptive_batch is not None and command != "train":
+        raise UsageError.single("--plan", (
+            f"{path} plans an adaptive effective batch, which only cadence train runs; cadence {command} takes a "
+            f"fixed batch: give the plan's minimum instead (--micro-batch-size "
+            f"{plan.choice.flags.get('micro_batch_size') if plan.choice else '?'} --effective-batch-size "
+            f"{plan.effective_batch_size} with the plan's levers)"))
     if plan.choice is None:
         raise RecordInvalid(source, "choice", "is missing")
     if plan.model is None:
@@ -41,7 +48,7 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
     if plan.optimizer is not None:  # every candidate ran with it; the plan never chose another (issue 51)
         decided["optimizer"] = plan.optimizer
     _planned_data(config, given, plan, decided)
-    problems = []
+    problems = _adaptive_problems(given, plan, decided, path)
     if given & set(CUT_FLAGS):
         # A cut is an exact lever (the same samples per window): a cut that keeps the memory the plan measured is
         # accepted, one that might raise it is refused saying why.
@@ -54,12 +61,26 @@ def apply_plan(config: TrainConfig, given: set[str]) -> TrainConfig:
         if name in given and value is not None and getattr(config, name) != value:
             problems.append(Problem(where="--" + name.replace("_", "-"),
                                     message=f"{getattr(config, name)!r} contradicts the plan's {value!r} ({path})"))
-    if "effective_batch_size" in given and config.effective_batch_size != plan.effective_batch_size:
+    if ("effective_batch_size" in given and plan.adaptive_batch is None
+            and config.effective_batch_size != plan.effective_batch_size):
         problems.append(Problem(where="--effective-batch-size", message=f"{config.effective_batch_size} contradicts "
                                 f"the plan's {plan.effective_batch_size} ({path})"))
     if problems:
         raise UsageError(problems)
     return dataclasses.replace(config, **decided)
+
+
+def _adaptive_problems(given: set[str], plan: PlanRecord, decided: dict[str, Any], path: Path) -> list[Problem]:
+    """An adaptive plan's policy into ``decided`` (the accumulation is then the run's own: its windows are the
+    minimum's); a branch test the plan did not count in its memory is refused."""
+    if plan.adaptive_batch is None:
+        return []
+    decided.update(plan.adaptive_batch.flags, grad_accum_steps=None)
+    if "batch_branch_test" in given and "batch_branch_test" not in plan.adaptive_batch.flags:
+        return [Problem(where="--batch-branch-test", message=(
+            f"the plan ({path}) counted no branch-test snapshot (a second copy of the weights and the optimizer state) "
+            f"in its memory; plan again with --batch-branch-test"))]
+    return []
 
 
 def _planned_data(config: TrainConfig, given: set[str], plan: PlanRecord, decided: dict[str, Any]) -> None:

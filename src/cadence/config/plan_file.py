@@ -277,6 +277,43 @@ class OptimizerLever:
                    chosen_state_bytes=record.count("chosen_state_bytes"), tried=record.flag("tried", False))
 
 
+ADAPTIVE_FLAGS: tuple[str, ...] = ("effective_batch_size", "min_effective_batch_size", "max_effective_batch_size",
+                                   "batch_lr_scaling", "batch_ramp_tokens", "batch_branch_test",
+                                   "batch_branch_tolerance")
+"""Train's flags of an adaptive batch, as plan.json's ``adaptive_batch`` records them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanAdaptive:
+    """The adaptive batch a plan planned for (``cadence plan --effective-batch-size adaptive``): its policy as train's
+    flags, which ``train --plan`` trains with, the branch test's snapshot counted in every candidate's memory, and
+    the throughput at both ends of the range."""
+
+    flags: dict[str, Any]
+    """:data:`ADAPTIVE_FLAGS` as train's flags (``effective_batch_size`` is ``adaptive``, or ``ramp`` with its token
+    counts; the branch test's two only when it is on)."""
+    snapshot_bytes: int = 0
+    """The chosen configuration's branch-test snapshot (weights and optimizer state), counted in its peak; 0 without
+    --batch-branch-test."""
+    throughput: dict[str, Any] | None = None
+    """Tokens/s at the minimum (measured) and the maximum (derived), with how each was obtained
+    (``cadence.plan.adaptive.RangeThroughput``)."""
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.flags, "snapshot_bytes": self.snapshot_bytes, "throughput": self.throughput}
+
+    @classmethod
+    def read(cls, record: Record) -> PlanAdaptive:
+        flags = {name: record.take(name, field_kind(_HINTS[name])) for name in ADAPTIVE_FLAGS if record.has(name)}
+        if flags.get("effective_batch_size") not in ("adaptive", "ramp"):
+            raise record.invalid("effective_batch_size", "is neither adaptive nor ramp")
+        for name in ("min_effective_batch_size", "max_effective_batch_size"):
+            if flags.get(name) is None:
+                raise record.invalid(name, "is missing")
+        return cls(flags=flags, snapshot_bytes=record.count("snapshot_bytes", 0),
+                   throughput=record.take("throughput", OBJECT, None))
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanRecord:
     """Everything plan.json holds. Objects whose inner fields only the plan's report shows (the diagnosis, the quality
@@ -321,6 +358,9 @@ class PlanRecord:
     """The user's --optimizer: what every candidate was estimated and measured with (None: a plan.json before it)."""
     optimizer_levers: list[OptimizerLever] = field(default_factory=list)
     """Other optimizers with a smaller state, each with its estimate, not tried (``cadence.plan.optimizer_levers``)."""
+    adaptive_batch: PlanAdaptive | None = None
+    """The adaptive batch the plan planned for (None: a fixed batch, ``effective_batch_size``); its candidates computed
+    the minimum (``effective_batch_size`` then holds it)."""
     version: int = PLAN_VERSION
 
     def as_json(self) -> dict[str, Any]:
@@ -341,6 +381,7 @@ class PlanRecord:
             "effective_batch": self.effective_batch, "estimate_error": self.estimate_error,
             "objective": self.objective,
             "optimizer": self.optimizer, "optimizer_levers": [lever.as_json() for lever in self.optimizer_levers],
+            "adaptive_batch": self.adaptive_batch.as_json() if self.adaptive_batch is not None else None,
         }
 
     @classmethod
@@ -348,6 +389,7 @@ class PlanRecord:
         """The plan of a record (a plan.json's object): every field checked, an absent one its default."""
         source, choice, prediction = (record.record(key, None) for key in ("source", "choice", "prediction"))
         lora, objective = record.record("lora", None), record.record("objective", None)
+        adaptive = record.record("adaptive_batch", None)
         return cls(
             version=record.count("version", PLAN_VERSION), created=record.text("created", "?"),
             duration_s=record.number("duration_s", None), model=_model(record),
@@ -370,7 +412,8 @@ class PlanRecord:
             effective_batch=record.take("effective_batch", OBJECT, None),
             estimate_error=record.take("estimate_error", OBJECT, None),
             objective=_objective(objective) if objective is not None else None, optimizer=record.text("optimizer", None),
-            optimizer_levers=[OptimizerLever.read(row) for row in record.records("optimizer_levers", [])])
+            optimizer_levers=[OptimizerLever.read(row) for row in record.records("optimizer_levers", [])],
+            adaptive_batch=PlanAdaptive.read(adaptive) if adaptive is not None else None)
 
     def candidate(self, candidate_id: str | None) -> CandidateRow | None:
         return next((row for row in self.candidates if row.id == candidate_id), None)
@@ -408,5 +451,5 @@ def write_plan(path: Path, plan: PlanRecord) -> None:
     atomic_write_json(path, plan.as_json())
 
 
-__all__ = ["CUT_FLAGS", "DECISION_DEFAULTS", "DECISION_FIELDS", "MARKS", "PLAN_FILE", "Choice", "CandidateRow",
-           "CutRow", "Measured", "OptimizerLever", "PlanRecord", "PlanSource", "Prediction", "Rounds", "read_plan", "write_plan"]
+__all__ = ["ADAPTIVE_FLAGS", "CUT_FLAGS", "DECISION_DEFAULTS", "DECISION_FIELDS", "MARKS", "PLAN_FILE", "Choice", "CandidateRow",
+           "CutRow", "Measured", "OptimizerLever", "PlanAdaptive", "PlanRecord", "PlanSource", "Prediction", "Rounds", "read_plan", "write_plan"]

@@ -90,7 +90,7 @@ RUN_DIRECTORY = _section("Output", "plan", "profile")
 FROM_PLAN = _section("From a file or a plan", "profile")
 # A training run's own course.
 LENGTH = _section("Training length and auto micro-batch")
-ADAPTIVE = _section("Adaptive effective batch")
+ADAPTIVE = _section("Adaptive effective batch", "plan")
 VALIDATION = _section("Validation")
 # What a run measures about its own batch (profile reports it too).
 NOISE_SCALE = _section("Gradient noise scale", "profile")
@@ -165,9 +165,10 @@ class TrainConfig:
     effective_batch_size: int | Literal["auto", "adaptive", "ramp"] | None = setting(None, BATCH, changes_math=True)
     """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps. auto
     (cadence plan only): chosen from the gradient noise scale measured at the start of training. adaptive (cadence
-    train only): starts at --min-effective-batch-size and doubles or halves the accumulation at window boundaries
-    as the measured gradient noise scale says (docs/adaptive_batch.md). ramp (cadence train only): a preset ramp,
-    doubling from --min-effective-batch-size at each of --batch-ramp-tokens, nothing measured (OLMo-core style)."""
+    train; cadence plan plans one micro-batch and set of levers for its whole range): starts at
+    --min-effective-batch-size and doubles or halves the accumulation at window boundaries as the measured gradient
+    noise scale says (docs/adaptive_batch.md). ramp (cadence train only): a preset ramp, doubling from
+    --min-effective-batch-size at each of --batch-ramp-tokens, nothing measured (OLMo-core style)."""
     micro_batch_order: MicroBatchOrder = setting("by-length", CUT)
     """How a window's samples are cut into micro-batches: by-length (longest first, so each micro-batch pads little)
     or drawn (in the epoch's order). The window's samples and its gradient are the same either way; only the
@@ -347,10 +348,13 @@ class TrainConfig:
     """With --effective-batch-size adaptive or ramp: the starting and smallest effective batch (a multiple of
     --micro-batch-size x processes). --max-steps, --warmup-steps and --eval-every then count windows of this batch,
     so that the schedule and the evaluations follow the examples seen, not the optimizer steps (a grown batch does
-    not shorten them)."""
+    not shorten them). cadence plan: with adaptive, the micro-batch it chooses serves this batch (at least two
+    micro-batches per window); with auto, the smallest batch it may choose (default 1)."""
     max_effective_batch_size: int | None = setting(None, ADAPTIVE, changes_math=True)
-    """With --effective-batch-size adaptive or ramp: the largest effective batch (a multiple of the minimum); default for a
-    LoRA run 32 ("LoRA Without Regret": LoRA loses above about 32 sequences per step), required otherwise."""
+    """With --effective-batch-size adaptive or ramp: the largest effective batch (a multiple of the minimum); default
+    for a LoRA run 32 ("LoRA Without Regret": LoRA loses above about 32 sequences per step), required otherwise.
+    cadence plan with auto: the largest batch it may choose (default 4096, and at most the training split's
+    sequences)."""
     batch_lr_scaling: BatchLRScaling | None = setting(None, ADAPTIVE, changes_math=True)
     """With --effective-batch-size adaptive or ramp: the LR multiplier when the batch is r times the minimum: sqrt (sqrt(r),
     the default for Adam-type optimizers), linear (r, the default for SGD) or none. AdamW's beta2 also follows the

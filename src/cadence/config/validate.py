@@ -278,9 +278,8 @@ def _adaptive_problems(config: TrainConfig, world_size: int) -> list[Problem]:
     if low is None:
         if high is None:
             check.bad("effective_batch_size", (
-                "adaptive is trained by cadence train between --min-effective-batch-size and "
-                "--max-effective-batch-size (give them); cadence plan, profile and verify take a fixed batch (a whole "
-                "number; auto for plan)"))
+                f"{mode} runs between --min-effective-batch-size and --max-effective-batch-size (give them: cadence "
+                f"train and cadence plan take them); cadence profile and verify take a fixed batch (a whole number)"))
         else:
             check.bad("min_effective_batch_size", f"is required with --effective-batch-size {mode}: the starting "
                                                   "and smallest batch")

@@ -32,6 +32,7 @@ from cadence.models.quantized import bitsandbytes_problem
 from cadence.models.spec import ModelSpec
 from cadence.optim.choices import OptimizerStateName
 from cadence.optim.spec import OptimizerSpec
+from cadence.plan.adaptive import planned_batch, serving_micro_batches, snapshot_bytes, with_snapshot
 from cadence.plan.measure import Rates, probe_precisions
 from cadence.plan.objective_cost import objective_cost, reference_modes
 from cadence.plan.tolerances import BASE_TOLERANCE, STATE_TOLERANCE
@@ -54,6 +55,10 @@ class Candidate:
     seconds_per_step: float | None = None
     """Its trial's whole time over its steps: the step with its share of the trial's building (the model, the
     optimizer, the data), which is what the quality check's short runs spend per step too."""
+    snapshot_bytes: int = 0
+    """Under ``--batch-branch-test``: the snapshot of the weights and optimizer state the branch test holds
+    (``plan.adaptive.snapshot_bytes``), counted in its estimate and added to its measured peak (a trial runs without
+    it); 0 otherwise."""
     accumulation_bytes: int | None = None
     """What accumulation adds to its estimated peak (against the same micro-batch as a whole window): the gradients
     held through the later micro-batches, and each new gradient made beside the accumulated one, except the token
@@ -121,8 +126,9 @@ class Levers:
 def _levers(config: TrainConfig, constrained: set[str], device: torch.device, rows: int, notes: list[str],
             model: ModelSpec, states: list[OptimizerStateName] | None, precisions: list[PrecisionName] | None,
             bases: list[LoraBasePrecision] | None) -> Levers:
-    effective = int(config.effective_batch_size or 0)
-    micro_sizes = [int(config.micro_batch_size)] if "micro_batch_size" in constrained else divisors(effective)
+    # Under adaptive, only the micro-batches that serve the whole range (dividing the minimum, two or more per window).
+    micro_sizes = ([int(config.micro_batch_size)] if "micro_batch_size" in constrained
+                   else serving_micro_batches(config, divisors(planned_batch(config))))
     if precisions is None and "precision" in constrained:
         precisions = [config.precision]
     elif precisions is None:
@@ -166,7 +172,7 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
     levers = _levers(config, constrained, device, rows, notes, model, states, precisions, bases)
     modes = reference_modes(config, constrained)  # the preference reference: a frozen copy, or precomputed
     budget = int(config.memory_budget_bytes() or 0)
-    effective = int(config.effective_batch_size or 0)
+    effective = planned_batch(config)
     candidates: list[Candidate] = []
     for state, base, precision in levers.combinations:
         for recompute in levers.recomputes:
@@ -191,8 +197,11 @@ def build_candidates(config: TrainConfig, constrained: set[str], device: torch.d
                                                     grad_accum_steps=setup.grad_accum_steps, **levers_of)
                         alone = estimate if setup.grad_accum_steps == 1 else estimate_for(
                             model, micro_batch_size=micro, grad_accum_steps=1, **levers_of)
+                        snapshot = snapshot_bytes(model, config, optimizer=levers_of["optimizer"], offload=offload,
+                                                  lora_base_precision=base, device_type=device.type)
                         candidates.append(Candidate(
-                            id=f"c{len(candidates) + first_number:02d}", setup=setup, estimate=estimate,
+                            id=f"c{len(candidates) + first_number:02d}", setup=setup,
+                            estimate=with_snapshot(estimate, snapshot), snapshot_bytes=snapshot,
                             accumulation_bytes=(estimate.peak_bytes - alone.peak_bytes
                                                 if setup.grad_accum_steps > 1 else None)))
     return candidates

@@ -329,6 +329,7 @@ def compare_cuts(prep: Prepared, chosen: Candidate, budget: int, options: PlanOp
             break
         cut = dataclasses.replace(chosen.setup.cut, **fields)
         variant = Candidate(id=f"{chosen.id}-{name.replace(' ', '-')}", estimate=chosen.estimate,
+                            snapshot_bytes=chosen.snapshot_bytes,
                             setup=dataclasses.replace(chosen.setup, cut=cut))
         measure_candidate(variant, prep, budget, options, say, label="cut")
         names[variant.id] = name

@@ -26,7 +26,8 @@ from typing import IO, Any
 
 from cadence.config import TrainConfig, validate
 from cadence.config.commands import PlanOptions
-from cadence.config.plan_file import CUT_FLAGS, CutRow
+from cadence.config.plan_file import CUT_FLAGS, CutRow, PlanAdaptive
+from cadence.engine.adaptive_batch import AdaptiveBatch
 from cadence.engine.choices import PRECISIONS, PrecisionName
 from cadence.errors import CadenceFailure, Problem, UsageError
 from cadence.formatting import format_bytes
@@ -35,6 +36,7 @@ from cadence.memory.estimate_for import estimate_for
 from cadence.models.spec import ModelSpec
 from cadence.optim.choices import OptimizerStateName
 from cadence.output_files import timestamped_directory
+from cadence.plan.adaptive import RangeThroughput, as_fixed, planned_batch, policy, step_split
 from cadence.plan.batch import BatchChoice, choose_effective_batch
 from cadence.plan.candidates import (
     Candidate,
@@ -72,9 +74,9 @@ def validate_plan(config: TrainConfig, options: PlanOptions, constrained: Collec
     auto = config.effective_batch_size == "auto"
     if config.effective_batch_size is None:
         problems.append(Problem(where="--effective-batch-size", message="is required: the batch the plan keeps fixed, "
-                                                                        "or auto (chosen from the gradient noise "
-                                                                        "scale)"))
-    problems += _auto_batch_problems(options, auto, constrained)
+                                                                        "auto (chosen from the gradient noise "
+                                                                        "scale) or adaptive (a range)"))
+    problems += _auto_batch_problems(config, options, auto, constrained)
     if config.memory_budget is None:
         problems.append(Problem(where="--memory-budget", message="is required, e.g. 512MiB or 2GiB"))
     if config.micro_batch_size == "auto":
@@ -91,36 +93,58 @@ def validate_plan(config: TrainConfig, options: PlanOptions, constrained: Collec
         problems.append(Problem(where="--time-budget", message=f"must be a positive number of seconds, got "
                                                                 f"{options.time_budget}"))
     try:
-        # auto is resolved before anything runs at a batch: the rest is checked as for any batch.
-        validate(dataclasses.replace(config, effective_batch_size=None) if auto else config)
+        validate(_as_validated(config))
     except UsageError as err:
         problems += err.problems
     if problems:
         raise UsageError(problems)
 
 
-def _auto_batch_problems(options: PlanOptions, auto: bool, constrained: Collection[str]) -> list[Problem]:
-    """The problems of --effective-batch-size auto's own flags (each is refused without auto)."""
+def _as_validated(config: TrainConfig) -> TrainConfig:
+    """The configuration as the config's validation sees it: auto is resolved before anything runs at a batch (its
+    bounds are the plan's own, checked by :func:`_auto_batch_problems`), so the rest is checked as for any batch;
+    under adaptive the branch test's --eval-every is train's flag (checked when train runs the plan)."""
+    if config.effective_batch_size == "auto":
+        return dataclasses.replace(config, effective_batch_size=None, min_effective_batch_size=None,
+                                   max_effective_batch_size=None)
+    if config.effective_batch_size == "adaptive" and config.batch_branch_test is not None:
+        return dataclasses.replace(config, eval_every=max(config.eval_every, 1))
+    return config
+
+
+AUTO_BOUNDS = (1, 4096)
+"""--min-effective-batch-size and --max-effective-batch-size of a plan with --effective-batch-size auto, not given."""
+
+
+def auto_bounds(config: TrainConfig) -> tuple[int, int]:
+    """The range --effective-batch-size auto chooses from."""
+    low, high = config.min_effective_batch_size, config.max_effective_batch_size
+    return (AUTO_BOUNDS[0] if low is None else low, AUTO_BOUNDS[1] if high is None else high)
+
+
+def _auto_batch_problems(config: TrainConfig, options: PlanOptions, auto: bool,
+                         constrained: Collection[str]) -> list[Problem]:
+    """The problems of --effective-batch-size auto's own flags (each is refused without auto; the range's bounds are
+    adaptive's too, which the config's validation checks)."""
     problems: list[Problem] = []
-    auto_only = ("noise_scale_windows", "noise_scale_training", "min_effective_batch_size", "max_effective_batch_size",
-                 "lr_reference_batch")
+    auto_only = ("noise_scale_windows", "noise_scale_training", "lr_reference_batch")
     for name in auto_only if not auto else ():
         if getattr(options, name) != getattr(PlanOptions(), name):
             problems.append(Problem(where="--" + name.replace("_", "-"),
                                     message="is for --effective-batch-size auto, which this plan is not"))
     if not auto:
         return problems
-    for name in ("noise_scale_windows", "min_effective_batch_size", "max_effective_batch_size"):
-        if getattr(options, name) < 1:
-            problems.append(Problem(where="--" + name.replace("_", "-"),
-                                    message=f"must be at least 1, got {getattr(options, name)}"))
+    low, high = auto_bounds(config)
+    for name, value in (("noise_scale_windows", options.noise_scale_windows), ("min_effective_batch_size", low),
+                        ("max_effective_batch_size", high)):
+        if value < 1:
+            problems.append(Problem(where="--" + name.replace("_", "-"), message=f"must be at least 1, got {value}"))
     if options.lr_reference_batch is not None and options.lr_reference_batch < 1:
         problems.append(Problem(where="--lr-reference-batch",
                                 message=f"must be at least 1, got {options.lr_reference_batch}"))
-    if options.min_effective_batch_size > options.max_effective_batch_size:
+    if low > high:
         problems.append(Problem(where="--min-effective-batch-size", message=(
-            f"{options.min_effective_batch_size} is above --max-effective-batch-size "
-            f"{options.max_effective_batch_size}")))
+            f"{low} is above --max-effective-batch-size {high}")))
     if "micro_batch_size" in constrained:
         problems.append(Problem(where="--micro-batch-size", message=(
             "cannot constrain an effective batch that is not chosen yet (auto); leave it out, or give "
@@ -154,6 +178,10 @@ class PlanRun:
     """Where no estimate was within reach of the budget: the closest candidate, measured to confirm."""
     races: Races | None = None
     """The contenders' runs, kept across rounds and for the quality check's losses."""
+    adaptive: AdaptiveBatch | None = None
+    """Under --effective-batch-size adaptive: the policy planned for (``config`` keeps it; ``prep`` is its minimum)."""
+    throughput: RangeThroughput | None = None
+    """Under adaptive: the choice's throughput at both ends of the range."""
 
     @property
     def feasible(self) -> list[Candidate]:
@@ -192,6 +220,7 @@ def make_plan(config: TrainConfig, options: PlanOptions, *, constrained: set[str
     finally:
         races.close_all()
     quality.update(lossy_checks)
+    _range_throughput(run, chosen)
     say(f"quality: gradient relative error {quality['gradient']['relative_error']:.2e} "
         f"({'pass' if quality['gradient']['passed'] else 'FAIL'}), loss within "
         f"{quality['loss']['max_relative_difference']:.2%} of fp32 ({'pass' if quality['loss']['passed'] else 'FAIL'})")
@@ -203,23 +232,29 @@ def _assemble(config: TrainConfig, options: PlanOptions, constrained: set[str], 
     store; every trial is a variant of it), with the effective batch chosen first under auto."""
     out = config.out or timestamped_directory(Path("plans"), datetime.now())
     auto = config.effective_batch_size == "auto"
-    prep = prepare(dataclasses.replace(config, val_fraction=0.0,
-                                       effective_batch_size=1 if auto else config.effective_batch_size), out=out)
+    # The run the trials vary is a fixed batch: auto's is chosen below; adaptive's candidates compute its minimum.
+    prep = prepare(as_fixed(config, 1 if auto else planned_batch(config), val_fraction=0.0), out=out)
     model = prep.model
     # One deadline from the plan's start: the noise-scale measurement spends part of it, the trials the rest.
     run = PlanRun(config=config, options=options, constrained=constrained, prep=prep, model=model,
                   budget=int(config.memory_budget_bytes() or 0), deadline=Deadline(options.time_budget,
                                                                                   started=started),
-                  say=say, out=out)
+                  say=say, out=out, adaptive=policy(config))
+    if run.adaptive is not None:
+        fewest = "at least two per window" if run.adaptive.mode == "adaptive" else "one per window or more: a ramp measures nothing"
+        run.notes.append(f"{run.adaptive.describe()}: every candidate was timed at the minimum's accumulation, and only "
+                         f"micro-batches that divide the minimum ({fewest}) were candidates (the batch grows the "
+                         f"accumulation, never the micro-batch, so a candidate's memory is the same at every batch of "
+                         f"the range)")
     if auto:
         with run.deadline.phase("noise scale"):
             choice = choose_effective_batch(
                 prep, model, budget=run.budget, windows=options.noise_scale_windows,
-                bounds=(options.min_effective_batch_size, options.max_effective_batch_size),
+                bounds=auto_bounds(config),
                 lr_reference=options.lr_reference_batch, constrained=constrained, say=say, deadline=run.deadline,
                 training=options.noise_scale_training)
         run.batch_choice = choice
-        run.config = dataclasses.replace(config, effective_batch_size=choice.effective_batch_size)
+        run.config = as_fixed(config, choice.effective_batch_size)  # auto's bounds are its choice's, not a range
         run.prep = prep.variant(effective_batch_size=choice.effective_batch_size)
         run.notes.append(f"effective batch {choice.effective_batch_size}: {choice.reason}. {choice.lr_advice}")
         if choice.time_note is not None:
@@ -227,10 +262,24 @@ def _assemble(config: TrainConfig, options: PlanOptions, constrained: set[str], 
     return run
 
 
+def _range_throughput(run: PlanRun, chosen: Candidate) -> None:
+    """Under adaptive: the choice's throughput at both ends of its range (the optimizer step's share of a window
+    measured phase by phase; the maximum's figure derived from it), said on the console."""
+    if run.adaptive is None:
+        return
+    with run.deadline.phase("range throughput"):
+        split = step_split(run.prep, chosen.setup)
+    run.throughput = RangeThroughput.of(run.adaptive, chosen.rate or None, split)
+    run.say(f"adaptive batch: {run.throughput.words()}")
+    if chosen.snapshot_bytes:
+        run.say(f"adaptive batch: the branch test's snapshot ({format_bytes(chosen.snapshot_bytes)}: the weights and "
+                f"the optimizer state) is counted in the peak {format_bytes(chosen.peak)}")
+
+
 def _diagnose(run: PlanRun) -> MemoryEstimate:
     """The naive configuration's estimate (the whole batch at once in fp32), said on the console."""
     prep, config = run.prep, run.config
-    effective = int(config.effective_batch_size or 0)
+    effective = planned_batch(config)
     run.longest = longest_example(prep.data, prep.seq_len)
     baseline = estimate_for(run.model, micro_batch_size=effective, seq_len=run.longest, precision="fp32",
                             checkpointing="none", device_type=prep.device.type, packed=config.packing,
@@ -382,12 +431,18 @@ def _finish(run: PlanRun, chosen: Candidate, baseline: MemoryEstimate, quality: 
         run.notes.append(over)
         run.say(f"time: {over}")
     batch = run.batch_choice
-    effective = int(run.config.effective_batch_size or 0)
+    effective = planned_batch(run.config)
+    adaptive, given = None, dict[str, Any](given=effective, chosen=effective)
+    if run.adaptive is not None:
+        given = {"given": run.adaptive.mode, "chosen": effective}
+        adaptive = PlanAdaptive(flags=run.adaptive.flags(), snapshot_bytes=chosen.snapshot_bytes,
+                                throughput=run.throughput.as_dict() if run.throughput is not None else None)
     record = plan_record(PlanOutcome(
         config=run.config, data=run.prep.data, source=run.prep.source, device=run.prep.device, seq_len=run.prep.seq_len, budget=run.budget,
         baseline=baseline, model=run.model, candidates=run.candidates, chosen=chosen, quality=quality,
         notes=run.notes, cuts=cuts, diagnosis_extra={"accumulation": accumulation},
-        effective_batch=batch.as_dict() if batch is not None else {"given": effective, "chosen": effective},
+        effective_batch=batch.as_dict() if batch is not None else given,
+        adaptive=adaptive,
         time_budget=run.options.time_budget, duration=duration,
         time_spent={name: round(seconds, 3) for name, seconds in run.deadline.spent.items() if seconds > 0},
         trust=run.trust))

@@ -22,6 +22,7 @@ from cadence.config.plan_file import (
     Choice,
     CutRow,
     Measured,
+    PlanAdaptive,
     PlanRecord,
     PlanSource,
     Prediction,
@@ -33,6 +34,7 @@ from cadence.data import DataSplits
 from cadence.data.source import Source
 from cadence.memory.estimate import MemoryEstimate
 from cadence.models.spec import ModelSpec
+from cadence.plan.adaptive import planned_batch
 from cadence.plan.candidates import Candidate, epoch_tokens, longest_example
 from cadence.plan.optimizer_levers import optimizer_levers
 from cadence.plan.trust import Trust
@@ -96,6 +98,8 @@ class PlanOutcome:
     duration: float
     trust: Trust | None = None
     """The estimate's measured error the plan judged memory by (``cadence.plan.trust``)."""
+    adaptive: PlanAdaptive | None = None
+    """Under --effective-batch-size adaptive: the policy planned for and the throughput over its range."""
 
 
 def plan_record(outcome: PlanOutcome) -> PlanRecord:
@@ -107,7 +111,9 @@ def plan_record(outcome: PlanOutcome) -> PlanRecord:
     reason = (f"highest measured throughput ({rate or 0:,.0f} tokens/s, the median of {rounds} alternating rounds) "
               f"among the measured candidates whose measured peak is within the budget, or the lowest peak among "
               f"those tied with it within the measured noise; every candidate has the same effective batch of "
-              f"{config.effective_batch_size}"
+              f"{planned_batch(config)}"
+              + (" (the adaptive range's minimum: a larger batch of the range accumulates more of the same "
+                 "micro-batches, at the same memory)" if outcome.adaptive is not None else "")
               + (f"; its windows are cut ({chosen.setup.cut.describe()}) to compute less padding for the same "
                  f"gradient" if chosen.setup.cut.by_length else ""))
     source = outcome.source.flags()
@@ -123,7 +129,7 @@ def plan_record(outcome: PlanOutcome) -> PlanRecord:
                           fields={name: value for name, value in source.items() if name != "data"},
                           data_fingerprint=data.fingerprint),
         tokens_per_epoch=tokens_per_epoch, device=str(outcome.device),
-        effective_batch_size=int(config.effective_batch_size or 0), world_size=1, memory_budget_bytes=outcome.budget,
+        effective_batch_size=planned_batch(config), world_size=1, memory_budget_bytes=outcome.budget,
         diagnosis={**_diagnosis(config, baseline), **outcome.diagnosis_extra},
         candidates=[candidate_row(c, outcome.budget, tokens_per_epoch, outcome.trust) for c in outcome.candidates],
         # What train --plan should see: the decision's throughput (the median of its rounds) and the time per epoch
@@ -147,13 +153,14 @@ def plan_record(outcome: PlanOutcome) -> PlanRecord:
         optimizer=config.optimizer,
         optimizer_levers=optimizer_levers(config, outcome.model, seq_len=outcome.seq_len,
                                           chosen_state=chosen.setup.optimizer_state),
-        estimate_error=outcome.trust.as_dict() if outcome.trust is not None else None)
+        estimate_error=outcome.trust.as_dict() if outcome.trust is not None else None,
+        adaptive_batch=outcome.adaptive)
 
 
 def _diagnosis(config: TrainConfig, baseline: MemoryEstimate) -> dict[str, Any]:
     """The naive configuration (the whole batch at once, fp32) and its estimate by category."""
     return {
-        "baseline": {"micro_batch_size": config.effective_batch_size, "grad_accum_steps": 1, "precision": "fp32",
+        "baseline": {"micro_batch_size": planned_batch(config), "grad_accum_steps": 1, "precision": "fp32",
                      "activation_checkpointing": "none", "offload": "none"},
         "estimate": {"peak_bytes": baseline.peak_bytes, "by_category": baseline.by_category,
                      "peak_phase": baseline.peak_phase},

@@ -107,9 +107,31 @@ def _plan_setup(plan: PlanRecord) -> list[str]:
         + (f" of a {plan.time_budget_s:g} s --time-budget" if plan.time_budget_s is not None else "")
         + _time_spent(plan.time_spent_s),
     ]
+    if plan.adaptive_batch is not None:
+        items.append(_adaptive_text(plan))
     if plan.version != 1:
         items.append(f"**Note:** plan.json version {plan.version}; this report reads version 1 and may miss fields")
     return items
+
+
+def _adaptive_text(plan: PlanRecord) -> str:
+    """The adaptive range a plan planned for: its bounds, the branch test's snapshot, the throughput at both ends."""
+    adaptive = plan.adaptive_batch
+    if adaptive is None:
+        return ""
+    flags, speed = adaptive.flags, adaptive.throughput or {}
+    text = (f"**Adaptive batch:** {flags.get('min_effective_batch_size')} to {flags.get('max_effective_batch_size')} "
+            f"sequences (LR scaling {flags.get('batch_lr_scaling')}); every candidate computed the minimum")
+    if adaptive.snapshot_bytes:
+        text += (f"; the branch test's snapshot ({format_bytes(adaptive.snapshot_bytes)}, weights and optimizer "
+                 f"state) is counted in every peak")
+    low, high = speed.get("tokens_per_s_at_minimum"), speed.get("tokens_per_s_at_maximum")
+    if plots.finite(low):
+        text += f"; {low:,.0f} tokens/s at the minimum (measured)"
+    if plots.finite(high) and plots.finite(speed.get("optimizer_step_share")):
+        text += (f", about {high:,.0f} at the maximum (derived: the optimizer step is "
+                 f"{speed['optimizer_step_share']:.1%} of a window of the minimum, amortised over the larger window)")
+    return text
 
 
 def _time_spent(spent: dict[str, float]) -> str:

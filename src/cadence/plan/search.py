@@ -184,7 +184,14 @@ def measure_candidate(candidate: Candidate, prep: Prepared, budget: int, options
     """Run ``candidate``'s trial, record it on the candidate and say it; returns the trial. ``memory_only``: its
     peak alone (the rounds time it)."""
     started = time.perf_counter()
-    result = run_trial(prep, candidate.setup, steps=options.trial_steps, budget_bytes=budget, timed=not memory_only)
+    # The branch test's snapshot (under --batch-branch-test) is live while its branches train: the trial runs without
+    # it, so the budget left to the step is the budget less the snapshot, and the peak reported is the step's plus it.
+    snapshot = candidate.snapshot_bytes
+    result = run_trial(prep, candidate.setup, steps=options.trial_steps, budget_bytes=budget - snapshot,
+                       timed=not memory_only)
+    if snapshot and result.peak_bytes is not None:
+        result.peak_bytes += snapshot
+        result.measured_on = f"{result.measured_on}, plus the branch test's snapshot ({format_bytes(snapshot)}, counted)"
     candidate.seconds_per_step = (time.perf_counter() - started) / (2 if memory_only else
                                                                       max(options.trial_steps, MIN_TRIAL_STEPS))
     candidate.measured = result
