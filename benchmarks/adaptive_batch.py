@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,10 +89,14 @@ def run(model: str, kind: str, seed: int, out: Path, budget: int, text: Path) ->
         "adaptive": ["--effective-batch-size", "adaptive", *changing],
     }[kind]
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "cadence", "train", *common, *flags], capture_output=True,
-                            text=True)
-    if result.returncode != 0:
-        raise SystemExit(result.stderr[-2000:])
+    if not (out / "summary.json").exists():  # --work: a run finished by an earlier invocation is read, not rerun
+        shutil.rmtree(out, ignore_errors=True)
+        # One intra-op thread per run: the two models run side by side on 2 cores, and two 2-thread OpenMP pools
+        # spinning against each other (and a text file's data thread) slowed a step 10-40x here.
+        result = subprocess.run([sys.executable, "-m", "cadence", "train", *common, *flags], capture_output=True,
+                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if result.returncode != 0:
+            raise SystemExit(result.stderr[-2000:])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     samples = tokens = 0
     evaluated = []
@@ -125,13 +130,18 @@ def main() -> None:
     parser.add_argument("--models", default="gpt-small,llama")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--quick", action="store_true", help="one seed, an eighth of the budget (never reported)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="keep the runs in this directory and reuse the finished ones (an interrupted benchmark "
+                             "goes on where it stopped); default: a temporary directory")
     args = parser.parse_args()
     models = args.models.split(",")
     seeds = [0] if args.quick else [int(seed) for seed in args.seeds.split(",")]
     budget = BUDGET // 8 if args.quick else BUDGET
     load = [os.getloadavg()]
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.work or Path(scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
         text = english_text(Path(tmp) / "english.txt")
 
         def one_model(model: str) -> list[dict[str, Any]]:

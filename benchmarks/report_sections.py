@@ -869,72 +869,93 @@ def render_memory_estimate_optimizers(data: dict) -> list[str]:
     return lines + [""]
 
 
-def _adaptive_reach(seed: dict, eval_sequences: int) -> dict:
+def _adaptive_reach(result: dict) -> dict:
     """benchmarks/adaptive_batch.py's ``reach``, from a seed's recorded evaluations: the loss the fixed small batch
-    ends at (the median of its last 4 evaluations) and each run's first evaluation at or below it (None: never)."""
-    def grid(run: dict) -> list[dict]:
-        return [point for point in run["evaluations"] if point["samples"] % eval_sequences == 0]
-
-    small = next(run for run in seed["runs"] if run["kind"] == "small")
-    target = statistics.median(point["val_loss"] for point in grid(small)[-4:])
+    ends at (the median of its last 3 evaluations) and each run's first evaluation at or below it (None: never)."""
+    small = next(run for run in result["runs"] if run["kind"] == "small")
+    target = statistics.median(point["val_loss"] for point in small["evaluations"][-3:])
     reached = {}
-    for run in seed["runs"]:
-        first = next((point for point in grid(run) if point["val_loss"] <= target), None)
+    for run in result["runs"]:
+        first = next((point for point in run["evaluations"] if point["val_loss"] <= target), None)
         reached[run["kind"]] = None if first is None else {"step": first["step"], "tokens": first["tokens"]}
     return {"target": target, "reached": reached}
 
 
+def _adaptive_verdicts(model: str, reaches: list[dict], small: int, large: int) -> list[str]:
+    """The issue's target for one model: adaptive at most 0.75x the fixed small batch's steps with at most 1.10x its
+    tokens, and fewer tokens than the fixed large batch, in every seed; the ramp's figures beside it."""
+    lines = []
+    for kind in ("adaptive", "ramp"):
+        both = [found["reached"] for found in reaches if found["reached"][kind] is not None]
+        if not both:
+            lines.append(f"- {model}, {kind}: did not reach the target in any seed"
+                         + (": the issue's target is NOT met." if kind == "adaptive" else "."))
+            continue
+        steps = [r[kind]["step"] / r["small"]["step"] for r in both]
+        tokens = [r[kind]["tokens"] / r["small"]["tokens"] for r in both]
+        beats_large = all(r["large"] is None or r[kind]["tokens"] < r["large"]["tokens"] for r in both)
+        said = (f"- {model}, {kind}: reached the target in {len(both)} of {len(reaches)} seeds; there "
+                f"{', '.join(f'{x:.2f}x' for x in steps)} the optimizer steps of the fixed {small} (median "
+                f"{statistics.median(steps):.2f}x) with {', '.join(f'{x:.2f}x' for x in tokens)} its tokens (median "
+                f"{statistics.median(tokens):.2f}x), and {'fewer' if beats_large else 'NOT always fewer'} tokens than "
+                f"the fixed {large}")
+        if kind == "adaptive":
+            ok = (len(both) == len(reaches) and max(steps) <= 0.75 and max(tokens) <= 1.10 and beats_large)
+            said += (f". The issue's target (every seed at most 0.75x the steps, at most 1.10x the tokens, fewer "
+                     f"tokens than the fixed {large}): {verdict(ok)}.")
+        lines.append(said + ("" if kind == "adaptive" else "."))
+    return lines
+
+
 def render_adaptive_batch(data: dict) -> list[str]:
-    """Issue 53 item 7: --effective-batch-size adaptive against a fixed small and a fixed large batch."""
+    """Issue 53 item 7: the adaptive batch against a fixed small batch, a fixed large batch and a preset ramp."""
     settings = data["settings"]
-    small, large = settings["small"], settings["large"]
+    small, large, budget = settings["small"], settings["large"], settings["budget_windows"]
     load = data.get("load_average") or []
-    kinds = [run["kind"] for run in data["seeds"][0]["runs"]]
-    adaptive_kinds = [kind for kind in kinds if kind.startswith("adaptive")]
-    emas = {kind: settings.get("adaptive_ema", {}).get(kind, 0.9) for kind in adaptive_kinds}
+    kinds = [run["kind"] for run in data["results"][0]["runs"]]
+    fractions = ", ".join(f"{fraction:g}" for fraction in settings["ramp_fractions"])
     lines = para(
-        f"{settings['model']} on the built-in corpus (sequences of {settings['seq_len']} bytes), CPU, fp32, "
-        f"micro-batch {settings['micro']}; every run sees the same {settings['budget_windows'] * small:,} sequences in "
-        f"the same order: a fixed batch of {small} at --lr {settings['lr']:g}, a fixed batch of {large} at --lr x "
-        f"sqrt({large // small}), and adaptive from {small} to {large} ("
-        + ", ".join(f"{kind}: --noise-scale-ema {ema:g}" for kind, ema in emas.items())
-        + f"). The validation loss is read every {settings['eval_sequences']} training sequences (8 held-out "
-        f"micro-batches); a seed's target is the loss the fixed {small} ends at (the median of its last 4 "
+        f"gpt-small over the built-in corpus and a transformers llama ({', '.join(settings['llama'])}) over English "
+        f"text (pydoc_data's topics), sequences of {settings['seq_len']} bytes, CPU, fp32, micro-batch "
+        f"{settings['micro']}, AdamW with a linear warm-up over {settings['warmup_windows']} windows of {small} "
+        f"then a constant LR. Per model and seed every run sees the same {budget * small:,} sequences "
+        f"({budget * small * settings['seq_len']:,} tokens) in the same order: a fixed batch of {small} at --lr "
+        f"{settings['lr']:g}; a fixed batch of {large} at --lr x sqrt({large // small}); a preset ramp "
+        f"(--effective-batch-size ramp) from {small} to {large} doubling at {fractions} of the tokens; and "
+        f"--effective-batch-size adaptive from {small} to {large} at cadence's default rule and --noise-scale-ema "
+        f"{settings['ema']:g} (the changing batches at the square-root LR rule). The validation loss is read every "
+        f"{settings['eval_windows'] * small} training sequences on the same {settings['eval_batches']} held-out "
+        f"micro-batches; a seed's target is the loss the fixed {small} ends at (the median of its last 3 "
         f"evaluations), and each run's figures are those of its first evaluation at or below it (-: not reached "
-        f"within the budget). No preset ramp is run (cadence has none)."
+        f"within the budget)."
         + (f" Load average {load[0][0]:.1f} at the start and {load[-1][0]:.1f} at the end (2 shared cores): the "
-           "figures are steps and tokens, not time." if load else ""))
+           "figures are steps and tokens, which the load does not change." if load else ""))
 
     def cell(point: dict | None) -> str:
         return "-" if point is None else f"{point['step']} / {point['tokens']:,}"
 
-    rows, finals, reaches = [], [], []
-    for seed in data["seeds"]:
-        found = _adaptive_reach(seed, settings["eval_sequences"])
-        reaches.append(found)
-        rows.append([str(seed["seed"]), f"{found['target']:.4f}", *(cell(found["reached"][kind]) for kind in kinds)])
-        for run in seed["runs"]:
+    rows, finals = [], []
+    by_model: dict[str, list[dict]] = {}
+    for result in data["results"]:
+        found = _adaptive_reach(result)
+        by_model.setdefault(result["model"], []).append(found)
+        rows.append([result["model"], str(result["seed"]), f"{found['target']:.4f}",
+                     *(cell(found["reached"][kind]) for kind in kinds)])
+        for run in result["runs"]:
             switches = run.get("switches") or []
-            finals.append([str(seed["seed"]), run["kind"], str(run["steps"]), f"{run['tokens']:,}",
+            changing = run["kind"] in ("ramp", "adaptive")
+            finals.append([result["model"], str(result["seed"]), run["kind"], str(run["steps"]), f"{run['tokens']:,}",
                            f"{run['evaluations'][-1]['val_loss']:.4f}",
-                           f"{len(switches)} (largest batch {max(run['batches'])})" if run["kind"] in emas else ""])
-    lines += table(["seed", "target val loss", *(f"{kind}: steps / tokens to it" for kind in kinds)], rows)
-    lines += para("Each run at the end of the budget: its optimizer steps, tokens, last validation loss, and the "
-                  "adaptive runs' switches (each with its step and reason in the JSON).")
-    lines += table(["seed", "run", "optimizer steps", "tokens", "last val loss", "switches"], finals)
-    for kind in adaptive_kinds:
-        both = [found["reached"] for found in reaches if found["reached"][kind] is not None]
-        if both:
-            steps = statistics.median(r[kind]["step"] / r["small"]["step"] for r in both)
-            tokens = statistics.median(r[kind]["tokens"] / r["small"]["tokens"] for r in both)
-            lines.append(f"- {kind} reached the target in {len(both)} of {len(reaches)} seeds; there, median "
-                         f"{steps:.2f}x the optimizer steps of the fixed {small} (target: at most 0.75x) with "
-                         f"{tokens:.2f}x its tokens (target: at most 1.10x): "
-                         f"{verdict(len(both) == len(reaches) and steps <= 0.75 and tokens <= 1.10)}.")
-        else:
-            lines.append(f"- {kind} did not reach the target in any seed: the targets (at most 0.75x the steps, "
-                         f"1.10x the tokens of the fixed {small}; fewer tokens than the fixed {large}) are NOT met.")
-    return lines + [""]
+                           ", ".join(f"{s['from']}->{s['to']} at step {s['step']}" for s in switches)
+                           if changing else ""])
+    lines += table(["model", "seed", "target val loss", *(f"{kind}: steps / tokens to it" for kind in kinds)], rows)
+    for model, reaches in by_model.items():
+        lines += _adaptive_verdicts(model, reaches, small, large)
+    lines += [""] + para("Each run at the end of the budget: its optimizer steps, tokens, last validation loss, and "
+                         "the changing batches' switches (each with its reason in the JSON and in the run's "
+                         "metrics.jsonl).")
+    lines += table(["model", "seed", "run", "optimizer steps", "tokens", "last val loss", "switches"], finals)
+    return lines
 
 
 def render_noise_geometry(data: dict) -> list[str]:
