@@ -24,10 +24,12 @@ from helpers import collate, epoch_order, relative_l2, sample_text
 from safetensors.torch import load_file
 
 from cadence.config import TrainConfig
-from cadence.training.branch_test import PROBE_MICRO_BATCHES
+from cadence.engine.windows import padding_micro_batch
+from cadence.training.branch_test import PROBE_MICRO_BATCHES, probe_share
 from cadence.training.run_dir import read_metrics
 
-pytestmark = pytest.mark.slow  # real gloo processes: eight two-rank runs of 30 steps, about 2 minutes in all
+SLOW = pytest.mark.slow
+"""Real gloo processes: each strategy's four two-rank runs of 30 steps, about 50 s (DDP) and 2 minutes (FSDP2) here."""
 
 MIN, MAX, BUDGET, TOLERANCE = 4, 16, 30, 0.01
 """The batch's bounds and the run's --max-steps; the default --batch-branch-tolerance (the verdict is a real one)."""
@@ -90,6 +92,25 @@ def runs(request: pytest.FixtureRequest, data: tuple[Path, Path],
     return found
 
 
+@pytest.mark.parametrize(("world", "validation"), [(1, 9), (2, 9), (3, 9), (2, 3), (4, 1)])
+def test_each_rank_scores_its_share_of_the_first_probe_micro_batches(world: int, validation: int) -> None:
+    """Across the ranks, the probe is the evaluation's first PROBE_MICRO_BATCHES micro-batches (of ``validation``),
+    each once, every rank scoring its own (those its validation share holds) and all as many forwards, padded with
+    target-less micro-batches: what one process scores, summed by the evaluation's all-reduce."""
+    batches = [{"index": index} for index in range(validation)]
+    per_rank = -(-validation // world)
+    pad = padding_micro_batch()
+    shares = []
+    for rank in range(world):
+        mine = batches[rank::world]  # training.evaluation.validation_batches: every world-th, padded
+        shares.append(probe_share(mine + [pad] * (per_rank - len(mine)), rank=rank, world_size=world))
+    assert {len(share) for share in shares} == {-(-PROBE_MICRO_BATCHES // world)}
+    scored = sorted(batch["index"] for share in shares for batch in share if "index" in batch)
+    assert scored == list(range(min(PROBE_MICRO_BATCHES, validation)))
+    padding = [batch for share in shares for batch in share if "index" not in batch]
+    assert all(int((batch["labels"] != -100).sum()) == 0 for batch in padding)
+
+
 def _rows(run: Path) -> list[tuple[int, float, float, int]]:
     return [(row["step"], row["loss"], row["lr"], row["effective_batch"]) for row in read_metrics(run)]
 
@@ -104,6 +125,7 @@ def _tests(run: Path) -> list[dict[str, Any]]:
     return list(json.loads((run / "summary.json").read_text())["adaptive_batch"]["branch_tests"])
 
 
+@SLOW
 def test_every_rank_takes_the_same_verdict(runs: dict[str, Any]) -> None:
     """Both ranks ran the test at the same step and read the same two probe losses (all-reduced), so they took the
     same verdict, with the same reason; it is the one rank 0 wrote to metrics.jsonl and summary.json."""
@@ -119,6 +141,7 @@ def test_every_rank_takes_the_same_verdict(runs: dict[str, Any]) -> None:
             verdict["decision"], verdict["reason"].split("; ")[-1])
 
 
+@SLOW
 def test_a_kept_test_leaves_the_two_rank_run_that_grew_without_one(runs: dict[str, Any]) -> None:
     """Each rank restored its own snapshot (replica or shards, optimizer state, generators, noise-scale averages,
     counters): every step's loss, LR and batch and the final weights are bitwise those of the run without the test."""
@@ -128,6 +151,7 @@ def test_a_kept_test_leaves_the_two_rank_run_that_grew_without_one(runs: dict[st
     _same_weights(runs["branch"], runs["plain"])
 
 
+@SLOW
 def test_a_lost_test_rolls_back_to_the_two_rank_run_that_never_grew(runs: dict[str, Any]) -> None:
     """Rolled back on both ranks: the run holds at the minimum and is bitwise the run whose maximum is the minimum."""
     assert [test["kept"] for test in _tests(runs["lost"])] == [False]
@@ -135,6 +159,7 @@ def test_a_lost_test_rolls_back_to_the_two_rank_run_that_never_grew(runs: dict[s
     _same_weights(runs["lost"], runs["never"])
 
 
+@SLOW
 def test_two_ranks_with_a_branch_test_equal_one_process(runs: dict[str, Any], tmp_path: Path) -> None:
     """The textbook loop of one process replays the two-rank run: each step one big batch of the next examples,
     and at the branch test both branches from a copy of its model and optimizer, scored on the evaluation's first
