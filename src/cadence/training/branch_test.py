@@ -56,7 +56,7 @@ class BranchOutcome:
     larger: float
     current: float
     tokens: int
-    """Tokens the two branches trained on together (thrown away: the run trains them again)."""
+    """Tokens the two branches trained on together, all ranks' (thrown away: the run trains them again)."""
     seconds: float
 
 
