@@ -1,8 +1,9 @@
 """--batch-branch-test on two gloo ranks, DDP and FSDP2: every rank snapshots its own state (its replica, or its
 shards), trains both branches on its own part of the read-ahead windows, and the probe loss is all-reduced, so every
 rank takes the same verdict; the run equals one process taking one big batch of the same examples at each step and
-in each branch (losses and probe losses 1e-5, weights 1e-4, as every two-rank parity test here); and the run after a
-kept test is the two-rank run without one, after a lost test the two-rank run whose maximum is the minimum (bitwise).
+in each branch (losses and probe losses 1e-5, weights 1e-4, as every two-rank parity test here); the run after a
+kept test is the two-rank run without one, after a lost test the two-rank run whose maximum is the minimum, and a
+two-rank resume right after or before the test is the uninterrupted run (bitwise).
 
 The FSDP2 runs use --seed 1, under which their noise scale asks to grow at step 20 (with seed 0 only at step 28, too
 late for two branch windows before --max-steps), and --sync-every-micro-step, which the noise scale needs there."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +31,8 @@ from cadence.training.branch_test import PROBE_MICRO_BATCHES, probe_share
 from cadence.training.run_dir import read_metrics
 
 SLOW = pytest.mark.slow
-"""Real gloo processes: each strategy's four two-rank runs of 30 steps, about 50 s (DDP) and 2 minutes (FSDP2) here."""
+"""Real gloo processes: each strategy's four two-rank runs of 30 steps, about 50 s (DDP) and 2 minutes (FSDP2) on
+this loaded 2-core machine, and the resume test's three more (about 40 s and 100 s)."""
 
 MIN, MAX, BUDGET, TOLERANCE = 4, 16, 30, 0.01
 """The batch's bounds and the run's --max-steps; the default --batch-branch-tolerance (the verdict is a real one)."""
@@ -156,6 +159,28 @@ def test_a_lost_test_rolls_back_to_the_two_rank_run_that_never_grew(runs: dict[s
     assert [test["kept"] for test in _tests(runs["lost"])] == [False]
     assert _rows(runs["lost"]) == _rows(runs["never"])
     _same_weights(runs["lost"], runs["never"])
+
+
+@SLOW
+def test_two_rank_resume_after_and_before_a_branch_test_is_bitwise(runs: dict[str, Any], tmp_path: Path) -> None:
+    """Resumed on two ranks from the checkpoint of the step whose decision ran the branch test (every rank's
+    controller state is in it; FSDP2's as shards), or from two steps before it (both ranks test again, together): the
+    uninterrupted two-rank run, bitwise."""
+    from cadence.training.checkpoint import checkpoint_dirs
+
+    (test,) = _tests(runs["branch"])
+    args = [*flags(runs["data"], runs["strategy"]), "--batch-branch-test", "2", "--checkpoint-every", "1"]
+    out = tmp_path / "cut"
+    two_ranks(args, out)
+    for at in (test["step"], test["step"] - 2):
+        for path in checkpoint_dirs(out):
+            if int(path.name.split("-")[1]) > at:
+                shutil.rmtree(path)
+        verdicts = two_ranks([*args, "--resume"], out)
+        assert verdicts[0] == verdicts[1]
+        assert _rows(out) == _rows(runs["branch"])
+        _same_weights(out, runs["branch"])
+        assert [(found["step"], found["kept"]) for found in _tests(out)] == [(test["step"], True)]
 
 
 @SLOW
