@@ -50,7 +50,8 @@ EVERYDAY_TITLE = "Everyday flags (the rest by section below)"
 
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"lora_targets": ("--lora-target-modules",)}
 """Second spellings of a few flags: peft's own name for the LoRA targets."""
-LIST_METAVARS: dict[str, str] = {"lora_targets": "NAME[,NAME]", "message": "[ROLE:]TEXT"}
+LIST_METAVARS: dict[str, str] = {"lora_targets": "NAME[,NAME]", "message": "[ROLE:]TEXT",
+                                 "batch_ramp_tokens": "TOKENS[,TOKENS]"}
 """What a repeatable flag's value looks like, where it is not KEY=VALUE."""
 
 

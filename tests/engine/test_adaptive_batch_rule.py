@@ -14,6 +14,8 @@ from cadence.engine.adaptive_batch import (
     BatchState,
     Decision,
     decide,
+    decide_ramp,
+    parse_ramp_tokens,
 )
 from cadence.engine.choices import BatchLRScaling
 
@@ -158,3 +160,79 @@ def test_an_old_checkpoint_state_has_no_hold_off() -> None:
     """A controller state saved before the branch test existed loads with no hold-off."""
     assert BatchState.from_state_dict({"multiple": 2, "grow_streak": 1, "shrink_streak": 0, "switches": 1}) == \
         BatchState(multiple=2, grow_streak=1, switches=1)
+
+
+def test_a_signal_below_the_noise_counts_as_a_critical_batch_far_above() -> None:
+    """An infinite measurement (the averaged |G|^2 not positive: the two sizes cannot resolve the signal) is a
+    measurement at or above the grow threshold, not "no estimate": it grows after the patience, and says why."""
+    batches, decisions, _ = run([math.inf, math.inf, math.inf])
+    assert batches == [8, 8, 16] and decisions == ["hold", "hold", "grow"]
+    _, _, reason = decide(POLICY, BatchState(), BatchMeasurement(critical=math.inf, windows=10))
+    assert "above what the two sizes resolve" in reason and "over 10 windows" in reason
+    # ... but not before the rule's minimum of measured windows
+    _, decision, _ = decide(POLICY, BatchState(grow_streak=2), BatchMeasurement(critical=math.inf, windows=1))
+    assert decision == "hold"
+
+
+RAMP = AdaptiveBatch(minimum=4, maximum=32, ramp_tokens=(1024, 4096, 6000), window_tokens=4 * 64)
+
+
+@pytest.mark.parametrize(("clocks", "batches", "decisions"), [
+    # 1024 tokens = 4 windows of 256; 4096 = 16; 6000 -> the first boundary at or past it: 24 (6,144 tokens)
+    ([1, 2, 3], [4, 4, 4], ["hold"] * 3),
+    ([3, 4, 6, 8], [4, 8, 8, 8], ["hold", "grow", "hold", "hold"]),
+    ([14, 16, 20, 23, 24, 28, 40], [8, 16, 16, 16, 32, 32, 32], ["grow", "grow", "hold", "hold", "grow", "hold",
+                                                                 "hold"]),
+    # a step that passes two points at once (a resume, a short budget) goes straight to the batch they say
+    ([2, 17], [4, 16], ["hold", "grow"]),
+])
+def test_the_preset_ramp_doubles_at_its_token_counts(clocks: list[int], batches: list[int],
+                                                     decisions: list[Decision]) -> None:
+    state = BatchState()
+    got, said = [], []
+    for clock in clocks:
+        state, decision, _ = decide_ramp(RAMP, state, clock)
+        got.append(state.effective(RAMP))
+        said.append(decision)
+    assert (got, said) == (batches, decisions)
+
+
+def test_the_ramp_says_where_it_is() -> None:
+    assert RAMP.ramp_windows() == (4, 16, 24)
+    _, _, reason = decide_ramp(RAMP, BatchState(), 4)
+    assert reason == "preset ramp: 1,024 tokens seen (>= 1,024): 4 -> 8"
+    _, _, reason = decide_ramp(RAMP, BatchState(multiple=2), 5)
+    assert reason == "preset ramp: 1,280 tokens seen, next x2 at 4,096"
+    _, _, reason = decide_ramp(RAMP, BatchState(multiple=8), 30)
+    assert reason == "preset ramp: 7,680 tokens seen, at its last batch 32"
+    capped = AdaptiveBatch(minimum=4, maximum=8, ramp_tokens=(256,), window_tokens=256)
+    state, decision, _ = decide_ramp(capped, BatchState(multiple=2), 100)
+    assert (decision, state.multiple) == ("hold", 2)
+    assert "preset batch ramp from 4 to 32 sequences, x2 at 1,024, 4,096, 6,000 tokens" in RAMP.describe()
+
+
+def test_ramp_flags_round_trip() -> None:
+    flags = {"effective_batch_size": "ramp", "min_effective_batch_size": 4, "max_effective_batch_size": 32,
+             "batch_lr_scaling": None, "batch_ramp_tokens": ["1024,4_096", "6000"], "seq_len": 64}
+    policy = AdaptiveBatch.from_flags(flags, lr_scaling="sqrt")
+    assert policy is not None and policy.mode == "ramp"
+    assert (policy.ramp_tokens, policy.window_tokens) == ((1024, 4096, 6000), 256)
+    again = AdaptiveBatch.from_flags({**policy.flags(), "seq_len": 64}, lr_scaling="sqrt")
+    assert again == policy
+    assert AdaptiveBatch.from_flags({**flags, "effective_batch_size": "adaptive"}, lr_scaling="sqrt").mode == \
+        "adaptive"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("given", "parsed"), [
+    (["1024"], (1024,)), (["1024,2048"], (1024, 2048)), (["1_024", "2048,"], (1024, 2048)), (["1k"], None),
+    (None, ())])
+def test_parse_ramp_tokens(given: list[str] | None, parsed: tuple[int, ...] | None) -> None:
+    assert parse_ramp_tokens(given) == parsed
+
+
+@pytest.mark.parametrize(("tokens", "words"), [
+    ((2048, 1024), "positive and increasing"), ((1024, 1024), "positive and increasing"), ((0, 10), "positive"),
+    ((1, 2, 3, 4), "doubles 4 times from 4, but --max-effective-batch-size 32 leaves room for 3")])
+def test_ramp_problems(tokens: tuple[int, ...], words: str) -> None:
+    problems = AdaptiveBatch(minimum=4, maximum=32, ramp_tokens=tokens, window_tokens=64).problems()
+    assert len(problems) == 1 and problems[0].where == "--batch-ramp-tokens" and words in problems[0].message

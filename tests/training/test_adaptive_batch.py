@@ -150,3 +150,32 @@ def test_a_lora_run_defaults_to_a_maximum_of_32_and_says_so(tmp_path: Path, caps
     assert "LoRA: at most 32 unless --max-effective-batch-size is given" in err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["adaptive_batch"]["max_effective_batch_size"] == 32
+
+
+def test_an_unresolved_signal_is_measured_as_a_critical_batch_far_above() -> None:
+    """The controller's measurement from the engine's noise scale: its estimate in sequences when there is one;
+    infinite when the averaged |G|^2 is not positive (the signal below what the two sizes resolve); none while the
+    noise itself is unresolved (the averaged tr(Sigma) not positive) and none at all with no noise scale (a ramp)."""
+    from cadence.engine.adaptive_batch import AdaptiveBatch
+    from cadence.engine.noise_scale import GradientNoiseScale
+    from cadence.engine.schedules import BatchScaledLR
+    from cadence.training.adaptive_batch import BatchController
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = BatchScaledLR(optimizer, schedule="constant", warmup_steps=0, max_steps=10)
+    noise = GradientNoiseScale(ema=0.9)
+    controller = BatchController(AdaptiveBatch(minimum=4, maximum=16), scheduler=scheduler, optimizer=optimizer,
+                                 noise_scale=noise, beta2=None, budget=10)
+    result = type("Result", (), {"skipped": False})()
+
+    def measured(trace: float, grad_sq: float) -> float | None:
+        # the averages as the windows left them: tr(Sigma), |G|^2, samples, targets, tokens
+        noise.load_state_dict({"ema": 0.9, "windows": 12, "averages": [trace, grad_sq, 4.0, 32.0, 32.0]})
+        return controller._measured(result).critical  # type: ignore[arg-type]
+
+    assert measured(8.0, 1.0) == pytest.approx(8.0 / 8)  # 8 targets per sequence: 1 sequence
+    assert measured(8.0, -0.5) == float("inf")
+    assert measured(-1.0, 1.0) is None
+    controller.noise_scale = None
+    assert controller._measured(result).critical is None  # type: ignore[arg-type]

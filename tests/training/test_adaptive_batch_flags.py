@@ -55,6 +55,26 @@ CASES = [
 ]
 
 
+RAMP = ["--effective-batch-size", "ramp", "--min-effective-batch-size", "4", "--max-effective-batch-size", "16"]
+CASES += [
+    ("ramp-without-tokens", RAMP, "--batch-ramp-tokens", "is required with --effective-batch-size ramp"),
+    ("ramp-tokens-without-ramp", ["--batch-ramp-tokens", "1024"], "--batch-ramp-tokens",
+     "applies only with --effective-batch-size ramp"),
+    ("ramp-tokens-with-adaptive", [*ADAPTIVE, *RAMP[2:], "--batch-ramp-tokens", "1024"], "--batch-ramp-tokens",
+     "applies only with --effective-batch-size ramp"),
+    ("ramp-tokens-not-numbers", [*RAMP, "--batch-ramp-tokens", "64k"], "--batch-ramp-tokens",
+     "not a list of whole token counts"),
+    ("ramp-tokens-not-increasing", [*RAMP, "--batch-ramp-tokens", "2048,1024"], "--batch-ramp-tokens",
+     "positive and increasing"),
+    ("ramp-past-the-maximum", [*RAMP, "--batch-ramp-tokens", "64,128,256"], "--batch-ramp-tokens",
+     "doubles 3 times from 4, but --max-effective-batch-size 16 leaves room for 2"),
+    ("ramp-with-branch-test", [*RAMP, "--batch-ramp-tokens", "64", "--eval-every", "5", "--batch-branch-test", "2"],
+     "--batch-branch-test", "a preset ramp grows when its token counts say"),
+    ("ramp-with-fixed-accumulation", [*RAMP, "--batch-ramp-tokens", "64", "--grad-accum-steps", "2"],
+     "--grad-accum-steps", "contradicts --effective-batch-size ramp"),
+]
+
+
 @pytest.mark.parametrize(("args", "where", "words"), [pytest.param(a, w, m, id=i) for i, a, w, m in CASES])
 def test_bad_adaptive_input(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], where: str,
                             words: str) -> None:

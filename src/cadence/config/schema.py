@@ -162,11 +162,12 @@ class TrainConfig:
     memory, and try growing back after --auto-grow-after good steps."""
     grad_accum_steps: int | None = setting(None, BATCH)
     """Micro-batches accumulated per optimizer step; default 1, or derived from --effective-batch-size."""
-    effective_batch_size: int | Literal["auto", "adaptive"] | None = setting(None, BATCH, changes_math=True)
+    effective_batch_size: int | Literal["auto", "adaptive", "ramp"] | None = setting(None, BATCH, changes_math=True)
     """Sequences per optimizer step (micro-batch x accumulation x processes); derives --grad-accum-steps. auto
     (cadence plan only): chosen from the gradient noise scale measured at the start of training. adaptive (cadence
     train only): starts at --min-effective-batch-size and doubles or halves the accumulation at window boundaries
-    as the measured gradient noise scale says (docs/adaptive_batch.md)."""
+    as the measured gradient noise scale says (docs/adaptive_batch.md). ramp (cadence train only): a preset ramp,
+    doubling from --min-effective-batch-size at each of --batch-ramp-tokens, nothing measured (OLMo-core style)."""
     micro_batch_order: MicroBatchOrder = setting("by-length", CUT)
     """How a window's samples are cut into micro-batches: by-length (longest first, so each micro-batch pads little)
     or drawn (in the epoch's order). The window's samples and its gradient are the same either way; only the
@@ -343,16 +344,22 @@ class TrainConfig:
     on while a thread writes it. A checkpoint counts only once complete (its manifest is written last); the next
     save, the end of the run and a stop wait for the write in flight."""
     min_effective_batch_size: int | None = setting(None, ADAPTIVE, changes_math=True)
-    """With --effective-batch-size adaptive: the starting and smallest effective batch (a multiple of
-    --micro-batch-size x processes). --max-steps and --warmup-steps then count windows of this batch, so that the
-    schedule follows the examples seen, not the optimizer steps (a grown batch does not shorten it)."""
+    """With --effective-batch-size adaptive or ramp: the starting and smallest effective batch (a multiple of
+    --micro-batch-size x processes). --max-steps, --warmup-steps and --eval-every then count windows of this batch,
+    so that the schedule and the evaluations follow the examples seen, not the optimizer steps (a grown batch does
+    not shorten them)."""
     max_effective_batch_size: int | None = setting(None, ADAPTIVE, changes_math=True)
-    """With --effective-batch-size adaptive: the largest effective batch (a multiple of the minimum); default for a
+    """With --effective-batch-size adaptive or ramp: the largest effective batch (a multiple of the minimum); default for a
     LoRA run 32 ("LoRA Without Regret": LoRA loses above about 32 sequences per step), required otherwise."""
     batch_lr_scaling: BatchLRScaling | None = setting(None, ADAPTIVE, changes_math=True)
-    """With --effective-batch-size adaptive: the LR multiplier when the batch is r times the minimum: sqrt (sqrt(r),
+    """With --effective-batch-size adaptive or ramp: the LR multiplier when the batch is r times the minimum: sqrt (sqrt(r),
     the default for Adam-type optimizers), linear (r, the default for SGD) or none. AdamW's beta2 also follows the
     batch (beta2 ** r, at least 0.9), keeping its averaging half-life in examples."""
+    batch_ramp_tokens: list[str] | None = setting(None, ADAPTIVE, changes_math=True)
+    """With --effective-batch-size ramp: the token counts (sequences x --seq-len, comma-separated or repeated) at
+    which the batch doubles from --min-effective-batch-size, at most to --max-effective-batch-size; each doubling
+    takes effect at the first window boundary at or past its count (OLMo-core's batch size scheduler: a preset,
+    nothing measured)."""
     batch_branch_test: int | None = setting(None, ADAPTIVE, changes_math=True)
     """With --effective-batch-size adaptive: before a grow is kept, branch from an in-memory snapshot and train the
     next K grown windows' examples at the larger batch and, from the same snapshot, at the current batch (the same
@@ -397,7 +404,7 @@ class TrainConfig:
         """The accumulation actually used at the start (call after ``validate``)."""
         if self.grad_accum_steps is not None:
             return self.grad_accum_steps
-        if self.effective_batch_size == "adaptive":  # windows of the minimum; the controller groups them
+        if self.effective_batch_size in ("adaptive", "ramp"):  # windows of the minimum; the controller groups them
             return int(self.min_effective_batch_size or 0) // (int(self.micro_batch_size) * world_size)
         if self.effective_batch_size is not None and not self.auto_micro_batch:
             return int(self.effective_batch_size) // (int(self.micro_batch_size) * world_size)

@@ -21,7 +21,7 @@ from cadence.config.schema import (
 )
 from cadence.data.choices import TOO_LONG_CHOICES
 from cadence.data.hf import HF_DATA_PREFIX
-from cadence.engine.adaptive_batch import LORA_MAX_BATCH, AdaptiveBatch
+from cadence.engine.adaptive_batch import BATCH_MODES, LORA_MAX_BATCH, AdaptiveBatch, parse_ramp_tokens
 from cadence.engine.choices import BATCH_LR_SCALINGS, LAST_WINDOW_CHOICES, LR_SCHEDULES, PRECISIONS
 from cadence.engine.cut import MICRO_BATCH_ORDER_CHOICES
 from cadence.engine.objective import Objective
@@ -227,7 +227,7 @@ def _batch_shape_problems(config: TrainConfig, world_size: int) -> list[Problem]
     elif isinstance(micro, int) and micro < 1:
         bad("micro_batch_size", f"must be at least 1 (or auto), got {micro}")
     accum, effective = config.grad_accum_steps, config.effective_batch_size
-    if effective == "adaptive":
+    if effective in BATCH_MODES:
         return problems  # its bounds and what does not combine with it: _adaptive_problems
     if isinstance(effective, str):
         bad("effective_batch_size", f"{effective!r} is measured only by cadence plan (--effective-batch-size auto "
@@ -264,11 +264,16 @@ def _adaptive_problems(config: TrainConfig, world_size: int) -> list[Problem]:
     check = _Checks(config)
     own = ("min_effective_batch_size", "max_effective_batch_size", "batch_lr_scaling", "batch_branch_test",
            "batch_branch_tolerance")
-    if config.effective_batch_size != "adaptive":
+    mode = config.effective_batch_size
+    if mode not in BATCH_MODES:
         for name in own:
             if getattr(config, name) is not None:
-                check.bad(name, "applies only with --effective-batch-size adaptive")
+                check.bad(name, "applies only with --effective-batch-size adaptive (or ramp)")
+        if config.batch_ramp_tokens:
+            check.bad("batch_ramp_tokens", "applies only with --effective-batch-size ramp")
         return check.problems
+    ramp = mode == "ramp"
+    check.problems += _ramp_problems(config)
     low, high = config.min_effective_batch_size, config.max_effective_batch_size
     if low is None:
         if high is None:
@@ -277,39 +282,59 @@ def _adaptive_problems(config: TrainConfig, world_size: int) -> list[Problem]:
                 "--max-effective-batch-size (give them); cadence plan, profile and verify take a fixed batch (a whole "
                 "number; auto for plan)"))
         else:
-            check.bad("min_effective_batch_size", "is required with --effective-batch-size adaptive: the starting "
+            check.bad("min_effective_batch_size", f"is required with --effective-batch-size {mode}: the starting "
                                                   "and smallest batch")
         return check.problems
     if high is None and not config.lora_rank:
-        check.bad("max_effective_batch_size", "is required with --effective-batch-size adaptive (a LoRA run "
+        check.bad("max_effective_batch_size", f"is required with --effective-batch-size {mode} (a LoRA run "
                                               f"defaults to {LORA_MAX_BATCH})")
     if config.grad_accum_steps is not None:
-        check.bad("grad_accum_steps", "contradicts --effective-batch-size adaptive, which sets the accumulation "
+        check.bad("grad_accum_steps", f"contradicts --effective-batch-size {mode}, which sets the accumulation "
                                       "itself; leave it out")
     micro = config.micro_batch_size
     if micro == "auto":
-        check.bad("micro_batch_size", "auto does not combine with --effective-batch-size adaptive (which changes the "
+        check.bad("micro_batch_size", f"auto does not combine with --effective-batch-size {mode} (which changes the "
                                       "accumulation, never the micro-batch): give a whole number")
     elif isinstance(micro, int) and micro >= 1 and low >= 1:
         per_window = micro * world_size
         if low % per_window != 0:
             check.bad("min_effective_batch_size", f"{low} is not a multiple of --micro-batch-size x processes = "
                                                   f"{per_window}")
-        elif low == per_window and world_size == 1:
+        elif low == per_window and world_size == 1 and not ramp:
             check.bad("min_effective_batch_size", (
                 f"{low} is one micro-batch per window on one process, and the noise scale adaptive decides from "
                 f"needs two sizes: give at least {2 * per_window} (2 x --micro-batch-size)"))
-    if config.noise_scale_ema == 0:
+    if config.noise_scale_ema == 0 and not ramp:
         check.bad("noise_scale_ema", "0 turns off the gradient noise scale that --effective-batch-size adaptive "
                                      "decides from")
     if config.checkpoint_mid_window:
-        check.bad("checkpoint_mid_window", "does not combine with --effective-batch-size adaptive (a window it would "
+        check.bad("checkpoint_mid_window", f"does not combine with --effective-batch-size {mode} (a window it would "
                                            "continue may be regrouped)")
-    check.problems += _branch_test_problems(config, world_size)
+    if ramp and config.batch_branch_test is not None:
+        check.bad("batch_branch_test", "tests the measured rule's grows (--effective-batch-size adaptive); a preset "
+                                       "ramp grows when its token counts say")
+    else:
+        check.problems += _branch_test_problems(config, world_size)
     if config.batch_lr_scaling is not None and config.batch_lr_scaling not in BATCH_LR_SCALINGS:
         check.choice("batch_lr_scaling", BATCH_LR_SCALINGS)
     elif high is not None:
-        check.problems += AdaptiveBatch(minimum=low, maximum=high).problems()
+        tokens = parse_ramp_tokens(config.batch_ramp_tokens) if ramp else ()
+        check.problems += AdaptiveBatch(minimum=low, maximum=high, ramp_tokens=tokens or ()).problems()
+    return check.problems
+
+
+def _ramp_problems(config: TrainConfig) -> list[Problem]:
+    """--batch-ramp-tokens: given with ramp only, whole numbers (the policy checks their order and count)."""
+    check = _Checks(config)
+    given = config.batch_ramp_tokens
+    if config.effective_batch_size != "ramp":
+        if given:
+            check.bad("batch_ramp_tokens", "applies only with --effective-batch-size ramp")
+    elif not given:
+        check.bad("batch_ramp_tokens", "is required with --effective-batch-size ramp: the token counts at which the "
+                                       "batch doubles, e.g. 65536,131072")
+    elif not parse_ramp_tokens(given):
+        check.bad("batch_ramp_tokens", f"{','.join(given)} is not a list of whole token counts (e.g. 65536,131072)")
     return check.problems
 
 

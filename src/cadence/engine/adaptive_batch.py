@@ -18,6 +18,16 @@ only while ``2B <= B_crit`` keeps every batch at or below the critical one (at m
 factor 4 between the two thresholds (hysteresis) means a switch is never undone by the next window's noise. The
 batch is always the minimum times a whole number of windows (``multiple``), so the data order stays the minimum
 batch's windows, grouped.
+
+A window whose signal the two batch sizes cannot resolve (the averaged ``|G|^2`` not positive after ``min_windows``
+windows: the gradient's noise hides its signal, :data:`cadence.engine.noise_scale.SIGNAL_UNRESOLVED`) says the
+critical batch is well above the batch: it counts as a measurement at or above ``grow_at`` (infinite), not as no
+measurement. Holding there (the rule before) kept a batch far below its critical one for most of a run.
+
+``--effective-batch-size ramp`` (:func:`decide_ramp`) is the preset alternative the field ships (OLMo-core's batch
+size scheduler): the batch doubles from the minimum each time the run has seen one of ``--batch-ramp-tokens``,
+nothing measured; everything else (the data order, the LR and beta2 at a switch, the schedule in windows of the
+minimum, the checkpoint) is the adaptive batch's.
 """
 
 from __future__ import annotations
@@ -31,6 +41,9 @@ from cadence.engine.choices import BATCH_LR_SCALINGS, BatchLRScaling
 from cadence.errors import Problem
 
 Decision = Literal["grow", "hold", "shrink"]
+BatchMode = Literal["adaptive", "ramp"]
+BATCH_MODES: tuple[BatchMode, ...] = ("adaptive", "ramp")
+"""The --effective-batch-size values whose batch changes during the run."""
 
 LORA_MAX_BATCH = 32
 """LoRA trains best at small batches ("LoRA Without Regret", Thinking Machines 2025: the loss is worse above about 32
@@ -73,6 +86,12 @@ class AdaptiveBatch:
     branch_tolerance: float = BRANCH_TOLERANCE
     """--batch-branch-tolerance: how much worse (relative) the larger batch's probe loss may be."""
     branch_hold_off: int = BRANCH_HOLD_OFF
+    ramp_tokens: tuple[int, ...] = ()
+    """--batch-ramp-tokens (with --effective-batch-size ramp): the token counts at which the batch doubles; empty:
+    the measured rule decides (adaptive)."""
+    window_tokens: int = 0
+    """Tokens in one window of the minimum (minimum x --seq-len: sequence slots, padding included, so that every rank
+    counts the same without a collective): converts the ramp's tokens into the run's clock."""
 
     @classmethod
     def from_flags(cls, flags: Any, *, lr_scaling: BatchLRScaling, maximum: int | None = None) -> AdaptiveBatch | None:
@@ -80,25 +99,44 @@ class AdaptiveBatch:
         ``lr_scaling``: the optimizer's default when --batch-lr-scaling is not given; ``maximum``: the default
         maximum (a LoRA run's :data:`LORA_MAX_BATCH`) when --max-effective-batch-size is not given."""
         get = flags.get if isinstance(flags, dict) else lambda name, default=None: getattr(flags, name, default)
-        if get("effective_batch_size", None) != "adaptive":
+        mode = get("effective_batch_size", None)
+        if mode not in BATCH_MODES:
             return None
         minimum = int(get("min_effective_batch_size", None) or 0)
         given_max = get("max_effective_batch_size", None)
         top = int(given_max) if given_max is not None else max(minimum, int(maximum or minimum))
         branch = get("batch_branch_test", None)
         tolerance = get("batch_branch_tolerance", None)
+        ramp = parse_ramp_tokens(get("batch_ramp_tokens", None)) if mode == "ramp" else ()
         return cls(minimum=minimum, maximum=top, lr_scaling=get("batch_lr_scaling", None) or lr_scaling,
                    branch_windows=None if branch is None else int(branch),
-                   branch_tolerance=BRANCH_TOLERANCE if tolerance is None else float(tolerance))
+                   branch_tolerance=BRANCH_TOLERANCE if tolerance is None else float(tolerance),
+                   ramp_tokens=tuple(ramp or ()), window_tokens=minimum * int(get("seq_len", None) or 0))
+
+    @property
+    def mode(self) -> BatchMode:
+        return "ramp" if self.ramp_tokens else "adaptive"
 
     def flags(self) -> dict[str, Any]:
-        flags: dict[str, Any] = {"effective_batch_size": "adaptive", "min_effective_batch_size": self.minimum,
+        flags: dict[str, Any] = {"effective_batch_size": self.mode, "min_effective_batch_size": self.minimum,
                                  "max_effective_batch_size": self.maximum, "batch_lr_scaling": self.lr_scaling}
+        if self.ramp_tokens:
+            flags["batch_ramp_tokens"] = [",".join(str(tokens) for tokens in self.ramp_tokens)]
         if self.branch_windows is not None:
             flags.update(batch_branch_test=self.branch_windows, batch_branch_tolerance=self.branch_tolerance)
         return flags
 
+    def ramp_windows(self) -> tuple[int, ...]:
+        """The ramp's token counts as the run's clock (windows of the minimum): a doubling takes effect from the
+        first window boundary at or past its tokens."""
+        per_window = max(1, self.window_tokens)
+        return tuple(-(-tokens // per_window) for tokens in self.ramp_tokens)
+
     def describe(self) -> str:
+        if self.ramp_tokens:
+            return (f"preset batch ramp from {self.minimum} to {self.maximum} sequences, x2 at "
+                    f"{', '.join(f'{tokens:,}' for tokens in self.ramp_tokens)} tokens (windows of "
+                    f"{self.window_tokens:,} tokens); LR x {_scaling_words(self.lr_scaling)}")
         return (f"adaptive effective batch from {self.minimum} to {self.maximum} sequences, x2 / /2 at window "
                 f"boundaries after {self.patience} windows in a row with the critical batch >= {self.grow_at:g}x / < "
                 f"{self.shrink_at:g}x the batch; LR x {_scaling_words(self.lr_scaling)}"
@@ -118,6 +156,15 @@ class AdaptiveBatch:
             problems.append(Problem(where="--max-effective-batch-size", message=(
                 f"{self.maximum} is not a multiple of --min-effective-batch-size {self.minimum} (the batch grows by "
                 f"whole windows of the minimum); use {self.maximum // self.minimum * self.minimum}")))
+        if self.ramp_tokens and self.maximum >= self.minimum:
+            doublings, room = len(self.ramp_tokens), (self.maximum // self.minimum).bit_length() - 1
+            if list(self.ramp_tokens) != sorted(set(self.ramp_tokens)) or self.ramp_tokens[0] < 1:
+                problems.append(Problem(where="--batch-ramp-tokens", message=(
+                    f"{', '.join(map(str, self.ramp_tokens))}: the token counts must be positive and increasing")))
+            elif doublings > room:
+                problems.append(Problem(where="--batch-ramp-tokens", message=(
+                    f"doubles {doublings} times from {self.minimum}, but --max-effective-batch-size {self.maximum} "
+                    f"leaves room for {room}: give fewer token counts or a larger maximum")))
         if self.lr_scaling not in BATCH_LR_SCALINGS:
             problems.append(Problem(where="--batch-lr-scaling",
                                     message=f"{self.lr_scaling!r} is not one of {', '.join(BATCH_LR_SCALINGS)}"))
@@ -177,7 +224,8 @@ class BatchState:
 
 @dataclass(frozen=True, kw_only=True)
 class BatchMeasurement:
-    """What one window said: the critical batch in sequences (None: no estimate) over ``windows`` measured windows."""
+    """What one window said: the critical batch in sequences (None: no estimate; ``math.inf``: above what the two
+    batch sizes resolve) over ``windows`` measured windows."""
 
     critical: float | None
     windows: int = 0
@@ -194,7 +242,9 @@ def decide(policy: AdaptiveBatch, state: BatchState, measured: BatchMeasurement
                else f"{measured.windows} of {policy.min_windows} windows measured")
         return dataclasses.replace(state, grow_streak=0, shrink_streak=0), "hold", why
     ratio = measured.critical / batch
-    said = f"critical batch {measured.critical:.1f} = {ratio:.2f}x the batch {batch}"
+    said = (f"critical batch {measured.critical:.1f} = {ratio:.2f}x the batch {batch}" if math.isfinite(ratio)
+            else f"critical batch above what the two sizes resolve (the signal is below the noise over "
+                 f"{measured.windows} windows): far above the batch {batch}")
     if ratio >= policy.grow_at:
         if state.multiple >= policy.most_windows:
             return dataclasses.replace(state, grow_streak=0, shrink_streak=0), "hold", f"{said}; at the maximum"
@@ -219,6 +269,36 @@ def decide(policy: AdaptiveBatch, state: BatchState, measured: BatchMeasurement
         return (BatchState(multiple=multiple, switches=state.switches + 1), "shrink",
                 f"{said} for {streak} windows: {batch} -> {policy.minimum * multiple}")
     return dataclasses.replace(state, grow_streak=0, shrink_streak=0), "hold", f"{said}; within the band"
+
+
+def decide_ramp(policy: AdaptiveBatch, state: BatchState, clock: int) -> tuple[BatchState, Decision, str]:
+    """The preset ramp (--effective-batch-size ramp): after ``clock`` windows of the minimum, the batch is the
+    minimum doubled once per ramp point reached, at most the maximum; nothing is measured."""
+    batch = state.effective(policy)
+    points = policy.ramp_windows()
+    reached = sum(clock >= point for point in points)
+    multiple = min(policy.most_windows, 2 ** reached)
+    seen = clock * policy.window_tokens
+    if multiple > state.multiple:
+        return (BatchState(multiple=multiple, switches=state.switches + 1), "grow",
+                f"preset ramp: {seen:,} tokens seen (>= {policy.ramp_tokens[reached - 1]:,}): "
+                f"{batch} -> {policy.minimum * multiple}")
+    if reached < len(points) and multiple < policy.most_windows:
+        return state, "hold", f"preset ramp: {seen:,} tokens seen, next x2 at {policy.ramp_tokens[reached]:,}"
+    return state, "hold", f"preset ramp: {seen:,} tokens seen, at its last batch {batch}"
+
+
+def parse_ramp_tokens(given: Any) -> tuple[int, ...] | None:
+    """--batch-ramp-tokens as given (repeated and/or comma-separated, underscores allowed: 16_384) as token counts;
+    None when a part is not a whole number."""
+    if given is None:
+        return ()
+    parts = [part.strip().replace("_", "") for item in ([given] if isinstance(given, str | int) else given)
+             for part in str(item).split(",") if part.strip()]
+    try:
+        return tuple(int(part) for part in parts)
+    except ValueError:
+        return None
 
 
 def _scaling_words(scaling: str) -> str:

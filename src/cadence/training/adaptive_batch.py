@@ -27,8 +27,8 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
-from cadence.engine.adaptive_batch import AdaptiveBatch, BatchMeasurement, BatchState, decide
-from cadence.engine.noise_scale import GradientNoiseScale
+from cadence.engine.adaptive_batch import AdaptiveBatch, BatchMeasurement, BatchState, decide, decide_ramp
+from cadence.engine.noise_scale import SIGNAL_UNRESOLVED, GradientNoiseScale
 from cadence.engine.schedules import BatchScaledLR
 from cadence.engine.step import StepResult
 from cadence.engine.windows import Window, merge_windows
@@ -53,9 +53,10 @@ class BatchController:
     """The run's adaptive batch: see the module docstring. Every rank holds one and makes the same decisions."""
 
     def __init__(self, policy: AdaptiveBatch, *, scheduler: BatchScaledLR, optimizer: torch.optim.Optimizer,
-                 noise_scale: GradientNoiseScale, beta2: float | None, budget: int,
+                 noise_scale: GradientNoiseScale | None, beta2: float | None, budget: int,
                  branch: BranchTest | None = None) -> None:
         """``beta2``: the optimizer's --adam-beta2 (its groups with ``betas`` follow the batch), None: none;
+        ``noise_scale``: the engine's (None: --noise-scale-ema 0, which only a preset ramp allows);
         ``budget``: --max-steps, the windows of the minimum the run consumes (the last group stops there);
         ``branch``: --batch-branch-test's branches (None: grows are kept as the rule says)."""
         self.policy = policy
@@ -71,6 +72,8 @@ class BatchController:
         self.branch_tests: list[dict[str, Any]] = []
         """Each branch test: its step, the two probe losses, whether the grow was kept, its tokens and seconds."""
         self._places: Iterator[Any] = iter(())
+        self.last_group = 1
+        """Windows of the minimum the step being taken consumes (the evaluation's clock moves by them)."""
         self._ahead: deque[Any] = deque()
         """Windows read ahead for a branch test, not yet grouped (the real run takes them first)."""
 
@@ -95,6 +98,7 @@ class BatchController:
             if not group:
                 return
             self.scheduler.advance = len(group)  # the schedule moves by the minimum's windows this step consumes
+            self.last_group = len(group)
             # A NamedTuple's copy with the merged window (the position stays its last window's).
             yield cast(Any, group[-1])._replace(window=merge_windows([place.window for place in group]))
 
@@ -120,13 +124,13 @@ class BatchController:
     def after_step(self, result: StepResult, step: int) -> dict[str, Any]:
         """Decide after the optimizer step ``step`` (whose window ``result`` is); apply a switch to the LR and beta2;
         the metrics row's fields."""
-        estimate = self.noise_scale.estimate()
-        measured = BatchMeasurement(critical=None if result.skipped or estimate is None else estimate.sequences,
-                                    windows=estimate.windows if estimate is not None else 0)
         before = self.state.effective(self.policy)
         scale = self.scheduler.scale
         earlier = self.state
-        self.state, decision, reason = decide(self.policy, self.state, measured)
+        if self.policy.ramp_tokens:  # a preset: the clock decides, nothing measured
+            self.state, decision, reason = decide_ramp(self.policy, self.state, self.clock)
+        else:
+            self.state, decision, reason = decide(self.policy, self.state, self._measured(result))
         if decision == "grow" and self.branch is not None:
             decision, reason = self._branch_test(earlier, step, reason)
         after = self.state.effective(self.policy)
@@ -136,6 +140,20 @@ class BatchController:
                                   "reason": reason})
         return {"effective_batch": result.samples, "batch_decision": decision, "batch_reason": reason,
                 "next_effective_batch": after, "lr_batch_scale": scale, "minimum_windows": self.clock}
+
+    def _measured(self, result: StepResult) -> BatchMeasurement:
+        """The rule's measurement after this step: the noise scale in sequences; infinite when the averaged signal
+        is not positive (the batch is far below the critical one: see the rule's module docstring); None before any
+        estimate, after a skipped step, or while the noise itself is unresolved."""
+        noise = self.noise_scale
+        if noise is None or result.skipped:
+            return BatchMeasurement(critical=None)
+        estimate = noise.estimate()
+        if estimate is not None:
+            return BatchMeasurement(critical=estimate.sequences, windows=estimate.windows)
+        if noise.windows > 0 and noise.why_none() == SIGNAL_UNRESOLVED:
+            return BatchMeasurement(critical=float("inf"), windows=noise.windows)
+        return BatchMeasurement(critical=None)
 
     def _branch_test(self, earlier: BatchState, step: int, reason: str) -> tuple[Any, str]:
         """The rule asked to grow from ``earlier``: keep the grow (the state as decided) or roll it back to

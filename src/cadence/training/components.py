@@ -114,7 +114,7 @@ def build_components(prep: Prepared) -> Components:
         noise_scale=GradientNoiseScale(ema=config.noise_scale_ema) if measured else None,
     )
     batch = None
-    if policy is not None and isinstance(scheduler, BatchScaledLR) and engine.noise_scale is not None:
+    if policy is not None and isinstance(scheduler, BatchScaledLR):
         beta2 = prep.optimizer.betas[1] if "adam_beta2" in prep.optimizer.rule.options else None
         # --batch-branch-test: scored on the evaluation's first validation micro-batches.
         branch = BranchTest(engine, validation_batches(prep)[0]) if policy.branch_windows is not None else None

@@ -60,10 +60,15 @@ class Evaluation:
         self.early_stopped = bool(resumed and self.patience and self.best.since >= self.patience)
         """True once --early-stop-after stopped the run."""
 
-    def due(self, steps: int, *, done: bool, skipped: bool) -> bool:
+    def due(self, steps: int, *, done: bool, skipped: bool, advanced: int = 1) -> bool:
         """Whether the step just taken (``steps`` so far; ``done``: the last) is evaluated: every --eval-every
-        steps and at the end, never after a skipped step (the weights did not change)."""
-        return bool(self.batches) and not skipped and (done or steps % self.every == 0)
+        steps and at the end, never after a skipped step (the weights did not change). ``advanced``: how far this
+        step moved ``steps``; an adaptive batch counts windows of the minimum (a step of k of them crosses at most
+        one multiple of --eval-every when k <= it), so that evaluations fall at the same examples whatever the batch
+        did."""
+        if not self.batches or skipped:
+            return False
+        return done or steps // self.every > (steps - advanced) // self.every
 
     def run(self, engine: Engine, row: dict[str, Any]) -> bool:
         """Evaluate the model now into ``row`` (``val_loss``, ``val_perplexity``) and count it; True when it is the
@@ -92,7 +97,9 @@ class Evaluation:
         if not self.batches:
             return None
         whole = len(prep.data.val) if prep.data.val is not None else 0
-        return (f"evaluation: every {self.every} steps on {self.examples:,} validation examples"
+        unit = ("windows of the minimum batch" if prep.config.effective_batch_size in ("adaptive", "ramp")
+                else "steps")
+        return (f"evaluation: every {self.every} {unit} on {self.examples:,} validation examples"
                 + (f" (the first {prep.config.eval_batches} micro-batches of {whole:,}: --eval-batches)"
                    if self.examples < whole else " (all of them)"))
 

@@ -359,7 +359,10 @@ class TrainingRun:
         if self.parts.batch is not None:  # grow, hold or shrink from the next window on (before the checkpoint)
             row.update(self.parts.batch.after_step(result, engine.steps))
         done = self.reached_max_steps()
-        if self.evaluation.due(engine.steps, done=done, skipped=result.skipped):
+        # An adaptive batch evaluates every --eval-every windows of the minimum (the examples seen), as its schedule.
+        batch = self.parts.batch
+        counted, advanced = (batch.clock, batch.last_group) if batch is not None else (engine.steps, 1)
+        if self.evaluation.due(counted, done=done, skipped=result.skipped, advanced=advanced):
             with self.prep.optimizer.evaluation_weights(self.parts.optimizer):  # schedule-free: its averaged weights
                 new_best = self.evaluation.run(engine, row)
             totals.last_val = row["val_loss"]
