@@ -370,8 +370,9 @@ class TrainConfig:
     tokens), then compare their loss on the first 4 validation micro-batches (needs --eval-every); the grow is kept
     only when the larger batch is not worse by more than --batch-branch-tolerance, otherwise the run goes on at the
     current batch and does not try to grow for 16 windows. The run continues from the snapshot either way (so it is
-    the run that made that choice without a branch); the branches' extra tokens and time are in summary.json. One
-    process only."""
+    the run that made that choice without a branch); the branches' extra tokens and time are in summary.json. With
+    several processes (DDP or FSDP2) every rank branches on its own windows and the probe loss is all-reduced, so
+    all take the same verdict."""
     batch_branch_tolerance: float | None = setting(None, ADAPTIVE, changes_math=True)
     """With --batch-branch-test: how much worse the larger batch's probe loss may be, relative to the current batch's,
     and the grow still be kept (default 0.01: 1%; 0: it must not be worse at all)."""

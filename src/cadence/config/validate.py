@@ -349,9 +349,6 @@ def _branch_test_problems(config: TrainConfig, world_size: int) -> list[Problem]
         check.bad("batch_branch_test", f"must be at least 1 window, got {windows}")
     if tolerance is not None and not math.isfinite(tolerance):
         check.bad("batch_branch_tolerance", f"must be a finite number, got {tolerance}")
-    if world_size > 1:
-        check.bad("batch_branch_test", f"runs on one process only (got {world_size}): its branches are not "
-                                       f"all-reduced across ranks yet")
     if config.eval_every <= 0:
         check.bad("batch_branch_test", "compares the branches on validation micro-batches: give --eval-every (and "
                                        "a validation split)")

@@ -9,8 +9,12 @@ validation micro-batches (the evaluation's own, always the same ones). The snaps
 so the run then continues from exactly where it was, at the batch the comparison chose: it is the run that made that
 choice without a branch, bitwise (what the branches did is gone but for their figures).
 
-One process only (validation refuses it with several): the branches would need their comparison all-reduced and
-every rank's snapshot taken together.
+With several processes every rank does all of this together, in lockstep: each snapshots its own state (its DDP
+replica, or its FSDP2 shards: the state dicts hold this rank's DTensor shards, copied and loaded back in place, no
+gather), trains both branches on its own part of the read-ahead windows (the real run's split: each rank reads
+ahead its own windows), and scores its share of the probe (:func:`probe_share`). The engine's evaluation all-reduces
+loss x targets and targets, so every rank reads the same two probe losses and takes the same verdict; each rank then
+restores its own generators, noise-scale averages and counters.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.distributed.ranks import unwrap
+from cadence.distributed.ranks import ProcessGroupCollective, unwrap
 from cadence.engine.step import Engine
-from cadence.engine.windows import Window, merge_windows
+from cadence.engine.windows import Window, merge_windows, padding_micro_batch
 
 PROBE_MICRO_BATCHES = 4
 """Validation micro-batches each branch is scored on (the first ones, the same every time): enough to see a
@@ -52,7 +56,7 @@ class BranchOutcome:
     larger: float
     current: float
     tokens: int
-    """Tokens the two branches trained on together (thrown away: the run trains them again)."""
+    """Tokens the two branches trained on together, all ranks' (thrown away: the run trains them again)."""
     seconds: float
 
 
@@ -60,10 +64,13 @@ class BranchTest:
     """Snapshots the run and trains the two branches (see the module docstring)."""
 
     def __init__(self, engine: Engine, probe: Sequence[Any]) -> None:
-        """``probe``: the validation micro-batches the branches are scored on (the first
-        :data:`PROBE_MICRO_BATCHES` are used)."""
+        """``probe``: this rank's validation micro-batches (every world-th of the evaluation's, from its rank on, as
+        ``training.evaluation.validation_batches`` gives them); the branches are scored on this rank's share of the
+        first :data:`PROBE_MICRO_BATCHES` of all ranks' (:func:`probe_share`)."""
         self.engine = engine
-        self.probe = list(probe)[:PROBE_MICRO_BATCHES]
+        collective = engine.collective
+        rank = collective.ranks.rank if isinstance(collective, ProcessGroupCollective) else 0
+        self.probe = probe_share(probe, rank=rank, world_size=collective.world_size)
 
     def snapshot(self) -> Snapshot:
         engine = self.engine
@@ -110,6 +117,18 @@ class BranchTest:
             self.restore(snapshot)
         return BranchOutcome(larger=losses[0], current=losses[1], tokens=tokens,
                              seconds=time.perf_counter() - started)
+
+
+def probe_share(mine: Sequence[Any], *, rank: int, world_size: int) -> list[Any]:
+    """This rank's part of the probe: of the evaluation's first :data:`PROBE_MICRO_BATCHES` micro-batches (all
+    ranks'), those that ``mine`` (this rank's every world-th, from ``rank`` on) holds, padded with target-less
+    micro-batches so that every rank runs as many forwards (FSDP2 gathers parameters in each). The engine's
+    evaluation sums loss x targets and targets over ranks: the probe loss is one process's on the same micro-batches,
+    and every rank reads the same figure, so every rank takes the same verdict."""
+    held = len(range(rank, PROBE_MICRO_BATCHES, world_size))
+    per_rank = -(-PROBE_MICRO_BATCHES // world_size)
+    share = list(mine)[:held]
+    return share + [padding_micro_batch() for _ in range(per_rank - len(share))]
 
 
 # The checkpoint's own (training.checkpoint.layout), which this module cannot import: the checkpoint package imports
