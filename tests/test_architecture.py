@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cadence"
 
 LAYERS: list[set[str]] = [
     {"errors", "formatting", "lazy"},
-    {"input_files", "output_files", "process_locks"},
+    {"input_files", "openmp", "output_files", "process_locks"},
     {"records"},
     {"data", "models"},
     {"optim"},

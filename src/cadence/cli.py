@@ -36,6 +36,11 @@ from cadence.config.schema import (
 )
 from cadence.distributed.torchrun import torchrun_ranks
 from cadence.errors import CadenceFailure, UsageError
+from cadence.openmp import prefer_passive_wait
+
+# Before any command imports torch: torch's OpenMP threads busy-wait by default, and on a machine whose cores other
+# processes share that made a small --data run 10-40x slower than the built-in corpus (cadence/openmp.py says why).
+prefer_passive_wait()
 
 # Each command imports what runs it inside its function, not here: `cadence --help` and `cadence COMMAND --help` must
 # answer without importing torch (about 2 of the 5 seconds a help took; issue 41). tests/test_cli_help.py checks
