@@ -1,6 +1,6 @@
 """Benchmark: gpt-tiny's step time on CPU from a small .txt file and from the built-in corpus, with OpenMP's threads
 busy-waiting (libgomp's default, what every run had before cadence asked for a passive wait) and with the passive
-wait the command line now asks for (src/cadence/openmp.py says why; docs/PERFORMANCE.md has the analysis).
+wait the command line now asks for (src/cadence/openmp.py says why; docs/memory.md has the analysis).
 
 The before case is reproduced with ``GOMP_SPINCOUNT=300000``: libgomp's own default, which a user's setting keeps
 (cadence leaves a wait policy the user chose alone). ``OMP_NUM_THREADS=1`` is shown beside them for reference. Runs

@@ -1,12 +1,12 @@
 """How the command line asks torch's OpenMP runtime to wait: passively, set before torch is first imported.
 
-Why (measured on a 2-core machine shared with other processes, docs/PERFORMANCE.md): torch's CPU kernels run in an
+Why (measured on a 2-core machine shared with other processes, docs/memory.md): torch's CPU kernels run in an
 OpenMP team of one thread per core. Between two parallel regions GNU libgomp, the runtime torch ships on Linux,
 busy-waits for ``GOMP_SPINCOUNT`` (300,000 by default) iterations before it sleeps; it shortens that to 1,000 only when
 it manages more threads than the process has cores. Other processes are invisible to it, so on a shared machine a
 team of two spinning threads competes with them for the cores, and every small op waits for a scheduler slice:
-gpt-tiny's step took 2-12 s instead of 0.1-0.3 s. Whether a run suffered depended on an accident: a shuffle of at
-least 32,768 examples (the built-in corpus, any large ``--data``) runs ``torch.randperm`` in parallel in the prefetch
+gpt-tiny's step took 2-12 s instead of 0.1-0.3 s. Whether a run suffered depended on an accident: a shuffle of more
+than 32,768 examples (the built-in corpus, any large ``--data``) runs ``torch.randperm`` in parallel in the prefetch
 thread, which gives that thread a second team, so libgomp counted four threads on two cores and throttled its spin;
 a small ``.txt`` file never did. A passive wait (threads sleep at once, as OpenMP's standard ``OMP_WAIT_POLICY``
 allows) makes every run behave as the large-data runs already did, whatever the data.
