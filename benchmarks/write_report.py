@@ -135,6 +135,9 @@ SECTIONS = (
     # Shown only once a GPU run left gpu.json: the dry run writes gpu_quick.json, which is never shown.
     Section("gpu.json", "GPU: the CUDA path on one device (issue 16)", "make bench-gpu", sections.render_gpu,
             ("accelerate", "lightning"), optional=True),
+    Section("openmp_wait.json", "CPU training on a shared machine: OpenMP's busy wait against a passive one (a small "
+            "--data was 10-40x slower)", ".venv/bin/python benchmarks/openmp_wait.py", sections.render_openmp_wait,
+            optional=True),
     Section("cli_help.json", "`cadence --help` without torch: time to answer (issue 41)",
             ".venv/bin/python benchmarks/cli_help.py", sections.render_cli_help, optional=True),
     Section("demo.json", "The demo", "make demo && .venv/bin/python benchmarks/record_demo.py", sections.render_demo),
