@@ -5,8 +5,8 @@ wait the command line now asks for (src/cadence/openmp.py says why; docs/memory.
 The before case is reproduced with ``GOMP_SPINCOUNT=300000``: libgomp's own default, which a user's setting keeps
 (cadence leaves a wait policy the user chose alone). ``OMP_NUM_THREADS=1`` is shown beside them for reference. Runs
 alternate (mode by mode, data by data) so that the machine's load, which varies, falls on every mode alike; the
-1-minute load average is recorded before each run. Step times exclude the first step (it allocates the optimizer
-state) and are medians over the run's steps.
+1-minute load average is recorded before each run. Per run: the median step after the first (the first allocates the
+optimizer state) and the mean of every step (the busy wait's slow steps come in bursts, which a median hides).
 
     .venv/bin/python benchmarks/openmp_wait.py [--repeats 3] [--steps 8]
 """
@@ -60,6 +60,19 @@ def one_run(data: Path | None, env_extra: dict[str, str], steps: int, out: Path)
             "median_step_s": statistics.median(step_times[1:])}
 
 
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode and data, the median over runs of each run's median step (the steady state) and of its mean step
+    (every step, the first included: the busy wait's slow steps come in bursts, which a median hides)."""
+    summary = []
+    for mode in MODES:
+        for label in ("english.txt (466 kB)", "built-in corpus"):
+            chosen = [run for run in runs if run["mode"] == mode and run["data"] == label]
+            summary.append({"mode": mode, "data": label,
+                            "median_step_s": statistics.median(run["median_step_s"] for run in chosen),
+                            "mean_step_s": statistics.median(statistics.fmean(run["step_times_s"]) for run in chosen)})
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -77,10 +90,7 @@ def main() -> None:
                     print(f"{mode} | {label} | load {result['load_average_before']:.1f} | median step "
                           f"{result['median_step_s']:.3f} s | steps {[round(t, 2) for t in result['step_times_s']]}",
                           flush=True)
-    summary = [{"mode": mode, "data": label,
-                "median_step_s": statistics.median(run["median_step_s"] for run in runs
-                                                   if run["mode"] == mode and run["data"] == label)}
-               for mode in MODES for label in ("english.txt (466 kB)", "built-in corpus")]
+    summary = summarise(runs)
     RESULTS.write_text(json.dumps({"cores": os.cpu_count(), "steps": args.steps, "repeats": args.repeats,
                                    "summary": summary, "runs": runs}, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

@@ -1024,13 +1024,15 @@ def render_openmp_wait(data: dict) -> list[str]:
     """gpt-tiny's step from a small .txt file and the built-in corpus: OpenMP's busy wait (before) and passive wait."""
     lines = para(f"`cadence train --model gpt-tiny --seq-len 64 --micro-batch-size 2 --effective-batch-size 4 "
                  f"--max-steps {data['steps']} --device cpu`, on {data['cores']} cores shared with other work, "
-                 f"{data['repeats']} runs per cell, interleaved; a run's figure is its median step after the first, "
-                 f"the cell's the median of its runs (each run's load average and steps are in openmp_wait.json). "
+                 f"{data['repeats']} runs per cell, interleaved; per run its mean step (every step: the busy wait's "
+                 f"slow steps come in bursts) and its median step after the first, each cell the median over its runs "
+                 f"(each run's load average and steps are in openmp_wait.json). "
                  f"Before: OpenMP's threads busy-wait (libgomp's default, `GOMP_SPINCOUNT=300000`), which a large "
                  f"corpus escaped only because its parallel shuffle gave libgomp more threads than cores; now: the "
                  f"command line asks for a passive wait (docs/memory.md).")
-    cells = {(row["mode"], row["data"]): row["median_step_s"] for row in data["summary"]}
+    cells = {(row["mode"], row["data"]): row for row in data["summary"]}
     modes = list(dict.fromkeys(row["mode"] for row in data["summary"]))
     sources = list(dict.fromkeys(row["data"] for row in data["summary"]))
-    rows = [[mode, *[f"{cells[(mode, source)]:.3f}" for source in sources]] for mode in modes]
-    return lines + table(["OpenMP wait", *[f"{source}: s / step" for source in sources]], rows)
+    rows = [[mode, *[f"{cells[(mode, source)]['mean_step_s']:.3f} / {cells[(mode, source)]['median_step_s']:.3f}"
+                     for source in sources]] for mode in modes]
+    return lines + table(["OpenMP wait", *[f"{source}: mean / median s per step" for source in sources]], rows)
