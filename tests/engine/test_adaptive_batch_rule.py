@@ -15,6 +15,7 @@ from cadence.engine.adaptive_batch import (
     Decision,
     decide,
     decide_ramp,
+    min_windows_for,
     parse_ramp_tokens,
 )
 from cadence.engine.choices import BatchLRScaling
@@ -236,3 +237,17 @@ def test_parse_ramp_tokens(given: list[str] | None, parsed: tuple[int, ...] | No
 def test_ramp_problems(tokens: tuple[int, ...], words: str) -> None:
     problems = AdaptiveBatch(minimum=4, maximum=32, ramp_tokens=tokens, window_tokens=64).problems()
     assert len(problems) == 1 and problems[0].where == "--batch-ramp-tokens" and words in problems[0].message
+
+
+@pytest.mark.parametrize(("ema", "windows"), [(0.8, 8), (0.9, 10), (0.98, 50), (0.99, 100), (None, 8), (0.0, 8)])
+def test_the_rule_waits_for_the_average_to_span_its_length(ema: float | None, windows: int) -> None:
+    """Before any decision the moving average must hold at least MIN_WINDOWS windows and its own span 1 / (1 - ema):
+    its first windows are a few noisy terms (two llama seeds grew to the maximum within 80 windows on them)."""
+    assert min_windows_for(ema) == windows
+    flags = {"effective_batch_size": "adaptive", "min_effective_batch_size": 8, "max_effective_batch_size": 64,
+             "noise_scale_ema": ema}
+    policy = AdaptiveBatch.from_flags(flags, lr_scaling="sqrt")
+    assert policy is not None and policy.min_windows == windows
+    state, decision, reason = decide(policy, BatchState(grow_streak=3), BatchMeasurement(critical=1000,
+                                                                                         windows=windows - 1))
+    assert decision == "hold" and f"{windows - 1} of {windows} windows measured" in reason

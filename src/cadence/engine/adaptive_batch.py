@@ -53,7 +53,8 @@ SHRINK_AT = 0.5
 PATIENCE = 4
 """Windows in a row that must agree: the per-window noise-scale estimate is noisy; the moving average still lags."""
 MIN_WINDOWS = 8
-"""Measured windows in the moving average before any decision (its first windows are a handful of noisy terms)."""
+"""Measured windows in the moving average before any decision (its first windows are a handful of noisy terms), at
+least the average's own span, ``1 / (1 - --noise-scale-ema)`` (:func:`min_windows_for`)."""
 BETA2_FLOOR = 0.9
 """The lowest AdamW beta2 a rescale gives (its second moment would otherwise average over too few steps to be a
 scale at all: 0.95 ** 8 = 0.66)."""
@@ -108,7 +109,9 @@ class AdaptiveBatch:
         branch = get("batch_branch_test", None)
         tolerance = get("batch_branch_tolerance", None)
         ramp = parse_ramp_tokens(get("batch_ramp_tokens", None)) if mode == "ramp" else ()
+        ema = get("noise_scale_ema", None)
         return cls(minimum=minimum, maximum=top, lr_scaling=get("batch_lr_scaling", None) or lr_scaling,
+                   min_windows=min_windows_for(None if ema is None else float(ema)),
                    branch_windows=None if branch is None else int(branch),
                    branch_tolerance=BRANCH_TOLERANCE if tolerance is None else float(tolerance),
                    ramp_tokens=tuple(ramp or ()), window_tokens=minimum * int(get("seq_len", None) or 0))
@@ -269,6 +272,17 @@ def decide(policy: AdaptiveBatch, state: BatchState, measured: BatchMeasurement
         return (BatchState(multiple=multiple, switches=state.switches + 1), "shrink",
                 f"{said} for {streak} windows: {batch} -> {policy.minimum * multiple}")
     return dataclasses.replace(state, grow_streak=0, shrink_streak=0), "hold", f"{said}; within the band"
+
+
+def min_windows_for(ema: float | None) -> int:
+    """The windows measured before the rule decides: :data:`MIN_WINDOWS`, and at least the moving average's span
+    ``1 / (1 - ema)`` (50 windows at 0.98, 100 at the default 0.99). Measured (BENCHMARKS.md, the adaptive batch):
+    with 8 windows at --noise-scale-ema 0.98, two of three llama seeds grew to the maximum within their first 80
+    windows, one on estimates of 15-90 sequences that fell to 0.3-1.4 by window 57, one on a signal still unresolved
+    at window 11: an average has to span its length before its ratio says anything."""
+    if ema is None or not 0.0 < ema < 1.0:
+        return MIN_WINDOWS
+    return max(MIN_WINDOWS, math.ceil(1.0 / (1.0 - ema) - 1e-9))
 
 
 def decide_ramp(policy: AdaptiveBatch, state: BatchState, clock: int) -> tuple[BatchState, Decision, str]:
