@@ -163,18 +163,6 @@ def test_an_old_checkpoint_state_has_no_hold_off() -> None:
         BatchState(multiple=2, grow_streak=1, switches=1)
 
 
-def test_a_signal_below_the_noise_counts_as_a_critical_batch_far_above() -> None:
-    """An infinite measurement (the averaged |G|^2 not positive: the two sizes cannot resolve the signal) is a
-    measurement at or above the grow threshold, not "no estimate": it grows after the patience, and says why."""
-    batches, decisions, _ = run([math.inf, math.inf, math.inf])
-    assert batches == [8, 8, 16] and decisions == ["hold", "hold", "grow"]
-    _, _, reason = decide(POLICY, BatchState(), BatchMeasurement(critical=math.inf, windows=10))
-    assert "above what the two sizes resolve" in reason and "over 10 windows" in reason
-    # ... but not before the rule's minimum of measured windows
-    _, decision, _ = decide(POLICY, BatchState(grow_streak=2), BatchMeasurement(critical=math.inf, windows=1))
-    assert decision == "hold"
-
-
 RAMP = AdaptiveBatch(minimum=4, maximum=32, ramp_tokens=(1024, 4096, 6000), window_tokens=4 * 64)
 
 

@@ -152,10 +152,10 @@ def test_a_lora_run_defaults_to_a_maximum_of_32_and_says_so(tmp_path: Path, caps
     assert summary["adaptive_batch"]["max_effective_batch_size"] == 32
 
 
-def test_an_unresolved_signal_is_measured_as_a_critical_batch_far_above() -> None:
-    """The controller's measurement from the engine's noise scale: its estimate in sequences when there is one;
-    infinite when the averaged |G|^2 is not positive (the signal below what the two sizes resolve); none while the
-    noise itself is unresolved (the averaged tr(Sigma) not positive) and none at all with no noise scale (a ramp)."""
+def test_an_unresolved_average_is_no_measurement() -> None:
+    """The controller's measurement from the engine's noise scale: its estimate in sequences when there is one; none
+    while either average is not positive (the signal or the noise unresolved: counting an unresolved signal as a
+    critical batch far above was measured and dropped, docs/adaptive_batch.md), and none with no noise scale (a ramp)."""
     from cadence.engine.adaptive_batch import AdaptiveBatch
     from cadence.engine.noise_scale import GradientNoiseScale
     from cadence.engine.schedules import BatchScaledLR
@@ -175,7 +175,7 @@ def test_an_unresolved_signal_is_measured_as_a_critical_batch_far_above() -> Non
         return controller._measured(result).critical  # type: ignore[arg-type]
 
     assert measured(8.0, 1.0) == pytest.approx(8.0 / 8)  # 8 targets per sequence: 1 sequence
-    assert measured(8.0, -0.5) == float("inf")
+    assert measured(8.0, -0.5) is None
     assert measured(-1.0, 1.0) is None
     controller.noise_scale = None
     assert controller._measured(result).critical is None  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 
 from cadence.engine.adaptive_batch import AdaptiveBatch, BatchMeasurement, BatchState, decide, decide_ramp
-from cadence.engine.noise_scale import SIGNAL_UNRESOLVED, GradientNoiseScale
+from cadence.engine.noise_scale import GradientNoiseScale
 from cadence.engine.schedules import BatchScaledLR
 from cadence.engine.step import StepResult
 from cadence.engine.windows import Window, merge_windows
@@ -142,18 +142,13 @@ class BatchController:
                 "next_effective_batch": after, "lr_batch_scale": scale, "minimum_windows": self.clock}
 
     def _measured(self, result: StepResult) -> BatchMeasurement:
-        """The rule's measurement after this step: the noise scale in sequences; infinite when the averaged signal
-        is not positive (the batch is far below the critical one: see the rule's module docstring); None before any
-        estimate, after a skipped step, or while the noise itself is unresolved."""
+        """The rule's measurement after this step: the noise scale in sequences; None before any estimate, after a
+        skipped step, or while either average is not positive (unresolved: see the rule's module docstring)."""
         noise = self.noise_scale
-        if noise is None or result.skipped:
+        estimate = None if noise is None or result.skipped else noise.estimate()
+        if estimate is None:
             return BatchMeasurement(critical=None)
-        estimate = noise.estimate()
-        if estimate is not None:
-            return BatchMeasurement(critical=estimate.sequences, windows=estimate.windows)
-        if noise.windows > 0 and noise.why_none() == SIGNAL_UNRESOLVED:
-            return BatchMeasurement(critical=float("inf"), windows=noise.windows)
-        return BatchMeasurement(critical=None)
+        return BatchMeasurement(critical=estimate.sequences, windows=estimate.windows)
 
     def _branch_test(self, earlier: BatchState, step: int, reason: str) -> tuple[Any, str]:
         """The rule asked to grow from ``earlier``: keep the grow (the state as decided) or roll it back to
