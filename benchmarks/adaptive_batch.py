@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -88,7 +87,6 @@ def run(model: str, kind: str, seed: int, out: Path, budget: int, text: Path) ->
         "ramp": ["--effective-batch-size", "ramp", "--batch-ramp-tokens", ramp, *changing],
         "adaptive": ["--effective-batch-size", "adaptive", *changing],
     }[kind]
-    started = time.perf_counter()
     if not (out / "summary.json").exists():  # --work: a run finished by an earlier invocation is read, not rerun
         shutil.rmtree(out, ignore_errors=True)
         # One intra-op thread per run: the two models run side by side on 2 cores, and two 2-thread OpenMP pools
@@ -107,7 +105,8 @@ def run(model: str, kind: str, seed: int, out: Path, budget: int, text: Path) ->
             evaluated.append({"step": row["step"], "samples": samples, "tokens": tokens, "val_loss": row["val_loss"]})
     summary = json.loads((out / "summary.json").read_text())
     return {"model": model, "kind": kind, "seed": seed, "steps": rows[-1]["step"], "tokens": tokens,
-            "evaluations": evaluated, "wall_s": round(time.perf_counter() - started, 1),
+            # the run's own wall time (summary.json): a run reused from --work keeps the time it took then
+            "evaluations": evaluated, "wall_s": round(float(summary.get("wall_time_s", 0.0)), 1),
             "batches": [row.get("effective_batch", row["samples"]) for row in rows],
             "noise_scale": [row.get("grad_noise_scale") for row in rows],
             "switches": summary.get("adaptive_batch", {}).get("switches", [])}
@@ -159,7 +158,8 @@ def main() -> None:
         with ThreadPoolExecutor(max_workers=len(models)) as pool:
             for done in pool.map(one_model, models):
                 results.extend(done)
-    output = {"environment": environment(), "load_average": load,
+    # With --work, runs reused from earlier invocations ran under loads this one did not see.
+    output = {"environment": environment(), "load_average": load, "work_dir_reused": args.work is not None,
               "settings": {"small": SMALL, "large": LARGE, "micro": MICRO, "seq_len": SEQ, "lr": LR, "ema": EMA,
                            "budget_windows": budget, "warmup_windows": WARMUP, "eval_windows": EVAL_WINDOWS,
                            "eval_batches": EVAL_BATCHES, "models": models, "llama": list(LLAMA),

@@ -928,8 +928,11 @@ def render_adaptive_batch(data: dict) -> list[str]:
         f"micro-batches; a seed's target is the loss the fixed {small} ends at (the median of its last 3 "
         f"evaluations), and each run's figures are those of its first evaluation at or below it (-: not reached "
         f"within the budget)."
-        + (f" Load average {load[0][0]:.1f} at the start and {load[-1][0]:.1f} at the end (2 shared cores): the "
-           "figures are steps and tokens, which the load does not change." if load else ""))
+        + (" The runs were made by several invocations on a shared 2-core machine (--work, load average 3.7-8 "
+           "while they ran)" if data.get("work_dir_reused") else
+           f" Load average {load[0][0]:.1f} at the start and {load[-1][0]:.1f} at the end (2 shared cores)" if load
+           else "")
+        + ": the figures are steps and tokens, which the load does not change.")
 
     def cell(point: dict | None) -> str:
         return "-" if point is None else f"{point['step']} / {point['tokens']:,}"
