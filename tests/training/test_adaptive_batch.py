@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import one_big_batch_replay, relative_l2, sample_text
+from helpers import one_big_batch_replay, relative_l2
 from safetensors.torch import load_file
 
 from cadence.cli import main
@@ -26,13 +26,6 @@ def adaptive_args(data: Path, out: Path, *extra: str) -> list[str]:
             "adaptive", "--min-effective-batch-size", str(MIN), "--max-effective-batch-size", str(MAX),
             "--max-steps", str(BUDGET), "--noise-scale-ema", "0.8", "--val-fraction", "0", "--lr", "3e-3",
             "--out", str(out), "--device", "cpu", *extra]
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("adaptive") / "text.txt"
-    path.write_bytes(sample_text(16000))
-    return path
 
 
 @pytest.fixture(scope="module")

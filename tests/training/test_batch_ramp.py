@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import one_big_batch_replay, relative_l2, sample_text
+from helpers import one_big_batch_replay, relative_l2
 from safetensors.torch import load_file
 
 from cadence.cli import main
@@ -28,13 +28,6 @@ def ramp_args(data: Path, out: Path, *extra: str) -> list[str]:
             "ramp", "--min-effective-batch-size", str(MIN), "--max-effective-batch-size", str(MAX),
             "--batch-ramp-tokens", RAMP, "--max-steps", str(BUDGET), "--val-fraction", "0", "--lr", "3e-3",
             "--noise-scale-ema", "0", "--out", str(out), "--device", "cpu", *extra]
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ramp") / "text.txt"
-    path.write_bytes(sample_text(16000))
-    return path
 
 
 @pytest.fixture(scope="module")
